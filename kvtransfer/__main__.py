@@ -1,0 +1,3 @@
+from kvtransfer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,17 @@
+"""Byte-range transport between registered memory regions of two processes.
+
+Knows nothing of KV, layers or heads; imports neither ``pools`` nor ``kvtransfer``.
+"""
+
+from transport.base import (  # noqa: F401
+    PeerDescriptorError,
+    Region,
+    Transfer,
+    TransferFailed,
+    TransferStatus,
+    TransferTimeout,
+    Transport,
+    TransportClosed,
+    TransportError,
+    WriteBatch,
+)
