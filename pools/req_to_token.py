@@ -45,7 +45,7 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = device
         self.req_to_token = torch.zeros((self._alloc_size, max_context_len), dtype=torch.int32, device=device)
-        self.clear()
+        self._reset_rows()
 
     def write(self, indices, values) -> None:
         """``req_to_token[indices] = values`` (any torch indexing expression)."""
@@ -94,6 +94,9 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         """All rows free again (requests still holding a row are not touched)."""
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
         self.free_slots = list(range(1, self._alloc_size))
         self._in_use = set()
 
