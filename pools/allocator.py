@@ -89,10 +89,11 @@ class PagedTokenToKVPoolAllocator:
         return self.alloc(num_pages * self.page_size)
 
     def free(self, indices) -> None:
+        """Release the pages the token slot ``indices`` fall in (all of them or, on error, none)."""
         idx = torch.as_tensor(indices).reshape(-1)
-        idx = check_indices("indices", idx, (self.num_pages + 1) * self.page_size, device="cpu")
-        if idx.numel() == 0:
+        if idx.numel() == 0:  # [] arrives as float32
             return
+        idx = check_indices("indices", idx, (self.num_pages + 1) * self.page_size, device="cpu")
         pages = torch.unique(idx // self.page_size)
         held = self._allocated[pages]
         if not bool(held.all()):

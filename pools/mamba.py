@@ -270,6 +270,8 @@ class MambaPool:
     def _slots(self, name: str, idx, *, allow_padding: bool) -> torch.Tensor:
         """Host int64 1-D view of a slot index (int, list, 0-D or 1-D tensor), range-checked."""
         idx = torch.as_tensor(idx).reshape(-1)
+        if idx.numel() == 0:  # [] arrives as float32
+            idx = idx.to(torch.int64)
         idx = check_indices(name, idx, self.size + 1, device="cpu")
         if not allow_padding and bool((idx == 0).any()):
             raise ValueError(f"{name} must not contain the padding slot 0, got {idx.tolist()}")

@@ -109,7 +109,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
       ``[size + 1, P]`` int32, row -> P track slots, P = 2 with the overlap scheduler (ping-pong:
       one slot is written while the other is read) else 1.
 
-    ``alloc`` takes the Mamba slots it needs or, when the Mamba pool cannot supply them all,
+    A request's existing ``mamba_pool_idx`` / track buffer is trusted as the caller's (e.g. a
+    radix-cache hit). ``alloc`` takes the Mamba slots it needs or, when the Mamba pool cannot supply them all,
     returns None and changes nothing (the seed asserted there).
     ``mamba2_layer_cache(layer_id)`` first calls a registered counter's
     ``wait_until(layer_id - start_layer)``. The state exports are the Mamba pool's

@@ -240,6 +240,7 @@ def test_double_free():
     pool = make_pool()
     s = pool.alloc(2)
     pool.free(s)
+    pool.free([])  # nothing to free is fine
     with pytest.raises(ValueError, match="double free"):
         pool.free(s[:1])
 
