@@ -91,7 +91,9 @@ class MambaStateParams:
 
     def __post_init__(self):
         if not isinstance(self.conv_shapes, (list, tuple)) or not self.conv_shapes:
-            raise ValueError(f"conv_shapes must be a non-empty list of (conv_dim, conv_kernel - 1), got {self.conv_shapes!r}")
+            raise ValueError(
+                f"conv_shapes must be a non-empty list of (conv_dim, conv_kernel - 1), got {self.conv_shapes!r}"
+            )
         conv = tuple(_positive_ints(f"conv_shapes[{i}]", s, 2) for i, s in enumerate(self.conv_shapes))
         object.__setattr__(self, "conv_shapes", conv)
         object.__setattr__(self, "temporal_shape", _positive_ints("temporal_shape", self.temporal_shape, 3))
@@ -188,6 +190,12 @@ class MambaPool:
     ``free`` appends them back. Slot bookkeeping lives on the host: ``free`` and ``copy_from``
     validate their indices there (one device sync on CUDA), which is what makes a double free a
     ``ValueError`` instead of silent corruption.
+
+    Arguments: ``size`` request slots (plus padding slot 0); ``cache_params`` the per-layer
+    shapes/dtypes; ``mamba_layer_ids`` the global ids of the layers this pool holds (default
+    ``cache_params.layers``; a pipeline stage passes its own subset); ``device``;
+    ``speculative_num_draft_tokens`` (D) adds the speculative buffers of
+    ``spec_state_size + 1`` slots (``spec_state_size`` is ignored without it).
 
     Layer ids are global model layer ids (those in ``mamba_layer_ids``); the seed's
     ``mamba2_layer_cache`` took a local index, here it takes the layer id and raises
