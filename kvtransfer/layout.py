@@ -1,0 +1,464 @@
+"""What one rank's pools look like, in bytes: the input of the transfer planner.
+
+A :class:`RankLayout` is a frozen, msgpack-able description of one rank's KV pool (and
+optional state pool). It travels in the handshake; the planner (``kvtransfer.plan``) turns
+two of them plus a request's slots into byte ranges. Nothing here imports the pools: build
+a layout with :meth:`RankLayout.from_pools` (duck-typed on the seed's attribute names) or
+with the explicit builders :meth:`RankLayout.attention` / :meth:`RankLayout.with_mamba` /
+:meth:`RankLayout.with_nsa_index`.
+
+Buffers are numbered as the pools export them. Every export is "tensor-major, then layer":
+buffer ``export_index * num_layers + layer_position`` (MHA ``[K_0..K_{L-1}, V_0..V_{L-1}]``,
+FP4 adds ``[Kscale.., Vscale..]``, MLA ``[KV_0..]``, Mamba ``[conv_0[l].., conv_1[l].., temporal[l]..]``).
+
+A :class:`TensorSpec` describes one exported tensor kind (or one section of it): the bytes of
+one slot row on this rank and how the full (unsharded) row is cut across TP ranks:
+
+- ``REPLICATED``: every rank holds the whole row (MLA latent KV, NSA index_k).
+- ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``; with TP ``T <= H`` rank ``r``
+  holds heads ``[r*H/T, (r+1)*H/T)``, with ``T > H`` (heads replicated) rank ``r`` holds head
+  ``r // (T // H)``. FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
+- ``GROUPS``: the row is sub-blocks of ``groups[g]`` units of ``unit_bytes`` (Mamba conv
+  ``[x | B | C]`` or ``[q | k | v]`` channels, each channel ``(K-1) * itemsize`` bytes; the
+  temporal state has one group of heads). Each sub-block is split evenly on its own and the
+  rank's row is the concatenation of its shards.
+
+Slot ``s`` of a buffer starts at ``(s // page_size) * page_bytes + section_start +
+(s % page_size) * row_bytes``; for an ordinary buffer (``page_bytes == page_size * row_bytes``,
+``section_start == 0``) that is ``s * row_bytes``. NSA's index_k buffer has two sections per
+page (``page_size`` fp8 rows, then ``page_size`` fp32 scales), described by two specs that
+share one ``export_index``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, Sequence
+
+import msgpack
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "LayoutMismatch",
+    "PoolKind",
+    "RankLayout",
+    "ShardKind",
+    "StateKind",
+    "TensorSpec",
+    "dtype_itemsize",
+]
+
+LAYOUT_VERSION = 1
+
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1,
+    "int32": 4, "int64": 8,
+}
+FP4_BLOCK = 16  # elements per FP4 scale byte
+NSA_QUANT_BLOCK = 128  # index_k elements per fp32 scale
+
+
+class LayoutMismatch(ValueError):
+    """Two layouts cannot exchange data; the message names the field and both values."""
+
+
+class PoolKind(enum.Enum):
+    MHA = "mha"
+    MHA_FP4 = "mha_fp4"
+    MLA = "mla"
+    MLA_FP4 = "mla_fp4"
+    NSA = "nsa"
+
+
+class StateKind(enum.Enum):
+    NONE = "none"
+    MAMBA = "mamba"  # hybrid linear-attention models: one state slot per request
+    NSA_INDEX = "nsa_index"  # NSA index_k: paged like the KV, addressed by token slots
+
+
+class ShardKind(enum.Enum):
+    REPLICATED = "replicated"
+    HEADS = "heads"
+    GROUPS = "groups"
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a dtype name such as ``"bfloat16"`` (``torch.`` prefix allowed)."""
+    key = str(name).removeprefix("torch.")
+    if key not in _ITEMSIZE:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_ITEMSIZE)}")
+    return _ITEMSIZE[key]
+
+
+def _pos_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One exported tensor kind (repeated per layer), or one section of its pages."""
+
+    name: str
+    export_index: int
+    shard: ShardKind
+    row_bytes: int  # this rank's bytes per slot row of this section
+    unit_bytes: int  # bytes of one shard unit (head, channel); the row for REPLICATED
+    groups: tuple  # total (unsharded) units per sub-block; HEADS: (total_heads,); REPLICATED: (1,)
+    page_bytes: int  # bytes per page of the buffer (the pool's item_len)
+    section_start: int = 0  # bytes from a page's start to this section
+
+    @property
+    def full_row_bytes(self) -> int:
+        """Bytes of the unsharded row (the same on every rank of every TP size)."""
+        return sum(self.groups) * self.unit_bytes
+
+    def local_units(self, tp_size: int) -> int:
+        """Units one rank holds at TP ``tp_size`` (raises if the split is impossible)."""
+        if self.shard is ShardKind.REPLICATED:
+            return 1
+        if self.shard is ShardKind.HEADS:
+            (heads,) = self.groups
+            if heads % tp_size == 0:
+                return heads // tp_size
+            if tp_size % heads == 0:
+                return 1
+            raise LayoutMismatch(
+                f"{self.name}: total heads {heads} and TP size {tp_size} must divide one another"
+            )
+        bad = [g for g in self.groups if g % tp_size]
+        if bad:
+            raise LayoutMismatch(
+                f"{self.name}: every shard group must divide by TP size {tp_size}, got groups {list(self.groups)}"
+            )
+        return sum(self.groups) // tp_size
+
+    def pieces(self, tp_rank: int, tp_size: int) -> list:
+        """``[(logical_start, length, physical_start)]`` in bytes: where this rank's row comes
+        from in the full row. Contiguous pieces are merged."""
+        u = self.unit_bytes
+        if self.shard is ShardKind.REPLICATED:
+            return [(0, self.row_bytes, 0)]
+        if self.shard is ShardKind.HEADS:
+            (heads,) = self.groups
+            if tp_size <= heads:  # rank holds heads [r*H/T, (r+1)*H/T)
+                n = heads // tp_size
+                return [(tp_rank * n * u, n * u, 0)]
+            # TP > heads: heads replicated, rank r holds head r // (T // H)
+            return [((tp_rank // (tp_size // heads)) * u, u, 0)]
+        out, logical, phys = [], 0, 0
+        for g in self.groups:  # each sub-block split on its own
+            n = g // tp_size
+            out.append((logical + tp_rank * n * u, n * u, phys))
+            logical += g * u
+            phys += n * u
+        return out
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["shard"] = self.shard.value
+        d["groups"] = list(self.groups)
+        return d
+
+    @classmethod
+    def from_wire(cls, d) -> "TensorSpec":
+        if not isinstance(d, dict):
+            raise LayoutMismatch(f"tensor spec must be a map, got {type(d).__name__}")
+        d = dict(d)
+        d["shard"] = ShardKind(d["shard"])
+        d["groups"] = tuple(d["groups"])
+        return cls(**d)
+
+
+def _spec(name, index, shard, unit_bytes, groups, tp_size, page_size, section=(0, None)) -> TensorSpec:
+    """A spec whose row is the rank's shard; ``section`` = (start, page_bytes) for sectioned pages."""
+    groups = tuple(groups)
+    probe = TensorSpec(name, index, shard, 0, unit_bytes, groups, 0)
+    row = probe.local_units(tp_size) * unit_bytes if shard is not ShardKind.REPLICATED else unit_bytes
+    start, page_bytes = section
+    return TensorSpec(name, index, shard, row, unit_bytes, groups,
+                      page_size * row if page_bytes is None else page_bytes, start)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's pools. See the module docstring for buffer numbering and addressing."""
+
+    kind: PoolKind
+    tp_rank: int
+    tp_size: int
+    page_size: int
+    layer_ids: tuple  # global layer ids, in export order
+    dtype: str  # logical dtype name (fp8 pools store uint8; FP4 pools pack 2 per byte)
+    head_dim: int  # MHA K head dim; MLA/NSA: the latent row width (kv_lora_rank + rope)
+    v_head_dim: int
+    total_heads: int  # total KV heads over all TP ranks (MLA: 1)
+    num_slots: int  # token rows of each KV buffer (size + page_size); page 0 is padding
+    kv_tensors: tuple  # TensorSpec per exported tensor kind, in export order
+    state_kind: StateKind = StateKind.NONE
+    state_layer_ids: tuple = ()
+    state_page_size: int = 1
+    state_num_slots: int = 0  # slot rows of each state buffer; slot 0 (page 0) is padding
+    state_tensors: tuple = ()
+    state_dims: tuple = ()  # get_state_dim_per_tensor() per state tensor kind (TP-sliced dim)
+    conv_shard_groups: tuple = ()  # per conv tensor: total sizes of its sub-blocks
+
+    def __post_init__(self):
+        for name in ("tp_size", "page_size", "num_slots", "head_dim", "v_head_dim", "total_heads",
+                     "state_page_size"):
+            _pos_int(name, getattr(self, name))
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids must be non-empty and distinct, got {list(self.layer_ids)}")
+        dtype_itemsize(self.dtype)
+        for spec in self.kv_tensors + self.state_tensors:
+            spec.local_units(self.tp_size)  # raises when this TP cannot split it
+        if self.state_kind is not StateKind.NONE and not (self.state_tensors and self.state_layer_ids):
+            raise ValueError(f"state kind {self.state_kind.value} needs state tensors and layer ids")
+
+    # -- numbering -------------------------------------------------------------------
+    @property
+    def num_kv_buffers(self) -> int:
+        return len({s.export_index for s in self.kv_tensors}) * len(self.layer_ids)
+
+    @property
+    def num_state_buffers(self) -> int:
+        return len({s.export_index for s in self.state_tensors}) * len(self.state_layer_ids)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.state_kind is StateKind.MAMBA
+
+    # -- builders --------------------------------------------------------------------
+    @classmethod
+    def attention(
+        cls, kind: PoolKind, *, tp_rank: int, tp_size: int, page_size: int, layer_ids: Sequence[int],
+        dtype: str, head_dim: int, num_slots: int, total_heads: int = 1, v_head_dim: Optional[int] = None,
+    ) -> "RankLayout":
+        """The KV part of a layout. ``head_dim`` of MLA/NSA is the latent row width;
+        ``total_heads`` counts KV heads over all TP ranks (MHA only)."""
+        kind = PoolKind(kind)
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        isz = dtype_itemsize(dtype)
+        heads, ps = ShardKind.HEADS, page_size
+        if kind is PoolKind.MHA:
+            specs = [_spec("k", 0, heads, head_dim * isz, (total_heads,), tp_size, ps),
+                     _spec("v", 1, heads, v_head_dim * isz, (total_heads,), tp_size, ps)]
+        elif kind is PoolKind.MHA_FP4:
+            specs = [_spec("k", 0, heads, head_dim // 2, (total_heads,), tp_size, ps),
+                     _spec("v", 1, heads, v_head_dim // 2, (total_heads,), tp_size, ps),
+                     _spec("k_scale", 2, heads, head_dim // FP4_BLOCK, (total_heads,), tp_size, ps),
+                     _spec("v_scale", 3, heads, v_head_dim // FP4_BLOCK, (total_heads,), tp_size, ps)]
+        elif kind is PoolKind.MLA_FP4:
+            rep = ShardKind.REPLICATED
+            specs = [_spec("kv", 0, rep, head_dim // 2, (1,), tp_size, ps),
+                     _spec("kv_scale", 1, rep, head_dim // FP4_BLOCK, (1,), tp_size, ps)]
+        else:  # MLA, NSA: one latent row per token, replicated across TP
+            specs = [_spec("kv", 0, ShardKind.REPLICATED, head_dim * isz, (1,), tp_size, ps)]
+        if kind in (PoolKind.MHA_FP4, PoolKind.MLA_FP4) and head_dim % (2 * FP4_BLOCK):
+            raise ValueError(f"FP4 needs head_dim divisible by {2 * FP4_BLOCK}, got {head_dim}")
+        if kind not in (PoolKind.MHA, PoolKind.MHA_FP4):
+            total_heads = 1
+        return cls(kind, tp_rank, tp_size, page_size, tuple(layer_ids), str(dtype).removeprefix("torch."),
+                   head_dim, v_head_dim, total_heads, num_slots, tuple(specs))
+
+    def with_mamba(
+        self, *, layer_ids: Sequence[int], num_slots: int, conv_dims: Sequence[int], conv_unit_bytes: Sequence[int],
+        temporal_heads: int, temporal_head_bytes: int, conv_shard_groups=None,
+    ) -> "RankLayout":
+        """Add Mamba state: per conv tensor ``[layers, slots, conv_dims[i], K-1]`` (this rank's
+        dims; a channel is ``conv_unit_bytes[i]`` bytes), then temporal ``[layers, slots,
+        temporal_heads, head_dim, state]``. ``conv_shard_groups``: per conv tensor the total
+        (unsharded) sizes of its sub-blocks; one sequence of ints applies to every conv tensor;
+        None means one block per tensor."""
+        t = self.tp_size
+        if len(conv_dims) != len(conv_unit_bytes):
+            raise ValueError(f"conv_dims and conv_unit_bytes differ in length: {len(conv_dims)} vs {len(conv_unit_bytes)}")
+        if conv_shard_groups is None:
+            groups = tuple((d * t,) for d in conv_dims)
+        elif all(isinstance(g, int) for g in conv_shard_groups):
+            groups = tuple(tuple(conv_shard_groups) for _ in conv_dims)
+        else:
+            groups = tuple(tuple(g) for g in conv_shard_groups)
+        if len(groups) != len(conv_dims):
+            raise ValueError(f"conv_shard_groups needs one entry per conv tensor ({len(conv_dims)}), got {len(groups)}")
+        specs = []
+        for i, (dim, unit, grp) in enumerate(zip(conv_dims, conv_unit_bytes, groups)):
+            if sum(grp) != dim * t:
+                raise ValueError(
+                    f"conv tensor {i}: conv_shard_groups {list(grp)} must sum to conv_dim {dim} x TP {t} = {dim * t}"
+                )
+            specs.append(_spec(f"conv{i}", i, ShardKind.GROUPS, unit, grp, t, 1))
+        specs.append(_spec("temporal", len(conv_dims), ShardKind.GROUPS, temporal_head_bytes,
+                           (temporal_heads * t,), t, 1))
+        return _replace(self, state_kind=StateKind.MAMBA, state_layer_ids=tuple(layer_ids), state_page_size=1,
+                        state_num_slots=num_slots, state_tensors=tuple(specs),
+                        state_dims=tuple(conv_dims) + (temporal_heads,), conv_shard_groups=groups)
+
+    def with_nsa_index(self, *, index_head_dim: int, num_pages: int) -> "RankLayout":
+        """Add NSA's index_k buffers (one per KV layer, paged like the KV): a page is
+        ``page_size`` fp8 rows of ``index_head_dim`` bytes, then ``page_size`` fp32 scales."""
+        ps = self.page_size
+        scale = index_head_dim // NSA_QUANT_BLOCK * 4
+        page = ps * (index_head_dim + scale)
+        rep = ShardKind.REPLICATED
+        specs = (_spec("index_k", 0, rep, index_head_dim, (1,), self.tp_size, ps, (0, page)),
+                 _spec("index_k_scale", 0, rep, scale, (1,), self.tp_size, ps, (ps * index_head_dim, page)))
+        return _replace(self, state_kind=StateKind.NSA_INDEX, state_layer_ids=self.layer_ids, state_page_size=ps,
+                        state_num_slots=num_pages * ps, state_tensors=specs, state_dims=(index_head_dim,))
+
+    @classmethod
+    def from_pools(cls, kv_pool, state_pool=None, *, tp_rank: int, tp_size: int,
+                   total_kv_heads: Optional[int] = None, conv_shard_groups=None) -> "RankLayout":
+        """Describe real pools, read through the seed's attribute names and layout exports.
+
+        ``kv_pool``: an MHA / MHA-FP4 / MLA / MLA-FP4 / NSA pool, or a HybridLinearKVPool
+        (its ``full_kv_pool`` is the KV part, its ``mamba_pool`` the state). ``state_pool``: a
+        MambaPool or HybridReqToTokenPool when the state lives there. ``total_kv_heads`` is
+        required when heads are replicated (TP > KV heads); it defaults to ``head_num * tp_size``.
+        Row bytes come from ``item_len // page_size`` and are cross-checked against the
+        attributes: a pool whose export disagrees raises :class:`LayoutMismatch`.
+        """
+        return _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups)
+
+    # -- compatibility ---------------------------------------------------------------
+    def check_compatible(self, peer: "RankLayout") -> None:
+        """Raise :class:`LayoutMismatch` naming the first field that cannot work, with both
+        values. TP size/rank, page size and slot counts may differ."""
+        if not isinstance(peer, RankLayout):
+            raise TypeError(f"peer must be a RankLayout, got {type(peer).__name__}")
+        for name in ("kind", "dtype", "head_dim", "v_head_dim", "total_heads", "layer_ids", "state_kind",
+                     "state_layer_ids", "conv_shard_groups"):
+            mine, theirs = getattr(self, name), getattr(peer, name)
+            if mine != theirs:
+                raise LayoutMismatch(f"layouts differ in {name}: this side {_show(mine)}, peer {_show(theirs)}")
+        for part in ("kv_tensors", "state_tensors"):
+            a, b = getattr(self, part), getattr(peer, part)
+            if [s.name for s in a] != [s.name for s in b]:
+                raise LayoutMismatch(f"layouts differ in {part}: this side {[s.name for s in a]}, "
+                                     f"peer {[s.name for s in b]}")
+            for x, y in zip(a, b):
+                for attr in ("shard", "unit_bytes", "groups", "full_row_bytes"):
+                    if getattr(x, attr) != getattr(y, attr):
+                        raise LayoutMismatch(f"tensor {x.name} differs in {attr}: this side "
+                                             f"{_show(getattr(x, attr))}, peer {_show(getattr(y, attr))}")
+
+    # -- wire ------------------------------------------------------------------------
+    def to_msgpack(self) -> bytes:
+        body = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                v = v.value
+            elif f.name in ("kv_tensors", "state_tensors"):
+                v = [s.to_wire() for s in v]
+            elif f.name == "conv_shard_groups":
+                v = [list(g) for g in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            body[f.name] = v
+        return msgpack.packb({"version": LAYOUT_VERSION, "layout": body}, use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> "RankLayout":
+        try:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise LayoutMismatch(f"layout bytes are not valid msgpack: {exc}") from exc
+        if not isinstance(msg, dict) or msg.get("version") != LAYOUT_VERSION:
+            got = msg.get("version") if isinstance(msg, dict) else type(msg).__name__
+            raise LayoutMismatch(f"layout version must be {LAYOUT_VERSION}, got {got!r}")
+        body = dict(msg["layout"])
+        expected = {f.name for f in fields(cls)}
+        if set(body) != expected:
+            raise LayoutMismatch(f"layout fields must be {sorted(expected)}, got {sorted(body)}")
+        body["kind"] = PoolKind(body["kind"])
+        body["state_kind"] = StateKind(body["state_kind"])
+        for part in ("kv_tensors", "state_tensors"):
+            body[part] = tuple(TensorSpec.from_wire(s) for s in body[part])
+        body["conv_shard_groups"] = tuple(tuple(g) for g in body["conv_shard_groups"])
+        for name in ("layer_ids", "state_layer_ids", "state_dims"):
+            body[name] = tuple(body[name])
+        return cls(**body)
+
+
+def _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups) -> RankLayout:
+    attn = getattr(kv_pool, "full_kv_pool", None) or kv_pool  # HybridLinearKVPool wraps the KV pool
+    _, lens, items = attn.get_contiguous_buf_infos()
+    num_layers, ps = attn.layer_num, attn.page_size
+    mapping = getattr(kv_pool, "full_attention_layer_id_mapping", None)
+    if mapping:  # hybrid: the global ids of the full-attention layers, in buffer order
+        layer_ids = tuple(sorted(mapping, key=mapping.get))
+    else:
+        start = getattr(attn, "start_layer", 0) or 0
+        layer_ids = tuple(range(start, start + num_layers))
+    dtype = str(attn.dtype).removeprefix("torch.")
+    if hasattr(attn, "kv_lora_rank"):
+        nsa = hasattr(attn, "index_head_dim")
+        kind = PoolKind.NSA if nsa else PoolKind.MLA_FP4 if len(items) == 2 * num_layers else PoolKind.MLA
+        head_dim = getattr(attn, "kv_cache_dim", attn.kv_lora_rank + attn.qk_rope_head_dim)
+        layout = RankLayout.attention(kind, tp_rank=tp_rank, tp_size=tp_size, page_size=ps, layer_ids=layer_ids,
+                                      dtype=dtype, head_dim=head_dim, num_slots=lens[0] // (items[0] // ps))
+    else:
+        kind = PoolKind.MHA_FP4 if len(items) == 4 * num_layers else PoolKind.MHA
+        heads = total_kv_heads if total_kv_heads is not None else attn.head_num * tp_size
+        layout = RankLayout.attention(kind, tp_rank=tp_rank, tp_size=tp_size, page_size=ps, layer_ids=layer_ids,
+                                      dtype=dtype, head_dim=attn.head_dim, v_head_dim=getattr(attn, "v_head_dim", None),
+                                      total_heads=heads, num_slots=lens[0] // (items[0] // ps))
+        if layout.kv_tensors[0].local_units(tp_size) != attn.head_num:
+            raise LayoutMismatch(f"pool holds {attn.head_num} heads, but {heads} total KV heads at TP {tp_size} "
+                                 f"give {layout.kv_tensors[0].local_units(tp_size)} per rank (pass total_kv_heads)")
+    _check_items("get_contiguous_buf_infos", layout.kv_tensors, items, len(layer_ids))
+    if kind is PoolKind.NSA:
+        _, slens, sitems = attn.get_state_buf_infos()
+        layout = layout.with_nsa_index(index_head_dim=attn.index_head_dim, num_pages=slens[0] // sitems[0])
+        _check_items("get_state_buf_infos", layout.state_tensors, sitems, len(layer_ids))
+    holder = state_pool if state_pool is not None else (kv_pool if hasattr(kv_pool, "mamba_pool") else None)
+    if holder is not None:
+        exports = getattr(holder, "get_state_buf_infos", None) or holder.get_contiguous_buf_infos
+        _, slens, sitems = exports()
+        dims = list(holder.get_state_dim_per_tensor())
+        mamba = getattr(holder, "mamba_pool", holder)
+        n = mamba.num_mamba_layers
+        ids = getattr(holder, "mamba_map", None) or getattr(mamba, "mamba_layer_ids", None) or range(n)
+        ids = sorted(ids, key=ids.get) if isinstance(ids, dict) else list(ids)
+        if len(sitems) % n or len(dims) != len(sitems) or len(ids) != n:
+            raise LayoutMismatch(f"state export must hold tensors x {n} layers with one dim each, got "
+                                 f"{len(sitems)} items, {len(dims)} dims, {len(ids)} layer ids")
+        kinds = len(sitems) // n
+        firsts = [i * n for i in range(kinds)]
+        layout = layout.with_mamba(
+            layer_ids=ids, num_slots=slens[0] // sitems[0], conv_dims=[dims[i] for i in firsts[:-1]],
+            conv_unit_bytes=[sitems[i] // dims[i] for i in firsts[:-1]], temporal_heads=dims[firsts[-1]],
+            temporal_head_bytes=sitems[firsts[-1]] // dims[firsts[-1]], conv_shard_groups=conv_shard_groups)
+        _check_items("state buffer infos", layout.state_tensors, sitems, n)
+    return layout
+
+
+def _check_items(export: str, specs, items, num_layers: int) -> None:
+    """Each exported item_len must be the page bytes the spec derives from the attributes."""
+    for spec in specs:
+        for j in range(num_layers):
+            got = items[spec.export_index * num_layers + j]
+            if got != spec.page_bytes:
+                raise LayoutMismatch(f"{export} item_len of buffer {spec.export_index * num_layers + j} "
+                                     f"({spec.name}, layer position {j}) is {got}, the pool's attributes give "
+                                     f"{spec.page_bytes}")
+
+
+def _replace(layout: RankLayout, **changes) -> RankLayout:
+    from dataclasses import replace
+
+    return replace(layout, **changes)
+
+
+def _show(v) -> str:
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple):
+        return str(list(v)) if len(v) <= 12 else f"[{', '.join(map(str, v[:6]))}, ... {len(v)} items]"
+    return repr(v)

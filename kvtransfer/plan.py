@@ -1,0 +1,410 @@
+"""Transfer planning: which bytes of which prefill rank go where on which decode rank.
+
+Pure functions, no I/O. Inputs are two :class:`~kvtransfer.layout.RankLayout` (one prefill
+rank, one decode rank) and a request's slots; the output is a frozen :class:`TransferPlan`.
+
+Who writes what
+---------------
+Each byte of a decode rank's row is written by exactly one prefill rank. Where the data is
+replicated over ``k`` prefill ranks (MLA/NSA latent rows: ``k = P``; GQA heads when prefill
+TP ``P`` exceeds the KV heads ``H``: ``k = P // H``, the ``k`` ranks holding a head are
+consecutive), decode rank ``d`` reads from the holder whose rank is ``d mod k`` within its
+block of ``k``, so decode ranks spread over the replicas. Cases:
+
+- prefill TP == decode TP: rank ``r`` -> rank ``r``, whole rows.
+- prefill TP < decode TP (MHA): each decode rank takes a head range of one prefill rank's row.
+- prefill TP > decode TP (MHA): a decode row is assembled from several prefill ranks.
+- TP > heads on either side: heads replicated, rank ``r`` holds head ``r // (T // H)``.
+- MLA / NSA: whole latent rows from one prefill rank (spread as above).
+- Mamba conv state: each sub-block of ``conv_shard_groups`` is split on its own, so a decode
+  row is one piece per sub-block; temporal state: a head range.
+- Page sizes may differ: KV rows are addressed per token slot, so pages do not matter (NSA's
+  index_k pages are split into sections: runs stop at page boundaries of either side).
+
+The plan is factored: a buffer-pair table (src buffer, dst buffer, byte range inside a slot
+row) times a slot-run table (src slot, dst slot, run length) whose runs are maximal: two
+tokens share a run wherever both sides are contiguous. :meth:`TransferPlan.flatten` expands
+it into the five arrays a transport writes.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from kvtransfer.layout import (
+    LayoutMismatch,
+    PoolKind,
+    RankLayout,
+    ShardKind,
+    StateKind,
+    TensorSpec,
+)
+
+__all__ = [
+    "BufferSet",
+    "LayoutMismatch",
+    "PoolKind",
+    "RankLayout",
+    "ShardKind",
+    "StateKind",
+    "TensorSpec",
+    "TransferPlan",
+    "plan_kv_transfer",
+    "plan_state_transfer",
+    "senders_for",
+]
+
+_I64 = np.int64
+
+
+class BufferSet(enum.Enum):
+    """Which export a plan's buffer numbers index."""
+
+    KV = "kv"  # get_contiguous_buf_infos()
+    STATE = "state"  # get_state_buf_infos() (MambaPool: its get_contiguous_buf_infos())
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Byte ranges one prefill rank writes into one decode rank, factored.
+
+    Buffer-pair table, ``[B]`` each: ``src_buf``/``dst_buf`` (buffer numbers in export order),
+    per side ``*_base`` (bytes from a slot's row start, section offset included), ``*_row``
+    (bytes per slot inside a page) and ``*_page`` (bytes per page; ``== *_row`` with page size 1),
+    and ``length`` (bytes of the range inside the row).
+    Slot-run table, ``[R]`` each: ``run_src``/``run_dst`` (first slot), ``run_len`` (slots).
+    Slot ``s`` of a pair's side is at ``(s // page_size) * page + (s % page_size) * row + base``;
+    ``src_page_size``/``dst_page_size`` are 1 except for sectioned pages (NSA index_k).
+    """
+
+    buffers: BufferSet
+    src_buf: np.ndarray  # [B]
+    src_base: np.ndarray  # [B]
+    src_row: np.ndarray  # [B]
+    src_page: np.ndarray  # [B]
+    dst_buf: np.ndarray  # [B]
+    dst_base: np.ndarray  # [B]
+    dst_row: np.ndarray  # [B]
+    dst_page: np.ndarray  # [B]
+    length: np.ndarray  # [B]
+    run_src: np.ndarray  # [R]
+    run_dst: np.ndarray  # [R]
+    run_len: np.ndarray  # [R]
+    src_page_size: int = 1
+    dst_page_size: int = 1
+
+    # -- sizes -----------------------------------------------------------------------
+    @property
+    def num_pairs(self) -> int:
+        return int(self.src_buf.size)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.run_src.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.run_len.sum())
+
+    @property
+    def empty(self) -> bool:
+        return self.num_pairs == 0 or self.num_runs == 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum()) * self.num_tokens
+
+    @property
+    def _whole(self) -> np.ndarray:
+        """[B] True where the range is the whole row on both sides: a run is one range."""
+        return (self.length == self.src_row) & (self.length == self.dst_row)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries :meth:`flatten` returns (an upper bound for sectioned pages, which merge)."""
+        whole = int(np.count_nonzero(self._whole))
+        return whole * self.num_runs + (self.num_pairs - whole) * self.num_tokens
+
+    # -- expansion -------------------------------------------------------------------
+    def flatten(self):
+        """``(src_buf, src_offset, dst_buf, dst_offset, length)``, int64, one entry per range.
+
+        Offsets are bytes from the start of each buffer. Ordered pair-major (whole-row pairs
+        first). Ranges that touch on both sides are merged: runs are maximal, and a partial
+        row never touches the next slot's, so only sectioned pages (NSA index_k: a page's
+        data section ends where its scale section starts) need a merge pass, done here.
+        """
+        if self.empty:
+            return tuple(np.zeros(0, _I64) for _ in range(5))
+        whole = self._whole
+        parts = []
+        if whole.any():  # one entry per (pair, run)
+            parts.append(self._expand(whole, self.run_src, self.run_dst, self.run_len))
+        if not whole.all():  # one entry per (pair, token)
+            tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)
+            parts.append(self._expand(~whole, tok_src, tok_dst, None))
+        out = [np.concatenate([p[i] for p in parts]) for i in range(5)] if len(parts) > 1 else list(parts[0])
+        if self.src_page_size > 1 or self.dst_page_size > 1:
+            out = _merge_touching(*self._section_order(out))
+        return tuple(out)
+
+    def _expand(self, sel, src_slots, dst_slots, run_len):
+        def addr(slots, base, row, page, ps):
+            s = slots[None, :]
+            if ps == 1:
+                return s * page[sel, None] + base[sel, None]
+            return (s // ps) * page[sel, None] + (s % ps) * row[sel, None] + base[sel, None]
+
+        n = src_slots.size
+        so = addr(src_slots, self.src_base, self.src_row, self.src_page, self.src_page_size)  # [b, n]
+        do = addr(dst_slots, self.dst_base, self.dst_row, self.dst_page, self.dst_page_size)  # [b, n]
+        ln = self.length[sel, None] if run_len is None else self.length[sel, None] * run_len[None, :]
+        ln = np.broadcast_to(ln, so.shape)
+        sb = np.repeat(self.src_buf[sel], n)
+        db = np.repeat(self.dst_buf[sel], n)
+        return sb, so.ravel(), db, do.ravel(), ln.ravel()
+
+    def _section_order(self, arrays):
+        """Sectioned pages: reorder (pair, run) entries to (buffer, run, section) so that the
+        sections of one page, and consecutive pages, are neighbours for the merge."""
+        nsec = int(np.count_nonzero(self.src_buf == self.src_buf[0]))
+        r = arrays[0].size // self.num_pairs
+        return [a.reshape(-1, nsec, r).transpose(0, 2, 1).ravel() for a in arrays]
+
+
+def _expand_runs(run_src, run_dst, run_len):
+    """Per-token slots of the runs: ``[N]`` src slots and ``[N]`` dst slots."""
+    starts = np.cumsum(run_len) - run_len  # [R] token index of each run's first token
+    step = np.arange(int(run_len.sum()), dtype=_I64) - np.repeat(starts, run_len)
+    return np.repeat(run_src, run_len) + step, np.repeat(run_dst, run_len) + step
+
+
+def _merge_touching(sb, so, db, do, ln):
+    """Merge neighbouring entries that touch on both sides (same buffers, end == next start)."""
+    if sb.size < 2:
+        return [sb, so, db, do, ln]
+    joins = (sb[1:] == sb[:-1]) & (db[1:] == db[:-1]) & (so[1:] == so[:-1] + ln[:-1]) & (do[1:] == do[:-1] + ln[:-1])
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return [sb[first], so[first], db[first], do[first], np.add.reduceat(ln, first)]
+
+
+# -- who owns which bytes --------------------------------------------------------------
+def _replicas(spec: TensorSpec, tp_size: int) -> int:
+    """How many consecutive ranks at TP ``tp_size`` hold each byte of the row."""
+    if spec.shard is ShardKind.REPLICATED:
+        return tp_size
+    if spec.shard is ShardKind.HEADS:
+        return max(1, tp_size // spec.groups[0])
+    return 1
+
+
+def _segments(spec: TensorSpec, src_rank: int, src_tp: int, dst_rank: int, dst_tp: int) -> list:
+    """``[(src_offset, dst_offset, length)]`` inside a slot row: the bytes ``dst_rank`` reads
+    from ``src_rank`` (empty when another replica serves it). Touching pieces merged."""
+    k = _replicas(spec, src_tp)
+    if src_rank % k != dst_rank % k:  # another prefill replica serves this decode rank
+        return []
+    out = []
+    for d_log, d_len, d_phys in spec.pieces(dst_rank, dst_tp):
+        for s_log, s_len, s_phys in spec.pieces(src_rank, src_tp):
+            lo, hi = max(d_log, s_log), min(d_log + d_len, s_log + s_len)
+            if lo < hi:
+                out.append((s_phys + lo - s_log, d_phys + lo - d_log, hi - lo))
+    out.sort(key=lambda seg: seg[1])
+    merged = []
+    for seg in out:
+        if merged and merged[-1][0] + merged[-1][2] == seg[0] and merged[-1][1] + merged[-1][2] == seg[1]:
+            last = merged.pop()
+            seg = (last[0], last[1], last[2] + seg[2])
+        merged.append(seg)
+    return merged
+
+
+def senders_for(decode: RankLayout, prefill_tp_size: int) -> list:
+    """The prefill ranks that write into ``decode`` (KV and state), ascending."""
+    if not isinstance(decode, RankLayout):
+        raise TypeError(f"decode must be a RankLayout, got {type(decode).__name__}")
+    if not isinstance(prefill_tp_size, int) or prefill_tp_size <= 0:
+        raise ValueError(f"prefill_tp_size must be a positive int, got {prefill_tp_size!r}")
+    specs = decode.kv_tensors + decode.state_tensors
+    for spec in specs:
+        spec.local_units(prefill_tp_size)  # raises when prefill TP cannot split it
+    return [
+        s for s in range(prefill_tp_size)
+        if any(_segments(spec, s, prefill_tp_size, decode.tp_rank, decode.tp_size) for spec in specs)
+    ]
+
+
+# -- the buffer-pair table (per pair of layouts; cached) ---------------------------------
+@functools.lru_cache(maxsize=512)
+def _pair_table(src: RankLayout, dst: RankLayout, part: BufferSet) -> dict:
+    src.check_compatible(dst)
+    if part is BufferSet.KV:
+        s_specs, d_specs, num_layers = src.kv_tensors, dst.kv_tensors, len(src.layer_ids)
+    else:
+        s_specs, d_specs, num_layers = src.state_tensors, dst.state_tensors, len(src.state_layer_ids)
+    s_sec = src.state_kind is StateKind.NSA_INDEX and part is BufferSet.STATE
+    rows = []  # (export_index, spec position, segment...) per row spec; expanded over layers below
+    for pos, (s_spec, d_spec) in enumerate(zip(s_specs, d_specs)):
+        for s_off, d_off, length in _segments(s_spec, src.tp_rank, src.tp_size, dst.tp_rank, dst.tp_size):
+            rows.append((s_spec.export_index, pos, s_spec.section_start + s_off, s_spec.row_bytes,
+                         s_spec.page_bytes if s_sec else s_spec.row_bytes, d_spec.section_start + d_off,
+                         d_spec.row_bytes, d_spec.page_bytes if s_sec else d_spec.row_bytes, length))
+    if not rows:
+        cols = np.zeros((9, 0), _I64)
+        layer = np.zeros(0, _I64)
+    else:
+        table = np.array(rows, dtype=_I64).T  # [9, specs]
+        layer = np.arange(num_layers, dtype=_I64)
+        # order (export_index, layer, spec position, segment): a buffer's pairs are neighbours
+        cols = np.repeat(table[:, None, :], num_layers, axis=1)  # [9, layers, specs]
+        export = cols[0] * num_layers + layer[:, None]
+        order = np.lexsort((np.arange(export.size), export.ravel()))
+        cols = cols.reshape(9, -1)[:, order]
+        layer = export.ravel()[order]
+    buf = layer  # export_index * num_layers + layer position
+    out = dict(src_buf=buf, src_base=cols[2], src_row=cols[3], src_page=cols[4], dst_buf=buf.copy(),
+               dst_base=cols[5], dst_row=cols[6], dst_page=cols[7], length=cols[8])
+    for arr in out.values():
+        arr.flags.writeable = False
+    return out
+
+
+# -- slot runs ---------------------------------------------------------------------------
+def _slots(name: str, slots, lo: int, hi: int) -> np.ndarray:
+    arr = np.asarray(slots)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(_I64, copy=False)
+    if arr.size:
+        a, b = int(arr.min()), int(arr.max())
+        if a < lo or b >= hi:
+            raise ValueError(f"{name} must lie in [{lo}, {hi}) (page 0 is padding), got values in [{a}, {b}]")
+    return arr
+
+
+def _check_distinct(name: str, slots: np.ndarray, hi: int) -> None:
+    seen = np.zeros(hi, dtype=bool)
+    seen[slots] = True
+    if np.count_nonzero(seen) != slots.size:
+        raise ValueError(f"{name} must be distinct: {slots.size} slots, {np.count_nonzero(seen)} distinct")
+
+
+def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int):
+    """Maximal runs where both sides advance by one slot (stopping at page starts of a side
+    whose page size is > 1, i.e. sectioned pages)."""
+    n = src.size
+    if n == 0:
+        return np.zeros(0, _I64), np.zeros(0, _I64), np.zeros(0, _I64)
+    brk = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
+    if src_ps > 1:
+        brk |= src[1:] % src_ps == 0
+    if dst_ps > 1:
+        brk |= dst[1:] % dst_ps == 0
+    starts = np.flatnonzero(np.concatenate(([True], brk)))
+    run_len = np.diff(np.append(starts, n))
+    if starts.size == n:  # no two tokens share a run (random slots): skip the gather
+        run_src, run_dst = src, dst
+    else:
+        run_src, run_dst = src[starts], dst[starts]
+    if src_ps == 1 and dst_ps == 1 and starts.size > 1:
+        run_src, run_dst, run_len = _chain(run_src, run_dst, run_len)
+    return run_src, run_dst, run_len
+
+
+def _chain(run_src, run_dst, run_len):
+    """Merge runs that continue each other on both sides but are not neighbours in request
+    order (slots [5, 3, 4] -> [10, 8, 9] is one run 3..5 -> 8..10)."""
+    if np.all(run_src[1:] > run_src[:-1]):  # increasing src: only neighbours can touch
+        return run_src, run_dst, run_len
+    r = run_src.size
+    end = run_src + run_len
+    want = run_dst + run_len  # where a continuing run must start on the dst side
+    table = np.full(int(end.max()) + 1, -1, dtype=_I64)  # src slot -> dst slot of the run starting there
+    table[run_src] = run_dst
+    link = table[end] == want  # this run continues in another one
+    if not link.any():
+        return run_src, run_dst, run_len
+    table[run_src] = np.arange(r, dtype=_I64)  # rare path: src slot -> run index
+    ok = np.flatnonzero(link)
+    succ = table[end[ok]]
+    keep = run_dst[succ] == want[ok]  # duplicated src slots: the table may name another run
+    keep &= np.bincount(succ, minlength=r)[succ] == 1  # and keep 1-to-1 links only
+    ok, succ = ok[keep], succ[keep]
+    has_pred = np.zeros(r, dtype=bool)
+    has_pred[succ] = True
+    tail = np.arange(r, dtype=_I64)
+    tail[ok] = succ
+    while True:  # pointer jumping: src grows along a chain, so chains end
+        nxt = tail[tail]
+        if np.array_equal(nxt, tail):
+            break
+        tail = nxt
+    head = np.flatnonzero(~has_pred)
+    return run_src[head], run_dst[head], end[tail[head]] - run_src[head]
+
+
+def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps) -> TransferPlan:
+    table = _pair_table(src, dst, part)
+    s = _slots("src_slots", src_slots, lo[0], src_hi)
+    d = _slots("dst_slots", dst_slots, lo[1], dst_hi)
+    if s.size != d.size:
+        raise ValueError(f"src_slots and dst_slots must have equal length, got {s.size} and {d.size}")
+    _check_distinct("dst_slots", d, dst_hi)
+    runs = _runs(s, d, *ps)
+    return TransferPlan(part, **table, run_src=runs[0], run_dst=runs[1], run_len=runs[2],
+                        src_page_size=ps[0], dst_page_size=ps[1])
+
+
+def plan_kv_transfer(src: RankLayout, dst: RankLayout, src_slots, dst_slots) -> TransferPlan:
+    """The KV bytes prefill rank ``src`` writes into decode rank ``dst`` for one request.
+
+    ``src_slots``/``dst_slots``: the request's token slots on each side (equal length, int;
+    page 0 is padding and refused; dst slots distinct). Buffers are numbered as in
+    ``get_contiguous_buf_infos()``. Raises :class:`LayoutMismatch` when the layouts cannot
+    exchange data. Empty plan when the pair exchanges nothing.
+    """
+    _check_layouts(src, dst)
+    return _build(BufferSet.KV, src, dst, src_slots, dst_slots, (src.page_size, dst.page_size),
+                  src.num_slots, dst.num_slots, (1, 1))
+
+
+def plan_state_transfer(src: RankLayout, dst: RankLayout, src_slot, dst_slot) -> TransferPlan:
+    """The state bytes prefill rank ``src`` writes into decode rank ``dst``.
+
+    Mamba (hybrid pools): ``src_slot``/``dst_slot`` are the request's state slot on each side
+    (ints; slot 0 is padding). NSA: they are the request's token slots (arrays, as for
+    :func:`plan_kv_transfer`), since index_k is paged like the KV. Buffers are numbered as in
+    ``get_state_buf_infos()``.
+    """
+    _check_layouts(src, dst)
+    if src.state_kind is StateKind.NONE:
+        raise ValueError("plan_state_transfer needs layouts with state (Mamba or NSA), got state kind none")
+    if src.state_kind is StateKind.MAMBA:
+        for name, v in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                raise TypeError(f"{name} of a Mamba state must be an int, got {type(v).__name__}")
+        return _build(BufferSet.STATE, src, dst, [src_slot], [dst_slot], (1, 1), src.state_num_slots,
+                      dst.state_num_slots, (1, 1))
+    return _build(BufferSet.STATE, src, dst, src_slot, dst_slot, (src.state_page_size, dst.state_page_size),
+                  src.state_num_slots, dst.state_num_slots, (src.state_page_size, dst.state_page_size))
+
+
+def _check_layouts(src, dst) -> None:
+    for name, v in (("src", src), ("dst", dst)):
+        if not isinstance(v, RankLayout):
+            raise TypeError(f"{name} must be a RankLayout, got {type(v).__name__}")
+
+
+def describe(plan: TransferPlan, entries: Optional[int] = None) -> str:
+    """One line for logs and benchmarks."""
+    n = plan.num_entries if entries is None else entries
+    return (f"{plan.buffers.value} plan: {plan.num_pairs} buffer pairs x {plan.num_runs} runs "
+            f"({plan.num_tokens} slots), {n} entries, {plan.nbytes} bytes")
