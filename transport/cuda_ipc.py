@@ -1,0 +1,309 @@
+"""CUDA IPC handles for GPU regions: export in the owning process, open in the peer.
+
+Export
+------
+A region inside memory from torch's caching allocator is a slice of a larger ``cudaMalloc``
+segment, and an IPC handle names a whole allocation. :func:`export_region` therefore finds
+the allocation's base (``cuMemGetAddressRange``), takes the handle of that base
+(``cudaIpcGetMemHandle``) and returns it with the region's offset inside the allocation::
+
+    IpcExport(handle=<64 bytes>, offset=ptr - base, alloc_size=<bytes of the allocation>)
+
+Import
+------
+:func:`open_handle` maps the allocation while the LOCAL GPU (the one that will run the copy
+kernel) is current, with ``cudaIpcMemLazyEnablePeerAccess``. torch's own IPC rebuild opens
+handles on the owning GPU, and a kernel on another GPU then faults; opening under the local
+GPU is what makes the mapping usable by that GPU's kernels. A handle can be opened once per
+process and device, so opened mappings are reference-counted here: :func:`close_handle`
+unmaps on the last release.
+
+API
+---
+The CUDA calls come from cuda-python (``cuda.bindings.runtime`` / ``driver``, imported lazily),
+or, when it is missing, from ``libcudart`` (and ``libcuda`` for the address range) through
+ctypes. When neither can be loaded, :class:`CudaIpcUnavailable` says so. Memory from
+``cuMemCreate`` (torch's ``expandable_segments``) has no legacy IPC handle: export fails with
+:class:`CudaIpcError` naming the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from transport.base import TransportError
+
+__all__ = [
+    "CudaIpcError",
+    "CudaIpcUnavailable",
+    "IPC_HANDLE_BYTES",
+    "IpcExport",
+    "close_handle",
+    "export_region",
+    "load_api",
+    "open_handle",
+]
+
+IPC_HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+API_CHOICES = ("auto", "cuda-python", "ctypes")
+
+
+class CudaIpcUnavailable(TransportError):
+    """Neither cuda-python nor a loadable libcudart is present."""
+
+
+class CudaIpcError(TransportError):
+    """A CUDA call failed; the message names the call and CUDA's error."""
+
+
+@dataclass(frozen=True)
+class IpcExport:
+    """The exporter's view of one region: handle of its allocation and its offset inside."""
+
+    handle: bytes  # IPC_HANDLE_BYTES opaque bytes
+    offset: int  # region ptr - allocation base
+    alloc_size: int  # bytes of the whole allocation
+
+
+class _CudaApi:
+    """The five CUDA calls this module needs, behind one interface."""
+
+    name = "abstract"
+
+    def get_device(self) -> int: ...
+
+    def set_device(self, device: int) -> None: ...
+
+    def address_range(self, ptr: int) -> tuple[int, int]: ...
+
+    def ipc_get(self, base: int) -> bytes: ...
+
+    def ipc_open(self, handle: bytes) -> int: ...
+
+    def ipc_close(self, ptr: int) -> None: ...
+
+
+def _code(err) -> int:
+    return int(getattr(err, "value", err))
+
+
+class _CudaPythonApi(_CudaApi):
+    name = "cuda-python"
+
+    def __init__(self):
+        try:
+            from cuda.bindings import driver, runtime
+        except ImportError:
+            from cuda import cuda as driver, cudart as runtime  # cuda-python < 12.6
+        self.rt, self.drv = runtime, driver
+
+    def _ok(self, result, what: str):
+        err = result[0]
+        if _code(err) != 0:
+            raise CudaIpcError(f"{what} failed: {err!r}")
+        return result[1:]
+
+    def get_device(self) -> int:
+        return int(self._ok(self.rt.cudaGetDevice(), "cudaGetDevice")[0])
+
+    def set_device(self, device: int) -> None:
+        self._ok(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = self._ok(self.drv.cuMemGetAddressRange(self.drv.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+        return int(base), int(size)
+
+    def ipc_get(self, base: int) -> bytes:
+        (handle,) = self._ok(self.rt.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle(0x{base:x})")
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle: bytes) -> int:
+        h = self.rt.cudaIpcMemHandle_t()
+        ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+        (ptr,) = self._ok(self.rt.cudaIpcOpenMemHandle(h, _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+        return int(ptr)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._ok(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]
+
+
+def _loaded_library(stem: str) -> Optional[str]:
+    """Path of a shared library already mapped into this process (torch loads libcudart)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip().split(" ")[-1]
+                if f"/{stem}.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _load_cdll(stem: str, names: tuple) -> Optional[ctypes.CDLL]:
+    for name in (_loaded_library(stem), ctypes.util.find_library(stem[3:]), *names):
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+class _CtypesApi(_CudaApi):
+    name = "ctypes"
+
+    def __init__(self):
+        rt = _load_cdll("libcudart", ("libcudart.so", "libcudart.so.13", "libcudart.so.12"))
+        drv = _load_cdll("libcuda", ("libcuda.so.1", "libcuda.so"))
+        if rt is None or drv is None:
+            missing = " and ".join(n for n, lib in (("libcudart", rt), ("libcuda", drv)) if lib is None)
+            raise CudaIpcUnavailable(f"cannot load {missing} through ctypes")
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]
+        rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_void_p]
+        rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        drv.cuMemGetAddressRange_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_uint64,
+        ]
+        self.rt, self.drv = rt, drv
+
+    def _ok(self, code: int, what: str) -> None:
+        if code != 0:
+            msg = self.rt.cudaGetErrorString(code)
+            raise CudaIpcError(f"{what} failed: error {code} ({msg.decode() if msg else '?'})")
+
+    def get_device(self) -> int:
+        dev = ctypes.c_int()
+        self._ok(self.rt.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
+        return dev.value
+
+    def set_device(self, device: int) -> None:
+        self._ok(self.rt.cudaSetDevice(ctypes.c_int(device)), f"cudaSetDevice({device})")
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        code = self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if code != 0:
+            raise CudaIpcError(f"cuMemGetAddressRange(0x{ptr:x}) failed: CUresult {code}")
+        return base.value, size.value
+
+    def ipc_get(self, base: int) -> bytes:
+        h = _Handle()
+        self._ok(self.rt.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(base)), f"cudaIpcGetMemHandle(0x{base:x})")
+        return bytes(h)
+
+    def ipc_open(self, handle: bytes) -> int:
+        ptr = ctypes.c_void_p()
+        h = _Handle.from_buffer_copy(handle)
+        self._ok(self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def ipc_close(self, ptr: int) -> None:
+        self._ok(self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+_APIS: dict[str, _CudaApi] = {}
+_LOCK = threading.Lock()
+
+
+def load_api(choice: str = "auto") -> _CudaApi:
+    """cuda-python when importable (``auto``), else ctypes on libcudart; cached per choice."""
+    if choice not in API_CHOICES:
+        raise ValueError(f"ipc api must be one of {API_CHOICES}, got {choice!r}")
+    with _LOCK:
+        if choice in _APIS:
+            return _APIS[choice]
+        errors = []
+        for name, cls in (("cuda-python", _CudaPythonApi), ("ctypes", _CtypesApi)):
+            if choice not in ("auto", name):
+                continue
+            try:
+                api = cls()
+            except (ImportError, CudaIpcUnavailable, AttributeError) as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            _APIS[choice] = api
+            return api
+    raise CudaIpcUnavailable(
+        "CUDA IPC needs cuda-python (pip install cuda-python) or a loadable libcudart; "
+        + "; ".join(errors)
+    )
+
+
+class _OnDevice:
+    """Make ``device`` current for the block (torch and the IPC API alike), then restore."""
+
+    def __init__(self, api: _CudaApi, device: int):
+        self.api, self.device = api, device
+
+    def __enter__(self):
+        import torch
+
+        self._torch = torch.cuda.device(self.device)
+        self._torch.__enter__()
+        self.prev = self.api.get_device()
+        self.api.set_device(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.api.set_device(self.prev)
+        finally:
+            self._torch.__exit__(*exc)
+
+
+def export_region(api: _CudaApi, ptr: int, length: int, device: int) -> IpcExport:
+    """Handle of the allocation holding ``[ptr, ptr + length)`` on ``device`` plus the offset."""
+    with _OnDevice(api, device):
+        base, size = api.address_range(ptr)
+        if ptr + length > base + size:
+            raise ValueError(
+                f"region [0x{ptr:x}, +{length}) runs past its allocation [0x{base:x}, +{size}) on cuda:{device}"
+            )
+        return IpcExport(api.ipc_get(base), ptr - base, size)
+
+
+# (handle bytes, local device) -> [mapped base, reference count]
+_OPENED: dict[tuple[bytes, int], list] = {}
+
+
+def open_handle(api: _CudaApi, handle: bytes, device: int) -> int:
+    """Map the peer allocation named by ``handle`` for ``device``'s kernels; return its base."""
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, got {type(handle).__name__} {handle!r:.40}")
+    key = (bytes(handle), device)
+    with _LOCK:
+        entry = _OPENED.get(key)
+        if entry is None:
+            with _OnDevice(api, device):
+                entry = _OPENED[key] = [api.ipc_open(bytes(handle)), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def close_handle(api: _CudaApi, handle: bytes, device: int) -> None:
+    """Release one :func:`open_handle`; unmap on the last release."""
+    key = (bytes(handle), device)
+    with _LOCK:
+        entry = _OPENED.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _OPENED[key]
+        with _OnDevice(api, device):
+            api.ipc_close(entry[0])

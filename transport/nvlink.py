@@ -1,0 +1,566 @@
+"""The ``nvlink`` backend: GPU-to-GPU writes between two processes of one host.
+
+Data path (push, on the writer)
+-------------------------------
+- ``register`` exports a CUDA IPC handle for each GPU region (the handle of its allocation's
+  base plus the region's offset; see :mod:`transport.cuda_ipc`). All regions of one transport
+  live on one GPU, the one whose SMs run the copy kernel.
+- ``connect`` opens every peer region's handle while the LOCAL GPU is current and builds the
+  pointer tables once: ``src_base[rid]`` (local addresses) and ``dst_base[rid]`` (peer memory
+  as mapped here), int64 numpy arrays indexed by region id.
+- ``write`` checks the batch's bounds, gathers the row table ``[3, n]`` (source address,
+  destination address, bytes; :mod:`transport.nvlink_kernel`) into pinned host memory, copies
+  it to the GPU and launches the Triton row-scatter kernel once, on a stream of its own that
+  first waits for the caller's current stream (so KV written by the model is complete).
+  A CUDA event recorded after the kernel marks completion.
+
+Notification channel (the "mailbox")
+------------------------------------
+Each transport listens on a Unix stream socket in Linux's abstract namespace (named in its
+export; nothing on disk) and each peer keeps one connected socket to it. A notification is
+one frame, a 4-byte big-endian length and the payload, sent by the WRITER only after the
+transfer's CUDA event has completed, i.e. after the kernel's stores to the peer's memory are
+done; the receiver's ``poll_notifications`` reads whole frames without blocking, in the order
+they were sent. The same socket detects a dead peer: the receiver never writes to it, so a
+readable socket means end-of-file, i.e. the peer process is gone.
+
+Progress and bounded waits
+--------------------------
+``Transfer.status()`` and a small progress thread (started on the first write) advance each
+peer's FIFO of pending transfers: query the event; on completion check the peer is alive,
+send the notification (a socket send bounded by ``peer_timeout_s``) and mark DONE. A dead
+peer is FAILED at ``write`` (nothing is launched) or at completion; a copy whose event has not
+completed after ``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and
+suppresses its notification; the kernel, once launched, still runs to completion.
+
+What this backend refuses (the caller falls back to NIXL)
+---------------------------------------------------------
+:class:`NvlinkUnsupported` for host memory, a peer on another host or in this process, and a
+peer allocation that cannot be opened here (no peer access, another container, no CUDA IPC).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import numpy as np
+
+from transport import cuda_ipc
+from transport import nvlink_kernel as kern
+from transport.base import (
+    Peer,
+    PeerDescriptorError,
+    Region,
+    Transfer,
+    TransferStatus,
+    Transport,
+    TransportClosed,
+    TransportError,
+    WriteBatch,
+    check_region_args,
+    pack_descriptor,
+    unpack_descriptor,
+)
+
+__all__ = ["NvlinkConfig", "NvlinkPeer", "NvlinkTransfer", "NvlinkTransport", "NvlinkUnsupported", "host_id"]
+
+BACKEND = "nvlink"
+_FRAME = struct.Struct(">I")
+
+
+class NvlinkUnsupported(TransportError):
+    """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
+
+
+@dataclass(frozen=True)
+class NvlinkConfig:
+    """Settings of one :class:`NvlinkTransport`.
+
+    peer_timeout_s: bound on sending one notification (a peer that stops reading fails the
+        transfer after this long).
+    transfer_timeout_s: a copy whose completion event has not fired by then is FAILED.
+    ipc_api: "auto" (cuda-python, else ctypes on libcudart), "cuda-python" or "ctypes".
+    kernel: launch shape of the copy kernel.
+    wait_current_stream: the copy stream waits for the caller's current stream first.
+    max_notify_bytes: largest notification payload.
+    """
+
+    peer_timeout_s: float = 10.0
+    transfer_timeout_s: float = 60.0
+    ipc_api: str = "auto"
+    kernel: kern.KernelConfig = field(default_factory=kern.KernelConfig)
+    wait_current_stream: bool = True
+    max_notify_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("peer_timeout_s", "transfer_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.ipc_api not in cuda_ipc.API_CHOICES:
+            raise ValueError(f"ipc_api must be one of {cuda_ipc.API_CHOICES}, got {self.ipc_api!r}")
+        if not isinstance(self.kernel, kern.KernelConfig):
+            raise TypeError(f"kernel must be a KernelConfig, got {type(self.kernel).__name__}")
+        if not isinstance(self.max_notify_bytes, int) or not 0 < self.max_notify_bytes < 1 << 31:
+            raise ValueError(f"max_notify_bytes must be an int in (0, 2**31), got {self.max_notify_bytes!r}")
+
+
+def host_id() -> str:
+    """Identifies this host (boot id + hostname): peers with another id are on another host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{boot}@{socket.gethostname()}"
+
+
+# -- the notification channel ------------------------------------------------------------
+
+
+class _Inbox:
+    """The receiving end: a listening abstract Unix socket and the writers connected to it."""
+
+    def __init__(self):
+        self.name = f"kvtransfer-nvlink-{os.getpid()}-{uuid.uuid4().hex}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(64)
+        self._sock.setblocking(False)
+        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes]
+
+    def poll(self) -> list[bytes]:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                break
+            conn.setblocking(False)
+            self._conns.append([conn, bytearray()])
+        out: list[bytes] = []
+        for entry in list(self._conns):
+            conn, buf = entry
+            closed = False
+            while True:
+                try:
+                    chunk = conn.recv(1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    closed = True
+                    break
+                if not chunk:
+                    closed = True
+                    break
+                buf += chunk
+            while len(buf) >= _FRAME.size:
+                (n,) = _FRAME.unpack_from(buf)
+                if len(buf) < _FRAME.size + n:
+                    break
+                out.append(bytes(buf[_FRAME.size : _FRAME.size + n]))
+                del buf[: _FRAME.size + n]
+            if closed:
+                conn.close()
+                self._conns.remove(entry)
+        return out
+
+    def close(self) -> None:
+        for conn, _ in self._conns:
+            conn.close()
+        self._conns.clear()
+        self._sock.close()
+
+
+class _Outbox:
+    """The writing end: one connected socket to a peer's inbox."""
+
+    def __init__(self, name: str, timeout_s: float):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect("\0" + name)
+        except OSError as exc:
+            self._sock.close()
+            raise NvlinkUnsupported(
+                f"cannot reach the peer's notification socket {name!r} ({exc}); "
+                "is it on this host and in this network namespace?"
+            ) from None
+
+    def alive(self) -> bool:
+        """False once the peer closed its end (the peer never writes, so readable = EOF)."""
+        try:
+            ready, _, _ = select.select([self._sock], [], [], 0)
+            if not ready:
+                return True
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+
+    def send(self, payload: bytes) -> None:
+        self._sock.sendall(_FRAME.pack(len(payload)) + payload)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+# -- transfers ---------------------------------------------------------------------------
+
+
+class NvlinkTransfer(Transfer):
+    """One batched write: a CUDA event, an optional notification, a deadline."""
+
+    def __init__(self, peer: "NvlinkPeer", event, notify: Optional[bytes], keep=(), error: Optional[str] = None):
+        self._peer = peer
+        self._event = event
+        self._notify = notify
+        self._keep = keep  # row tables that must outlive the copy
+        self._deadline = time.monotonic() + peer._config.transfer_timeout_s
+        self._status = TransferStatus.FAILED if error else TransferStatus.PENDING
+        self._error = error
+
+    def status(self) -> TransferStatus:
+        if self._status is TransferStatus.PENDING:
+            self._peer._advance()
+        return self._status
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    def abort(self) -> None:
+        with self._peer._lock:
+            if self._status is TransferStatus.PENDING:
+                self._fail("aborted")
+
+    def _fail(self, why: str) -> None:
+        self._status, self._error, self._keep = TransferStatus.FAILED, why, ()
+
+    def _done(self) -> None:
+        self._status, self._keep = TransferStatus.DONE, ()
+
+
+class NvlinkPeer(Peer):
+    """A connected peer: its regions mapped here, its pointer table, its mailbox."""
+
+    def __init__(self, owner: "NvlinkTransport", name: str, regions: Mapping[int, Region], ipc: dict, mailbox: str):
+        self._owner = owner
+        self._config = owner._config
+        self.name = name
+        self.regions = dict(regions)
+        self._device = owner._exec_device()
+        self._api = owner._api()
+        self._opened: list[bytes] = []
+        self._lock = threading.RLock()
+        self._pending: deque[NvlinkTransfer] = deque()
+        self._closed = False
+        self._outbox = None
+        try:
+            top = max(self.regions) if self.regions else -1
+            self._dst_base = np.zeros(top + 1, dtype=np.int64)  # [num_peer_region_ids] addresses
+            for rid, (handle, offset, alloc_size) in ipc.items():
+                reg = self.regions[rid]
+                if offset + reg.length > alloc_size:
+                    raise PeerDescriptorError(
+                        f"peer region {rid} [{offset}, +{reg.length}) exceeds its allocation of {alloc_size} bytes"
+                    )
+                try:
+                    base = cuda_ipc.open_handle(self._api, handle, self._device)
+                except cuda_ipc.CudaIpcError as exc:
+                    raise NvlinkUnsupported(
+                        f"cannot open peer {name!r} region {rid} (peer cuda:{reg.device}) on local cuda:{self._device}: {exc}"
+                    ) from None
+                self._opened.append(handle)
+                self._dst_base[rid] = base + offset
+            self._outbox = _Outbox(mailbox, self._config.peer_timeout_s)
+        except BaseException:
+            self._release()
+            raise
+
+    # -- writes ---------------------------------------------------------------------------
+    def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
+        import torch
+
+        if self._closed:
+            raise TransportClosed(f"peer {self.name!r} is closed")
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
+        if notify is not None:
+            if not isinstance(notify, (bytes, bytearray, memoryview)):
+                raise TypeError(f"notify must be bytes or None, got {type(notify).__name__}")
+            notify = bytes(notify)
+            if len(notify) > self._config.max_notify_bytes:
+                raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
+        owner = self._owner
+        batch.check_bounds(owner.regions, self.regions)
+        if not self._outbox.alive():
+            return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
+        n = len(batch)
+        host = torch.empty((3, n), dtype=torch.int64, pin_memory=True)  # [3, num_rows]
+        rows = kern.build_row_table(
+            owner._src_base, batch.src_region, batch.src_offset,
+            self._dst_base, batch.dst_region, batch.dst_offset, batch.length, out=host.numpy(),
+        )
+        plan = kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
+        dev = torch.device("cuda", self._device)
+        stream = owner._stream()
+        if self._config.wait_current_stream:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            rows_dev = host.to(dev, non_blocking=True)
+            kern.scatter_rows(rows_dev, plan, dev, self._config.kernel.num_warps)
+            event = torch.cuda.Event()
+            event.record(stream)
+        transfer = NvlinkTransfer(self, event, notify, keep=(host, rows_dev))
+        with self._lock:
+            self._pending.append(transfer)
+        owner._progress.wake()
+        return transfer
+
+    def _advance(self) -> bool:
+        """Move the FIFO of pending transfers forward; True while some remain pending."""
+        with self._lock:
+            while self._pending:
+                t = self._pending[0]
+                if t._status is TransferStatus.PENDING and not self._advance_one(t):
+                    return True
+                self._pending.popleft()
+            return False
+
+    def _advance_one(self, t: NvlinkTransfer) -> bool:
+        """Settle ``t`` if its copy finished or timed out; False while it is still running."""
+        try:
+            finished = t._event.query()
+        except Exception as exc:  # a CUDA error surfaces here (illegal address, ...)
+            t._fail(f"CUDA error in the copy kernel: {exc}")
+            return True
+        if not finished:
+            if time.monotonic() > t._deadline:
+                t._fail(f"copy did not complete within {self._config.transfer_timeout_s} s")
+                return True
+            return False
+        if not self._outbox.alive():
+            t._fail(f"peer {self.name!r} lost before the notification could be sent")
+            return True
+        if t._notify is not None:
+            try:
+                self._outbox.send(t._notify)
+            except OSError as exc:
+                t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
+                return True
+        t._done()
+        return True
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self._pending:
+                if t._status is TransferStatus.PENDING:
+                    t._fail("aborted: peer closed")
+            self._pending.clear()
+        self._release()
+        self._owner._forget_peer(self)
+
+    def _release(self) -> None:
+        """Wait for copies in flight, then unmap the peer's memory and close the socket."""
+        if self._opened:
+            self._owner._stream().synchronize()
+            for handle in self._opened:
+                try:
+                    cuda_ipc.close_handle(self._api, handle, self._device)
+                except cuda_ipc.CudaIpcError:
+                    pass  # the mapping is gone with the peer; nothing left to release
+            self._opened.clear()
+        if self._outbox is not None:
+            self._outbox.close()
+
+
+class _Progress:
+    """A daemon thread that advances pending transfers while any exist."""
+
+    def __init__(self, owner: "NvlinkTransport"):
+        self._owner = owner
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+
+    def wake(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nvlink-progress", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+            busy = any([p._advance() for p in list(self._owner._peers)])
+            with self._cond:
+                if self._stop:
+                    return
+                self._cond.wait(2e-4 if busy else None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+# -- the transport -----------------------------------------------------------------------
+
+
+class NvlinkTransport(Transport):
+    """GPU regions of this process, exported as CUDA IPC handles; see the module docstring."""
+
+    backend = BACKEND
+
+    def __init__(self, config: Optional[NvlinkConfig] = None, name: Optional[str] = None):
+        self._config = config if config is not None else NvlinkConfig()
+        if not isinstance(self._config, NvlinkConfig):
+            raise TypeError(f"config must be an NvlinkConfig, got {type(self._config).__name__}")
+        self.name = name or f"nvlink-{os.getpid()}"
+        self._regions: dict[int, Region] = {}
+        self._exports: dict[int, cuda_ipc.IpcExport] = {}
+        self._next_id = 0
+        self._src_base = np.zeros(0, dtype=np.int64)  # [num_region_ids] local addresses
+        self._device: Optional[int] = None
+        self._cuda_stream = None
+        self._peers: list[NvlinkPeer] = []
+        self._inbox = _Inbox()
+        self._progress = _Progress(self)
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"transport {self.name!r} is closed")
+
+    def _api(self):
+        return cuda_ipc.load_api(self._config.ipc_api)
+
+    def _exec_device(self) -> int:
+        if self._device is None:
+            raise NvlinkUnsupported("register a GPU region before connecting: the nvlink backend copies with the local GPU")
+        return self._device
+
+    def _stream(self):
+        import torch
+
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=self._exec_device())
+        return self._cuda_stream
+
+    # -- regions --------------------------------------------------------------------------
+    def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
+        self._check_open()
+        check_region_args(ptr, length, device)
+        if device is None:
+            raise NvlinkUnsupported("the nvlink backend moves GPU memory only; register host memory with the nixl backend")
+        if self._device is not None and device != self._device:
+            raise ValueError(f"all regions of one nvlink transport share a GPU: have cuda:{self._device}, got cuda:{device}")
+        exp = cuda_ipc.export_region(self._api(), ptr, length, device)
+        rid = self._next_id
+        self._next_id += 1
+        self._device = device
+        self._regions[rid] = Region(rid, ptr, length, device)
+        self._exports[rid] = exp
+        if rid >= self._src_base.size:
+            self._src_base = np.concatenate([self._src_base, np.zeros(max(16, rid + 1), dtype=np.int64)])
+        self._src_base[rid] = ptr
+        return rid
+
+    def deregister(self, region_id: int) -> None:
+        self._check_open()
+        if region_id not in self._regions:
+            raise KeyError(f"region {region_id!r} is not registered (known ids: {sorted(self._regions)[:16]})")
+        del self._regions[region_id]
+        del self._exports[region_id]
+        self._src_base[region_id] = 0
+
+    @property
+    def regions(self) -> Mapping[int, Region]:
+        return dict(self._regions)
+
+    # -- peers ----------------------------------------------------------------------------
+    def export(self) -> bytes:
+        self._check_open()
+        ipc = [[rid, e.handle, e.offset, e.alloc_size] for rid, e in self._exports.items()]
+        return pack_descriptor(
+            BACKEND, self._regions.values(), name=self.name, host=host_id(), pid=os.getpid(),
+            mailbox=self._inbox.name, ipc=ipc,
+        )
+
+    def connect(self, peer_bytes: bytes) -> NvlinkPeer:
+        self._check_open()
+        body, regions, ipc = parse_descriptor(peer_bytes)
+        if body["host"] != host_id():
+            raise NvlinkUnsupported(f"peer {body['name']!r} is on host {body['host']!r}, this process on {host_id()!r}")
+        if body["pid"] == os.getpid():
+            raise NvlinkUnsupported("the peer is this process: the nvlink backend connects two processes")
+        peer = NvlinkPeer(self, body["name"], regions, ipc, body["mailbox"])
+        self._peers.append(peer)
+        return peer
+
+    def _forget_peer(self, peer: NvlinkPeer) -> None:
+        if peer in self._peers:
+            self._peers.remove(peer)
+
+    def poll_notifications(self) -> list[bytes]:
+        self._check_open()
+        return self._inbox.poll()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._progress.stop()
+        for peer in list(self._peers):
+            peer.close()
+        self._inbox.close()
+        self._regions.clear()
+        self._exports.clear()
+
+
+def parse_descriptor(peer_bytes) -> tuple[dict, dict[int, Region], dict[int, tuple[bytes, int, int]]]:
+    """Decode an nvlink export: (body, regions by id, ipc by id as (handle, offset, alloc_size))."""
+    body, regions = unpack_descriptor(peer_bytes, BACKEND, required=("name", "host", "pid", "mailbox", "ipc"))
+    for key, typ in (("name", str), ("host", str), ("pid", int), ("mailbox", str), ("ipc", list)):
+        if not isinstance(body[key], typ):
+            raise PeerDescriptorError(f"peer descriptor field {key!r} must be {typ.__name__}, got {body[key]!r:.60}")
+    host_regions = [rid for rid, r in regions.items() if not r.is_cuda]
+    if host_regions:
+        raise PeerDescriptorError(f"nvlink peer descriptor lists host regions {host_regions}; only GPU regions are allowed")
+    ipc: dict[int, tuple[bytes, int, int]] = {}
+    for item in body["ipc"]:
+        ok = (
+            isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
+            and isinstance(item[1], bytes) and len(item[1]) == cuda_ipc.IPC_HANDLE_BYTES
+            and isinstance(item[2], int) and isinstance(item[3], int) and item[2] >= 0 and item[3] > 0
+        )
+        if not ok:
+            raise PeerDescriptorError(
+                f"ipc entry must be [region id, {cuda_ipc.IPC_HANDLE_BYTES}-byte handle, offset >= 0, "
+                f"allocation size > 0], got {item!r:.80}"
+            )
+        ipc[item[0]] = (item[1], item[2], item[3])
+    if set(ipc) != set(regions):
+        raise PeerDescriptorError(
+            f"ipc entries cover regions {sorted(ipc)}, the region table lists {sorted(regions)}"
+        )
+    return body, regions, ipc

@@ -1,0 +1,231 @@
+"""The NVLink row-scatter kernel: one launch copies a batch of byte rows into peer memory.
+
+Row table
+---------
+A batch reaches the kernel as ONE contiguous int64 tensor on the writing GPU::
+
+    rows  # [3, num_rows] int64
+    rows[0]  # [num_rows] source addresses (local GPU memory)
+    rows[1]  # [num_rows] destination addresses (the peer's memory, mapped by CUDA IPC)
+    rows[2]  # [num_rows] bytes to copy (> 0); rows may differ in length
+
+Addresses are absolute: :func:`build_row_table` gathers them on the host from the pointer
+tables prepared at register/connect time (``base[region] + offset``), so a batch costs one
+numpy gather and one host-to-device copy, and the kernel reads three int64 per row.
+
+Copy paths (:class:`CopyPath`, chosen per batch by :func:`choose_path`)
+---------------------------------------------------------------------
+- ``VEC16``: every address and length is a multiple of 16 bytes. The kernel moves int64
+  elements with ``tl.multiple_of`` hints of 16 bytes on the row pointers and 2 elements on
+  the row lengths, so loads and stores compile to 16-byte vector accesses.
+- ``VEC8``: every address and length is a multiple of 8 bytes: 8-byte accesses.
+- ``BYTES``: anything else; a correct, slower byte-by-byte path.
+
+Tiling
+------
+A program copies ``BLOCK_R`` rows at once as a ``[BLOCK_R, BLOCK_C]`` tile of elements and
+walks long rows in steps of ``BLOCK_C`` (the loop runs to the longest row of its tile). Small
+rows (one head slice, 256 B) therefore keep several rows of loads in flight per program;
+long rows (whole pages) keep ``BLOCK_C`` elements per row in flight.
+
+Under ``TRITON_INTERPRET`` semantics (CPU tensors) the same kernel runs in Triton's
+interpreter: tests use it with tiny shapes to check the indexing without a GPU.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # triton is a Linux x86-64 dependency; the pure parts below work without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+__all__ = [
+    "CopyPath",
+    "KernelConfig",
+    "build_row_table",
+    "choose_path",
+    "check_row_table",
+    "plan_launch",
+    "scatter_rows",
+]
+
+
+class CopyPath(enum.Enum):
+    """The alignment every row of a batch shares, in bytes."""
+
+    VEC16 = 16
+    VEC8 = 8
+    BYTES = 1
+
+    @property
+    def elem_bytes(self) -> int:
+        return 1 if self is CopyPath.BYTES else 8
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of :func:`scatter_rows`.
+
+    ``tile_bytes`` is the data one program moves per loop step (``BLOCK_R * BLOCK_C``
+    elements); ``max_block_c_bytes`` caps the per-row step for long rows.
+    """
+
+    tile_bytes: int = 8192
+    max_block_c_bytes: int = 8192
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("tile_bytes", "max_block_c_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What :func:`plan_launch` decided for one batch."""
+
+    path: CopyPath
+    block_r: int  # rows per program
+    block_c: int  # elements per row per loop step
+    num_programs: int
+
+
+def build_row_table(
+    src_base: np.ndarray,
+    src_region: np.ndarray,
+    src_offset: np.ndarray,
+    dst_base: np.ndarray,
+    dst_region: np.ndarray,
+    dst_offset: np.ndarray,
+    length: np.ndarray,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Gather absolute row addresses: ``rows[0] = src_base[src_region] + src_offset`` etc.
+
+    ``src_base`` / ``dst_base`` are the pointer tables (int64, indexed by region id); the
+    region ids must already be checked (``WriteBatch.check_bounds``). ``out`` may be a
+    preallocated ``[3, n]`` int64 array (a pinned staging buffer's numpy view).
+    """
+    n = int(length.size)
+    if out is None:
+        out = np.empty((3, n), dtype=np.int64)  # [3, num_rows]
+    elif out.shape != (3, n) or out.dtype != np.int64:
+        raise ValueError(f"out must be a [3, {n}] int64 array, got {list(out.shape)} {out.dtype}")
+    np.add(np.take(src_base, src_region), src_offset, out=out[0])
+    np.add(np.take(dst_base, dst_region), dst_offset, out=out[1])
+    out[2] = length
+    return out
+
+
+def choose_path(rows: np.ndarray) -> CopyPath:
+    """The widest access every row allows: VEC16 when all addresses and lengths are 16-byte
+    multiples, VEC8 for 8-byte multiples, else BYTES."""
+    if rows.size == 0:
+        return CopyPath.VEC16
+    bits = int(np.bitwise_or.reduce(rows, axis=None))
+    if bits & 15 == 0:
+        return CopyPath.VEC16
+    if bits & 7 == 0:
+        return CopyPath.VEC8
+    return CopyPath.BYTES
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def plan_launch(num_rows: int, max_len: int, path: CopyPath, config: KernelConfig) -> LaunchPlan:
+    """Tile shape for a batch whose longest row is ``max_len`` bytes."""
+    if num_rows < 0 or (num_rows and max_len <= 0):
+        raise ValueError(f"need num_rows >= 0 and max_len > 0, got {num_rows}, {max_len}")
+    eb = path.elem_bytes
+    # Short rows: one step covers the row; long rows: steps of max_block_c_bytes.
+    block_c = min(_pow2_at_least(max(1, -(-max_len // eb))), config.max_block_c_bytes // eb)
+    block_c = max(block_c, 16 // eb if path is not CopyPath.BYTES else 16)
+    block_r = max(1, (config.tile_bytes // eb) // block_c)
+    return LaunchPlan(path, block_r, block_c, -(-num_rows // block_r))
+
+
+def check_row_table(rows, device) -> None:
+    """The one shape/dtype/device check before a launch: ``rows`` is a contiguous
+    ``[3, num_rows]`` int64 tensor on ``device`` (a torch.device or string)."""
+    import torch
+
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype != torch.int64:
+        raise TypeError(f"rows must have dtype torch.int64, got {rows.dtype}")
+    if rows.dim() != 2 or rows.shape[0] != 3:
+        raise ValueError(f"rows must have shape [3, num_rows], got {list(rows.shape)}")
+    if not rows.is_contiguous():
+        raise ValueError(f"rows must be contiguous, got strides {tuple(rows.stride())}")
+    want = torch.device(device)
+    if rows.device.type != want.type or (want.index is not None and rows.device.index != want.index):
+        raise ValueError(f"rows must be on {want}, got {rows.device}")
+
+
+def _scatter_rows_body(rows_ptr, n_rows, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Copy rows ``[pid * BLOCK_R, (pid + 1) * BLOCK_R)`` of the row table (see module doc)."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] row indices
+    ok = r < n_rows
+    src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
+    dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
+    nbytes = tl.load(rows_ptr + 2 * n_rows + r, mask=ok, other=0)
+    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    if ALIGN == 1:
+        sp = src.to(tl.pointer_type(tl.uint8))
+        dp = dst.to(tl.pointer_type(tl.uint8))
+        n = nbytes
+    else:
+        sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
+        dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
+        n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
+    steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
+    for k in range(0, steps):
+        c = k * BLOCK_C + cols  # [BLOCK_C]
+        m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
+        v = tl.load(sp[:, None] + c[None, :], mask=m)
+        tl.store(dp[:, None] + c[None, :], v, mask=m)
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(interpret: bool):
+    """The jitted kernel, or Triton's interpreter for CPU tensors (tests)."""
+    if triton is None:
+        raise RuntimeError("the NVLink copy kernel needs triton (pip install triton); it is not installed")
+    if interpret not in _KERNELS:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _KERNELS[interpret] = InterpretedFunction(_scatter_rows_body)
+        else:
+            _KERNELS[interpret] = triton.jit(_scatter_rows_body)
+    return _KERNELS[interpret]
+
+
+def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4) -> None:
+    """Launch the copy of every row of ``rows`` (``[3, num_rows]`` int64 on ``device``, see
+    the module doc) on the current stream. CPU tensors run in Triton's interpreter."""
+    check_row_table(rows, device)
+    n = int(rows.shape[1])
+    if n == 0:
+        return
+    if plan.num_programs * plan.block_r < n:
+        raise ValueError(f"plan covers {plan.num_programs * plan.block_r} rows, batch has {n}")
+    kernel = _kernel(rows.device.type == "cpu")
+    kernel[(plan.num_programs,)](
+        rows, n, ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, num_warps=num_warps
+    )
