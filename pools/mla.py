@@ -29,7 +29,7 @@ import torch
 
 from pools._checks import check_indices, check_tensor, layer_id_of, tensor_bytes
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
-from pools.kv_cache import FP8_DTYPES, KVCache
+from pools.kv_cache import KVCache
 
 __all__ = ["MLATokenToKVPool", "MLATokenToKVPoolFP4"]
 

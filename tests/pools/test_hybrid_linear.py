@@ -1,7 +1,5 @@
 """HybridLinearKVPool: layer-id mapping over an MHA or MLA pool plus a MambaPool."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -9,23 +7,11 @@ from pools.hybrid_linear import HybridLinearKVPool
 from pools.mamba import MambaPool, MambaStateParams
 from pools.mha import MHATokenToKVPool
 from pools.mla import MLATokenToKVPool
+from tests.pools.test_mla import Counter, Layer
 
 SIZE, PAGE, HEADS, HEAD_DIM, RANK, ROPE = 32, 4, 2, 8, 32, 16
 FULL = [1, 3, 5]  # full-attention layers; the others are mamba layers
 MAMBA = [0, 2, 4]
-
-
-@dataclass
-class Layer:
-    layer_id: int
-
-
-class Counter:
-    def __init__(self):
-        self.calls = []
-
-    def wait_until(self, layer_id):
-        self.calls.append(layer_id)
 
 
 def make_mamba(device="cpu", layers=MAMBA):

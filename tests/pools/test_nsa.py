@@ -5,20 +5,13 @@ import pytest
 import torch
 
 from pools.nsa import NSATokenToKVPool
+from tests.pools.test_mla import Counter
 
 SIZE, PAGE, RANK, ROPE, IDX, LAYERS = 128, 64, 128, 64, 128, 2
 PLAIN_DIM = RANK + ROPE
 PACKED_DIM = RANK + RANK // 128 * 4 + ROPE * 2  # fp8 nope | fp32 scale per 128 | bf16 rope
 NUM_PAGES = (SIZE + PAGE + 1) // PAGE
 PAGE_BYTES = PAGE * IDX + PAGE * 4
-
-
-class Counter:
-    def __init__(self):
-        self.calls = []
-
-    def wait_until(self, layer_id):
-        self.calls.append(layer_id)
 
 
 def make(dtype=torch.bfloat16, kv_cache_dim=PLAIN_DIM, device="cpu", start_layer=None, page_size=PAGE, index_head_dim=IDX):
