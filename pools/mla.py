@@ -62,8 +62,12 @@ def gather_chunks(buffers: Sequence[torch.Tensor], idx: torch.Tensor, chunk: int
     return out
 
 
-def check_chunks(name: str, buffers: Sequence[torch.Tensor], cpu, idx: torch.Tensor, chunk: int) -> None:
-    """Check that ``cpu[b][c]`` matches what :func:`gather_chunks` makes for ``buffers``/``idx``."""
+def check_chunks(
+    name: str, buffers: Sequence[torch.Tensor], cpu, idx: torch.Tensor, chunk: int, label=None
+) -> None:
+    """Check that ``cpu[b][c]`` matches what :func:`gather_chunks` makes for ``buffers``/``idx``.
+    ``label(b, c)`` names a chunk in messages (default ``name[b][c]``)."""
+    label = label or (lambda b, c: f"{name}[{b}][{c}]")
     if not isinstance(cpu, (list, tuple)) or len(cpu) != len(buffers):
         got = len(cpu) if isinstance(cpu, (list, tuple)) else type(cpu).__name__
         raise ValueError(f"{name} must be a list of {len(buffers)} per-buffer chunk lists, got {got}")
@@ -74,7 +78,7 @@ def check_chunks(name: str, buffers: Sequence[torch.Tensor], cpu, idx: torch.Ten
             raise ValueError(f"{name}[{b}] must hold {len(starts)} chunks, got {got}")
         for c, start in enumerate(starts):
             n = len(idx[start : start + chunk])
-            check_tensor(f"{name}[{b}][{c}]", chunks[c], shape=(n, *buf.shape[1:]), dtype=buf.dtype)
+            check_tensor(label(b, c), chunks[c], shape=(n, *buf.shape[1:]), dtype=buf.dtype)
 
 
 def scatter_chunks(buffers: Sequence[torch.Tensor], cpu, idx: torch.Tensor, chunk: int) -> None:
@@ -254,18 +258,20 @@ class MLATokenToKVPool(KVCache):
         if not isinstance(kv_cache_cpu, (list, tuple)) or len(kv_cache_cpu) != len(layers):
             got = len(kv_cache_cpu) if isinstance(kv_cache_cpu, (list, tuple)) else type(kv_cache_cpu).__name__
             raise ValueError(f"kv_cache_cpu must hold {len(layers)} layers, got {got}")
-        per_layer = []  # [layer][buffer][chunk]
+        if len(layers[0]) == 1:  # kv_cache_cpu[layer][chunk]: one tensor
+            buffers = [bufs[0] for bufs in layers]
+            check_chunks("kv_cache_cpu", buffers, kv_cache_cpu, idx, chunk)
+            scatter_chunks(buffers, kv_cache_cpu, idx, chunk)
+            return
+        per_layer = []  # kv_cache_cpu[layer][chunk][buffer] -> [layer][buffer][chunk]
         for l, (bufs, chunks) in enumerate(zip(layers, kv_cache_cpu)):
-            if len(bufs) == 1:
-                per_layer.append([chunks])
-                continue
             if not isinstance(chunks, (list, tuple)) or not all(
                 isinstance(c, (list, tuple)) and len(c) == len(bufs) for c in chunks
             ):
                 raise ValueError(f"kv_cache_cpu[{l}] must be a list of chunks, each a list of {len(bufs)} tensors")
             per_layer.append([[c[b] for c in chunks] for b in range(len(bufs))])
         for l, (bufs, cpu) in enumerate(zip(layers, per_layer)):
-            check_chunks(f"kv_cache_cpu[{l}]", bufs, cpu, idx, chunk)
+            check_chunks(f"kv_cache_cpu[{l}]", bufs, cpu, idx, chunk, lambda b, c, l=l: f"kv_cache_cpu[{l}][{c}][{b}]")
         for bufs, cpu in zip(layers, per_layer):
             scatter_chunks(bufs, cpu, idx, chunk)
 

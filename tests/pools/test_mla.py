@@ -207,11 +207,21 @@ def test_load_cpu_copy_rejects_malformed_copy_before_writing():
     cpu = pool.get_cpu_copy(loc)
     cpu[2][1] = cpu[2][1][:1]  # last layer, second chunk: 1 row instead of 2
     cpu[0][0] = torch.ones_like(cpu[0][0])
-    with pytest.raises(ValueError, match=r"kv_cache_cpu\[2\]\[0\]\[1\] must have shape \[2, 1, 96\], got \[1, 1, 96\]"):
+    with pytest.raises(ValueError, match=r"kv_cache_cpu\[2\]\[1\] must have shape \[2, 1, 96\], got \[1, 1, 96\]"):
         pool.load_cpu_copy(cpu, loc)
     assert not pool.kv_buffer[0].any()
     with pytest.raises(ValueError, match=r"kv_cache_cpu must hold 3 layers, got 2"):
         pool.load_cpu_copy(cpu[:2], loc)
+    fp4 = make_fp4()
+    fp4.cpu_offloading_chunk_size = 4
+    cpu = fp4.get_cpu_copy(loc)
+    assert len(cpu[0]) == 2 and len(cpu[0][0]) == 2  # [layer][chunk][kv, kv_scale]
+    cpu[1][1][1] = cpu[1][1][1].float()
+    with pytest.raises(TypeError, match=r"kv_cache_cpu\[1\]\[1\]\[1\] must have dtype torch.uint8, got torch.float32"):
+        fp4.load_cpu_copy(cpu, loc)
+    cpu[1][1] = cpu[1][1][:1]
+    with pytest.raises(ValueError, match=r"kv_cache_cpu\[1\] must be a list of chunks, each a list of 2 tensors"):
+        fp4.load_cpu_copy(cpu, loc)
 
 
 # -- bad input -----------------------------------------------------------------------------
