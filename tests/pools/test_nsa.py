@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pools.nsa import NSATokenToKVPool
 from tests.pools.test_mla import Counter
@@ -77,6 +79,19 @@ def test_index_k_write_read_round_trip():
     assert got_k.shape == (seq_len, IDX) and got_k.dtype == torch.uint8
     assert torch.equal(got_k, k.view(torch.uint8))
     assert torch.equal(got_s.view(torch.float32).view(-1), s)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, NUM_PAGES * PAGE - 1), min_size=1, max_size=40, unique=True), st.integers(0, 2**16))
+def test_index_k_scattered_writes_land_at_documented_positions(slots, seed):
+    pool = make()
+    loc = torch.tensor(slots)
+    k, s = index_inputs(len(slots), seed=seed)
+    pool.set_index_k_scale_buffer(0, loc, k, s)
+    buf = pool.index_k_with_scale_buffer[0]
+    data, scale = reference_index_page_bytes(buf, loc)
+    assert torch.equal(data, k.view(torch.uint8)) and torch.equal(scale.view(torch.float32).view(-1), s)
+    assert int(buf.count_nonzero()) == int(k.view(torch.uint8).count_nonzero()) + int(s.view(torch.uint8).count_nonzero())
 
 
 def test_index_k_batched_getter_and_byte_inputs():
