@@ -387,7 +387,8 @@ class RankLayout:
 
 
 def _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups) -> RankLayout:
-    attn = getattr(kv_pool, "full_kv_pool", None) or kv_pool  # HybridLinearKVPool wraps the KV pool
+    attn = getattr(kv_pool, "full_kv_pool", None)  # HybridLinearKVPool wraps the KV pool
+    attn = kv_pool if attn is None else attn
     _, lens, items = attn.get_contiguous_buf_infos()
     num_layers, ps = attn.layer_num, attn.page_size
     mapping = getattr(kv_pool, "full_attention_layer_id_mapping", None)
@@ -457,8 +458,12 @@ def _replace(layout: RankLayout, **changes) -> RankLayout:
 
 
 def _show(v) -> str:
+    """A field value for an error message: enums by value, tuples as lists (long ones cut)."""
     if isinstance(v, enum.Enum):
         return v.value
     if isinstance(v, tuple):
-        return str(list(v)) if len(v) <= 12 else f"[{', '.join(map(str, v[:6]))}, ... {len(v)} items]"
+        items = [_show(x) if isinstance(x, tuple) else repr(x) for x in v]
+        if len(items) > 12:
+            items = items[:5] + [f"... ({len(v)} items) ..."] + items[-5:]
+        return "[" + ", ".join(items) + "]"
     return repr(v)

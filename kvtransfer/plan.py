@@ -97,6 +97,7 @@ class TransferPlan:
     run_len: np.ndarray  # [R]
     src_page_size: int = 1
     dst_page_size: int = 1
+    sectioned: bool = False  # pages split into sections (NSA index_k): runs stop at page starts
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -137,7 +138,8 @@ class TransferPlan:
         Offsets are bytes from the start of each buffer. Ordered pair-major (whole-row pairs
         first). Ranges that touch on both sides are merged: runs are maximal, and a partial
         row never touches the next slot's, so only sectioned pages (NSA index_k: a page's
-        data section ends where its scale section starts) need a merge pass, done here.
+        data section ends where its scale section starts) need a merge pass, done here
+        (those entries come sorted by src buffer and offset).
         """
         if self.empty:
             return tuple(np.zeros(0, _I64) for _ in range(5))
@@ -149,8 +151,9 @@ class TransferPlan:
             tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)
             parts.append(self._expand(~whole, tok_src, tok_dst, None))
         out = [np.concatenate([p[i] for p in parts]) for i in range(5)] if len(parts) > 1 else list(parts[0])
-        if self.src_page_size > 1 or self.dst_page_size > 1:
-            out = _merge_touching(*self._section_order(out))
+        if self.sectioned:  # few entries (one per page and section): sort them
+            order = np.lexsort((out[1], out[0]))  # by (src buffer, src offset): touching ranges adjacent
+            out = _merge_touching(*(a[order] for a in out))
         return tuple(out)
 
     def _expand(self, sel, src_slots, dst_slots, run_len):
@@ -168,13 +171,6 @@ class TransferPlan:
         sb = np.repeat(self.src_buf[sel], n)
         db = np.repeat(self.dst_buf[sel], n)
         return sb, so.ravel(), db, do.ravel(), ln.ravel()
-
-    def _section_order(self, arrays):
-        """Sectioned pages: reorder (pair, run) entries to (buffer, run, section) so that the
-        sections of one page, and consecutive pages, are neighbours for the merge."""
-        nsec = int(np.count_nonzero(self.src_buf == self.src_buf[0]))
-        r = arrays[0].size // self.num_pairs
-        return [a.reshape(-1, nsec, r).transpose(0, 2, 1).ravel() for a in arrays]
 
 
 def _expand_runs(run_src, run_dst, run_len):
@@ -297,24 +293,22 @@ def _check_distinct(name: str, slots: np.ndarray, hi: int) -> None:
         raise ValueError(f"{name} must be distinct: {slots.size} slots, {np.count_nonzero(seen)} distinct")
 
 
-def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int):
-    """Maximal runs where both sides advance by one slot (stopping at page starts of a side
-    whose page size is > 1, i.e. sectioned pages)."""
+def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned: bool):
+    """Maximal runs where both sides advance by one slot; with sectioned pages a run also
+    stops at every page start of either side (page size 1: every slot)."""
     n = src.size
     if n == 0:
         return np.zeros(0, _I64), np.zeros(0, _I64), np.zeros(0, _I64)
     brk = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
-    if src_ps > 1:
-        brk |= src[1:] % src_ps == 0
-    if dst_ps > 1:
-        brk |= dst[1:] % dst_ps == 0
+    if sectioned:
+        brk |= (src[1:] % src_ps == 0) | (dst[1:] % dst_ps == 0)
     starts = np.flatnonzero(np.concatenate(([True], brk)))
     run_len = np.diff(np.append(starts, n))
     if starts.size == n:  # no two tokens share a run (random slots): skip the gather
         run_src, run_dst = src, dst
     else:
         run_src, run_dst = src[starts], dst[starts]
-    if src_ps == 1 and dst_ps == 1 and starts.size > 1:
+    if not sectioned and starts.size > 1:
         run_src, run_dst, run_len = _chain(run_src, run_dst, run_len)
     return run_src, run_dst, run_len
 
@@ -351,16 +345,16 @@ def _chain(run_src, run_dst, run_len):
     return run_src[head], run_dst[head], end[tail[head]] - run_src[head]
 
 
-def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps) -> TransferPlan:
+def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps, sectioned=False) -> TransferPlan:
     table = _pair_table(src, dst, part)
     s = _slots("src_slots", src_slots, lo[0], src_hi)
     d = _slots("dst_slots", dst_slots, lo[1], dst_hi)
     if s.size != d.size:
         raise ValueError(f"src_slots and dst_slots must have equal length, got {s.size} and {d.size}")
     _check_distinct("dst_slots", d, dst_hi)
-    runs = _runs(s, d, *ps)
+    runs = _runs(s, d, *ps, sectioned)
     return TransferPlan(part, **table, run_src=runs[0], run_dst=runs[1], run_len=runs[2],
-                        src_page_size=ps[0], dst_page_size=ps[1])
+                        src_page_size=ps[0], dst_page_size=ps[1], sectioned=sectioned)
 
 
 def plan_kv_transfer(src: RankLayout, dst: RankLayout, src_slots, dst_slots) -> TransferPlan:
@@ -394,7 +388,7 @@ def plan_state_transfer(src: RankLayout, dst: RankLayout, src_slot, dst_slot) ->
         return _build(BufferSet.STATE, src, dst, [src_slot], [dst_slot], (1, 1), src.state_num_slots,
                       dst.state_num_slots, (1, 1))
     return _build(BufferSet.STATE, src, dst, src_slot, dst_slot, (src.state_page_size, dst.state_page_size),
-                  src.state_num_slots, dst.state_num_slots, (src.state_page_size, dst.state_page_size))
+                  src.state_num_slots, dst.state_num_slots, (src.state_page_size, dst.state_page_size), True)
 
 
 def _check_layouts(src, dst) -> None:

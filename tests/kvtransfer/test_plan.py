@@ -1,0 +1,272 @@
+"""kvtransfer.plan against the reference of test_plan_reference: every TP mix, page size and
+pool kind; coalescing; exactly-once; mismatches."""
+
+import numpy as np
+import pytest
+
+from kvtransfer.plan import (
+    BufferSet,
+    LayoutMismatch,
+    PoolKind,
+    RankLayout,
+    plan_kv_transfer,
+    plan_state_transfer,
+    senders_for,
+)
+from tests.kvtransfer.test_plan_reference import Ref, alloc_slots, check_all_pairs
+
+TP = [1, 2, 4, 8]
+HEADS = [1, 2, 4, 8, 16, 32]
+ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
+PAGE_SIZES = [1, 16, 64]
+
+
+def attention_layouts(kind, tp, page_size, num_pages, **kw):
+    return [RankLayout.attention(kind, tp_rank=r, tp_size=tp, page_size=page_size, num_slots=num_pages * page_size,
+                                 **kw) for r in range(tp)]
+
+
+def mha_refs(kind, heads, head_dim, dtype):
+    if kind is PoolKind.MHA_FP4:  # packed K, V, then block-16 scale rows: a head is a range in each
+        return [Ref(heads, head_dim // 2, "heads")] * 2 + [Ref(heads, head_dim // 16, "heads")] * 2
+    return [Ref(heads, head_dim * ITEMSIZE[dtype], "heads")] * 2
+
+
+def run_attention(kind, p, d, refs, rng, n=20, layers=2, src_ps=1, dst_ps=1, mode="random", **kw):
+    pages = lambda ps: -(-n // ps) + 3  # noqa: E731  (request pages + padding + spare)
+    src = attention_layouts(kind, p, src_ps, pages(src_ps), layer_ids=range(3, 3 + layers), **kw)
+    dst = attention_layouts(kind, d, dst_ps, pages(dst_ps), layer_ids=range(3, 3 + layers), **kw)
+    src_slots = alloc_slots(rng, n, src_ps, pages(src_ps), mode)
+    dst_slots = alloc_slots(rng, n, dst_ps, pages(dst_ps), mode)
+    check_all_pairs(src, dst, refs, layers, src_slots, dst_slots, rng)
+    return src, dst
+
+
+# -- MHA / GQA: every H, P, D; K and V; bf16, FP8 and FP4 ----------------------------------
+@pytest.mark.parametrize("d", TP)
+@pytest.mark.parametrize("p", TP)
+@pytest.mark.parametrize("heads", HEADS)
+def test_mha_every_tp_mix(heads, p, d):
+    rng = np.random.default_rng(heads * 100 + p * 10 + d)
+    i = HEADS.index(heads) + TP.index(p) + TP.index(d)
+    variants = [
+        (PoolKind.MHA, "bfloat16", [64, 128, 256][i % 3]),
+        (PoolKind.MHA, "float8_e4m3fn", [128, 256, 64][i % 3]),  # fp8 stored as uint8
+        (PoolKind.MHA_FP4, "bfloat16", [256, 64, 128][i % 3]),
+    ]
+    for j, (kind, dtype, head_dim) in enumerate(variants):
+        src_ps, dst_ps = PAGE_SIZES[(i + j) % 3], PAGE_SIZES[(i + 2 * j + 1) % 3]
+        run_attention(kind, p, d, mha_refs(kind, heads, head_dim, dtype), rng, src_ps=src_ps, dst_ps=dst_ps,
+                      dtype=dtype, head_dim=head_dim, total_heads=heads)
+
+
+@pytest.mark.parametrize("src_ps,dst_ps", [(64, 16), (64, 1), (16, 64), (1, 64), (16, 16)])
+@pytest.mark.parametrize("mode", ["random", "contiguous"])
+def test_mha_page_sizes_differ(src_ps, dst_ps, mode):
+    rng = np.random.default_rng(src_ps * 7 + dst_ps)
+    for p, d in [(2, 4), (4, 2), (1, 1)]:
+        run_attention(PoolKind.MHA, p, d, mha_refs(PoolKind.MHA, 4, 64, "bfloat16"), rng, n=150, src_ps=src_ps,
+                      dst_ps=dst_ps, mode=mode, dtype="bfloat16", head_dim=64, total_heads=4)
+
+
+def test_mha_v_head_dim_differs():
+    rng = np.random.default_rng(5)
+    refs = [Ref(8, 128 * 2, "heads"), Ref(8, 64 * 2, "heads")]
+    for p, d in [(2, 8), (8, 2), (4, 4)]:
+        run_attention(PoolKind.MHA, p, d, refs, rng, dtype="bfloat16", head_dim=128, v_head_dim=64, total_heads=8)
+
+
+# -- MLA / NSA: replicated latent rows, one prefill rank per decode rank, spread ------------
+@pytest.mark.parametrize("d", TP)
+@pytest.mark.parametrize("p", TP)
+@pytest.mark.parametrize("kind", [PoolKind.MLA, PoolKind.MLA_FP4])
+def test_mla_replicated(kind, p, d):
+    rng = np.random.default_rng(p * 10 + d)
+    refs = ([Ref(1, 576 * 2, "replicated")] if kind is PoolKind.MLA
+            else [Ref(1, 576 // 2, "replicated"), Ref(1, 576 // 16, "replicated")])
+    src_ps, dst_ps = PAGE_SIZES[p % 3], PAGE_SIZES[d % 3]
+    src, dst = run_attention(kind, p, d, refs, rng, src_ps=src_ps, dst_ps=dst_ps, dtype="bfloat16", head_dim=576)
+    senders = [senders_for(x, p) for x in dst]
+    assert all(len(s) == 1 for s in senders)
+    assert {s[0] for s in senders} == set(range(min(p, d)))  # spread over prefill ranks
+
+
+@pytest.mark.parametrize("src_ps,dst_ps,mode", [(64, 64, "random"), (64, 16, "random"), (16, 64, "contiguous"),
+                                                (64, 1, "random"), (4, 4, "contiguous")])
+@pytest.mark.parametrize("p,d", [(1, 1), (2, 4), (8, 2)])
+def test_nsa_kv_and_index(p, d, src_ps, dst_ps, mode):
+    rng = np.random.default_rng(src_ps + dst_ps + p)
+    n, layers = 150, 2
+
+    def layouts(tp, ps):
+        pages = -(-n // ps) + 3
+        return [RankLayout.attention(PoolKind.NSA, tp_rank=r, tp_size=tp, page_size=ps, layer_ids=range(layers),
+                                     dtype="float8_e4m3fn", head_dim=656, num_slots=pages * ps)
+                .with_nsa_index(index_head_dim=128, num_pages=pages) for r in range(tp)], pages
+
+    (src, sp), (dst, dp) = layouts(p, src_ps), layouts(d, dst_ps)
+    src_slots, dst_slots = alloc_slots(rng, n, src_ps, sp, mode), alloc_slots(rng, n, dst_ps, dp, mode)
+    check_all_pairs(src, dst, [Ref(1, 656, "replicated")], layers, src_slots, dst_slots, rng)
+    index_refs = [Ref(1, 128, "replicated"), Ref(1, 4, "replicated")]  # fp8 rows, then fp32 scales
+    check_all_pairs(src, dst, index_refs, layers, src_slots, dst_slots, rng, state=True, sectioned=True)
+
+
+def test_nsa_index_whole_pages_merge_to_one_range():
+    n, ps, layers = 4 * 64, 64, 3
+    lay = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(layers),
+                               dtype="bfloat16", head_dim=576, num_slots=8 * ps).with_nsa_index(index_head_dim=128,
+                                                                                                   num_pages=8)
+    slots = np.arange(ps, ps + n)
+    plan = plan_state_transfer(lay, lay, slots, slots + ps)
+    sb, so, db, do, ln = plan.flatten()
+    assert plan.buffers is BufferSet.STATE
+    assert sb.tolist() == list(range(layers))  # data and scale sections of 4 whole pages: one range
+    assert (ln == 4 * ps * (128 + 4)).all() and (so == ps * (128 + 4)).all() and (do == 2 * ps * (128 + 4)).all()
+
+
+# -- Mamba: conv sub-blocks sharded on their own, temporal heads ---------------------------
+def mamba_layouts(tp, groups, heads=8, num_slots=6):
+    kv = dict(page_size=1, layer_ids=[0, 3], dtype="bfloat16", head_dim=64, total_heads=8, num_slots=16)
+    out = []
+    for r in range(tp):
+        base = RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, **kv)
+        out.append(base.with_mamba(
+            layer_ids=[1, 2, 4], num_slots=num_slots, conv_dims=[sum(g) // tp for g in groups],
+            conv_unit_bytes=[3 * 2] * len(groups), temporal_heads=heads // tp, temporal_head_bytes=16 * 4 * 4,
+            conv_shard_groups=groups))
+    return out
+
+
+@pytest.mark.parametrize("d", TP)
+@pytest.mark.parametrize("p", TP)
+def test_mamba_state(p, d):
+    rng = np.random.default_rng(p * 10 + d)
+    groups = [(64, 16, 16), (32, 32, 8)]  # e.g. [x | B | C] and [q | k | v] sizes, unsharded
+    refs = [Ref(sum(g), 3 * 2, "groups", g) for g in groups] + [Ref(8, 16 * 4 * 4, "groups", (8,))]
+    src, dst = mamba_layouts(p, groups), mamba_layouts(d, groups)
+    src_slot, dst_slot = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    check_all_pairs(src, dst, refs, 3, src_slot, dst_slot, rng, state=True)
+    check_all_pairs(src, dst, [Ref(8, 128, "heads")] * 2, 2, np.array([3, 4, 9]), np.array([7, 2, 3]), rng)
+
+
+def test_conv_groups_sharded_on_their_own_not_as_one_block():
+    """P=1 -> D=2 with [x | B | C]: decode rank 1 takes the second half of each sub-block."""
+    groups = [(8, 4, 4)]
+    src, dst = mamba_layouts(1, groups), mamba_layouts(2, groups)
+    plan = plan_state_transfer(src[0], dst[1], 1, 2)
+    sb, so, db, do, ln = plan.flatten()
+    conv0 = sb < 3  # conv tensor 0, layers 0..2
+    unit = 6
+    src_row = 16 * unit  # slot 1 of the prefill row: x[4:8], B[2:4], C[2:4]
+    assert so[conv0][:3].tolist() == [src_row + 4 * unit, src_row + 10 * unit, src_row + 14 * unit]
+    assert do[conv0][:3].tolist() == [2 * 8 * unit, 2 * 8 * unit + 4 * unit, 2 * 8 * unit + 6 * unit]
+
+
+def test_mamba_slots_are_ints_and_checked():
+    src = mamba_layouts(1, [(8, 4, 4)])[0]
+    with pytest.raises(TypeError, match="must be an int"):
+        plan_state_transfer(src, src, np.array([1]), 2)
+    with pytest.raises(ValueError, match=r"src_slots must lie in \[1, 6\)"):
+        plan_state_transfer(src, src, 0, 2)
+
+
+# -- coalescing ------------------------------------------------------------------------
+@pytest.mark.parametrize("src_ps,dst_ps", [(1, 1), (16, 1), (64, 16)])
+def test_contiguous_slots_give_one_range_per_buffer(src_ps, dst_ps):
+    n, layers = 300, 4
+    src = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=src_ps, layer_ids=range(layers),
+                               dtype="bfloat16", head_dim=128, total_heads=8, num_slots=1024)
+    dst = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=dst_ps, layer_ids=range(layers),
+                               dtype="bfloat16", head_dim=128, total_heads=8, num_slots=2048)
+    plan = plan_kv_transfer(src, dst, np.arange(64, 64 + n), np.arange(700, 700 + n))
+    sb, so, db, do, ln = plan.flatten()
+    row = 4 * 128 * 2
+    assert plan.num_runs == 1 and plan.num_entries == sb.size == 2 * layers
+    assert sb.tolist() == db.tolist() == list(range(2 * layers))
+    assert (so == 64 * row).all() and (do == 700 * row).all() and (ln == n * row).all()
+
+
+def test_runs_split_only_where_a_side_jumps():
+    lay = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+                               head_dim=64, num_slots=64)
+    src = np.array([5, 6, 7, 20, 21, 9])
+    dst = np.array([1, 2, 3, 4, 5, 6])
+    plan = plan_kv_transfer(lay, lay, src, dst)
+    assert list(zip(plan.run_src, plan.run_dst, plan.run_len)) == [(5, 1, 3), (20, 4, 2), (9, 6, 1)]
+
+
+def test_runs_that_continue_out_of_order_are_chained():
+    lay = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+                               head_dim=64, num_slots=64)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(40)  # one contiguous block on both sides, tokens in random order
+    plan = plan_kv_transfer(lay, lay, 10 + perm, 20 + perm)
+    assert (plan.num_runs, int(plan.run_src[0]), int(plan.run_dst[0]), int(plan.run_len[0])) == (1, 10, 20, 40)
+    plan = plan_kv_transfer(lay, lay, np.array([5, 3, 4, 30]), np.array([10, 8, 9, 40]))
+    assert sorted(zip(plan.run_src.tolist(), plan.run_dst.tolist(), plan.run_len.tolist())) == [(3, 8, 3), (30, 40, 1)]
+
+
+def test_empty_request_and_idle_pair():
+    mk = lambda r, tp: RankLayout.attention(  # noqa: E731
+        PoolKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16", head_dim=64,
+        total_heads=2, num_slots=32)
+    plan = plan_kv_transfer(mk(0, 1), mk(0, 1), np.zeros(0, int), np.zeros(0, int))
+    assert plan.empty and all(a.size == 0 for a in plan.flatten())
+    idle = plan_kv_transfer(mk(1, 2), mk(0, 2), [3, 4], [5, 6])  # prefill rank 1 holds head 1 only
+    assert idle.empty and idle.num_entries == 0 and senders_for(mk(0, 2), 2) == [0]
+
+
+# -- bad input -------------------------------------------------------------------------
+def _mha(**kw):
+    args = dict(tp_rank=0, tp_size=1, page_size=1, layer_ids=range(2), dtype="bfloat16", head_dim=128,
+                total_heads=8, num_slots=64)
+    args.update(kw)
+    return RankLayout.attention(PoolKind.MHA, **args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(head_dim=64), "head_dim: this side 128, peer 64"),
+    (dict(dtype="float16"), "dtype: this side 'bfloat16', peer 'float16'"),
+    (dict(layer_ids=range(1, 3)), r"layer_ids: this side \[0, 1\], peer \[1, 2\]"),
+    (dict(total_heads=16), "total_heads: this side 8, peer 16"),
+])
+def test_mismatch_raises_with_both_values(change, match):
+    with pytest.raises(LayoutMismatch, match=match):
+        plan_kv_transfer(_mha(), _mha(**change), [1], [1])
+
+
+def test_kind_mismatch():
+    mla = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=range(2),
+                               dtype="bfloat16", head_dim=128, num_slots=64)
+    with pytest.raises(LayoutMismatch, match="kind: this side mha, peer mla"):
+        plan_kv_transfer(_mha(), mla, [1], [1])
+
+
+def test_tp_that_cannot_split_heads():
+    with pytest.raises(LayoutMismatch, match="total heads 8 and TP size 3 must divide one another"):
+        _mha(tp_size=3)
+    with pytest.raises(LayoutMismatch, match="total heads 8 and TP size 3"):
+        senders_for(_mha(), 3)
+    with pytest.raises(LayoutMismatch, match=r"divide by TP size 4, got groups \[6, 4, 6\]"):
+        mamba_layouts(4, [(6, 4, 6)])
+
+
+def test_conv_groups_mismatch():
+    with pytest.raises(LayoutMismatch, match=r"conv_shard_groups: this side \[\[8, 4, 4\]\], peer \[\[4, 4, 8\]\]"):
+        plan_state_transfer(mamba_layouts(1, [(8, 4, 4)])[0], mamba_layouts(1, [(4, 4, 8)])[0], 1, 1)
+
+
+def test_bad_slots():
+    lay = _mha(page_size=16, num_slots=64)
+    with pytest.raises(ValueError, match="equal length, got 2 and 1"):
+        plan_kv_transfer(lay, lay, [16, 17], [16])
+    with pytest.raises(ValueError, match=r"src_slots must lie in \[16, 64\) \(page 0 is padding\), got values in \[3, 17\]"):
+        plan_kv_transfer(lay, lay, [3, 17], [16, 17])
+    with pytest.raises(ValueError, match="dst_slots must be distinct: 2 slots, 1 distinct"):
+        plan_kv_transfer(lay, lay, [16, 17], [20, 20])
+    with pytest.raises(TypeError, match="must hold integers"):
+        plan_kv_transfer(lay, lay, [16.0], [20])
+    with pytest.raises(ValueError, match="needs layouts with state"):
+        plan_state_transfer(lay, lay, 1, 1)
+    with pytest.raises(TypeError, match="src must be a RankLayout"):
+        plan_kv_transfer("x", lay, [16], [16])
