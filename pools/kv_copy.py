@@ -51,6 +51,10 @@ __all__ = [
     "move_kv_cache_native",
     "kernel_for_current_env",
     "triton_available",
+    "LaunchConfig",
+    "launch_config",
+    "launch",
+    "warmup",
     "SINGLE_BLOCK_MAX_LOCS",
 ]
 
@@ -223,14 +227,21 @@ class LaunchConfig:
     grid: Tuple[int, int, int]
 
 
-def launch_config(table: KVCopyTable, num_locs: int) -> LaunchConfig:
-    """Tile sizes for moving ``num_locs`` rows of ``table``'s buffers."""
-    if num_locs <= SINGLE_BLOCK_MAX_LOCS:
-        block_locs = max(4, _next_pow2(num_locs))
-    else:
-        block_locs = _BLOCK_LOCS_LARGE
+def launch_config(
+    table: KVCopyTable, num_locs: int, block_locs: Optional[int] = None, program_bytes: int = _PROGRAM_BYTES
+) -> LaunchConfig:
+    """Tile sizes for moving ``num_locs`` rows of ``table``'s buffers.
+
+    Default ``block_locs``: one block of ``next_pow2(num_locs)`` rows up to
+    ``SINGLE_BLOCK_MAX_LOCS`` (overlap-safe), else 32. A program moves at most
+    ``program_bytes`` (a power of two, >= one word per row). Overrides serve tuning.
+    """
+    if block_locs is None:
+        block_locs = max(4, _next_pow2(num_locs)) if num_locs <= SINGLE_BLOCK_MAX_LOCS else _BLOCK_LOCS_LARGE
+    if block_locs <= 0 or block_locs & (block_locs - 1):
+        raise ValueError(f"block_locs must be a power of two, got {block_locs}")
     row_words = max(1, table.max_row_bytes // table.word_bytes)
-    budget_words = max(1, _PROGRAM_BYTES // table.word_bytes // block_locs)
+    budget_words = max(1, program_bytes // table.word_bytes // block_locs)
     block_words = min(_next_pow2(row_words), 1 << (budget_words.bit_length() - 1))
     tile_bytes = block_locs * block_words * table.word_bytes
     num_warps = 8 if tile_bytes >= 16 * 1024 else 4
@@ -285,11 +296,14 @@ def move_kv_cache(
     if backend is MoveBackend.NATIVE:
         move_kv_cache_native(table.buffers, tgt_loc, src_loc)
         return
-    _launch(table, tgt_loc.contiguous(), src_loc.contiguous(), num_locs)
+    launch(table, tgt_loc.contiguous(), src_loc.contiguous(), launch_config(table, num_locs))
 
 
-def _launch(table: KVCopyTable, tgt_loc: torch.Tensor, src_loc: torch.Tensor, num_locs: int) -> None:
-    cfg = launch_config(table, num_locs)
+def launch(table: KVCopyTable, tgt_loc: torch.Tensor, src_loc: torch.Tensor, cfg: LaunchConfig) -> None:
+    """Launch the kernel with ``cfg`` as is: no checks (``move_kv_cache`` is the checked
+    entry point; this one serves warm-up and tuning). ``cfg.grid[0] * cfg.block_locs`` must
+    cover ``len(tgt_loc)``."""
+    num_locs = tgt_loc.numel()
     kernel = kernel_for_current_env()
     kernel[cfg.grid](
         table.data_ptrs,
@@ -314,4 +328,4 @@ def warmup(table: KVCopyTable, num_locs: Optional[Sequence[int]] = None) -> None
         return
     for n in num_locs or (1, SINGLE_BLOCK_MAX_LOCS, SINGLE_BLOCK_MAX_LOCS + 1):
         zeros = torch.zeros(n, dtype=torch.int64, device=table.device)
-        _launch(table, zeros, zeros, n)
+        launch(table, zeros, zeros, launch_config(table, n))
