@@ -1,0 +1,91 @@
+"""The receiving process of the NIXL loopback tests (started with multiprocessing "spawn").
+
+It owns a :class:`NixlTransport` with zeroed regions, sends its export through the pipe, then
+loops: poll notifications (which also drives UCX progress) and answer commands. For every
+notification it immediately hashes the byte ranges the payload names, so the parent can check
+that the data was already in place when the notification was seen.
+
+Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
+Messages to the parent: ``("ready", export)``, ``("notif", payload, sha256_hex)``,
+``("dump", bytes)``, ``("export", bytes)``, ``("bye",)``.
+Commands from the parent: ``("dump", region)``, ``("deregister", region)``, ``("quit",)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import msgpack
+
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
+
+
+def payload(tag: int, ranges) -> bytes:
+    """Notification payload naming the destination ranges ``[(region, offset, length), ...]``."""
+    return msgpack.packb([tag, [[int(r), int(o), int(n)] for r, o, n in ranges]])
+
+
+def digest(views) -> str:
+    h = hashlib.sha256()
+    for v in views:
+        h.update(memoryview(v))
+    return h.hexdigest()
+
+
+class _Buffers:
+    """Zeroed regions on host (numpy) or on one CUDA device (torch), readable as bytes."""
+
+    def __init__(self, sizes, cuda_device):
+        self.cuda_device = cuda_device
+        if cuda_device is None:
+            import numpy as np
+
+            self.arrays = [np.zeros(n, dtype=np.uint8) for n in sizes]  # [n] bytes each
+        else:
+            import torch
+
+            torch.cuda.set_device(cuda_device)
+            self.arrays = [torch.zeros(n, dtype=torch.uint8, device=f"cuda:{cuda_device}") for n in sizes]
+            torch.cuda.synchronize()
+
+    def register(self, transport) -> list[int]:
+        if self.cuda_device is None:
+            return [transport.register(a.ctypes.data, a.nbytes) for a in self.arrays]
+        return [transport.register_tensor(t) for t in self.arrays]
+
+    def read(self, index: int, offset: int = 0, length: int | None = None) -> bytes:
+        a = self.arrays[index]
+        end = len(a) if length is None else offset + length
+        if self.cuda_device is None:
+            return a[offset:end].tobytes()
+        return a[offset:end].cpu().numpy().tobytes()
+
+
+def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False) -> None:
+    for key, value in {**LOOPBACK_ENV, **(env or {})}.items():
+        os.environ[key] = value
+    from transport.nixl import NixlConfig, NixlTransport
+
+    buffers = _Buffers(sizes, cuda_device)
+    with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
+        ids = buffers.register(transport)
+        conn.send(("ready", transport.export()))
+        while True:
+            for note in transport.poll_notifications():
+                _, ranges = msgpack.unpackb(note)
+                got = digest(buffers.read(ids.index(r), o, n) for r, o, n in ranges)
+                conn.send(("notif", note, got))
+            if not conn.poll(0):
+                time.sleep(1e-4)
+                continue
+            cmd = conn.recv()
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "dump":
+                conn.send(("dump", buffers.read(ids.index(cmd[1]))))
+            elif cmd[0] == "deregister":
+                transport.deregister(cmd[1])
+                conn.send(("export", transport.export()))
+    conn.send(("bye",))

@@ -1,0 +1,452 @@
+"""NIXL backend: real transfers between this process and a spawned receiver over loopback UCX.
+
+The receiver (tests/transport/_nixl_peer.py) owns zeroed regions; this process writes into them
+and then reads them back through the pipe. Expected bytes come from a numpy reference built
+entry by entry here, independent of the transport's descriptor building.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+pytest.importorskip("transport._nixl_import").load_nixl_api()
+
+from tests.transport import _nixl_peer  # noqa: E402
+from transport.base import (  # noqa: E402
+    PeerDescriptorError,
+    TransferFailed,
+    TransferStatus,
+    TransportClosed,
+    WriteBatch,
+    pack_descriptor,
+)
+from transport.nixl import NixlConfig, NixlTransport  # noqa: E402
+
+MiB = 1 << 20
+# Over tcp alone a write is asynchronous (with sm, UCX's cma copy finishes inside the post),
+# which the abort / stall / kill tests need to catch a transfer in flight.
+TCP_ONLY = {"UCX_TLS": "tcp,self"}
+
+
+class Receiver:
+    """A spawned receiver process and its pipe; notifications are collected as they come."""
+
+    def __init__(self, sizes, env=None, cuda_device=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_nixl_peer.serve, args=(child, list(sizes)), kwargs={"env": env, "cuda_device": cuda_device}
+        )
+        self.proc.start()
+        child.close()
+        self.notes: list[tuple[bytes, str]] = []  # (payload, digest seen at arrival)
+        self.export = self._expect("ready", 60.0)[1]
+
+    def _expect(self, kind, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.05):
+                msg = self.conn.recv()
+                if msg[0] == "notif":
+                    self.notes.append((msg[1], msg[2]))
+                    continue
+                if msg[0] != kind:
+                    raise AssertionError(f"expected {kind!r} from the receiver, got {msg[0]!r}")
+                return msg
+            if not self.proc.is_alive():
+                raise AssertionError(f"receiver exited with code {self.proc.exitcode}")
+        raise AssertionError(f"no {kind!r} from the receiver within {timeout} s")
+
+    def wait_notes(self, count, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while len(self.notes) < count and time.monotonic() < deadline:
+            if self.conn.poll(0.05):
+                msg = self.conn.recv()
+                if msg[0] == "notif":
+                    self.notes.append((msg[1], msg[2]))
+        assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
+        return self.notes
+
+    def dump(self, region) -> np.ndarray:
+        self.conn.send(("dump", region))
+        return np.frombuffer(self._expect("dump", 30.0)[1], dtype=np.uint8)
+
+    def deregister(self, region) -> bytes:
+        self.conn.send(("deregister", region))
+        return self._expect("export", 30.0)[1]
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
+                self.conn.send(("quit",))
+                self._expect("bye", 10.0)
+            except (AssertionError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+@pytest.fixture
+def receiver():
+    started = []
+
+    def start(sizes, env=None, cuda_device=None):
+        r = Receiver(sizes, env, cuda_device)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture
+def writer(monkeypatch):
+    """A factory of writing transports, closed at teardown; ``env`` overrides UCX variables."""
+    made = []
+
+    def make(env=None, **config):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        t = NixlTransport(NixlConfig(**config))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def wb(src_region, src_offset, dst_region, dst_offset, length) -> WriteBatch:
+    """A WriteBatch with scalars broadcast against the arrays."""
+    arrays = np.broadcast_arrays(*(np.atleast_1d(np.asarray(a, dtype=np.int64)) for a in
+                                   (src_region, src_offset, dst_region, dst_offset, length)))
+    return WriteBatch.of(*arrays)
+
+
+def host_region(transport, nbytes, seed):
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)  # [nbytes]
+    return data, transport.register(data.ctypes.data, data.nbytes)
+
+
+def sha(chunks) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c.tobytes())
+    return h.hexdigest()
+
+
+def mixed_batch(rng, num, src_sizes, dst_sizes, big=4):
+    """``num`` entries of 64 B .. 4 MiB (``big`` of them 4 MiB) to randomly permuted, disjoint
+    destinations spread over the destination regions; sources are random and may overlap."""
+    sizes, weights = [64, 100, 1000, 4096, 16384, 65536], [0.2, 0.2, 0.2, 0.2, 0.15, 0.05]
+    length = rng.choice(sizes, size=num, p=weights).astype(np.int64)
+    length[rng.choice(num, big, replace=False)] = 4 * MiB
+    length[rng.choice(num, 4, replace=False)] = 64
+    src_region = rng.integers(0, len(src_sizes), num)
+    src_offset = rng.integers(0, np.asarray(src_sizes)[src_region] - length + 1)
+    order = rng.permutation(num)  # destination layout order
+    dst_region = np.empty(num, np.int64)
+    dst_offset = np.empty(num, np.int64)
+    region, cursor = 0, 0
+    for i in order:  # pack destinations, with random gaps, region after region
+        gap = int(rng.integers(0, 64))
+        if cursor + gap + length[i] > dst_sizes[region]:
+            region, cursor = region + 1, 0
+        dst_region[i], dst_offset[i] = region, cursor + gap
+        cursor += gap + int(length[i])
+    return src_region, src_offset, dst_region, dst_offset, length
+
+
+def reference(srcs, dst_sizes, entries):
+    """What the destination regions must hold: zeros, then each entry's source bytes."""
+    out = [np.zeros(n, np.uint8) for n in dst_sizes]
+    for sr, so, dr, do, n in zip(*entries):
+        out[dr][do : do + n] = srcs[sr][so : so + n]
+    return out
+
+
+def assert_same(got, want, what):
+    if not np.array_equal(got, want):
+        bad = np.flatnonzero(got != want)
+        raise AssertionError(f"{what}: {bad.size} bytes differ, first at {bad[0]} (got {got[bad[0]]}, want {want[bad[0]]})")
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def test_mixed_batch_lands_byte_for_byte(writer, receiver):
+    src_sizes, dst_sizes = [16 * MiB, 12 * MiB], [32 * MiB, 32 * MiB]
+    rx = receiver(dst_sizes)
+    t = writer()
+    srcs, ids = zip(*(host_region(t, n, seed) for seed, n in enumerate(src_sizes)))
+    peer = t.connect(rx.export)
+    assert sorted(peer.regions) == [0, 1]
+    rng = np.random.default_rng(7)
+    entries = mixed_batch(rng, 4000, src_sizes, dst_sizes)
+    sr, so, dr, do, n = entries
+    batch = wb(np.asarray(ids)[sr], so, dr, do, n)
+    note = _nixl_peer.payload(1, [(r, 0, size) for r, size in enumerate(dst_sizes)])
+    peer.write(batch, notify=note).wait(60)
+    want = reference(srcs, dst_sizes, entries)
+    (got_note, got_digest), = rx.wait_notes(1)
+    assert got_note == note
+    assert got_digest == sha(want), "the notification was seen before the data landed"
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"destination region {r}")
+
+
+def test_sequential_notifications_arrive_in_order_after_their_data(writer, receiver):
+    rx = receiver([4 * MiB])
+    t = writer()
+    src, sid = host_region(t, 4 * MiB, 3)
+    peer = t.connect(rx.export)
+    rng = np.random.default_rng(11)
+    want = []
+    for seq in range(20):
+        size = int(rng.integers(1, 64)) * 4096
+        start = int(rng.integers(0, 4 * MiB - size))
+        # the range as 16 entries in shuffled order
+        parts = np.array_split(np.arange(start, start + size, 256), 16)
+        offs = np.array([p[0] for p in parts], np.int64)
+        lens = np.array([len(p) * 256 for p in parts], np.int64)
+        perm = rng.permutation(16)
+        note = _nixl_peer.payload(seq, [(0, start, size)])
+        peer.write(wb(sid, offs[perm], 0, offs[perm], lens[perm]), notify=note).wait(30)
+        want.append((note, sha([src[start : start + size]])))
+    assert rx.wait_notes(20) == want
+
+
+def test_many_transfers_in_flight(writer, receiver):
+    num, chunk = 64, 64 * 1024
+    rx = receiver([num * chunk])
+    t = writer()
+    src, sid = host_region(t, num * chunk, 5)
+    peer = t.connect(rx.export)
+    rng = np.random.default_rng(13)
+    dst_slot = rng.permutation(num)
+    transfers, want = [], {}
+    for i in range(num):  # transfer i: source chunk i -> destination slot dst_slot[i], in 32 pieces
+        piece = np.arange(32, dtype=np.int64) * (chunk // 32)
+        note = _nixl_peer.payload(i, [(0, dst_slot[i] * chunk, chunk)])
+        batch = wb(sid, i * chunk + piece, 0, dst_slot[i] * chunk + piece, chunk // 32)
+        transfers.append(peer.write(batch, notify=note))
+        want[note] = sha([src[i * chunk : (i + 1) * chunk]])
+    for tr in transfers:
+        tr.wait(30)
+    assert all(tr.status() is TransferStatus.DONE for tr in transfers)
+    notes = rx.wait_notes(num)
+    assert dict(notes) == want and len(notes) == num
+    expected = np.empty(num * chunk, np.uint8)
+    for i in range(num):
+        expected[dst_slot[i] * chunk : (dst_slot[i] + 1) * chunk] = src[i * chunk : (i + 1) * chunk]
+    assert_same(rx.dump(0), expected, "destination")
+
+
+def test_empty_batch_still_notifies(writer, receiver):
+    rx = receiver([4096])
+    t = writer()
+    peer = t.connect(rx.export)
+    note = _nixl_peer.payload(0, [])
+    tr = peer.write(WriteBatch.of([], [], [], [], []), notify=note)
+    tr.wait(30)
+    assert peer.write(WriteBatch.of([], [], [], [], [])).status() is TransferStatus.DONE
+    assert rx.wait_notes(1)[0][0] == note
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def big_batch(sid, nbytes, block, rng):
+    n = nbytes // block
+    offs = np.arange(n, dtype=np.int64) * block
+    return wb(sid, offs, 0, rng.permutation(offs), block)
+
+
+def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
+    rx = receiver([64 * MiB], env=TCP_ONLY)
+    t = writer(env=TCP_ONLY, peer_loss_timeout_s=5.0)
+    src, sid = host_region(t, 64 * MiB, 1)
+    peer = t.connect(rx.export)
+    rng = np.random.default_rng(0)
+    peer.write(big_batch(sid, 4 * MiB, 4096, rng)).wait(30)  # connection up
+    inflight = [peer.write(big_batch(sid, 64 * MiB, 4096, rng)) for _ in range(4)]
+    os.kill(rx.proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    rx.proc.join(5)
+    later = peer.write(big_batch(sid, 1 * MiB, 4096, rng))  # posted after the death
+    for tr in (*inflight, later):
+        with pytest.raises(TransferFailed, match="peer|DISCONNECT"):
+            tr.wait(15)
+        assert tr.status() is TransferStatus.FAILED and tr.error
+    assert time.monotonic() - start < 12.0
+
+
+def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
+    rx = receiver([16 * MiB], env=TCP_ONLY)
+    t = writer(env=TCP_ONLY, peer_loss_timeout_s=1.0)
+    src, sid = host_region(t, 16 * MiB, 2)
+    peer = t.connect(rx.export)
+    rng = np.random.default_rng(1)
+    peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    tr = peer.write(big_batch(sid, 16 * MiB, 4096, rng))
+    with pytest.raises(TransferFailed, match="stalled|peer"):
+        tr.wait(20)
+    assert time.monotonic() - start < 1.0 + 16 * MiB / 0.1e9 + 3.0
+
+
+def test_abort_in_flight_then_write_again(writer, receiver):
+    rx = receiver([32 * MiB], env=TCP_ONLY)
+    t = writer(env=TCP_ONLY)
+    src, sid = host_region(t, 32 * MiB, 4)
+    peer = t.connect(rx.export)
+    rng = np.random.default_rng(2)
+    peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)
+    posted = [peer.write(big_batch(sid, 32 * MiB, 4096, rng)) for _ in range(6)]
+    aborted = [tr for tr in posted if tr.status() is TransferStatus.PENDING]
+    assert aborted, "every write finished inside its post; nothing left to abort"
+    for tr in aborted:
+        tr.abort()
+        assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+        with pytest.raises(TransferFailed, match="aborted"):
+            tr.wait(1)
+        tr.abort()  # no-op now
+    # the transport stays usable: a fresh write lands and notifies
+    note = _nixl_peer.payload(9, [(0, 0, 1 * MiB)])
+    done = peer.write(wb(sid, 0, 0, 0, 1 * MiB), notify=note)
+    done.wait(30)
+    done.abort()  # no-op on a finished transfer
+    assert done.status() is TransferStatus.DONE
+    notes = rx.wait_notes(1)
+    assert notes[-1] == (note, sha([src[: 1 * MiB]]))
+
+
+def test_bad_peer_descriptors(writer):
+    t = writer()
+    other = writer()
+    good = other.export()
+    with pytest.raises(PeerDescriptorError, match="not valid msgpack"):
+        t.connect(good[: len(good) // 2])
+    with pytest.raises(PeerDescriptorError, match="must be bytes"):
+        t.connect("not bytes")
+    with pytest.raises(PeerDescriptorError, match="backend 'nvlink'"):
+        t.connect(pack_descriptor("nvlink", [], agent="x", metadata=b"x", scratch=1))
+    with pytest.raises(PeerDescriptorError, match="lacks fields"):
+        t.connect(pack_descriptor("nixl", []))
+    with pytest.raises(PeerDescriptorError, match="'metadata' must be non-empty bytes"):
+        t.connect(pack_descriptor("nixl", [], agent="x", metadata="str", scratch=1))
+    with pytest.raises(PeerDescriptorError, match="'scratch' must be a positive address"):
+        t.connect(pack_descriptor("nixl", [], agent="x", metadata=b"x", scratch=-4))
+    body = msgpack.unpackb(good)
+    body["metadata"] = body["metadata"][: len(body["metadata"]) // 2]
+    with pytest.raises(PeerDescriptorError, match="NIXL rejected the metadata"):
+        t.connect(msgpack.packb(body))
+    body = msgpack.unpackb(good)
+    body["agent"] = "someone-else"
+    with pytest.raises(PeerDescriptorError, match="metadata is of"):
+        t.connect(msgpack.packb(body))
+    with pytest.raises(PeerDescriptorError, match="own export"):
+        t.connect(t.export())
+    peer = t.connect(good)  # the failures above left nothing half-connected
+    assert peer.name == other.name
+
+
+def test_bad_batches_and_deregistered_regions(writer, receiver):
+    rx = receiver([1 * MiB, 1 * MiB])
+    t = writer()
+    src, sid = host_region(t, 1 * MiB, 6)
+    spare, spare_id = host_region(t, 4096, 7)
+    peer = t.connect(rx.export)
+    with pytest.raises(ValueError, match=r"batch entry 1: destination \(peer\) range .* outside region 1"):
+        peer.write(wb(sid, [0, 0], [0, 1], [0, 1 * MiB - 10], 64))
+    with pytest.raises(ValueError, match="batch entry 0: source .* region 9 is not registered"):
+        peer.write(wb(9, 0, 0, 0, 64))
+    with pytest.raises(TypeError, match="notify must be non-empty bytes"):
+        peer.write(wb(sid, 0, 0, 0, 64), notify=b"")
+    with pytest.raises(TypeError, match="WriteBatch"):
+        peer.write((sid, 0, 0, 0, 64))
+    t.deregister(spare_id)
+    with pytest.raises(ValueError, match=f"region {spare_id} is not registered"):
+        peer.write(wb(spare_id, 0, 0, 0, 64))
+    with pytest.raises(KeyError, match="not registered"):
+        t.deregister(spare_id)
+    # the receiver drops its region 1 and re-exports; the new snapshot replaces the old peer
+    fresh = t.connect(rx.deregister(1))
+    with pytest.raises(TransportClosed, match="closed"):
+        peer.write(wb(sid, 0, 0, 0, 64))
+    with pytest.raises(ValueError, match="destination \\(peer\\) region 1 is not registered"):
+        fresh.write(wb(sid, 0, 1, 0, 64))
+    fresh.write(wb(sid, 0, 0, 0, 4096)).wait(30)  # region 0 still works
+    assert_same(rx.dump(0)[:4096], src[:4096], "region 0")
+
+
+def test_close_is_idempotent_and_final(writer):
+    with NixlTransport() as t:
+        other = writer()
+        data, rid = host_region(t, 4096, 8)
+        peer = t.connect(other.export())
+        assert dict(t.regions)[rid].length == 4096
+    t.close()
+    with pytest.raises(TransportClosed):
+        t.export()
+    with pytest.raises(TransportClosed):
+        peer.write(wb(rid, 0, 0, 0, 64))
+    with pytest.raises(TransportClosed):
+        t.register(data.ctypes.data, 64)
+    peer.close()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="peer_loss_timeout_s must be > 0"):
+        NixlConfig(peer_loss_timeout_s=0)
+    with pytest.raises(ValueError, match="backends must be a non-empty tuple"):
+        NixlConfig(backends=["UCX"])
+    with pytest.raises(TypeError, match="NixlConfig"):
+        NixlTransport({"progress_thread": True})
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+CUDA_ENV = {"UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
+    import torch
+
+    sizes = [12 * MiB, 12 * MiB]
+    rx = receiver(sizes, env=CUDA_ENV, cuda_device=1)
+    t = writer(env=CUDA_ENV)
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(21)
+    src = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, generator=gen)  # [bytes] host copy
+    src_cuda = src.to("cuda:0")
+    torch.cuda.synchronize()
+    sid = t.register_tensor(src_cuda)
+    assert t.regions[sid].device == 0
+    peer = t.connect(rx.export)
+    assert all(r.device == 1 for r in peer.regions.values())
+    rng = np.random.default_rng(3)
+    entries = mixed_batch(rng, 1000, [16 * MiB], sizes, big=2)
+    sr, so, dr, do, n = entries
+    note = _nixl_peer.payload(1, [(r, 0, size) for r, size in enumerate(sizes)])
+    peer.write(wb(np.full(len(n), sid), so, dr, do, n), notify=note).wait(60)
+    want = reference([src.numpy()], sizes, entries)
+    assert rx.wait_notes(1)[0] == (note, sha(want))
+    for r in range(len(sizes)):
+        assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
