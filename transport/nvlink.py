@@ -307,11 +307,8 @@ class NvlinkPeer(Peer):
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
         n = len(batch)
         host = torch.empty((3, n), dtype=torch.int64, pin_memory=True)  # [3, num_rows]
-        rows = kern.build_row_table(
-            owner._src_base, batch.src_region, batch.src_offset,
-            self._dst_base, batch.dst_region, batch.dst_offset, batch.length, out=host.numpy(),
-        )
-        plan = kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
+        rows = self.row_table(batch, out=host.numpy(), checked=True)
+        plan = self.launch_plan(batch, rows)
         dev = torch.device("cuda", self._device)
         stream = owner._stream()
         if self._config.wait_current_stream:
@@ -326,6 +323,27 @@ class NvlinkPeer(Peer):
             self._pending.append(transfer)
         owner._progress.wake()
         return transfer
+
+    def row_table(self, batch: WriteBatch, out: Optional[np.ndarray] = None, checked: bool = False) -> np.ndarray:
+        """The ``[3, n]`` row table (source address, destination address, bytes) this peer
+        launches for ``batch`` (see :mod:`transport.nvlink_kernel`); benchmarks time the kernel
+        on it. ``checked``: the caller already ran ``batch.check_bounds``."""
+        if not checked:
+            batch.check_bounds(self._owner.regions, self.regions)
+        return kern.build_row_table(
+            self._owner._src_base, batch.src_region, batch.src_offset,
+            self._dst_base, batch.dst_region, batch.dst_offset, batch.length, out=out,
+        )
+
+    def launch_plan(self, batch: WriteBatch, rows: np.ndarray) -> kern.LaunchPlan:
+        """Copy path and tile shape for ``batch`` (``rows`` from :meth:`row_table`)."""
+        n = len(batch)
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
+
+    @property
+    def device(self) -> int:
+        """The local GPU that runs this peer's copies."""
+        return self._device
 
     def _advance(self) -> bool:
         """Move the FIFO of pending transfers forward; True while some remain pending."""

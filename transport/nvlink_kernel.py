@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 __all__ = [
     "CopyPath",
     "KernelConfig",
+    "LaunchPlan",
     "build_row_table",
     "choose_path",
     "check_row_table",

@@ -1,0 +1,431 @@
+"""The nvlink backend: pure parts on CPU (row tables, paths, validation, descriptors, the
+mailbox, the kernel under Triton's interpreter); two processes on two GPUs (marked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from transport import nvlink_kernel as kern
+from transport.base import (
+    PeerDescriptorError,
+    Region,
+    TransferFailed,
+    TransferStatus,
+    TransportClosed,
+    WriteBatch,
+    pack_descriptor,
+)
+from transport.nvlink import (
+    NvlinkConfig,
+    NvlinkTransport,
+    NvlinkUnsupported,
+    _Inbox,
+    _Outbox,
+    host_id,
+    parse_descriptor,
+)
+
+HANDLE = bytes(range(64))
+
+
+def _rows_reference(src_base, src_region, src_offset, dst_base, dst_region, dst_offset, length):
+    return np.array(
+        [
+            [src_base[r] + o for r, o in zip(src_region, src_offset)],
+            [dst_base[r] + o for r, o in zip(dst_region, dst_offset)],
+            list(length),
+        ],
+        dtype=np.int64,
+    ).reshape(3, len(length))
+
+
+# -- row tables, paths, launch plans ----------------------------------------------------------
+
+
+def test_build_row_table_matches_reference():
+    rng = np.random.default_rng(1)
+    src_base = rng.integers(1, 2**40, 5) * 256
+    dst_base = rng.integers(1, 2**40, 7) * 256
+    n = 50
+    args = (
+        src_base, rng.integers(0, 5, n), rng.integers(0, 10**6, n),
+        dst_base, rng.integers(0, 7, n), rng.integers(0, 10**6, n), rng.integers(1, 5000, n),
+    )
+    np.testing.assert_array_equal(kern.build_row_table(*args), _rows_reference(*args))
+    out = np.empty((3, n), dtype=np.int64)
+    assert kern.build_row_table(*args, out=out) is out
+    with pytest.raises(ValueError, match=r"out must be a \[3, 50\] int64 array"):
+        kern.build_row_table(*args, out=np.empty((3, n), dtype=np.int32))
+
+
+@pytest.mark.parametrize(
+    "addr_mult, len_mult, want",
+    [(16, 16, kern.CopyPath.VEC16), (16, 8, kern.CopyPath.VEC8), (8, 32, kern.CopyPath.VEC8),
+     (16, 3, kern.CopyPath.BYTES), (2, 16, kern.CopyPath.BYTES)],
+)
+def test_choose_path_takes_the_widest_alignment_every_row_allows(addr_mult, len_mult, want):
+    rng = np.random.default_rng(2)
+    rows = np.stack([rng.integers(1, 1000, 9) * addr_mult, rng.integers(1, 1000, 9) * 16, rng.integers(1, 9, 9) * len_mult])
+    rows[:, 0] = [4096, 4096, 16]  # one fully aligned row does not decide the path
+    if addr_mult % 16 or len_mult % 16:  # make sure one row really is misaligned
+        rows[0, 3] = 4096 + addr_mult if addr_mult % 16 else rows[0, 3]
+        rows[2, 3] = len_mult if len_mult % 16 else rows[2, 3]
+    assert kern.choose_path(rows) is want
+
+
+@pytest.mark.parametrize("path", list(kern.CopyPath))
+@pytest.mark.parametrize("n, max_len", [(1, 16), (1000, 256), (77, 2048), (5, 131072)])
+def test_plan_launch_covers_every_row_and_its_length(path, n, max_len):
+    cfg = kern.KernelConfig()
+    plan = kern.plan_launch(n, max_len, path, cfg)
+    assert plan.num_programs * plan.block_r >= n > (plan.num_programs - 1) * plan.block_r
+    assert plan.block_c & (plan.block_c - 1) == 0 and plan.block_r & (plan.block_r - 1) == 0
+    assert plan.block_r * plan.block_c * path.elem_bytes <= max(cfg.tile_bytes, plan.block_c * path.elem_bytes)
+    if max_len <= cfg.max_block_c_bytes:  # a short row is one step
+        assert plan.block_c * path.elem_bytes >= max_len
+
+
+def test_kernel_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="tile_bytes must be a power of two >= 16, got 1000"):
+        kern.KernelConfig(tile_bytes=1000)
+    with pytest.raises(ValueError, match="num_warps must be one of"):
+        kern.KernelConfig(num_warps=3)
+
+
+def test_check_row_table_names_what_was_expected():
+    import torch
+
+    good = torch.zeros((3, 4), dtype=torch.int64)
+    kern.check_row_table(good, "cpu")
+    with pytest.raises(TypeError, match="rows must be a torch.Tensor, got ndarray"):
+        kern.check_row_table(good.numpy(), "cpu")
+    with pytest.raises(TypeError, match="rows must have dtype torch.int64, got torch.int32"):
+        kern.check_row_table(good.int(), "cpu")
+    with pytest.raises(ValueError, match=r"rows must have shape \[3, num_rows\], got \[4, 3\]"):
+        kern.check_row_table(torch.zeros((4, 3), dtype=torch.int64), "cpu")
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        kern.check_row_table(torch.zeros((4, 3), dtype=torch.int64).t(), "cpu")
+    with pytest.raises(ValueError, match="rows must be on cuda:0, got cpu"):
+        kern.check_row_table(good, "cuda:0")
+
+
+_INTERPRET_SCRIPT = r"""
+import numpy as np, torch
+from transport import nvlink_kernel as kern
+rng = np.random.default_rng(3)
+src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
+dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 9000, 7000)]
+for unit, cfg in ((16, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=64)),
+                  (8, kern.KernelConfig(tile_bytes=128, max_block_c_bytes=32)),
+                  (1, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=32))):
+    for d in dst:
+        d.random_(0, 256)
+    want = [d.clone() for d in dst]
+    n = 12
+    length = rng.integers(1, 40, n) * unit  # rows of different lengths, some longer than one step
+    sr, dr = rng.integers(0, 2, n), rng.integers(0, 3, n)
+    so = np.array([rng.integers(0, (src[r].numel() - l) // unit) * unit for r, l in zip(sr, length)])
+    # destinations: disjoint slots per region so rows never overlap
+    slot = 320 if unit > 1 else 40
+    do = np.zeros(n, dtype=np.int64)
+    for r in range(3):
+        idx = np.flatnonzero(dr == r)
+        do[idx] = rng.permutation(dst[r].numel() // slot)[: idx.size] * slot
+    length = np.minimum(length, slot)
+    for i in range(n):
+        want[dr[i]][do[i]:do[i] + length[i]] = src[sr[i]][so[i]:so[i] + length[i]]
+    rows = kern.build_row_table(np.array([t.data_ptr() for t in src]), sr, so,
+                                np.array([t.data_ptr() for t in dst]), dr, do, length)
+    path = kern.choose_path(rows)
+    assert path.value == unit or (unit == 16 and path.value == 16), (path, unit)
+    kern.scatter_rows(torch.from_numpy(rows), kern.plan_launch(n, int(length.max()), path, cfg), "cpu")
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), (unit, (d != w).nonzero()[:5])
+print("KERNEL-OK")
+"""
+
+
+def test_kernel_indexing_under_triton_interpreter():
+    """Every path, rows of several lengths across regions, against a Python reference."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=240
+    )
+    assert "KERNEL-OK" in out.stdout, out.stdout + out.stderr
+
+
+# -- configuration, registration, descriptors ---------------------------------------------------
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="peer_timeout_s must be a positive number of seconds, got 0"):
+        NvlinkConfig(peer_timeout_s=0)
+    with pytest.raises(ValueError, match="ipc_api must be one of"):
+        NvlinkConfig(ipc_api="cupy")
+    with pytest.raises(TypeError, match="kernel must be a KernelConfig, got dict"):
+        NvlinkConfig(kernel={})
+    with pytest.raises(TypeError, match="config must be an NvlinkConfig, got dict"):
+        NvlinkTransport({})
+
+
+@pytest.fixture
+def transport():
+    t = NvlinkTransport(name="test")
+    yield t
+    t.close()
+
+
+def test_register_refuses_host_memory_and_bad_arguments(transport):
+    with pytest.raises(NvlinkUnsupported, match="GPU memory only; register host memory with the nixl backend"):
+        transport.register(4096, 100, device=None)
+    with pytest.raises(TypeError, match="ptr must be a positive int address"):
+        transport.register(-1, 100, device=0)
+    with pytest.raises(ValueError, match="length must be a positive int"):
+        transport.register(4096, 0, device=0)
+    with pytest.raises(KeyError, match="region 3 is not registered"):
+        transport.deregister(3)
+
+
+def _descriptor(**over):
+    fields = dict(name="peer", host=host_id(), pid=os.getpid() + 1, mailbox="nowhere", ipc=[[0, HANDLE, 0, 1 << 20]])
+    regions = over.pop("regions", [Region(0, 1 << 30, 4096, 1)])
+    fields.update(over)
+    return pack_descriptor("nvlink", regions, **fields)
+
+
+def test_parse_descriptor_accepts_a_well_formed_export():
+    body, regions, ipc = parse_descriptor(_descriptor())
+    assert regions == {0: Region(0, 1 << 30, 4096, 1)}
+    assert ipc == {0: (HANDLE, 0, 1 << 20)}
+    assert body["name"] == "peer"
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"\xc1garbage", "not valid msgpack"),
+        (pack_descriptor("nixl", [], agent="a", metadata=b""), "for backend 'nixl', expected 'nvlink'"),
+        (pack_descriptor("nvlink", [], name="p"), "lacks fields"),
+        (_descriptor(pid="12"), "field 'pid' must be int"),
+        (_descriptor(regions=[Region(0, 4096, 4096, None)]), "lists host regions"),
+        (_descriptor(ipc=[[0, b"short", 0, 1 << 20]]), "ipc entry must be"),
+        (_descriptor(ipc=[[0, HANDLE, -1, 1 << 20]]), "ipc entry must be"),
+        (_descriptor(ipc=[]), r"ipc entries cover regions \[\], the region table lists \[0\]"),
+    ],
+)
+def test_parse_descriptor_errors(data, match):
+    with pytest.raises(PeerDescriptorError, match=match):
+        parse_descriptor(data)
+
+
+def test_connect_refuses_other_host_and_same_process(transport):
+    with pytest.raises(NvlinkUnsupported, match="is on host 'elsewhere'"):
+        transport.connect(_descriptor(host="elsewhere"))
+    with pytest.raises(NvlinkUnsupported, match="the peer is this process"):
+        transport.connect(_descriptor(pid=os.getpid()))
+    with pytest.raises(PeerDescriptorError, match="must be bytes"):
+        transport.connect("text")
+
+
+def test_closed_transport_refuses_calls():
+    t = NvlinkTransport()
+    t.close()
+    t.close()
+    with pytest.raises(TransportClosed, match="is closed"):
+        t.poll_notifications()
+    with pytest.raises(TransportClosed, match="is closed"):
+        t.export()
+
+
+# -- the mailbox --------------------------------------------------------------------------------
+
+
+def test_mailbox_delivers_whole_frames_in_order():
+    inbox = _Inbox()
+    out = _Outbox(inbox.name, timeout_s=5.0)
+    payloads = [b"", b"a", os.urandom(3 << 20), b"tail"]  # one frame larger than the socket buffer
+    sender = threading.Thread(target=lambda: [out.send(p) for p in payloads])
+    sender.start()
+    got, deadline = [], time.monotonic() + 20
+    while len(got) < len(payloads) and time.monotonic() < deadline:
+        got += inbox.poll()
+    sender.join()
+    assert got == payloads
+    assert out.alive()
+    inbox.close()
+    time.sleep(0.05)
+    assert not out.alive()
+    out.close()
+
+
+def test_outbox_to_a_missing_mailbox_is_unsupported():
+    with pytest.raises(NvlinkUnsupported, match="cannot reach the peer's notification socket"):
+        _Outbox("kvtransfer-nvlink-does-not-exist", timeout_s=1.0)
+
+
+# -- two processes on two GPUs --------------------------------------------------------------------
+
+HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256
+TOKEN = HEADS * HEAD_DIM * 2  # bytes of one bf16 token row
+
+
+@pytest.fixture(scope="module")
+def remote():
+    from kvtransfer.benchmarks.nvlink import RemoteBuffers
+
+    r = RemoteBuffers(device=1)
+    yield r
+    r.close()
+
+
+def _local_pair(remote, num_bufs, buf_bytes, config=None):
+    """A transport on cuda:0 with random source buffers, connected to fresh remote buffers."""
+    import torch
+
+    torch.cuda.set_device(0)
+    t = NvlinkTransport(config)
+    src = {}
+    for _ in range(num_bufs):
+        buf = torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8, device="cuda:0")
+        src[t.register_tensor(buf)] = buf
+    dst_rids = remote.call("alloc", [buf_bytes] * num_bufs, 0x5A)
+    peer = t.connect(remote.call("export")["nvlink"])
+    return t, peer, src, dst_rids
+
+
+def _check_landed(remote, src, dst_rids, batch, buf_bytes, tag):
+    """Notification first, then every byte of every destination buffer against a reference."""
+    assert remote.call("wait_notify", tag, 60.0), "notification did not arrive"
+    got = dict(zip(dst_rids, remote.call("fetch", dst_rids)))
+    want = {r: np.full(buf_bytes, 0x5A, dtype=np.uint8) for r in dst_rids}
+    host = {r: b.cpu().numpy() for r, b in src.items()}
+    for sr, so, dr, do, n in zip(batch.src_region, batch.src_offset, batch.dst_region, batch.dst_offset, batch.length):
+        want[dr][do:do + n] = host[sr][so:so + n]
+    for r in dst_rids:
+        np.testing.assert_array_equal(got[r], want[r], err_msg=f"destination region {r}")
+
+
+def _kv_batch(src_rids, dst_rids, page_size, head_slice, rng, tokens=64):
+    """Rows for the K and V buffers of LAYERS layers: whole pages, or one head per token
+    (head h -> head 7 - h, so no two rows are adjacent on both sides)."""
+    src_rids, dst_rids = np.asarray(src_rids), np.asarray(dst_rids)
+    if head_slice:
+        s = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
+        d = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
+        h = np.arange(HEADS)
+        so = (s[:, None] * TOKEN + h[None, :] * HEAD_DIM * 2).ravel()
+        do = (d[:, None] * TOKEN + (HEADS - 1 - h)[None, :] * HEAD_DIM * 2).ravel()
+        row = HEAD_DIM * 2
+    else:
+        pages = SLOTS // page_size
+        k = max(1, min(tokens // page_size, pages - 1))
+        so = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
+        do = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
+        row = page_size * TOKEN
+    m = so.size
+    return WriteBatch.of(
+        np.repeat(src_rids, m), np.tile(so, src_rids.size), np.repeat(dst_rids, m), np.tile(do, dst_rids.size),
+        np.full(m * src_rids.size, row),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (64, False), (1, True), (16, True)])
+def test_two_processes_kv_rows_exact(remote, page_size, head_slice):
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = _local_pair(remote, 2 * LAYERS, buf_bytes)
+    try:
+        rng = np.random.default_rng(page_size + 100 * head_slice)
+        batch = _kv_batch(sorted(src), dst_rids, page_size, head_slice, rng)
+        tag = f"kv {page_size} {head_slice}".encode()
+        tr = peer.write(batch, notify=tag)
+        tr.wait(timeout=60)
+        assert tr.status() is TransferStatus.DONE
+        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("unit", [1, 8])
+def test_two_processes_unaligned_rows(remote, unit):
+    """Rows at odd (or only 8-byte aligned) offsets and lengths take the slower paths."""
+    buf_bytes = 1 << 16
+    t, peer, src, dst_rids = _local_pair(remote, 3, buf_bytes)
+    try:
+        rng = np.random.default_rng(unit)
+        n, slot = 40, 1000
+        length = rng.integers(1, slot // unit, n) * unit
+        so = rng.integers(0, (buf_bytes - slot) // unit, n) * unit + (3 if unit == 1 else 0)
+        dr = rng.integers(0, 3, n)
+        do = np.zeros(n, dtype=np.int64)
+        for r in range(3):
+            idx = np.flatnonzero(dr == r)
+            do[idx] = rng.permutation(buf_bytes // slot - 1)[: idx.size] * slot + (5 if unit == 1 else 8)
+        batch = WriteBatch.of(np.asarray(sorted(src))[rng.integers(0, 3, n)], so, np.asarray(dst_rids)[dr], do, length)
+        assert kern.choose_path(peer.row_table(batch)).value == unit
+        peer.write(batch, notify=b"unaligned %d" % unit).wait(timeout=60)
+        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"unaligned %d" % unit)
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_two_processes_ctypes_ipc_api(remote):
+    """The libcudart fallback exports and opens handles as cuda-python does."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, NvlinkConfig(ipc_api="ctypes"))
+    try:
+        batch = _kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(7))
+        peer.write(batch, notify=b"ctypes").wait(timeout=60)
+        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"ctypes")
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_out_of_bounds_batch_is_refused_before_launch(remote):
+    t, peer, src, dst_rids = _local_pair(remote, 1, 4096)
+    try:
+        with pytest.raises(ValueError, match="is outside region"):
+            peer.write(WriteBatch.of([sorted(src)[0]], [0], [dst_rids[0]], [4000], [200]))
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_dead_peer_does_not_hang_the_writer():
+    from kvtransfer.benchmarks.nvlink import RemoteBuffers
+
+    victim = RemoteBuffers(device=1)
+    t = None
+    try:
+        t, peer, src, dst_rids = _local_pair(victim, 2, 1 << 20, NvlinkConfig(peer_timeout_s=2.0))
+        batch = WriteBatch.of(sorted(src), [0, 4096], dst_rids, [0, 4096], [4096, 4096])
+        peer.write(batch, notify=b"alive").wait(timeout=30)
+        victim.proc.kill()
+        victim.proc.join(timeout=30)
+        time.sleep(0.2)
+        start = time.monotonic()
+        tr = peer.write(batch, notify=b"dead")
+        with pytest.raises(TransferFailed, match="lost"):
+            tr.wait(timeout=30)
+        assert tr.status() is TransferStatus.FAILED
+        assert time.monotonic() - start < 10
+    finally:
+        if t is not None:
+            t.close()
+        victim.close()
