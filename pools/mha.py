@@ -110,13 +110,13 @@ class MHATokenToKVPool(KVCache):
         self.alt_stream = None
 
         self._create_buffers()
-        self._kv_copy_table = kv_copy.build_copy_table(self._export_buffers())
-        self.data_ptrs = self._kv_copy_table.data_ptrs  # [num_buffers] uint64, export order
-        self.data_strides = self._kv_copy_table.data_strides  # [num_buffers] int64 row bytes
+        self.kv_copy_table = kv_copy.build_copy_table(self._export_buffers())
+        self.data_ptrs = self.kv_copy_table.data_ptrs  # [num_buffers] uint64, export order
+        self.data_strides = self.kv_copy_table.data_strides  # [num_buffers] int64 row bytes
         self.k_data_ptrs = self.data_ptrs[: self.layer_num]
         self.v_data_ptrs = self.data_ptrs[self.layer_num : 2 * self.layer_num]
         if enable_kv_cache_copy:
-            kv_copy.warmup(self._kv_copy_table)
+            kv_copy.warmup(self.kv_copy_table)
         self._finalize_allocation_log(size)
         self.row_dim = self.head_num * self.head_dim
         self.same_kv_dim = self.head_dim == self.v_head_dim
@@ -178,7 +178,7 @@ class MHATokenToKVPool(KVCache):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     # -- writes ----------------------------------------------------------------------------
-    def _check_set_args(self, loc, cache_k, cache_v, k_last: int, v_last: int) -> torch.Tensor:
+    def _check_set_args(self, loc, cache_k, cache_v) -> torch.Tensor:
         """Validate a set_kv_buffer call; returns ``loc`` as int64 on the pool's device."""
         if not isinstance(loc, torch.Tensor):
             raise TypeError(f"loc must be a torch.Tensor, got {type(loc).__name__}")
@@ -187,8 +187,8 @@ class MHATokenToKVPool(KVCache):
         elif loc.dim() != 1:
             raise ValueError(f"loc must be 1-D, got shape {list(loc.shape)}")
         n = loc.shape[0]
-        check_tensor("cache_k", cache_k, shape=[n, self.head_num, k_last], device=self._device)
-        check_tensor("cache_v", cache_v, shape=[n, self.head_num, v_last], device=self._device)
+        check_tensor("cache_k", cache_k, shape=[n, self.head_num, self.head_dim], device=self._device)
+        check_tensor("cache_v", cache_v, shape=[n, self.head_num, self.v_head_dim], device=self._device)
         for name, t in (("cache_k", cache_k), ("cache_v", cache_v)):
             if not t.is_floating_point():
                 raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
@@ -221,9 +221,13 @@ class MHATokenToKVPool(KVCache):
         v_head_dim]`` (any float dtype; cast to ``dtype`` after dividing by ``k_scale`` /
         ``v_scale`` when a cast is needed) into slots ``loc`` ``[n]`` of ``layer``'s buffers."""
         local = self._layer_of(layer, layer_id_override)
-        loc = self._check_set_args(loc, cache_k, cache_v, self.head_dim, self.v_head_dim)
-        self.k_buffer[local][loc] = self._to_store(cache_k, k_scale)
-        self.v_buffer[local][loc] = self._to_store(cache_v, v_scale)
+        loc = self._check_set_args(loc, cache_k, cache_v)
+        for group, rows in zip(self._layer_groups(), self._encode(cache_k, cache_v, k_scale, v_scale)):
+            group[local][loc] = rows
+
+    def _encode(self, cache_k, cache_v, k_scale, v_scale) -> Tuple[torch.Tensor, ...]:
+        """Rows to store, one tensor per buffer group (``_layer_groups`` order)."""
+        return self._to_store(cache_k, k_scale), self._to_store(cache_v, v_scale)
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor, backend: Optional[MoveBackend] = None):
         """Rows ``tgt_loc <- src_loc`` in every exported buffer (all layers, K and V and, for
@@ -231,7 +235,7 @@ class MHATokenToKVPool(KVCache):
         forces the kernel (on CPU it needs ``TRITON_INTERPRET=1``). See ``pools.kv_copy`` for
         the overlap contract of the kernel."""
         kv_copy.move_kv_cache(
-            self._kv_copy_table, tgt_loc, src_loc, backend or self.move_backend, check=self.check_inputs
+            self.kv_copy_table, tgt_loc, src_loc, backend or self.move_backend, check=self.check_inputs
         )
 
     # -- host offload ----------------------------------------------------------------------
@@ -339,7 +343,8 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
     ``dequant_dtype`` (bf16 by default; copies, not views), and
     ``get_fp4_key_buffer`` / ``get_fp4_value_buffer`` return the raw (packed, scales).
     ``get_kv_size_bytes`` counts the scale buffers with K and V respectively; CPU copies
-    carry ``[k, v, k_scale, v_scale]`` per chunk.
+    carry ``[k, v, k_scale, v_scale]`` per chunk. ``get_contiguous_buf_infos`` order:
+    ``[K_0..K_{L-1}, V_0..V_{L-1}, Kscale_0..Kscale_{L-1}, Vscale_0..Vscale_{L-1}]``.
     """
 
     def __init__(self, *args, **kwargs):
@@ -373,11 +378,6 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
             self._bytes(self.k_buffer) + self._bytes(self.k_scale_buffer),
             self._bytes(self.v_buffer) + self._bytes(self.v_scale_buffer),
         )
-
-    def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
-        """(data_ptrs, data_lens, item_lens) in the order ``[K_0..K_{L-1}, V_0..V_{L-1},
-        Kscale_0..Kscale_{L-1}, Vscale_0..Vscale_{L-1}]``."""
-        return _buf_infos(self._export_buffers(), self.page_size)
 
     def _dequant(self, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         rows = packed.shape[0]
@@ -414,23 +414,9 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
         packed, scales = quantize_fp4(cache.reshape(n, self.head_num * self.head_dim))
         return packed.view(n, self.head_num, self.head_dim // 2), scales  # [n, head_num, head_dim/2], [n, *]
 
-    def set_kv_buffer(
-        self,
-        layer,
-        loc: torch.Tensor,
-        cache_k: torch.Tensor,
-        cache_v: torch.Tensor,
-        k_scale: Optional[float] = None,
-        v_scale: Optional[float] = None,
-        layer_id_override: Optional[int] = None,
-    ) -> None:
+    def _encode(self, cache_k, cache_v, k_scale, v_scale) -> Tuple[torch.Tensor, ...]:
         """Quantize ``cache_k`` / ``cache_v`` ``[n, head_num, head_dim]`` (fp32/bf16/fp16,
-        divided by ``k_scale`` / ``v_scale`` first when given) into slots ``loc`` ``[n]``."""
-        local = self._layer_of(layer, layer_id_override)
-        loc = self._check_set_args(loc, cache_k, cache_v, self.head_dim, self.head_dim)
+        divided by ``k_scale`` / ``v_scale`` first when given): (K, V, K scales, V scales)."""
         k_packed, k_scales = self._quantize("cache_k", cache_k, k_scale)
         v_packed, v_scales = self._quantize("cache_v", cache_v, v_scale)
-        self.k_buffer[local][loc] = k_packed
-        self.v_buffer[local][loc] = v_packed
-        self.k_scale_buffer[local][loc] = k_scales
-        self.v_scale_buffer[local][loc] = v_scales
+        return k_packed, v_packed, k_scales, v_scales

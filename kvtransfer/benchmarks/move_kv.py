@@ -74,7 +74,7 @@ def _verify(pool, tgt, src) -> None:
     the source rows read before the move (tgt and src are disjoint here)."""
     import torch
 
-    bufs = pool._export_buffers()
+    bufs = pool.k_buffer + pool.v_buffer
     want = [b[src].view(torch.uint8).clone() for b in bufs]
     pool.move_kv_cache(tgt, src)
     for i, (b, w) in enumerate(zip(bufs, want)):
@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         4 * tokens, args.page_size, dtype, args.heads, args.head_dim, layers, device, enable_kv_cache_copy=cuda
     )
     fill = torch.Generator(device=device).manual_seed(1)
-    for b in pool._export_buffers():
+    for b in pool.k_buffer + pool.v_buffer:
         raw = b.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, generator=fill, dtype=torch.uint8, device=device))
     g = torch.Generator().manual_seed(0)
@@ -136,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         native = lambda: pool.move_kv_cache(tgt, src, backend=MoveBackend.NATIVE)  # noqa: E731
         rows.append(("native torch", _time_cuda(native, args.iters, args.warmup)))
         if args.sweep:
-            table = pool._kv_copy_table
+            table = pool.kv_copy_table
             for block_locs in (16, 32, 64):
                 for program_bytes in (16 * 1024, 32 * 1024, 64 * 1024):
                     cfg = kv_copy.launch_config(table, tokens, block_locs, program_bytes)
