@@ -413,6 +413,7 @@ class _Progress:
         self._owner = owner
         self._cond = threading.Condition()
         self._stop = False
+        self._kicked = False  # a write arrived since the thread last looked
         self._thread: Optional[threading.Thread] = None
 
     def wake(self) -> None:
@@ -420,6 +421,7 @@ class _Progress:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nvlink-progress", daemon=True)
                 self._thread.start()
+            self._kicked = True
             self._cond.notify()
 
     def _run(self) -> None:
@@ -427,11 +429,13 @@ class _Progress:
             with self._cond:
                 if self._stop:
                     return
+                self._kicked = False
             busy = any([p._advance() for p in list(self._owner._peers)])
             with self._cond:
                 if self._stop:
                     return
-                self._cond.wait(2e-4 if busy else None)
+                if not self._kicked:
+                    self._cond.wait(2e-4 if busy else None)
 
     def stop(self) -> None:
         with self._cond:
