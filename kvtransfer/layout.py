@@ -54,7 +54,7 @@ LAYOUT_VERSION = 1
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
     "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "uint8": 1, "int8": 1,
-    "int32": 4, "int64": 8,
+    "int32": 4, "int64": 8, "float4_e2m1fn_x2": 1,  # two FP4 values per byte
 }
 FP4_BLOCK = 16  # elements per FP4 scale byte
 NSA_QUANT_BLOCK = 128  # index_k elements per fp32 scale

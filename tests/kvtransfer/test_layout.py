@@ -1,0 +1,200 @@
+"""RankLayout: builders, msgpack round trip, compatibility errors, and from_pools on the real
+pools — including real-pool transfers copied through the exported pointers."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer.layout import LayoutMismatch, PoolKind, RankLayout, ShardKind, StateKind, dtype_itemsize
+from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
+from pools.hybrid_linear import HybridLinearKVPool
+from pools.mamba import MambaPool, MambaStateParams
+from pools.mha import MHATokenToKVPool, MHATokenToKVPoolFP4
+from pools.mla import MLATokenToKVPool, MLATokenToKVPoolFP4
+from pools.nsa import NSATokenToKVPool
+from pools.req_to_token import HybridReqToTokenPool
+
+
+def exported(infos):
+    """The exported buffers as writable uint8 numpy views (the transport's view of them)."""
+    ptrs, lens, _ = infos
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)) for p, n in zip(ptrs, lens)]
+
+
+def copy_plan(plan, src_bufs, dst_bufs):
+    for sb, so, db, do, ln in zip(*plan.flatten()):
+        dst_bufs[db][do: do + ln] = src_bufs[sb][so: so + ln]
+
+
+def mha(tp, heads, page_size=16, cls=MHATokenToKVPool, dtype=torch.bfloat16, head_dim=64, layers=2, size=96):
+    return cls(size=size, page_size=page_size, dtype=dtype, head_num=max(1, heads // tp), head_dim=head_dim,
+               layer_num=layers, device="cpu", start_layer=5)
+
+
+def mamba(tp, size=4, layers=(1, 2)):
+    params = MambaStateParams(conv_shapes=((96 // tp, 3),), temporal_shape=(8 // tp, 4, 16), layers=layers)
+    return MambaPool(size=size, spec_state_size=0, cache_params=params)
+
+
+# -- from_pools --------------------------------------------------------------------------
+@pytest.mark.parametrize("cls,dtype,kind,nbuf", [
+    (MHATokenToKVPool, torch.bfloat16, PoolKind.MHA, 4),
+    (MHATokenToKVPool, torch.float8_e4m3fn, PoolKind.MHA, 4),
+    (MHATokenToKVPoolFP4, torch.bfloat16, PoolKind.MHA_FP4, 8),
+])
+def test_from_pools_mha(cls, dtype, kind, nbuf):
+    pool = mha(2, 8, cls=cls, dtype=dtype)
+    lay = RankLayout.from_pools(pool, tp_rank=1, tp_size=2)
+    assert (lay.kind, lay.total_heads, lay.layer_ids, lay.page_size) == (kind, 8, (5, 6), 16)
+    assert lay.num_kv_buffers == nbuf == len(pool.get_contiguous_buf_infos()[0])
+    assert lay.num_slots == 96 + 16 and lay.dtype == str(dtype).removeprefix("torch.")
+    _, _, items = pool.get_contiguous_buf_infos()
+    assert [s.page_bytes for s in lay.kv_tensors] == items[::2]
+    assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
+
+
+def test_from_pools_replicated_heads_needs_total():
+    pool = mha(8, 2)  # 2 KV heads at TP 8: one head per rank
+    with pytest.raises(LayoutMismatch, match="pool holds 1 heads, but 16 total KV heads at TP 8 give 2 per rank"):
+        RankLayout.from_pools(pool, tp_rank=3, tp_size=8, total_kv_heads=16)
+    lay = RankLayout.from_pools(pool, tp_rank=5, tp_size=8, total_kv_heads=2)
+    assert lay.total_heads == 2 and lay.kv_tensors[0].pieces(5, 8) == [(128, 128, 0)]  # rank 5 holds head 5 // 4
+
+
+def test_from_pools_mla_nsa():
+    mla = MLATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+                           layer_num=3, device="cpu")
+    lay = RankLayout.from_pools(mla, tp_rank=0, tp_size=4)
+    assert (lay.kind, lay.head_dim, lay.kv_tensors[0].shard) == (PoolKind.MLA, 576, ShardKind.REPLICATED)
+    fp4 = MLATokenToKVPoolFP4(size=64, page_size=16, dtype=torch.float4_e2m1fn_x2, kv_lora_rank=512,
+                              qk_rope_head_dim=64, layer_num=3, device="cpu")
+    lay4 = RankLayout.from_pools(fp4, tp_rank=0, tp_size=1)
+    assert lay4.kind is PoolKind.MLA_FP4 and [s.row_bytes for s in lay4.kv_tensors] == [288, 36]
+    nsa = NSATokenToKVPool(size=128, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
+                           layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                           kv_cache_dim=656)
+    layn = RankLayout.from_pools(nsa, tp_rank=1, tp_size=2)
+    assert (layn.kind, layn.state_kind, layn.head_dim) == (PoolKind.NSA, StateKind.NSA_INDEX, 656)
+    assert layn.state_num_slots == nsa.num_index_pages * 64
+    assert RankLayout.from_msgpack(layn.to_msgpack()) == layn
+
+
+def test_from_pools_hybrid_and_req_pool():
+    kv = HybridLinearKVPool(size=32, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=64,
+                            full_attention_layer_ids=[0, 3], enable_kvcache_transpose=False, device="cpu",
+                            mamba_pool=mamba(2))
+    lay = RankLayout.from_pools(kv, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16, 16])
+    assert lay.is_hybrid and lay.layer_ids == (0, 3) and lay.state_layer_ids == (1, 2)
+    assert lay.state_dims == (48, 4) and lay.conv_shard_groups == ((64, 16, 16),)
+    assert lay.num_state_buffers == len(kv.get_state_buf_infos()[0])
+    req = HybridReqToTokenPool(size=4, mamba_size=4, mamba_spec_state_size=0, max_context_len=8,
+                               cache_params=mamba(2).cache_params)
+    lay2 = RankLayout.from_pools(kv.full_kv_pool, req, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16, 16])
+    assert lay2.state_tensors == lay.state_tensors
+    assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
+    with pytest.raises(ValueError, match=r"conv_shard_groups \[64, 16\] must sum to conv_dim 48 x TP 2 = 96"):
+        RankLayout.from_pools(kv, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16])
+
+
+# -- real pools, real bytes ------------------------------------------------------------
+@pytest.mark.parametrize("p,d,heads,src_ps,dst_ps", [(2, 1, 4, 16, 1), (1, 4, 2, 1, 16), (4, 2, 8, 16, 64)])
+@pytest.mark.parametrize("cls", [MHATokenToKVPool, MHATokenToKVPoolFP4])
+def test_real_mha_pools_transfer(cls, p, d, heads, src_ps, dst_ps):
+    torch.manual_seed(p * 10 + d)
+    n = 40
+    src_pools = [mha(p, heads, src_ps, cls) for _ in range(p)]
+    dst_pools = [mha(d, heads, dst_ps, cls) for _ in range(d)]
+    src_slots = torch.randperm(96)[:n] + src_ps  # page 0 is padding
+    dst_slots = torch.randperm(96)[:n] + dst_ps
+    full_k = torch.randn(2, n, heads, 64)
+    full_v = torch.randn(2, n, heads, 64)
+
+    def heads_of(rank, tp):
+        return list(range(rank * heads // tp, (rank + 1) * heads // tp)) if tp <= heads else [rank // (tp // heads)]
+
+    for r, pool in enumerate(src_pools):
+        for layer in (5, 6):
+            h = heads_of(r, p)
+            pool.set_kv_buffer(layer, src_slots, full_k[layer - 5][:, h], full_v[layer - 5][:, h])
+    src_lays = [RankLayout.from_pools(x, tp_rank=r, tp_size=p, total_kv_heads=heads) for r, x in enumerate(src_pools)]
+    dst_lays = [RankLayout.from_pools(x, tp_rank=r, tp_size=d, total_kv_heads=heads) for r, x in enumerate(dst_pools)]
+    for dr in range(d):
+        dst_bufs = exported(dst_pools[dr].get_contiguous_buf_infos())
+        for sr in senders_for(dst_lays[dr], p):
+            plan = plan_kv_transfer(src_lays[sr], dst_lays[dr], src_slots.numpy(), dst_slots.numpy())
+            copy_plan(plan, exported(src_pools[sr].get_contiguous_buf_infos()), dst_bufs)
+    for dr, pool in enumerate(dst_pools):
+        h = heads_of(dr, d)
+        for layer in (5, 6):
+            ref = cls(size=n, page_size=1, dtype=torch.bfloat16, head_num=len(h), head_dim=64, layer_num=2,
+                      device="cpu", start_layer=5)  # the expected shard, written and read back the same way
+            ref.set_kv_buffer(layer, torch.arange(1, n + 1), full_k[layer - 5][:, h], full_v[layer - 5][:, h])
+            torch.testing.assert_close(pool.get_key_buffer(layer)[dst_slots], ref.get_key_buffer(layer)[1:],
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(pool.get_value_buffer(layer)[dst_slots], ref.get_value_buffer(layer)[1:],
+                                       rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4)])
+def test_real_mamba_state_transfer(p, d):
+    torch.manual_seed(p + d)
+    groups = [64, 16, 16]  # [x | B | C], unsharded
+    conv = torch.randn(2, 96, 3).to(torch.bfloat16)  # [layers, conv_dim, K-1] of one request
+    temporal = torch.randn(2, 8, 4, 16)  # [layers, heads, head_dim, state]
+
+    def conv_shard(rank, tp):
+        starts = [0, 64, 80]
+        idx = [s + i for s, g in zip(starts, groups) for i in range(rank * g // tp, (rank + 1) * g // tp)]
+        return conv[:, idx]
+
+    def build(tp, slot):
+        pools = [mamba(tp) for _ in range(tp)]
+        for r, pool in enumerate(pools):
+            pool.mamba_cache.conv[0][:, slot] = conv_shard(r, tp)
+            pool.mamba_cache.temporal[:, slot] = temporal[:, r * 8 // tp: (r + 1) * 8 // tp]
+        return pools
+
+    src_pools, dst_pools = build(p, 3), [mamba(d) for _ in range(d)]
+    lay = lambda x, r, tp: RankLayout.from_pools(  # noqa: E731
+        mha(tp, 8), x, tp_rank=r, tp_size=tp, conv_shard_groups=groups)
+    for dr, dpool in enumerate(dst_pools):
+        dst_lay = lay(dpool, dr, d)
+        for sr in senders_for(dst_lay, p):
+            plan = plan_state_transfer(lay(src_pools[sr], sr, p), dst_lay, 3, 1)
+            copy_plan(plan, exported(src_pools[sr].get_contiguous_buf_infos()),
+                      exported(dpool.get_contiguous_buf_infos()))
+        torch.testing.assert_close(dpool.mamba_cache.conv[0][:, 1], conv_shard(dr, d), rtol=0, atol=0)
+        torch.testing.assert_close(dpool.mamba_cache.temporal[:, 1], temporal[:, dr * 8 // d: (dr + 1) * 8 // d],
+                                   rtol=0, atol=0)
+
+
+# -- wire and checks -------------------------------------------------------------------
+def test_msgpack_errors():
+    lay = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+                               head_dim=64, total_heads=1, num_slots=8)
+    with pytest.raises(LayoutMismatch, match="not valid msgpack"):
+        RankLayout.from_msgpack(b"\xc1")
+    import msgpack
+
+    with pytest.raises(LayoutMismatch, match="layout version must be 1, got 7"):
+        RankLayout.from_msgpack(msgpack.packb({"version": 7, "layout": {}}))
+    body = msgpack.unpackb(lay.to_msgpack())
+    del body["layout"]["dtype"]
+    with pytest.raises(LayoutMismatch, match="layout fields must be"):
+        RankLayout.from_msgpack(msgpack.packb(body))
+
+
+def test_builder_errors():
+    with pytest.raises(ValueError, match="unknown dtype 'float7'"):
+        dtype_itemsize("float7")
+    with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 2\), got 2"):
+        RankLayout.attention(PoolKind.MLA, tp_rank=2, tp_size=2, page_size=1, layer_ids=[0], dtype="bfloat16",
+                             head_dim=64, num_slots=8)
+    with pytest.raises(ValueError, match="FP4 needs head_dim divisible by 32, got 48"):
+        RankLayout.attention(PoolKind.MHA_FP4, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+                             head_dim=48, total_heads=2, num_slots=8)
+    with pytest.raises(ValueError, match=r"layer_ids must be non-empty and distinct, got \[1, 1\]"):
+        RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[1, 1], dtype="bfloat16",
+                             head_dim=64, num_slots=8)
