@@ -41,31 +41,25 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _time_cuda(fn: Callable[[], None], iters: int, warmup: int) -> float:
-    """Median seconds of ``fn`` by CUDA events."""
+def _median_seconds(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> float:
+    """Median seconds of ``fn``: CUDA events on CUDA, wall clock on CPU."""
     import torch
 
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def _time_cpu(fn: Callable[[], None], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -112,29 +106,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{args.dtype}, {tokens} random rows of a {4 * tokens}-slot pool, {moved / 2**20:.1f} MiB per move"
     )
 
+    def timed(fn: Callable[[], None]) -> float:
+        return _median_seconds(fn, args.iters, args.warmup, cuda)
+
     rows = []
     if not cuda:
         print("device: CPU (no CUDA, or --cpu): native torch path only, small shape")
         pool.move_backend = MoveBackend.NATIVE
         _verify(pool, tgt, src)
-        rows.append(("native torch (CPU)", _time_cpu(lambda: pool.move_kv_cache(tgt, src), args.iters, args.warmup)))
+        rows.append(("native torch (CPU)", timed(lambda: pool.move_kv_cache(tgt, src))))
         base = None
     else:
         print(f"device: {torch.cuda.get_device_name()}")
         _verify(pool, tgt, src)
         a = torch.empty(moved, dtype=torch.uint8, device=device)
         b = torch.empty_like(a)
-        base = _time_cuda(lambda: b.copy_(a), args.iters, args.warmup)
+        base = timed(lambda: b.copy_(a))
         del a, b
         rows.append(("torch copy_", base))
         pool.check_inputs = False
-        rows.append(("triton kernel", _time_cuda(lambda: pool.move_kv_cache(tgt, src), args.iters, args.warmup)))
+        rows.append(("triton kernel", timed(lambda: pool.move_kv_cache(tgt, src))))
         pool.check_inputs = True
-        rows.append(
-            ("triton (checked)", _time_cuda(lambda: pool.move_kv_cache(tgt, src), args.iters, args.warmup))
-        )
+        rows.append(("triton (checked)", timed(lambda: pool.move_kv_cache(tgt, src))))
         native = lambda: pool.move_kv_cache(tgt, src, backend=MoveBackend.NATIVE)  # noqa: E731
-        rows.append(("native torch", _time_cuda(native, args.iters, args.warmup)))
+        rows.append(("native torch", timed(native)))
         if args.sweep:
             table = pool.kv_copy_table
             for block_locs in (16, 32, 64):
@@ -142,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     cfg = kv_copy.launch_config(table, tokens, block_locs, program_bytes)
                     fn = lambda cfg=cfg: kv_copy.launch(table, tgt, src, cfg)  # noqa: E731
                     label = f"  locs {block_locs} x {cfg.block_words * table.word_bytes} B w{cfg.num_warps}"
-                    rows.append((label, _time_cuda(fn, args.iters, args.warmup)))
+                    rows.append((label, timed(fn)))
 
     print(f"{'case':<28} {'ms':>9} {'GB/s':>9} {'vs copy_':>9}")
     for name, sec in rows:
