@@ -10,7 +10,7 @@ import torch
 from pools import kv_copy
 from pools.kv_copy import MoveBackend, build_copy_table, move_kv_cache
 
-triton = pytest.importorskip("triton")
+needs_triton = pytest.mark.skipif(not kv_copy.triton_available(), reason="needs the triton package")
 
 
 def reference_move(buffers, tgt, src):
@@ -46,6 +46,8 @@ def overlapping_move(n, dtype=torch.int64):
 
 @pytest.fixture
 def interpret(monkeypatch):
+    if not kv_copy.triton_available():
+        pytest.skip("needs the triton package")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -93,6 +95,7 @@ def test_auto_is_native_on_cpu_and_overlap_safe():
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
 
 
+@needs_triton
 def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     table = build_copy_table(random_buffers(4, MIXED))
@@ -183,11 +186,14 @@ def test_triton_cuda_overlapping_single_block():
     assert all(torch.equal(a, b) for a, b in zip(bufs, want))
 
 
+@needs_triton
 def test_kernel_compiles_for_sm90_with_16_byte_accesses(monkeypatch):
     """Compile (no GPU needed: triton ships ptxas) the large-move variant for an H100/H200
     and check the 16-byte-aligned case really issues 16-byte loads and stores."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource

@@ -278,6 +278,7 @@ def test_move_kv_cache_native(make):
 
 @pytest.mark.parametrize("make", [lambda: mha(torch.float16, v_head_dim=8), fp4])
 def test_move_kv_cache_triton_interpreted(monkeypatch, make):
+    pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from triton.runtime.interpreter import InterpretedFunction
 
