@@ -149,7 +149,7 @@ class HybridLinearKVPool(KVCache):
         """Waits happen here, with global layer ids (``layer_id - start_layer``); the inner pool
         gets no counter so it does not wait a second time."""
         super().register_layer_transfer_counter(layer_transfer_counter)
-        self.full_kv_pool.layer_transfer_counter = None
+        self.full_kv_pool.register_layer_transfer_counter(None)
 
     def _inner(self, layer_id: int) -> int:
         """Map, then wait for the layer: the counter sees only full-attention layers."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -15,6 +15,21 @@ logger = logging.getLogger(__name__)
 GB = 1 << 30
 
 FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
+def buf_infos(buffers: Sequence[torch.Tensor], page_size: int) -> Tuple[list, list, list]:
+    """(data_ptrs, data_lens, item_lens) of per-slot buffers; an item is ``page_size`` rows."""
+    return (
+        [b.data_ptr() for b in buffers],
+        [b.nbytes for b in buffers],
+        [b[0].nbytes * page_size for b in buffers],
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class LayerDoneCounter(abc.ABC):
@@ -119,9 +134,10 @@ class KVCache(abc.ABC):
     def get_contiguous_buf_infos(self) -> Tuple[list, list, list]:
         """(data_ptrs, data_lens, item_lens): one entry per per-layer buffer; item = one page."""
 
-    def register_layer_transfer_counter(self, layer_transfer_counter: LayerDoneCounter) -> None:
-        if not callable(getattr(layer_transfer_counter, "wait_until", None)):
-            raise TypeError("layer_transfer_counter must have a wait_until(layer_id) method")
+    def register_layer_transfer_counter(self, layer_transfer_counter: Optional[LayerDoneCounter]) -> None:
+        """Register (or, with None, remove) the counter the getters wait on."""
+        if layer_transfer_counter is not None and not callable(getattr(layer_transfer_counter, "wait_until", None)):
+            raise TypeError("layer_transfer_counter must have a wait_until(layer_id) method or be None")
         self.layer_transfer_counter = layer_transfer_counter
 
     def get_cpu_copy(self, indices, mamba_indices=None):

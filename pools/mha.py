@@ -32,7 +32,7 @@ import torch
 from pools import kv_copy
 from pools._checks import check_indices, check_tensor, layer_id_of
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
-from pools.kv_cache import KVCache
+from pools.kv_cache import KVCache, buf_infos, synchronize
 from pools.kv_copy import MoveBackend
 
 logger = logging.getLogger(__name__)
@@ -46,20 +46,6 @@ def _positive_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
-
-
-def _buf_infos(buffers: Sequence[torch.Tensor], page_size: int) -> Tuple[List[int], List[int], List[int]]:
-    """(data_ptrs, data_lens, item_lens) of ``buffers``; an item is ``page_size`` rows."""
-    return (
-        [b.data_ptr() for b in buffers],
-        [b.nbytes for b in buffers],
-        [b[0].nbytes * page_size for b in buffers],
-    )
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class MHATokenToKVPool(KVCache):
@@ -148,7 +134,7 @@ class MHATokenToKVPool(KVCache):
 
     def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
         """(data_ptrs, data_lens, item_lens) in the order ``[K_0..K_{L-1}, V_0..V_{L-1}]``."""
-        return _buf_infos(self._export_buffers(), self.page_size)
+        return buf_infos(self._export_buffers(), self.page_size)
 
     def maybe_get_custom_mem_pool(self):
         return None  # custom memory pools are not supported here
@@ -246,7 +232,7 @@ class MHATokenToKVPool(KVCache):
         idx = check_indices("indices", indices, self._rows(), device=self._device)
         groups = self._layer_groups()
         chunk = self.cpu_offloading_chunk_size
-        _synchronize(self._device)
+        synchronize(self._device)
         out = []
         for layer in range(self.layer_num):
             out.append(
@@ -255,7 +241,7 @@ class MHATokenToKVPool(KVCache):
                     for i in range(0, idx.numel(), chunk)
                 ]
             )
-        _synchronize(self._device)
+        synchronize(self._device)
         return out
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None) -> None:
@@ -278,13 +264,13 @@ class MHATokenToKVPool(KVCache):
                     check_tensor(
                         f"kv_cache_cpu[{layer}][{c}]", part, shape=[n, *g[layer].shape[1:]], dtype=g[layer].dtype
                     )
-        _synchronize(self._device)
+        synchronize(self._device)
         for layer, chunks in enumerate(kv_cache_cpu):
             for c, parts in enumerate(chunks):
                 sel = idx[c * chunk : (c + 1) * chunk]
                 for g, part in zip(groups, parts):
                     g[layer][sel] = part.to(self._device, non_blocking=True)
-        _synchronize(self._device)
+        synchronize(self._device)
 
 
 class NoOpMHATokenToKVPool(MHATokenToKVPool):

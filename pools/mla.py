@@ -29,17 +29,12 @@ import torch
 
 from pools._checks import check_indices, check_tensor, layer_id_of, tensor_bytes
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
-from pools.kv_cache import KVCache
+from pools.kv_cache import KVCache, buf_infos, synchronize
 
 __all__ = ["MLATokenToKVPool", "MLATokenToKVPoolFP4"]
 
 
 # -- helpers shared by the MLA family (NSA imports them too) -----------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def rows_of(name: str, t, n: int, width: int, device: torch.device) -> torch.Tensor:
     """Check a per-token input of ``[n, 1, width]`` (or ``[n, width]``); return ``[n, 1, width]``."""
     check_tensor(name, t, device=device)
@@ -56,9 +51,9 @@ def gather_chunks(buffers: Sequence[torch.Tensor], idx: torch.Tensor, chunk: int
     """``out[b][c]`` = rows ``idx[c*chunk:(c+1)*chunk]`` of ``buffers[b]``, copied to the CPU."""
     out: List[List[torch.Tensor]] = []
     for buf in buffers:
-        _sync(buf.device)
+        synchronize(buf.device)
         out.append([buf[idx[i : i + chunk]].to("cpu", non_blocking=True) for i in range(0, len(idx), chunk)])
-        _sync(buf.device)
+        synchronize(buf.device)
     return out
 
 
@@ -84,18 +79,10 @@ def check_chunks(
 def scatter_chunks(buffers: Sequence[torch.Tensor], cpu, idx: torch.Tensor, chunk: int) -> None:
     """Inverse of :func:`gather_chunks` (check the input with :func:`check_chunks` first)."""
     for buf, chunks in zip(buffers, cpu):
-        _sync(buf.device)
+        synchronize(buf.device)
         for c, start in enumerate(range(0, len(idx), chunk)):
             buf[idx[start : start + chunk]] = chunks[c].to(buf.device, non_blocking=True)
-        _sync(buf.device)
-
-
-def buf_infos(buffers: Sequence[torch.Tensor], page_size: int) -> Tuple[list, list, list]:
-    """(data_ptrs, data_lens, item_lens) of per-slot buffers; item = one page of rows."""
-    ptrs = [b.data_ptr() for b in buffers]
-    lens = [b.nbytes for b in buffers]
-    items = [b[0].nbytes * page_size for b in buffers]
-    return ptrs, lens, items
+        synchronize(buf.device)
 
 
 class MLATokenToKVPool(KVCache):

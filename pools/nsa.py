@@ -28,7 +28,8 @@ from typing import Optional, Tuple
 import torch
 
 from pools._checks import check_indices, check_tensor, layer_id_of, tensor_bytes
-from pools.mla import MLATokenToKVPool, buf_infos, check_chunks, gather_chunks, rows_of, scatter_chunks
+from pools.kv_cache import buf_infos
+from pools.mla import MLATokenToKVPool, check_chunks, gather_chunks, rows_of, scatter_chunks
 
 __all__ = ["NSATokenToKVPool", "quantize_nsa_k", "dequantize_nsa_k"]
 
