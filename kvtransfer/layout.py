@@ -18,10 +18,11 @@ one slot row on this rank and how the full (unsharded) row is cut across TP rank
 - ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``; with TP ``T <= H`` rank ``r``
   holds heads ``[r*H/T, (r+1)*H/T)``, with ``T > H`` (heads replicated) rank ``r`` holds head
   ``r // (T // H)``. FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
-- ``GROUPS``: the row is sub-blocks of ``groups[g]`` units of ``unit_bytes`` (Mamba conv
-  ``[x | B | C]`` or ``[q | k | v]`` channels, each channel ``(K-1) * itemsize`` bytes; the
-  temporal state has one group of heads). Each sub-block is split evenly on its own and the
-  rank's row is the concatenation of its shards.
+- ``GROUPS``: the row is sub-blocks (Mamba conv ``[x | B | C]`` or ``[q | k | v]`` channels,
+  each channel ``(K-1) * itemsize`` bytes; the temporal state is one block of heads). Each
+  sub-block is cut on its own, by whole units (a channel, or a Mamba2 group of ``state``
+  channels, replicated when TP exceeds the groups), and the rank's row is the concatenation
+  of its shards. See :class:`TensorSpec`.
 
 Slot ``s`` of a buffer starts at ``(s // page_size) * page_bytes + section_start +
 (s % page_size) * row_bytes``; for an ordinary buffer (``page_bytes == page_size * row_bytes``,
@@ -100,67 +101,64 @@ def _pos_int(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One exported tensor kind (repeated per layer), or one section of its pages."""
+    """One exported tensor kind (repeated per layer), or one section of its pages.
+
+    The full (unsharded) row is sub-blocks ``groups = ((units, channels_per_unit), ...)`` of
+    channels of ``unit_bytes``; each sub-block is cut on its own by whole units: with TP
+    ``T <= units`` rank ``r`` holds units ``[r*units/T, (r+1)*units/T)``, with ``T > units``
+    the units are replicated and rank ``r`` holds unit ``r // (T // units)``. HEADS is one
+    sub-block of ``(total_heads, 1)`` (a channel is a head); REPLICATED is ``((1, 1),)``
+    (a channel is the row); a Mamba conv tensor is e.g. ``((intermediate, 1), (n_groups,
+    state), (n_groups, state))``.
+    """
 
     name: str
     export_index: int
     shard: ShardKind
     row_bytes: int  # this rank's bytes per slot row of this section
-    unit_bytes: int  # bytes of one shard unit (head, channel); the row for REPLICATED
-    groups: tuple  # total (unsharded) units per sub-block; HEADS: (total_heads,); REPLICATED: (1,)
+    unit_bytes: int  # bytes of one channel (a head, a conv channel; the row for REPLICATED)
+    groups: tuple  # ((units, channels_per_unit), ...) per sub-block, unsharded
     page_bytes: int  # bytes per page of the buffer (the pool's item_len)
     section_start: int = 0  # bytes from a page's start to this section
 
     @property
     def full_row_bytes(self) -> int:
         """Bytes of the unsharded row (the same on every rank of every TP size)."""
-        return sum(self.groups) * self.unit_bytes
+        return sum(n * c for n, c in self.groups) * self.unit_bytes
 
-    def local_units(self, tp_size: int) -> int:
-        """Units one rank holds at TP ``tp_size`` (raises if the split is impossible)."""
-        if self.shard is ShardKind.REPLICATED:
-            return 1
-        if self.shard is ShardKind.HEADS:
-            (heads,) = self.groups
-            if heads % tp_size == 0:
-                return heads // tp_size
-            if tp_size % heads == 0:
-                return 1
-            raise LayoutMismatch(
-                f"{self.name}: total heads {heads} and TP size {tp_size} must divide one another"
-            )
-        bad = [g for g in self.groups if g % tp_size]
-        if bad:
-            raise LayoutMismatch(
-                f"{self.name}: every shard group must divide by TP size {tp_size}, got groups {list(self.groups)}"
-            )
-        return sum(self.groups) // tp_size
+    def local_channels(self, tp_size: int) -> int:
+        """Channels one rank holds at TP ``tp_size`` (raises if a sub-block cannot be cut)."""
+        total = 0
+        for n, c in self.groups:
+            if n % tp_size and tp_size % n:
+                if self.shard is ShardKind.HEADS:
+                    raise LayoutMismatch(
+                        f"{self.name}: total heads {n} and TP size {tp_size} must divide one another")
+                raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
+                                     f"divided by it, got (units, size) groups {_show(self.groups)}")
+            total += max(1, n // tp_size) * c
+        return total
 
     def pieces(self, tp_rank: int, tp_size: int) -> list:
-        """``[(logical_start, length, physical_start)]`` in bytes: where this rank's row comes
-        from in the full row. Contiguous pieces are merged."""
-        u = self.unit_bytes
-        if self.shard is ShardKind.REPLICATED:
-            return [(0, self.row_bytes, 0)]
-        if self.shard is ShardKind.HEADS:
-            (heads,) = self.groups
-            if tp_size <= heads:  # rank holds heads [r*H/T, (r+1)*H/T)
-                n = heads // tp_size
-                return [(tp_rank * n * u, n * u, 0)]
-            # TP > heads: heads replicated, rank r holds head r // (T // H)
-            return [((tp_rank // (tp_size // heads)) * u, u, 0)]
-        out, logical, phys = [], 0, 0
-        for g in self.groups:  # each sub-block split on its own
-            n = g // tp_size
-            out.append((logical + tp_rank * n * u, n * u, phys))
-            logical += g * u
-            phys += n * u
+        """``[(logical_start, length, physical_start, replicas)]`` in bytes, one per sub-block:
+        where this rank's row comes from in the full row; ``replicas`` consecutive ranks (a
+        block starting at a multiple of it) hold that same piece."""
+        u, out, logical, phys = self.unit_bytes, [], 0, 0
+        for n, c in self.groups:
+            if tp_size <= n:  # split: units [r*n/T, (r+1)*n/T)
+                held, first, k = n // tp_size, tp_rank * (n // tp_size), 1
+            else:  # replicated: unit r // (T // n), held by T // n ranks
+                k = tp_size // n
+                held, first = 1, tp_rank // k
+            out.append((logical + first * c * u, held * c * u, phys, k))
+            logical += n * c * u
+            phys += held * c * u
         return out
 
     def to_wire(self) -> dict:
         d = asdict(self)
         d["shard"] = self.shard.value
-        d["groups"] = list(self.groups)
+        d["groups"] = [list(g) for g in self.groups]
         return d
 
     @classmethod
@@ -169,15 +167,14 @@ class TensorSpec:
             raise LayoutMismatch(f"tensor spec must be a map, got {type(d).__name__}")
         d = dict(d)
         d["shard"] = ShardKind(d["shard"])
-        d["groups"] = tuple(d["groups"])
+        d["groups"] = tuple(tuple(g) for g in d["groups"])
         return cls(**d)
 
 
 def _spec(name, index, shard, unit_bytes, groups, tp_size, page_size, section=(0, None)) -> TensorSpec:
     """A spec whose row is the rank's shard; ``section`` = (start, page_bytes) for sectioned pages."""
-    groups = tuple(groups)
-    probe = TensorSpec(name, index, shard, 0, unit_bytes, groups, 0)
-    row = probe.local_units(tp_size) * unit_bytes if shard is not ShardKind.REPLICATED else unit_bytes
+    groups = tuple(tuple(g) for g in groups)
+    row = TensorSpec(name, index, shard, 0, unit_bytes, groups, 0).local_channels(tp_size) * unit_bytes
     start, page_bytes = section
     return TensorSpec(name, index, shard, row, unit_bytes, groups,
                       page_size * row if page_bytes is None else page_bytes, start)
@@ -216,7 +213,7 @@ class RankLayout:
             raise ValueError(f"layer_ids must be non-empty and distinct, got {list(self.layer_ids)}")
         dtype_itemsize(self.dtype)
         for spec in self.kv_tensors + self.state_tensors:
-            spec.local_units(self.tp_size)  # raises when this TP cannot split it
+            spec.local_channels(self.tp_size)  # raises when this TP cannot cut it
         if self.state_kind is not StateKind.NONE and not (self.state_tensors and self.state_layer_ids):
             raise ValueError(f"state kind {self.state_kind.value} needs state tensors and layer ids")
 
@@ -246,19 +243,19 @@ class RankLayout:
         isz = dtype_itemsize(dtype)
         heads, ps = ShardKind.HEADS, page_size
         if kind is PoolKind.MHA:
-            specs = [_spec("k", 0, heads, head_dim * isz, (total_heads,), tp_size, ps),
-                     _spec("v", 1, heads, v_head_dim * isz, (total_heads,), tp_size, ps)]
+            specs = [_spec("k", 0, heads, head_dim * isz, ((total_heads, 1),), tp_size, ps),
+                     _spec("v", 1, heads, v_head_dim * isz, ((total_heads, 1),), tp_size, ps)]
         elif kind is PoolKind.MHA_FP4:
-            specs = [_spec("k", 0, heads, head_dim // 2, (total_heads,), tp_size, ps),
-                     _spec("v", 1, heads, v_head_dim // 2, (total_heads,), tp_size, ps),
-                     _spec("k_scale", 2, heads, head_dim // FP4_BLOCK, (total_heads,), tp_size, ps),
-                     _spec("v_scale", 3, heads, v_head_dim // FP4_BLOCK, (total_heads,), tp_size, ps)]
+            specs = [_spec("k", 0, heads, head_dim // 2, ((total_heads, 1),), tp_size, ps),
+                     _spec("v", 1, heads, v_head_dim // 2, ((total_heads, 1),), tp_size, ps),
+                     _spec("k_scale", 2, heads, head_dim // FP4_BLOCK, ((total_heads, 1),), tp_size, ps),
+                     _spec("v_scale", 3, heads, v_head_dim // FP4_BLOCK, ((total_heads, 1),), tp_size, ps)]
         elif kind is PoolKind.MLA_FP4:
             rep = ShardKind.REPLICATED
-            specs = [_spec("kv", 0, rep, head_dim // 2, (1,), tp_size, ps),
-                     _spec("kv_scale", 1, rep, head_dim // FP4_BLOCK, (1,), tp_size, ps)]
+            specs = [_spec("kv", 0, rep, head_dim // 2, ((1, 1),), tp_size, ps),
+                     _spec("kv_scale", 1, rep, head_dim // FP4_BLOCK, ((1, 1),), tp_size, ps)]
         else:  # MLA, NSA: one latent row per token, replicated across TP
-            specs = [_spec("kv", 0, ShardKind.REPLICATED, head_dim * isz, (1,), tp_size, ps)]
+            specs = [_spec("kv", 0, ShardKind.REPLICATED, head_dim * isz, ((1, 1),), tp_size, ps)]
         if kind in (PoolKind.MHA_FP4, PoolKind.MLA_FP4) and head_dim % (2 * FP4_BLOCK):
             raise ValueError(f"FP4 needs head_dim divisible by {2 * FP4_BLOCK}, got {head_dim}")
         if kind not in (PoolKind.MHA, PoolKind.MHA_FP4):
@@ -272,29 +269,36 @@ class RankLayout:
     ) -> "RankLayout":
         """Add Mamba state: per conv tensor ``[layers, slots, conv_dims[i], K-1]`` (this rank's
         dims; a channel is ``conv_unit_bytes[i]`` bytes), then temporal ``[layers, slots,
-        temporal_heads, head_dim, state]``. ``conv_shard_groups``: per conv tensor the total
-        (unsharded) sizes of its sub-blocks; one sequence of ints applies to every conv tensor;
-        None means one block per tensor."""
+        temporal_heads, head_dim, state]`` (this rank's heads; a head is ``temporal_head_bytes``).
+
+        ``conv_shard_groups`` lists the unsharded sub-blocks of a conv tensor's channels, each
+        cut on its own: an int ``c`` is ``c`` channels split evenly; a tuple ``(units, size)``
+        is ``units`` blocks of ``size`` channels cut by whole blocks and replicated when TP >
+        units (Mamba2 groups: ``[intermediate, (n_groups, state), (n_groups, state)]``). One
+        list applies to every conv tensor; a list of lists gives one per conv tensor; None is
+        one evenly split block per tensor.
+        """
         t = self.tp_size
         if len(conv_dims) != len(conv_unit_bytes):
             raise ValueError(f"conv_dims and conv_unit_bytes differ in length: {len(conv_dims)} vs {len(conv_unit_bytes)}")
         if conv_shard_groups is None:
-            groups = tuple((d * t,) for d in conv_dims)
-        elif all(isinstance(g, int) for g in conv_shard_groups):
-            groups = tuple(tuple(conv_shard_groups) for _ in conv_dims)
+            per_tensor = [[d * t] for d in conv_dims]
+        elif any(isinstance(g, list) for g in conv_shard_groups):
+            per_tensor = list(conv_shard_groups)
         else:
-            groups = tuple(tuple(g) for g in conv_shard_groups)
-        if len(groups) != len(conv_dims):
-            raise ValueError(f"conv_shard_groups needs one entry per conv tensor ({len(conv_dims)}), got {len(groups)}")
+            per_tensor = [list(conv_shard_groups)] * len(conv_dims)
+        if len(per_tensor) != len(conv_dims):
+            raise ValueError(f"conv_shard_groups needs one entry per conv tensor ({len(conv_dims)}), got {len(per_tensor)}")
+        groups = tuple(tuple(_sub_block(e) for e in g) for g in per_tensor)
         specs = []
         for i, (dim, unit, grp) in enumerate(zip(conv_dims, conv_unit_bytes, groups)):
-            if sum(grp) != dim * t:
-                raise ValueError(
-                    f"conv tensor {i}: conv_shard_groups {list(grp)} must sum to conv_dim {dim} x TP {t} = {dim * t}"
-                )
-            specs.append(_spec(f"conv{i}", i, ShardKind.GROUPS, unit, grp, t, 1))
+            spec = _spec(f"conv{i}", i, ShardKind.GROUPS, unit, grp, t, 1)
+            if spec.row_bytes != dim * unit:
+                raise ValueError(f"conv tensor {i}: conv_shard_groups {_show(grp)} (units, size) give "
+                                 f"{spec.row_bytes // unit} channels per rank at TP {t}, the pool's conv_dim is {dim}")
+            specs.append(spec)
         specs.append(_spec("temporal", len(conv_dims), ShardKind.GROUPS, temporal_head_bytes,
-                           (temporal_heads * t,), t, 1))
+                           ((temporal_heads * t, 1),), t, 1))
         return _replace(self, state_kind=StateKind.MAMBA, state_layer_ids=tuple(layer_ids), state_page_size=1,
                         state_num_slots=num_slots, state_tensors=tuple(specs),
                         state_dims=tuple(conv_dims) + (temporal_heads,), conv_shard_groups=groups)
@@ -306,8 +310,8 @@ class RankLayout:
         scale = index_head_dim // NSA_QUANT_BLOCK * 4
         page = ps * (index_head_dim + scale)
         rep = ShardKind.REPLICATED
-        specs = (_spec("index_k", 0, rep, index_head_dim, (1,), self.tp_size, ps, (0, page)),
-                 _spec("index_k_scale", 0, rep, scale, (1,), self.tp_size, ps, (ps * index_head_dim, page)))
+        specs = (_spec("index_k", 0, rep, index_head_dim, ((1, 1),), self.tp_size, ps, (0, page)),
+                 _spec("index_k_scale", 0, rep, scale, ((1, 1),), self.tp_size, ps, (ps * index_head_dim, page)))
         return _replace(self, state_kind=StateKind.NSA_INDEX, state_layer_ids=self.layer_ids, state_page_size=ps,
                         state_num_slots=num_pages * ps, state_tensors=specs, state_dims=(index_head_dim,))
 
@@ -357,7 +361,7 @@ class RankLayout:
             elif f.name in ("kv_tensors", "state_tensors"):
                 v = [s.to_wire() for s in v]
             elif f.name == "conv_shard_groups":
-                v = [list(g) for g in v]
+                v = [[list(p) for p in g] for g in v]
             elif isinstance(v, tuple):
                 v = list(v)
             body[f.name] = v
@@ -380,7 +384,7 @@ class RankLayout:
         body["state_kind"] = StateKind(body["state_kind"])
         for part in ("kv_tensors", "state_tensors"):
             body[part] = tuple(TensorSpec.from_wire(s) for s in body[part])
-        body["conv_shard_groups"] = tuple(tuple(g) for g in body["conv_shard_groups"])
+        body["conv_shard_groups"] = tuple(tuple(tuple(p) for p in g) for g in body["conv_shard_groups"])
         for name in ("layer_ids", "state_layer_ids", "state_dims"):
             body[name] = tuple(body[name])
         return cls(**body)
@@ -410,9 +414,9 @@ def _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv
         layout = RankLayout.attention(kind, tp_rank=tp_rank, tp_size=tp_size, page_size=ps, layer_ids=layer_ids,
                                       dtype=dtype, head_dim=attn.head_dim, v_head_dim=getattr(attn, "v_head_dim", None),
                                       total_heads=heads, num_slots=lens[0] // (items[0] // ps))
-        if layout.kv_tensors[0].local_units(tp_size) != attn.head_num:
+        if layout.kv_tensors[0].local_channels(tp_size) != attn.head_num:
             raise LayoutMismatch(f"pool holds {attn.head_num} heads, but {heads} total KV heads at TP {tp_size} "
-                                 f"give {layout.kv_tensors[0].local_units(tp_size)} per rank (pass total_kv_heads)")
+                                 f"give {layout.kv_tensors[0].local_channels(tp_size)} per rank (pass total_kv_heads)")
     _check_items("get_contiguous_buf_infos", layout.kv_tensors, items, len(layer_ids))
     if kind is PoolKind.NSA:
         _, slens, sitems = attn.get_state_buf_infos()
@@ -449,6 +453,16 @@ def _check_items(export: str, specs, items, num_layers: int) -> None:
                 raise LayoutMismatch(f"{export} item_len of buffer {spec.export_index * num_layers + j} "
                                      f"({spec.name}, layer position {j}) is {got}, the pool's attributes give "
                                      f"{spec.page_bytes}")
+
+
+def _sub_block(entry) -> tuple:
+    """A conv_shard_groups entry: ``c`` -> ``(c, 1)``; ``(units, size)`` as is."""
+    if isinstance(entry, int) and not isinstance(entry, bool) and entry > 0:
+        return (entry, 1)
+    if (isinstance(entry, tuple) and len(entry) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in entry)):
+        return entry
+    raise ValueError(f"a conv_shard_groups entry must be a positive int or a (units, size) tuple, got {entry!r}")
 
 
 def _replace(layout: RankLayout, **changes) -> RankLayout:

@@ -16,8 +16,9 @@ block of ``k``, so decode ranks spread over the replicas. Cases:
 - prefill TP > decode TP (MHA): a decode row is assembled from several prefill ranks.
 - TP > heads on either side: heads replicated, rank ``r`` holds head ``r // (T // H)``.
 - MLA / NSA: whole latent rows from one prefill rank (spread as above).
-- Mamba conv state: each sub-block of ``conv_shard_groups`` is split on its own, so a decode
-  row is one piece per sub-block; temporal state: a head range.
+- Mamba conv state: each sub-block of ``conv_shard_groups`` is cut on its own, so a decode
+  row is one piece per sub-block (Mamba2 groups replicated when TP > n_groups are read from
+  one replica, as heads are); temporal state: a head range.
 - Page sizes may differ: KV rows are addressed per token slot, so pages do not matter (NSA's
   index_k pages are split into sections: runs stop at page boundaries of either side).
 
@@ -190,26 +191,15 @@ def _merge_touching(sb, so, db, do, ln):
 
 
 # -- who owns which bytes --------------------------------------------------------------
-def _replicas(spec: TensorSpec, tp_size: int) -> int:
-    """How many consecutive ranks at TP ``tp_size`` hold each byte of the row."""
-    if spec.shard is ShardKind.REPLICATED:
-        return tp_size
-    if spec.shard is ShardKind.HEADS:
-        return max(1, tp_size // spec.groups[0])
-    return 1
-
-
 def _segments(spec: TensorSpec, src_rank: int, src_tp: int, dst_rank: int, dst_tp: int) -> list:
     """``[(src_offset, dst_offset, length)]`` inside a slot row: the bytes ``dst_rank`` reads
-    from ``src_rank`` (empty when another replica serves it). Touching pieces merged."""
-    k = _replicas(spec, src_tp)
-    if src_rank % k != dst_rank % k:  # another prefill replica serves this decode rank
-        return []
+    from ``src_rank``. A piece the prefill side replicates over ``k`` ranks is read from the
+    replica with ``src_rank % k == dst_rank % k``. Touching pieces merged."""
     out = []
-    for d_log, d_len, d_phys in spec.pieces(dst_rank, dst_tp):
-        for s_log, s_len, s_phys in spec.pieces(src_rank, src_tp):
+    for d_log, d_len, d_phys, _ in spec.pieces(dst_rank, dst_tp):
+        for s_log, s_len, s_phys, k in spec.pieces(src_rank, src_tp):
             lo, hi = max(d_log, s_log), min(d_log + d_len, s_log + s_len)
-            if lo < hi:
+            if lo < hi and src_rank % k == dst_rank % k:
                 out.append((s_phys + lo - s_log, d_phys + lo - d_log, hi - lo))
     out.sort(key=lambda seg: seg[1])
     merged = []
@@ -229,7 +219,7 @@ def senders_for(decode: RankLayout, prefill_tp_size: int) -> list:
         raise ValueError(f"prefill_tp_size must be a positive int, got {prefill_tp_size!r}")
     specs = decode.kv_tensors + decode.state_tensors
     for spec in specs:
-        spec.local_units(prefill_tp_size)  # raises when prefill TP cannot split it
+        spec.local_channels(prefill_tp_size)  # raises when prefill TP cannot cut it
     return [
         s for s in range(prefill_tp_size)
         if any(_segments(spec, s, prefill_tp_size, decode.tp_rank, decode.tp_size) for spec in specs)

@@ -60,7 +60,7 @@ def test_from_pools_replicated_heads_needs_total():
     with pytest.raises(LayoutMismatch, match="pool holds 1 heads, but 16 total KV heads at TP 8 give 2 per rank"):
         RankLayout.from_pools(pool, tp_rank=3, tp_size=8, total_kv_heads=16)
     lay = RankLayout.from_pools(pool, tp_rank=5, tp_size=8, total_kv_heads=2)
-    assert lay.total_heads == 2 and lay.kv_tensors[0].pieces(5, 8) == [(128, 128, 0)]  # rank 5 holds head 5 // 4
+    assert lay.total_heads == 2 and lay.kv_tensors[0].pieces(5, 8) == [(128, 128, 0, 4)]  # rank 5 holds head 5 // 4
 
 
 def test_from_pools_mla_nsa():
@@ -87,14 +87,15 @@ def test_from_pools_hybrid_and_req_pool():
                             mamba_pool=mamba(2))
     lay = RankLayout.from_pools(kv, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16, 16])
     assert lay.is_hybrid and lay.layer_ids == (0, 3) and lay.state_layer_ids == (1, 2)
-    assert lay.state_dims == (48, 4) and lay.conv_shard_groups == ((64, 16, 16),)
+    assert lay.state_dims == (48, 4) and lay.conv_shard_groups == (((64, 1), (16, 1), (16, 1)),)
     assert lay.num_state_buffers == len(kv.get_state_buf_infos()[0])
     req = HybridReqToTokenPool(size=4, mamba_size=4, mamba_spec_state_size=0, max_context_len=8,
                                cache_params=mamba(2).cache_params)
     lay2 = RankLayout.from_pools(kv.full_kv_pool, req, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16, 16])
     assert lay2.state_tensors == lay.state_tensors
     assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
-    with pytest.raises(ValueError, match=r"conv_shard_groups \[64, 16\] must sum to conv_dim 48 x TP 2 = 96"):
+    with pytest.raises(ValueError, match=r"groups \[\[64, 1\], \[16, 1\]\] \(units, size\) give 40 channels per rank "
+                                         r"at TP 2, the pool's conv_dim is 48"):
         RankLayout.from_pools(kv, tp_rank=0, tp_size=2, conv_shard_groups=[64, 16])
 
 
@@ -137,26 +138,38 @@ def test_real_mha_pools_transfer(cls, p, d, heads, src_ps, dst_ps):
                                        rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4)])
-def test_real_mamba_state_transfer(p, d):
+def mamba2(tp, n_groups, size=4, layers=(1, 2)):
+    params = MambaStateParams.mamba2(tp_world_size=tp, intermediate_size=64, n_groups=n_groups, num_heads=8,
+                                     head_dim=4, state_size=8, conv_kernel=4, layers=layers)
+    return MambaPool(size=size, spec_state_size=0, cache_params=params)
+
+
+@pytest.mark.parametrize("n_groups", [None, 1, 2])
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 1)])
+def test_real_mamba_state_transfer(p, d, n_groups):
+    """Real MambaPools; ``n_groups`` None: conv [x | B | C] = [64 | 16 | 16] split evenly;
+    else Mamba2 (``MambaStateParams.mamba2``) whose B, C groups replicate when TP > n_groups."""
     torch.manual_seed(p + d)
-    groups = [64, 16, 16]  # [x | B | C], unsharded
-    conv = torch.randn(2, 96, 3).to(torch.bfloat16)  # [layers, conv_dim, K-1] of one request
-    temporal = torch.randn(2, 8, 4, 16)  # [layers, heads, head_dim, state]
+    if n_groups is None:
+        groups, make = [64, 16, 16], mamba
+    else:
+        groups, make = [64, (n_groups, 8), (n_groups, 8)], lambda tp: mamba2(tp, n_groups)  # noqa: E731
+    blocks = [(g, 1) if isinstance(g, int) else g for g in groups]
+    conv = torch.randn(2, sum(n * c for n, c in blocks), 3).to(torch.bfloat16)  # [layers, conv_dim, K-1]
+    temporal = torch.randn(2, 8, 4, 16 if n_groups is None else 8)  # [layers, heads, head_dim, state]
 
     def conv_shard(rank, tp):
-        starts = [0, 64, 80]
-        idx = [s + i for s, g in zip(starts, groups) for i in range(rank * g // tp, (rank + 1) * g // tp)]
+        idx, start = [], 0
+        for n, c in blocks:
+            units = range(rank * n // tp, (rank + 1) * n // tp) if tp <= n else [rank // (tp // n)]
+            idx += [start + u * c + i for u in units for i in range(c)]
+            start += n * c
         return conv[:, idx]
 
-    def build(tp, slot):
-        pools = [mamba(tp) for _ in range(tp)]
-        for r, pool in enumerate(pools):
-            pool.mamba_cache.conv[0][:, slot] = conv_shard(r, tp)
-            pool.mamba_cache.temporal[:, slot] = temporal[:, r * 8 // tp: (r + 1) * 8 // tp]
-        return pools
-
-    src_pools, dst_pools = build(p, 3), [mamba(d) for _ in range(d)]
+    src_pools, dst_pools = [make(p) for _ in range(p)], [make(d) for _ in range(d)]
+    for r, pool in enumerate(src_pools):
+        pool.mamba_cache.conv[0][:, 3] = conv_shard(r, p)
+        pool.mamba_cache.temporal[:, 3] = temporal[:, r * 8 // p: (r + 1) * 8 // p]
     lay = lambda x, r, tp: RankLayout.from_pools(  # noqa: E731
         mha(tp, 8), x, tp_rank=r, tp_size=tp, conv_shard_groups=groups)
     for dr, dpool in enumerate(dst_pools):

@@ -125,15 +125,20 @@ def test_nsa_index_whole_pages_merge_to_one_range():
 
 
 # -- Mamba: conv sub-blocks sharded on their own, temporal heads ---------------------------
+def conv_dim(groups, tp):
+    """Channels per rank (the pool's conv_dim) of sub-blocks: ints split, (units, size) by units."""
+    return sum(g // tp if isinstance(g, int) else max(1, g[0] // tp) * g[1] for g in groups)
+
+
 def mamba_layouts(tp, groups, heads=8, num_slots=6):
     kv = dict(page_size=1, layer_ids=[0, 3], dtype="bfloat16", head_dim=64, total_heads=8, num_slots=16)
     out = []
     for r in range(tp):
         base = RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, **kv)
         out.append(base.with_mamba(
-            layer_ids=[1, 2, 4], num_slots=num_slots, conv_dims=[sum(g) // tp for g in groups],
+            layer_ids=[1, 2, 4], num_slots=num_slots, conv_dims=[conv_dim(g, tp) for g in groups],
             conv_unit_bytes=[3 * 2] * len(groups), temporal_heads=heads // tp, temporal_head_bytes=16 * 4 * 4,
-            conv_shard_groups=groups))
+            conv_shard_groups=[list(g) for g in groups]))
     return out
 
 
@@ -147,6 +152,19 @@ def test_mamba_state(p, d):
     src_slot, dst_slot = int(rng.integers(1, 6)), int(rng.integers(1, 6))
     check_all_pairs(src, dst, refs, 3, src_slot, dst_slot, rng, state=True)
     check_all_pairs(src, dst, [Ref(8, 128, "heads")] * 2, 2, np.array([3, 4, 9]), np.array([7, 2, 3]), rng)
+
+
+@pytest.mark.parametrize("d", TP)
+@pytest.mark.parametrize("p", TP)
+@pytest.mark.parametrize("n_groups", [1, 2, 8])
+def test_mamba2_groups_replicated_when_tp_exceeds_them(n_groups, p, d):
+    """Mamba2 conv ``[x | B | C]``: B and C are n_groups groups of ``state`` channels; a TP above
+    n_groups replicates them (rank r holds group r // (T // n_groups)), x is split."""
+    rng = np.random.default_rng(n_groups * 100 + p * 10 + d)
+    groups = [(64, (n_groups, 8), (n_groups, 8))]
+    refs = [Ref(64 + 16 * n_groups, 3 * 2, "groups", groups[0]), Ref(8, 16 * 4 * 4, "groups", (8,))]
+    src, dst = mamba_layouts(p, groups), mamba_layouts(d, groups)
+    check_all_pairs(src, dst, refs, 3, 2, 5, rng, state=True)
 
 
 def test_conv_groups_sharded_on_their_own_not_as_one_block():
@@ -247,12 +265,13 @@ def test_tp_that_cannot_split_heads():
         _mha(tp_size=3)
     with pytest.raises(LayoutMismatch, match="total heads 8 and TP size 3"):
         senders_for(_mha(), 3)
-    with pytest.raises(LayoutMismatch, match=r"divide by TP size 4, got groups \[6, 4, 6\]"):
+    with pytest.raises(LayoutMismatch, match=r"must divide TP size 4 or be divided by it, got \(units, size\) "
+                                             r"groups \[\[6, 1\], \[4, 1\], \[6, 1\]\]"):
         mamba_layouts(4, [(6, 4, 6)])
 
 
 def test_conv_groups_mismatch():
-    with pytest.raises(LayoutMismatch, match=r"conv_shard_groups: this side \[\[8, 4, 4\]\], peer \[\[4, 4, 8\]\]"):
+    with pytest.raises(LayoutMismatch, match=r"conv_shard_groups: this side \[\[\[8, 1\], \[4, 1\], \[4, 1\]\]\], peer \[\[\[4, 1\], \[4, 1\], \[8, 1\]\]\]"):
         plan_state_transfer(mamba_layouts(1, [(8, 4, 4)])[0], mamba_layouts(1, [(4, 4, 8)])[0], 1, 1)
 
 

@@ -18,8 +18,10 @@ from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
 
 @dataclass(frozen=True)
 class Ref:
-    """One exported tensor kind as the reference sees it: a full row of ``units`` units of
-    ``unit_bytes``, cut by ``rule`` ("heads", "groups", "replicated")."""
+    """One exported tensor kind as the reference sees it: a full row of ``units`` channels of
+    ``unit_bytes``, cut by ``rule`` ("heads", "groups", "replicated"); ``groups`` lists the
+    sub-blocks (an int: channels split evenly; ``(units, size)``: blocks of ``size`` channels,
+    replicated when TP > units)."""
 
     units: int
     unit_bytes: int
@@ -38,10 +40,11 @@ def held_units(t: Ref, rank: int, tp: int) -> np.ndarray:
             return np.arange(rank * n, (rank + 1) * n)
         return np.array([rank // (tp // h)])  # heads replicated when TP > heads
     out, start = [], 0
-    for g in t.groups:  # every sub-block split on its own
-        n = g // tp
-        out.append(start + np.arange(rank * n, (rank + 1) * n))
-        start += g
+    for g in t.groups:  # every sub-block cut on its own: an int is channels, a pair (units, size)
+        n, size = (g, 1) if isinstance(g, int) else g
+        units = np.arange(rank * n // tp, (rank + 1) * n // tp) if tp <= n else np.array([rank // (tp // n)])
+        out.append(start + (units[:, None] * size + np.arange(size)).ravel())
+        start += n * size
     return np.concatenate(out)
 
 
