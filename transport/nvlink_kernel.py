@@ -23,7 +23,7 @@ Copy paths (:class:`CopyPath`, chosen per batch by :func:`choose_path`)
 
 Tiling
 ------
-A program copies ``BLOCK_R`` rows at once as a ``[BLOCK_R, BLOCK_C]`` tile of elements and
+A tile is ``BLOCK_R`` rows; a program copies them at once as a ``[BLOCK_R, BLOCK_C]`` tile of elements and
 walks long rows in steps of ``BLOCK_C`` (the loop runs to the longest row of its tile). Small
 rows (one head slice, 256 B) therefore keep several rows of loads in flight per program;
 long rows (whole pages) keep ``BLOCK_C`` elements per row in flight.
@@ -75,12 +75,18 @@ class KernelConfig:
     """Launch shape of :func:`scatter_rows`.
 
     ``tile_bytes`` is the data one program moves per loop step (``BLOCK_R * BLOCK_C``
-    elements); ``max_block_c_bytes`` caps the per-row step for long rows.
+    elements); ``max_block_c_bytes`` caps the per-row step for long rows. ``max_programs``
+    > 0 launches at most that many programs, each walking tiles with a grid stride (0: one
+    program per tile). ``load_cache`` / ``store_cache`` are Triton cache modifiers ("" is
+    the default policy).
     """
 
     tile_bytes: int = 8192
     max_block_c_bytes: int = 8192
     num_warps: int = 4
+    max_programs: int = 0
+    load_cache: str = ""
+    store_cache: str = ""
 
     def __post_init__(self):
         for name in ("tile_bytes", "max_block_c_bytes"):
@@ -89,6 +95,12 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        if not isinstance(self.max_programs, int) or self.max_programs < 0:
+            raise ValueError(f"max_programs must be an int >= 0, got {self.max_programs!r}")
+        if self.load_cache not in ("", ".ca", ".cg", ".cv"):
+            raise ValueError(f"load_cache must be one of '', '.ca', '.cg', '.cv', got {self.load_cache!r}")
+        if self.store_cache not in ("", ".wb", ".cg", ".cs", ".wt"):
+            raise ValueError(f"store_cache must be one of '', '.wb', '.cg', '.cs', '.wt', got {self.store_cache!r}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +108,12 @@ class LaunchPlan:
     """What :func:`plan_launch` decided for one batch."""
 
     path: CopyPath
-    block_r: int  # rows per program
+    block_r: int  # rows per tile
     block_c: int  # elements per row per loop step
-    num_programs: int
+    num_tiles: int  # ceil(num_rows / block_r)
+    num_programs: int  # programs launched; each walks tiles pid, pid + num_programs, ...
+    load_cache: str = ""
+    store_cache: str = ""
 
 
 def build_row_table(
@@ -154,7 +169,9 @@ def plan_launch(num_rows: int, max_len: int, path: CopyPath, config: KernelConfi
     block_c = min(_pow2_at_least(max(1, -(-max_len // eb))), config.max_block_c_bytes // eb)
     block_c = max(block_c, 16 // eb if path is not CopyPath.BYTES else 16)
     block_r = max(1, (config.tile_bytes // eb) // block_c)
-    return LaunchPlan(path, block_r, block_c, -(-num_rows // block_r))
+    num_tiles = -(-num_rows // block_r)
+    programs = min(num_tiles, config.max_programs) if config.max_programs else num_tiles
+    return LaunchPlan(path, block_r, block_c, num_tiles, programs, config.load_cache, config.store_cache)
 
 
 def check_row_table(rows, device) -> None:
@@ -175,29 +192,34 @@ def check_row_table(rows, device) -> None:
         raise ValueError(f"rows must be on {want}, got {rows.device}")
 
 
-def _scatter_rows_body(rows_ptr, n_rows, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Copy rows ``[pid * BLOCK_R, (pid + 1) * BLOCK_R)`` of the row table (see module doc)."""
-    pid = tl.program_id(0).to(tl.int64)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] row indices
-    ok = r < n_rows
-    src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
-    dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
-    nbytes = tl.load(rows_ptr + 2 * n_rows + r, mask=ok, other=0)
+def _scatter_rows_body(
+    rows_ptr, n_rows, num_tiles,
+    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
+):
+    """Copy the rows of tiles ``pid, pid + num_programs, ...`` (tile t: rows
+    ``[t * BLOCK_R, (t + 1) * BLOCK_R)`` of the row table; see the module doc)."""
     cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    if ALIGN == 1:
-        sp = src.to(tl.pointer_type(tl.uint8))
-        dp = dst.to(tl.pointer_type(tl.uint8))
-        n = nbytes
-    else:
-        sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
-        dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
-        n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
-    steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
-    for k in range(0, steps):
-        c = k * BLOCK_C + cols  # [BLOCK_C]
-        m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
-        v = tl.load(sp[:, None] + c[None, :], mask=m)
-        tl.store(dp[:, None] + c[None, :], v, mask=m)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
+        ok = r < n_rows
+        src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
+        dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
+        nbytes = tl.load(rows_ptr + (r + n_rows) + n_rows, mask=ok, other=0)
+        if ALIGN == 1:
+            sp = src.to(tl.pointer_type(tl.uint8))
+            dp = dst.to(tl.pointer_type(tl.uint8))
+            n = nbytes
+        else:
+            sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
+            dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
+            n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
+        steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
+        for k in range(0, steps):
+            c = k * BLOCK_C + cols  # [BLOCK_C]
+            m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
+            v = tl.load(sp[:, None] + c[None, :], mask=m, cache_modifier=LOAD_CACHE)
+            tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
 
 
 _KERNELS: dict = {}
@@ -224,9 +246,10 @@ def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4) -> None:
     n = int(rows.shape[1])
     if n == 0:
         return
-    if plan.num_programs * plan.block_r < n:
-        raise ValueError(f"plan covers {plan.num_programs * plan.block_r} rows, batch has {n}")
+    if plan.num_tiles * plan.block_r < n:
+        raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, batch has {n}")
     kernel = _kernel(rows.device.type == "cpu")
     kernel[(plan.num_programs,)](
-        rows, n, ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, num_warps=num_warps
+        rows, n, plan.num_tiles, ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
+        LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
     )

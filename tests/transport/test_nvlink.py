@@ -85,7 +85,9 @@ def test_choose_path_takes_the_widest_alignment_every_row_allows(addr_mult, len_
 def test_plan_launch_covers_every_row_and_its_length(path, n, max_len):
     cfg = kern.KernelConfig()
     plan = kern.plan_launch(n, max_len, path, cfg)
-    assert plan.num_programs * plan.block_r >= n > (plan.num_programs - 1) * plan.block_r
+    assert plan.num_tiles * plan.block_r >= n > (plan.num_tiles - 1) * plan.block_r
+    assert plan.num_programs == plan.num_tiles
+    assert kern.plan_launch(n, max_len, path, kern.KernelConfig(max_programs=3)).num_programs == min(3, plan.num_tiles)
     assert plan.block_c & (plan.block_c - 1) == 0 and plan.block_r & (plan.block_r - 1) == 0
     assert plan.block_r * plan.block_c * path.elem_bytes <= max(cfg.tile_bytes, plan.block_c * path.elem_bytes)
     if max_len <= cfg.max_block_c_bytes:  # a short row is one step
@@ -97,6 +99,10 @@ def test_kernel_config_rejects_bad_values():
         kern.KernelConfig(tile_bytes=1000)
     with pytest.raises(ValueError, match="num_warps must be one of"):
         kern.KernelConfig(num_warps=3)
+    with pytest.raises(ValueError, match="max_programs must be an int >= 0, got -1"):
+        kern.KernelConfig(max_programs=-1)
+    with pytest.raises(ValueError, match="store_cache must be one of"):
+        kern.KernelConfig(store_cache=".lu")
 
 
 def test_check_row_table_names_what_was_expected():
@@ -124,7 +130,7 @@ src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
 dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 9000, 7000)]
 for unit, cfg in ((16, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=64)),
                   (8, kern.KernelConfig(tile_bytes=128, max_block_c_bytes=32)),
-                  (1, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=32))):
+                  (1, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=32, max_programs=2))):
     for d in dst:
         d.random_(0, 256)
     want = [d.clone() for d in dst]
