@@ -180,6 +180,20 @@ def test_conv_groups_sharded_on_their_own_not_as_one_block():
     assert do[conv0][:3].tolist() == [2 * 8 * unit, 2 * 8 * unit + 4 * unit, 2 * 8 * unit + 6 * unit]
 
 
+def test_senders_count_kv_and_state():
+    """2 KV heads at prefill TP 4 -> decode TP 1: KV from ranks 0 and 2 (one replica per head),
+    temporal heads split 4 ways: state from every rank."""
+    def layouts(tp):
+        return [RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16",
+                                     head_dim=64, total_heads=2, num_slots=16).with_mamba(
+            layer_ids=[1], num_slots=4, conv_dims=[16 // tp], conv_unit_bytes=[6], temporal_heads=8 // tp,
+            temporal_head_bytes=64) for r in range(tp)]
+    src, (dst,) = layouts(4), layouts(1)
+    kv = [r for r in range(4) if not plan_kv_transfer(src[r], dst, [1, 2], [3, 4]).empty]
+    st = [r for r in range(4) if not plan_state_transfer(src[r], dst, 1, 2).empty]
+    assert (kv, st, senders_for(dst, 4)) == ([0, 2], [0, 1, 2, 3], [0, 1, 2, 3])
+
+
 def test_mamba_slots_are_ints_and_checked():
     src = mamba_layouts(1, [(8, 4, 4)])[0]
     with pytest.raises(TypeError, match="must be an int"):
