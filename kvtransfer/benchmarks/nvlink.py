@@ -227,13 +227,193 @@ def _median_ms_events(fn, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _median_s_wall(fn, reps: int) -> float:
-    times = []
+def _write_times(peer, batch, reps: int) -> tuple[float, float]:
+    """Median seconds for ``peer.write`` to return (host-side preparation) and to complete."""
+    prep, total = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        tr = peer.write(batch)
+        t1 = time.perf_counter()
+        tr.wait(timeout=120)
+        total.append(time.perf_counter() - t0)
+        prep.append(t1 - t0)
+    return statistics.median(prep), statistics.median(total)
+
+
+def _sweep_configs(kern, sweep: bool, num_sms: int) -> list:
+    configs = [kern.KernelConfig()]
+    if sweep:
+        configs += [
+            kern.KernelConfig(tile_bytes=4096),
+            kern.KernelConfig(tile_bytes=16384, num_warps=8),
+            kern.KernelConfig(load_cache=".cg", store_cache=".cs"),
+            kern.KernelConfig(max_programs=8 * num_sms),
+            kern.KernelConfig(max_programs=4 * num_sms, tile_bytes=16384, num_warps=8),
+        ]
+    return configs
+
+
+def _config_name(cfg) -> str:
+    extra = (f" p{cfg.max_programs}" if cfg.max_programs else "") + (f" {cfg.load_cache}{cfg.store_cache}" if cfg.load_cache or cfg.store_cache else "")
+    return f"t{cfg.tile_bytes // 1024}K w{cfg.num_warps}{extra}"
+
+
+class _Bench:
+    """The two processes, the pools, the cases and the measurements of one run."""
+
+    def __init__(self, args):
+        import torch
+
+        from transport import nvlink_kernel as kern
+
+        self.args, self.torch, self.kern = args, torch, kern
+        nixl_ok = importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("nixl_cu12") is not None
+        self.backends = ("nvlink", "nixl") if nixl_ok else ("nvlink",)
+        self.src_dev = torch.device("cuda", args.src_device)
+        self.dst_dev = torch.device("cuda", args.dst_device)
+        torch.cuda.set_device(self.src_dev)
+        self.remote = RemoteBuffers(args.dst_device, self.backends)
+        self.transports = {b: _make_transport(b) for b in self.backends}
+
+    def setup(self) -> None:
+        args, torch = self.args, self.torch
+        token_bytes = args.heads * args.head_dim * 2
+        num_bufs = 2 * args.layers
+        dst_rids = self.remote.call("alloc", [args.pool_tokens * token_bytes] * num_bufs, 0x5A)
+        head_rids = self.remote.call("alloc", [args.pool_tokens * args.head_dim * 2] * num_bufs, 0x5A)
+        self.src = {}
+        for _ in range(num_bufs):
+            t = torch.empty(args.pool_tokens * token_bytes // 4, dtype=torch.int32, device=self.src_dev)
+            t.random_(-(2**31), 2**31 - 1)
+            t = t.view(torch.uint8)  # [pool_tokens * token_bytes] bytes
+            ids = {tr.register_tensor(t) for tr in self.transports.values()}
+            self.src[ids.pop()] = t
+        self.exports = self.remote.call("export")
+        self.peers = {b: self.transports[b].connect(self.exports[b]) for b in self.backends}
+        self.cases = build_cases(args, sorted(self.src), dst_rids, head_rids, np.random.default_rng(0))
+        max_bytes = max(int(c.length.sum()) for c in self.cases)
+        self.pc_src = torch.empty(max_bytes, dtype=torch.uint8, device=self.src_dev).random_(0, 255)
+        self.pc_dst = torch.empty(max_bytes, dtype=torch.uint8, device=self.dst_dev)
+        num_sms = torch.cuda.get_device_properties(self.src_dev).multi_processor_count
+        self.configs = _sweep_configs(self.kern, args.sweep, num_sms)
+
+    def verify(self, case: Case) -> bool:
+        """One write with a notification; the receiver checks its rows once it has arrived."""
+        peer = self.peers["nvlink"]
+        self.remote.call("fill", sorted(set(case.dst_region.tolist())), 0x5A)
+        tag = f"verify {case.name}".encode()
+        peer.write(case.batch(), notify=tag).wait(timeout=120)
+        if not self.remote.call("wait_notify", tag, 60.0):
+            raise RuntimeError(f"{case.name}: notification did not arrive")
+        want = checksums(self.src, case.src_region, case.src_offset, case.length)
+        return want == self.remote.call("checksum", case.dst_region, case.dst_offset, case.length)
+
+    def kernel_ms(self, rows_dev, case: Case, cfg, device) -> float:
+        kern, args = self.kern, self.args
+        path = kern.choose_path(rows_dev.cpu().numpy())
+        plan = kern.plan_launch(rows_dev.shape[1], int(case.length.max()), path, cfg)
+        with self.torch.cuda.device(device):
+            return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup)
+
+    def copy_ms(self, nbytes: int) -> float:
+        a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
+        return _median_ms_events(lambda: b.copy_(a, non_blocking=True), self.args.reps, self.args.warmup)
+
+    def measure(self) -> list[dict]:
+        out = []
+        peer = self.peers["nvlink"]
+        for case in self.cases:
+            batch = case.batch()
+            verified = self.verify(case)
+            rows_dev = self.torch.from_numpy(peer.row_table(batch)).to(self.src_dev)
+            kernel = {cfg: self.kernel_ms(rows_dev, case, cfg, self.src_dev) for cfg in self.configs}
+            prep_s, write_s = _write_times(peer, batch, max(3, self.args.reps // 2))
+            out.append(dict(case=case, nbytes=batch.nbytes, verified=verified, kernel=kernel, prep_s=prep_s,
+                            write_s=write_s, copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
+        return out
+
+    def together(self, res: dict) -> str:
+        """The kernel and a copy-engine peer copy of as many bytes, at once, on two streams."""
+        torch, kern = self.torch, self.kern
+        case, nbytes, rows_dev = res["case"], res["nbytes"], res["rows_dev"]
+        cfg = self.configs[0]
+        plan = kern.plan_launch(rows_dev.shape[1], int(case.length.max()), kern.choose_path(rows_dev.cpu().numpy()), cfg)
+        sa, sb = torch.cuda.Stream(self.src_dev), torch.cuda.Stream(self.src_dev)
+        a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
+
+        def both():
+            cur = torch.cuda.current_stream()
+            go = torch.cuda.Event()
+            go.record(cur)
+            for s, fn in ((sa, lambda: kern.scatter_rows(rows_dev, plan, self.src_dev, cfg.num_warps)),
+                          (sb, lambda: b.copy_(a, non_blocking=True))):
+                s.wait_event(go)
+                with torch.cuda.stream(s):
+                    fn()
+                cur.wait_stream(s)
+
+        ms = _median_ms_events(both, self.args.reps, self.args.warmup)
+        return (f"SM kernel + copy engine at once ({case.name}): {2 * nbytes / ms / 1e6:.1f} GB/s together "
+                f"({2 * nbytes / 2**30:.1f} GiB in {ms:.1f} ms)")
+
+    def pull(self, res: dict) -> str:
+        """The same kernel launched on the DESTINATION GPU (reads cross NVLink, stores are local)."""
+        torch, kern = self.torch, self.kern
+        from transport import cuda_ipc
+        from transport.nvlink import parse_descriptor
+
+        from cuda.bindings import runtime as rt
+
+        dst = self.args.dst_device
+        with torch.cuda.device(dst):
+            rt.cudaSetDevice(dst)
+            rt.cudaDeviceEnablePeerAccess(self.args.src_device, 0)  # "already enabled" is fine
+            rt.cudaGetLastError()
+        api = cuda_ipc.load_api()
+        _, regions, ipc = parse_descriptor(self.exports["nvlink"])
+        base = np.zeros(max(regions) + 1, dtype=np.int64)
+        opened = []
+        try:
+            for rid, (handle, offset, _) in ipc.items():
+                base[rid] = cuda_ipc.open_handle(api, handle, dst) + offset
+                opened.append(handle)
+            case = res["case"]
+            rows = res["rows_dev"].cpu().numpy().copy()
+            rows[1] = base[case.dst_region] + case.dst_offset
+            rows_dev = torch.from_numpy(rows).to(self.dst_dev)
+            ms = self.kernel_ms(rows_dev, case, self.configs[0], self.dst_dev)
+        finally:
+            for handle in opened:
+                cuda_ipc.close_handle(api, handle, dst)
+        return f"pull kernel on cuda:{dst} ({case.name}): {res['nbytes'] / ms / 1e6:.1f} GB/s (push: see table)"
+
+    def close(self) -> None:
+        for tr in self.transports.values():
+            tr.close()
+        self.remote.close()
+
+
+def _print_table(bench: _Bench, results: list[dict]) -> None:
+    args, torch = bench.args, bench.torch
+    gbs = lambda nbytes, sec: nbytes / sec / 1e9  # noqa: E731
+    print(f"\nnvlink bench: {args.layers} layers x K,V, {args.heads} heads x {args.head_dim} bf16, "
+          f"{args.tokens} tokens, cuda:{args.src_device} -> cuda:{args.dst_device} (two processes), "
+          f"{torch.cuda.get_device_name(bench.src_dev)}")
+    if len(bench.configs) > 1:
+        print("kernel sweep, GB/s:  " + " | ".join(_config_name(c) for c in bench.configs))
+        for r in results:
+            print(f"  {r['case'].name:<11}", "  ".join(f"{gbs(r['nbytes'], r['kernel'][c] / 1e3):8.1f}" for c in bench.configs))
+    head = (f"{'case':<11} {'rows':>8} {'row B':>6} {'MiB':>5} {'kernel GB/s':>11} {'peer copy':>9} {'ratio':>6} "
+            f"{'write() GB/s':>12} {'ratio':>6} {'prep ms':>7} {'verified':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        case, nbytes = r["case"], r["nbytes"]
+        k = gbs(nbytes, r["kernel"][bench.configs[0]] / 1e3)
+        c = gbs(nbytes, r["copy_ms"] / 1e3)
+        w = gbs(nbytes, r["write_s"])
+        print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {k:>11.1f} "
+              f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {r['prep_s'] * 1e3:>7.1f} {str(r['verified']):>8}")
 
 
 def main(argv=None) -> int:
@@ -247,103 +427,36 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--src-device", type=int, default=0)
     ap.add_argument("--dst-device", type=int, default=1)
-    ap.add_argument("--sweep", action="store_true", help="also time other kernel tile shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time other kernel shapes and cache policies")
+    ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
     args = ap.parse_args(argv)
     args.pool_tokens = 2 * args.tokens
 
     import torch
 
-    from transport import nvlink_kernel as kern
-    from transport.nvlink import NvlinkTransport
-
     if torch.cuda.device_count() < 2:
         print("kvtransfer bench nvlink: needs two CUDA GPUs, found", torch.cuda.device_count())
         return 1
-    nixl_ok = importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("nixl_cu12") is not None
-    backends = ("nvlink", "nixl") if nixl_ok else ("nvlink",)
-    rng = np.random.default_rng(0)
-    token_bytes = args.heads * args.head_dim * 2
-    num_bufs = 2 * args.layers
-    src_dev = torch.device("cuda", args.src_device)
-    torch.cuda.set_device(src_dev)
-    remote = RemoteBuffers(args.dst_device, backends)
-    transports = {b: _make_transport(b) for b in backends}
+    bench = _Bench(args)
     try:
-        dst_rids = remote.call("alloc", [args.pool_tokens * token_bytes] * num_bufs, 0x5A)
-        head_rids = remote.call("alloc", [args.pool_tokens * args.head_dim * 2] * num_bufs, 0x5A)
-        src = {}
-        for _ in range(num_bufs):
-            t = torch.empty(args.pool_tokens * token_bytes // 4, dtype=torch.int32, device=src_dev)
-            t.random_(-(2**31), 2**31 - 1)
-            t = t.view(torch.uint8)  # [pool_tokens * token_bytes] bytes
-            ids = {tr.register_tensor(t) for tr in transports.values()}
-            src[ids.pop()] = t
-        src_rids = sorted(src)
-        exports = remote.call("export")
-        peers = {b: transports[b].connect(exports[b]) for b in backends}
-        peer = peers["nvlink"]
-        cases = build_cases(args, src_rids, dst_rids, head_rids, rng)
-        max_bytes = max(int(c.length.sum()) for c in cases)
-        pc_src = torch.empty(max_bytes, dtype=torch.uint8, device=src_dev).random_(0, 255)
-        pc_dst = torch.empty(max_bytes, dtype=torch.uint8, device=torch.device("cuda", args.dst_device))
-        configs = [kern.KernelConfig()]
-        if args.sweep:
-            configs += [kern.KernelConfig(tile_bytes=t, num_warps=w) for t, w in ((4096, 4), (16384, 4), (16384, 8), (32768, 8))]
-        results = []
-        for case in cases:
-            batch = case.batch()
-            nbytes = batch.nbytes
-            # verified write
-            dst_ids = sorted(set(case.dst_region.tolist()))
-            remote.call("fill", dst_ids, 0x5A)
-            tag = f"verify {case.name}".encode()
-            peer.write(batch, notify=tag).wait(timeout=120)
-            if not remote.call("wait_notify", tag, 60.0):
-                raise RuntimeError(f"{case.name}: notification did not arrive")
-            want = checksums(src, case.src_region, case.src_offset, case.length)
-            got = remote.call("checksum", case.dst_region, case.dst_offset, case.length)
-            verified = want == got
-            # kernel alone on a resident row table
-            rows = peer.row_table(batch)
-            rows_dev = torch.from_numpy(rows).to(src_dev)
-            kernel_ms = {}
-            for cfg in configs:
-                plan = kern.plan_launch(len(batch), int(case.length.max()), kern.choose_path(rows), cfg)
-                kernel_ms[cfg] = _median_ms_events(
-                    lambda: kern.scatter_rows(rows_dev, plan, src_dev, cfg.num_warps), args.reps, args.warmup
-                )
-            write_s = _median_s_wall(lambda: peer.write(batch).wait(timeout=120), max(3, args.reps // 2))
-            a, b = pc_src[:nbytes], pc_dst[:nbytes]
-            copy_ms = _median_ms_events(lambda: b.copy_(a, non_blocking=True), args.reps, args.warmup)
-            results.append((case, nbytes, verified, kernel_ms, write_s, copy_ms))
-            del rows_dev
-        nixl_line = _nixl_page1(args, cases[0], peers, remote) if "nixl" in peers else "nixl: not importable here, skipped"
+        bench.setup()
+        results = bench.measure()
+        _print_table(bench, results)
+        if "nixl" in bench.peers:
+            print(_nixl_page1(args, bench.cases[0], bench.peers, bench.remote))
+        else:
+            print("nixl: not importable here, skipped")
+        if args.experiments:
+            whole = [r for r in results if r["case"].name != "head slice"]
+            for fn in (bench.together, bench.pull):
+                try:
+                    print(fn(whole[len(whole) // 2]))
+                except Exception as exc:  # an experiment must not cost the table above
+                    print(f"{fn.__name__}: failed: {type(exc).__name__}: {exc}")
     finally:
-        for tr in transports.values():
-            tr.close()
-        remote.close()
-
-    gbs = lambda nbytes, sec: nbytes / sec / 1e9  # noqa: E731
-    print(f"\nnvlink bench: {args.layers} layers x K,V, {args.heads} heads x {args.head_dim} bf16, "
-          f"{args.tokens} tokens, cuda:{args.src_device} -> cuda:{args.dst_device} (two processes), "
-          f"{torch.cuda.get_device_name(src_dev)}")
-    if args.sweep:
-        print("kernel sweep (GB/s):", "  ".join(f"tile {c.tile_bytes} w{c.num_warps}" for c in configs))
-        for case, nbytes, _, kernel_ms, _, _ in results:
-            print(f"  {case.name:<11}", "  ".join(f"{gbs(nbytes, kernel_ms[c] / 1e3):8.1f}" for c in configs))
-    head = f"{'case':<11} {'rows':>9} {'row B':>6} {'MiB':>7} {'kernel GB/s':>11} {'peer copy':>9} " \
-           f"{'ratio':>6} {'write() GB/s':>12} {'ratio':>6} {'verified':>8}"
-    print(head)
-    print("-" * len(head))
-    for case, nbytes, verified, kernel_ms, write_s, copy_ms in results:
-        k = gbs(nbytes, kernel_ms[configs[0]] / 1e3)
-        c = gbs(nbytes, copy_ms / 1e3)
-        w = gbs(nbytes, write_s)
-        print(f"{case.name:<11} {len(case.length):>9} {int(case.length[0]):>6} {nbytes / 2**20:>7.0f} {k:>11.1f} "
-              f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {str(verified):>8}")
-    print(nixl_line)
-    return 0 if all(r[2] for r in results) else 2
+        bench.close()
+    return 0 if all(r["verified"] for r in results) else 2
 
 
 def _nixl_page1(args, case: Case, peers, remote) -> str:
@@ -352,7 +465,7 @@ def _nixl_page1(args, case: Case, peers, remote) -> str:
     n = per_buf * 2 * args.nixl_layers
     sel = np.r_[0 : per_buf * args.nixl_layers, per_buf * args.layers : per_buf * (args.layers + args.nixl_layers)][:n]
     batch = case.batch(sel)
-    nvl = _median_s_wall(lambda: peers["nvlink"].write(batch).wait(timeout=120), 3)
+    _, nvl = _write_times(peers["nvlink"], batch, 3)
     tag = b"nixl page 1"
     t0 = time.perf_counter()
     peers["nixl"].write(batch, notify=tag).wait(timeout=300)
