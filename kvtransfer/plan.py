@@ -33,8 +33,6 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 
 from kvtransfer.layout import (
@@ -125,6 +123,11 @@ class TransferPlan:
     def _whole(self) -> np.ndarray:
         """[B] True where the range is the whole row on both sides: a run is one range."""
         return (self.length == self.src_row) & (self.length == self.dst_row)
+
+    @property
+    def num_token_entries(self) -> int:
+        """Entries without coalescing: one per (buffer pair, slot), what a per-token planner emits."""
+        return self.num_pairs * self.num_tokens
 
     @property
     def num_entries(self) -> int:
@@ -385,10 +388,3 @@ def _check_layouts(src, dst) -> None:
     for name, v in (("src", src), ("dst", dst)):
         if not isinstance(v, RankLayout):
             raise TypeError(f"{name} must be a RankLayout, got {type(v).__name__}")
-
-
-def describe(plan: TransferPlan, entries: Optional[int] = None) -> str:
-    """One line for logs and benchmarks."""
-    n = plan.num_entries if entries is None else entries
-    return (f"{plan.buffers.value} plan: {plan.num_pairs} buffer pairs x {plan.num_runs} runs "
-            f"({plan.num_tokens} slots), {n} entries, {plan.nbytes} bytes")

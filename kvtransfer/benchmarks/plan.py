@@ -68,7 +68,6 @@ def main(argv=None) -> int:
     flat = None
     flat, ftimes = _timed(plan.flatten, args.flatten_repeat)
     entries = int(flat[0].size)
-    per_token = 2 * args.layers * args.tokens
 
     print(f"plan bench: {args.tokens} tokens, {args.layers} layers MHA H={args.heads} head_dim={args.head_dim} "
           f"bf16, page {args.page_size}, {args.slots} slots, TP {args.prefill_tp} -> {args.decode_tp}, "
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     print(f"  plan tables    : {plan.num_pairs} buffer pairs x {plan.num_runs} slot runs")
     print(f"  flatten        : median {statistics.median(ftimes) * 1e3:8.1f} ms ({args.flatten_repeat} runs); first call {fcold * 1e3:.1f} ms "
           f"(fresh memory)")
-    print(f"  entries        : {entries} flattened, {per_token} at one per (buffer, token), "
+    print(f"  entries        : {entries} flattened, {plan.num_token_entries} at one per (buffer, token), "
           f"{plan.nbytes / 2**20:.1f} MiB in {plan.nbytes / max(entries, 1):.0f} B/entry")
     return 0
 
