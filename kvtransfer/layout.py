@@ -201,7 +201,7 @@ class RankLayout:
     state_num_slots: int = 0  # slot rows of each state buffer; slot 0 (page 0) is padding
     state_tensors: tuple = ()
     state_dims: tuple = ()  # get_state_dim_per_tensor() per state tensor kind (TP-sliced dim)
-    conv_shard_groups: tuple = ()  # per conv tensor: total sizes of its sub-blocks
+    conv_shard_groups: tuple = ()  # per conv tensor: its sub-blocks as (units, size) pairs, unsharded
 
     def __post_init__(self):
         for name in ("tp_size", "page_size", "num_slots", "head_dim", "v_head_dim", "total_heads",

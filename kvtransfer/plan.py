@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import numpy as np
 
 from kvtransfer.layout import (
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 _I64 = np.int64
+_PAIR_FIELDS = ("src_buf", "src_base", "src_row", "src_page", "dst_buf", "dst_base", "dst_row", "dst_page", "length")
 
 
 class BufferSet(enum.Enum):
@@ -134,6 +135,16 @@ class TransferPlan:
         """Entries :meth:`flatten` returns (an upper bound for sectioned pages, which merge)."""
         whole = int(np.count_nonzero(self._whole))
         return whole * self.num_runs + (self.num_pairs - whole) * self.num_tokens
+
+    def select(self, keep) -> "TransferPlan":
+        """The plan restricted to the buffer pairs where ``keep`` ([B] bool) is True, e.g.
+        one layer for layer-by-layer sending:
+        ``plan.select(plan.src_buf % len(layout.layer_ids) == layer_position)``."""
+        keep = np.asarray(keep)
+        if keep.dtype != bool or keep.shape != self.src_buf.shape:
+            raise ValueError(f"keep must be a bool array of shape {list(self.src_buf.shape)}, "
+                             f"got {keep.dtype} {list(keep.shape)}")
+        return replace(self, **{name: getattr(self, name)[keep] for name in _PAIR_FIELDS})
 
     # -- expansion -------------------------------------------------------------------
     def flatten(self):

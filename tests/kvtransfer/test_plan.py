@@ -303,3 +303,17 @@ def test_bad_slots():
         plan_state_transfer(lay, lay, 1, 1)
     with pytest.raises(TypeError, match="src must be a RankLayout"):
         plan_kv_transfer("x", lay, [16], [16])
+
+
+def test_select_one_layer():
+    lay = _mha(layer_ids=range(4))
+    plan = plan_kv_transfer(lay, lay, [1, 2, 3, 9], [4, 5, 6, 7])
+    full = plan.flatten()
+    part = plan.select(plan.src_buf % 4 == 2)
+    got = part.flatten()
+    assert set(got[0].tolist()) == {2, 6}  # K_2 and V_2
+    keep = np.isin(full[0], [2, 6])
+    for a, b in zip(got, full):
+        np.testing.assert_array_equal(np.sort(a), np.sort(b[keep]))
+    with pytest.raises(ValueError, match=r"keep must be a bool array of shape \[8\], got int64 \[2\]"):
+        plan.select(np.array([1, 2]))
