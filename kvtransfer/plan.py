@@ -26,6 +26,26 @@ The plan is factored: a buffer-pair table (src buffer, dst buffer, byte range in
 row) times a slot-run table (src slot, dst slot, run length) whose runs are maximal: two
 tokens share a run wherever both sides are contiguous. :meth:`TransferPlan.flatten` expands
 it into the five arrays a transport writes.
+
+API (the contract)
+------------------
+- ``RankLayout`` (``kvtransfer.layout``, re-exported here): one rank's pools;
+  ``RankLayout.from_pools(kv_pool, state_pool=None, *, tp_rank, tp_size, total_kv_heads=None,
+  conv_shard_groups=None)``, ``to_msgpack()`` / ``from_msgpack()``, ``check_compatible(peer)``
+  (raises :class:`LayoutMismatch` naming the field and both values).
+- ``senders_for(decode, prefill_tp_size) -> list[int]``: the prefill ranks writing into a
+  decode rank (KV and state).
+- ``plan_kv_transfer(src, dst, src_slots, dst_slots) -> TransferPlan``: one (prefill rank,
+  decode rank) pair, token slots of the request on each side; buffers numbered as in
+  ``get_contiguous_buf_infos()``.
+- ``plan_state_transfer(src, dst, src_slot, dst_slot) -> TransferPlan``: Mamba state (int
+  slots) or NSA index_k (token slots); buffers numbered as in ``get_state_buf_infos()``.
+- ``TransferPlan.flatten() -> (src_buf, src_offset, dst_buf, dst_offset, length)`` int64
+  arrays, offsets in bytes from each buffer's start; map buffer numbers to transport region
+  ids and the arrays are a ``transport.base.WriteBatch``.
+
+Per-pair work (compatibility check, the buffer-pair table) is cached per layout pair, so a
+request costs only its slot runs: numpy, no Python loop per token or slot.
 """
 
 from __future__ import annotations

@@ -39,12 +39,14 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tp", type=int, default=4)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--slots", choices=("random", "contiguous"), default="random")
+    ap.add_argument("--pool-tokens", type=int, default=None, help="slots per pool (default 2 x tokens)")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--flatten-repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    num_slots = 2 * args.tokens + args.page_size  # size = 2 x request, plus the padding page
+    pool = 2 * args.tokens if args.pool_tokens is None else args.pool_tokens
+    num_slots = pool + args.page_size  # size, plus the padding page
     common = dict(page_size=args.page_size, layer_ids=range(args.layers), dtype="bfloat16",
                   head_dim=args.head_dim, total_heads=args.heads, num_slots=num_slots)
     src = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=args.prefill_tp, **common)
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
     entries = int(flat[0].size)
 
     print(f"plan bench: {args.tokens} tokens, {args.layers} layers MHA H={args.heads} head_dim={args.head_dim} "
-          f"bf16, page {args.page_size}, {args.slots} slots, TP {args.prefill_tp} -> {args.decode_tp}, "
+          f"bf16, page {args.page_size}, {args.slots} slots of {pool}, TP {args.prefill_tp} -> {args.decode_tp}, "
           f"pair (prefill 0, decode 0)")
     print(f"  factored plan  : median {statistics.median(warm) * 1e3:8.3f} ms, min {min(warm) * 1e3:.3f} ms "
           f"(warm, {args.repeat} runs); cold {cold * 1e3:.3f} ms")
