@@ -28,14 +28,19 @@ transfer itself, and only when the exact block layout repeats; they cannot expre
 arbitrary (offset, length) entries of a WriteBatch without preparing one descriptor per
 possible block. So writes use lists of descriptors built from numpy arrays.
 
-Progress thread (default OFF), measured the same way with the receiver polling notifications:
+Progress thread (default OFF), measured with ``kvtransfer bench transport`` (1 GiB per write,
+median of 5, receiver polling notifications; GB/s through this transport / bare NIXL):
 
-    progress thread   256 KiB blocks   16 KiB blocks
-    on                5.1-6.2 GB/s     1.5-2.0 GB/s
-    off               5.8-8.8 GB/s     2.8-3.7 GB/s
+    UCX_TLS          progress thread   256 KiB x 4096    16 KiB x 65536
+    tcp,self,sm      off               10.48 / 10.50     3.55 / 3.56
+    tcp,self,sm      on                 2.46 /  2.71     0.80 / 0.93
+    tcp,self         off                2.34 /  2.31     1.71 / 1.66
+    tcp,self         on                 1.47 /  1.00     0.75 / 0.63
 
-On two cores the progress thread competes with the poller for a core and halves small-block
-throughput. Without it, progress happens inside calls into the transport: the writer's
+(The machine is shared; tcp figures move by up to +-50 % between runs, sm ones by ~20 %.) On
+two cores the progress thread competes with the pollers for a core and costs 1.5-4x. With sm
+in UCX_TLS, one host's writes go through cma and finish inside the post. Without the thread,
+progress happens inside calls into the transport: the writer's
 ``Transfer.status()``/``wait()`` and the receiver's ``poll_notifications()``. Over tcp the
 receiver must poll regularly (with it polling every 200 ms, writes took 200 ms); turn the thread
 on (``NixlConfig(progress_thread=True)``) for a receiver that does not poll.

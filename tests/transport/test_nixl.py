@@ -288,7 +288,9 @@ def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
     rx.proc.join(5)
     later = peer.write(big_batch(sid, 1 * MiB, 4096, rng))  # posted after the death
     for tr in (*inflight, later):
-        with pytest.raises(TransferFailed, match="peer|DISCONNECT"):
+        # UCX reports the closed socket (NIXL_ERR_REMOTE_DISCONNECT, ~15 ms here); the
+        # transfer deadline (peer_loss_timeout_s) is the backstop
+        with pytest.raises(TransferFailed, match="peer '.*'.*(DISCONNECT|not done after)"):
             tr.wait(15)
         assert tr.status() is TransferStatus.FAILED and tr.error
     assert time.monotonic() - start < 12.0
@@ -304,7 +306,7 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
     os.kill(rx.proc.pid, signal.SIGSTOP)
     start = time.monotonic()
     tr = peer.write(big_batch(sid, 16 * MiB, 4096, rng))
-    with pytest.raises(TransferFailed, match="stalled|peer"):
+    with pytest.raises(TransferFailed, match="not done after .* s \\(peer lost or stalled\\)"):
         tr.wait(20)
     assert time.monotonic() - start < 1.0 + 16 * MiB / 0.1e9 + 3.0
 

@@ -1,0 +1,236 @@
+"""``kvtransfer bench transport``: NIXL write throughput, kvtransfer's transport vs bare NIXL.
+
+Two processes on one host. The receiver (spawned) owns a ``--total`` destination buffer in a
+:class:`NixlTransport` and polls notifications (which drives UCX progress). The writer, in this
+process, holds two agents connected to it: kvtransfer's ``NixlTransport`` and a bare
+``nixl_agent`` driven with direct ``_api`` calls. For each block size the same write -- the
+whole source as ``total / block`` blocks to a random permutation of destination blocks, with
+a notification -- runs through both, alternating, ``--iters`` times; the report shows median
+GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one).
+
+``--cuda`` puts the source on cuda:0 and the destination on cuda:1 (UCX cuda_ipc) and adds
+torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import numpy as np
+
+from transport.base import WriteBatch
+from transport.nixl import NixlConfig, NixlTransport
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+HOST_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
+CUDA_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
+
+
+def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
+    """Own the destination buffer; poll notifications until told to quit."""
+    os.environ.update(env)
+    if cuda:
+        import torch
+
+        torch.cuda.set_device(1)
+        dst = torch.zeros(total, dtype=torch.uint8, device="cuda:1")  # [total] bytes
+        torch.cuda.synchronize()
+    else:
+        dst = np.ones(total, dtype=np.uint8)  # [total] bytes, touched so pages exist
+    with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
+        if cuda:
+            transport.register_tensor(dst)
+        else:
+            transport.register(dst.ctypes.data, dst.nbytes)
+        conn.send(transport.export())
+        while not conn.poll(0):
+            if not transport.poll_notifications():
+                time.sleep(2e-5)
+    conn.send("bye")
+
+
+class _Bare:
+    """The same write through direct NIXL ``_api`` calls: the baseline."""
+
+    def __init__(self, api, src_ptr: int, total: int, device: int | None, peer_meta: bytes, progress_thread: bool):
+        self.agent = api.nixl_agent(
+            f"bench-bare-{os.getpid()}", api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        )
+        self.mem = "DRAM" if device is None else "VRAM"
+        self.dev = 0 if device is None else device
+        self.reg = self.agent.register_memory(np.array([[src_ptr, total, self.dev]], dtype=np.uint64), self.mem)
+        self.peer = self.agent.add_remote_agent(peer_meta)
+        self.peer = self.peer.decode() if isinstance(self.peer, bytes) else self.peer
+
+    def write(self, local: np.ndarray, remote: np.ndarray, notify: bytes) -> None:
+        a = self.agent
+        h = a.initialize_xfer("WRITE", a.get_xfer_descs(local, self.mem), a.get_xfer_descs(remote, self.mem), self.peer, notify)
+        state = a.transfer(h)
+        sleep = 0.0
+        while state == "PROC":  # the same back-off as Transfer.wait: a tight spin here starves
+            if sleep:  # the receiver of a core on a 2-core machine and makes NIXL look slower
+                time.sleep(sleep)
+            sleep = min(1e-3, sleep * 2 or 1e-5)
+            state = a.check_xfer_state(h)
+        h.release()
+        if state != "DONE":
+            raise RuntimeError(f"bare NIXL transfer ended in {state}")
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+        self.agent.remove_remote_agent(self.peer)
+
+
+def _descs(base: int, offsets: np.ndarray, block: int, dev: int) -> np.ndarray:
+    out = np.empty((offsets.size, 3), dtype=np.uint64)  # [n, (addr, len, dev)]
+    out[:, 0] = base + offsets.astype(np.uint64)
+    out[:, 1] = block
+    out[:, 2] = dev
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(args) -> list[dict]:
+    for key, value in (CUDA_ENV if args.cuda else HOST_ENV).items():
+        os.environ.setdefault(key, value)
+    if args.cuda and "cuda_ipc" not in os.environ["UCX_TLS"]:
+        os.environ["UCX_TLS"] += ",cuda_copy,cuda_ipc"
+    from transport._nixl_import import load_nixl_api
+
+    api = load_nixl_api()
+    total = args.total
+    if args.cuda:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--cuda needs two CUDA GPUs")
+        torch.cuda.set_device(0)
+        src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda:0")  # [total] bytes
+        torch.cuda.synchronize()
+        src_ptr, device = src.data_ptr(), 0
+    else:
+        src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)  # [total] bytes
+        src_ptr, device = src.ctypes.data, None
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, total, args.cuda, dict(os.environ), args.progress_thread))
+    proc.start()
+    rows = []
+    try:
+        peer_bytes = conn.recv()
+        ours = NixlTransport(NixlConfig(progress_thread=args.progress_thread))
+        sid = ours.register(src_ptr, total, device)
+        peer = ours.connect(peer_bytes)
+        (dst_region,) = peer.regions.values()
+        bare = _Bare(api, src_ptr, total, device, _metadata(peer_bytes), args.progress_thread)
+        rng = np.random.default_rng(1)
+        for block in args.blocks:
+            n = total // block
+            src_off = np.arange(n, dtype=np.int64) * block  # [n]
+            dst_off = rng.permutation(src_off)  # [n]
+            dev = 0 if device is None else device
+
+            def ours_write():
+                batch = WriteBatch.of(np.full(n, sid), src_off, np.full(n, dst_region.region_id), dst_off, np.full(n, block))
+                peer.write(batch, notify=b"ours").wait(120)
+
+            def bare_write():
+                local = _descs(src_ptr, src_off, block, dev)
+                remote = _descs(dst_region.ptr, dst_off, block, 1 if args.cuda else 0)
+                bare.write(local, remote, b"bare")
+
+            ours_write(), bare_write()  # warm-up: connection, page faults
+            t_ours, t_bare = [], []
+            for _ in range(args.iters):  # alternate so both paths see the same background load
+                t_ours.append(_timed(ours_write))
+                t_bare.append(_timed(bare_write))
+            row = {
+                "block": block,
+                "entries": n,
+                "ours_gbps": total / statistics.median(t_ours) / 1e9,
+                "bare_gbps": total / statistics.median(t_bare) / 1e9,
+                "overhead_pct": (statistics.median(t_ours) / statistics.median(t_bare) - 1) * 100,
+            }
+            if args.cuda:
+                dst2 = torch.empty(total, dtype=torch.uint8, device="cuda:1")
+
+                def peer_copy():
+                    dst2.copy_(src)
+                    torch.cuda.synchronize(1)
+
+                peer_copy()
+                row["torch_peer_copy_gbps"] = total / statistics.median(_timed(peer_copy) for _ in range(args.iters)) / 1e9
+                del dst2
+            rows.append(row)
+            print(_format(row, args.cuda), flush=True)
+        bare.close()
+        ours.close()
+    finally:
+        conn.send("quit")
+        if conn.poll(10):
+            conn.recv()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return rows
+
+
+def _metadata(peer_bytes: bytes) -> bytes:
+    import msgpack
+
+    return msgpack.unpackb(peer_bytes)["metadata"]
+
+
+def _size(text: str) -> int:
+    """``"16K"``, ``"4MiB"``, ``"1G"`` or plain bytes -> bytes."""
+    units = {"k": KiB, "m": MiB, "g": GiB}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t[-1:] in units else int(t)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected a size like 16K, 4M or 1G, got {text!r}") from None
+
+
+def _format(row: dict, cuda: bool) -> str:
+    line = (
+        f"{row['block'] // KiB:>8} KiB x {row['entries']:>6}  kvtransfer {row['ours_gbps']:6.2f} GB/s  "
+        f"bare NIXL {row['bare_gbps']:6.2f} GB/s  overhead {row['overhead_pct']:+5.1f} %"
+    )
+    if cuda:
+        line += f"  torch peer copy {row['torch_peer_copy_gbps']:6.2f} GB/s"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtransfer bench transport", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--total", type=_size, default=GiB, help="bytes per write (default 1G)")
+    parser.add_argument("--blocks", type=lambda s: [_size(x) for x in s.split(",")], default=None,
+                        help="block sizes, e.g. 256K,16K (default: 256K,16K; with --cuda 16K,256K,4M,64M)")
+    parser.add_argument("--iters", type=int, default=5, help="timed writes per path and block size")
+    parser.add_argument("--cuda", action="store_true", help="cuda:0 -> cuda:1 (two GPUs)")
+    parser.add_argument("--progress-thread", action="store_true", help="run NIXL's progress thread")
+    args = parser.parse_args(argv)
+    if args.blocks is None:
+        args.blocks = [16 * KiB, 256 * KiB, 4 * MiB, 64 * MiB] if args.cuda else [256 * KiB, 16 * KiB]
+    bad = [b for b in args.blocks if b <= 0 or args.total % b]
+    if bad or args.iters < 1:
+        parser.error(f"block sizes must divide --total ({args.total}) and --iters must be >= 1; got blocks {bad}")
+    where = "cuda:0 -> cuda:1" if args.cuda else "host -> host (loopback)"
+    print(f"NIXL transport, {where}, {args.total / GiB:.2f} GiB per write, median of {args.iters}, "
+          f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
