@@ -204,6 +204,10 @@ class RankLayout:
     conv_shard_groups: tuple = ()  # per conv tensor: its sub-blocks as (units, size) pairs, unsharded
 
     def __post_init__(self):
+        for name in ("layer_ids", "state_layer_ids", "state_dims", "kv_tensors", "state_tensors"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # hashable: plans cache per layout pair
+        object.__setattr__(self, "conv_shard_groups",
+                           tuple(tuple(tuple(p) for p in g) for g in self.conv_shard_groups))
         for name in ("tp_size", "page_size", "num_slots", "head_dim", "v_head_dim", "total_heads",
                      "state_page_size"):
             _pos_int(name, getattr(self, name))

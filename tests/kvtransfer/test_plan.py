@@ -317,3 +317,15 @@ def test_select_one_layer():
         np.testing.assert_array_equal(np.sort(a), np.sort(b[keep]))
     with pytest.raises(ValueError, match=r"keep must be a bool array of shape \[8\], got int64 \[2\]"):
         plan.select(np.array([1, 2]))
+
+
+def test_msgpack_round_trip_every_kind():
+    layouts = [_mha(), _mha(tp_size=8, tp_rank=5, total_heads=2), mamba_layouts(4, [(64, (2, 8), (2, 8))])[3],
+               RankLayout.attention(PoolKind.MLA_FP4, tp_rank=0, tp_size=2, page_size=64, layer_ids=[0, 2],
+                                    dtype="float4_e2m1fn_x2", head_dim=576, num_slots=256),
+               RankLayout.attention(PoolKind.NSA, tp_rank=1, tp_size=2, page_size=64, layer_ids=[0], dtype="bfloat16",
+                                    head_dim=576, num_slots=256).with_nsa_index(index_head_dim=128, num_pages=4)]
+    for lay in layouts:
+        back = RankLayout.from_msgpack(lay.to_msgpack())
+        assert back == lay and hash(back) == hash(lay)
+        back.check_compatible(lay)
