@@ -145,7 +145,7 @@ def run(args) -> list[dict]:
 
             def bare_write():
                 local = _descs(src_ptr, src_off, block, dev)
-                remote = _descs(dst_region.ptr, dst_off, block, 1 if args.cuda else 0)
+                remote = _descs(dst_region.ptr, dst_off, block, dst_region.device or 0)
                 bare.write(local, remote, b"bare")
 
             ours_write(), bare_write()  # warm-up: connection, page faults
@@ -165,6 +165,7 @@ def run(args) -> list[dict]:
 
                 def peer_copy():
                     dst2.copy_(src)
+                    torch.cuda.synchronize(0)
                     torch.cuda.synchronize(1)
 
                 peer_copy()

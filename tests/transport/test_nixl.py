@@ -412,6 +412,21 @@ def test_close_is_idempotent_and_final(writer):
     peer.close()
 
 
+def test_descriptor_arrays_per_memory_kind():
+    from transport.base import Region
+    from transport.nixl import _RegionTable
+
+    table = _RegionTable({0: Region(0, 4096, 100), 1: Region(1, 1 << 20, 100, 1), 2: Region(2, 1 << 30, 100, 0)})
+    descs, mem = table.descs(np.array([1, 2, 1]), np.array([5, 0, 7]), np.array([3, 4, 5]), "source")
+    assert mem == "VRAM"
+    assert descs.dtype == np.uint64
+    assert descs.tolist() == [[(1 << 20) + 5, 3, 1], [1 << 30, 4, 0], [(1 << 20) + 7, 5, 1]]
+    descs, mem = table.descs(np.array([0]), np.array([9]), np.array([1]), "source")
+    assert mem == "DRAM" and descs.tolist() == [[4105, 1, 0]]
+    with pytest.raises(ValueError, match="mixes host and CUDA destination regions .* entry 1: region 1"):
+        table.descs(np.array([0, 1]), np.array([0, 0]), np.array([1, 1]), "destination")
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="peer_loss_timeout_s must be > 0"):
         NixlConfig(peer_loss_timeout_s=0)
@@ -433,12 +448,13 @@ def test_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
 
     sizes = [12 * MiB, 12 * MiB]
     rx = receiver(sizes, env=CUDA_ENV, cuda_device=1)
-    t = writer(env=CUDA_ENV)
+    # the CUDA context exists before the NIXL agent (UCX probes CUDA when it starts)
     torch.cuda.set_device(0)
     gen = torch.Generator().manual_seed(21)
     src = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, generator=gen)  # [bytes] host copy
     src_cuda = src.to("cuda:0")
     torch.cuda.synchronize()
+    t = writer(env=CUDA_ENV)
     sid = t.register_tensor(src_cuda)
     assert t.regions[sid].device == 0
     peer = t.connect(rx.export)
