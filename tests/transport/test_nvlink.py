@@ -435,3 +435,94 @@ def test_dead_peer_does_not_hang_the_writer():
         if t is not None:
             t.close()
         victim.close()
+
+
+# -- transfer progress: a real mailbox, a stand-in for the CUDA event (no GPU here) -------------
+
+
+class _Event:
+    """Stands in for ``torch.cuda.Event``: ``query()`` is True once ``fired``."""
+
+    def __init__(self, error: Exception | None = None):
+        self.fired, self.error = False, error
+
+    def query(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.fired
+
+
+@pytest.fixture
+def cpu_peer():
+    """An NvlinkPeer's progress state (FIFO, lock, outbox to a real inbox) without CUDA."""
+    from collections import deque
+
+    from transport.nvlink import NvlinkPeer
+
+    inbox = _Inbox()
+    peer = NvlinkPeer.__new__(NvlinkPeer)
+    peer._config = NvlinkConfig(transfer_timeout_s=0.2, peer_timeout_s=1.0)
+    peer.name = "cpu-peer"
+    peer._lock = threading.RLock()
+    peer._pending = deque()
+    peer._outbox = _Outbox(inbox.name, 1.0)
+    yield peer, inbox
+    peer._outbox.close()
+    inbox.close()
+
+
+def _submit(peer, notify, event=None):
+    from transport.nvlink import NvlinkTransfer
+
+    t = NvlinkTransfer(peer, event or _Event(), notify)
+    peer._pending.append(t)
+    return t
+
+
+def _drain(inbox, want: int, timeout: float = 2.0) -> list[bytes]:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += inbox.poll()
+    return got
+
+
+def test_notification_only_after_the_event_and_in_order(cpu_peer):
+    peer, inbox = cpu_peer
+    t1, t2 = _submit(peer, b"one"), _submit(peer, b"two")
+    t2._event.fired = True
+    assert t2.status() is TransferStatus.PENDING  # t1 still runs: nothing may overtake it
+    assert _drain(inbox, 1, timeout=0.1) == []
+    t1._event.fired = True
+    assert t2.status() is TransferStatus.DONE and t1.status() is TransferStatus.DONE
+    assert _drain(inbox, 2) == [b"one", b"two"]
+    t1.wait(timeout=1)
+
+
+def test_abort_fails_the_transfer_and_suppresses_its_notification(cpu_peer):
+    peer, inbox = cpu_peer
+    t = _submit(peer, b"aborted")
+    t.abort()
+    t._event.fired = True
+    assert t.status() is TransferStatus.FAILED and t.error == "aborted"
+    with pytest.raises(TransferFailed, match="aborted"):
+        t.wait(timeout=1)
+    assert _drain(inbox, 1, timeout=0.1) == []
+
+
+def test_copy_that_never_completes_fails_after_the_timeout(cpu_peer):
+    peer, _ = cpu_peer
+    t = _submit(peer, None)
+    with pytest.raises(TransferFailed, match="did not complete within 0.2 s"):
+        t.wait(timeout=5)
+
+
+def test_cuda_error_and_lost_peer_fail_the_transfer(cpu_peer):
+    peer, inbox = cpu_peer
+    bad = _submit(peer, b"x", _Event(RuntimeError("illegal memory access")))
+    assert bad.status() is TransferStatus.FAILED and "illegal memory access" in bad.error
+    t = _submit(peer, b"late")
+    inbox.close()
+    time.sleep(0.05)
+    t._event.fired = True
+    with pytest.raises(TransferFailed, match="lost"):
+        t.wait(timeout=5)
