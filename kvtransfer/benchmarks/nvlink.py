@@ -240,8 +240,8 @@ def _write_times(peer, batch, reps: int) -> tuple[float, float]:
     return statistics.median(prep), statistics.median(total)
 
 
-def _sweep_configs(kern, sweep: bool, num_sms: int) -> list:
-    configs = [kern.KernelConfig()]
+def _sweep_configs(kern, sweep: bool, num_sms: int, programs: list) -> list:
+    configs = [kern.KernelConfig()] + [kern.KernelConfig(max_programs=p) for p in programs]
     if sweep:
         configs += [
             kern.KernelConfig(tile_bytes=4096),
@@ -295,7 +295,7 @@ class _Bench:
         self.pc_src = torch.empty(max_bytes, dtype=torch.uint8, device=self.src_dev).random_(0, 255)
         self.pc_dst = torch.empty(max_bytes, dtype=torch.uint8, device=self.dst_dev)
         num_sms = torch.cuda.get_device_properties(self.src_dev).multi_processor_count
-        self.configs = _sweep_configs(self.kern, args.sweep, num_sms)
+        self.configs = _sweep_configs(self.kern, args.sweep, num_sms, args.programs)
 
     def verify(self, case: Case) -> bool:
         """One write with a notification; the receiver checks its rows once it has arrived."""
@@ -428,6 +428,8 @@ def main(argv=None) -> int:
     ap.add_argument("--src-device", type=int, default=0)
     ap.add_argument("--dst-device", type=int, default=1)
     ap.add_argument("--sweep", action="store_true", help="also time other kernel shapes and cache policies")
+    ap.add_argument("--programs", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="also time the kernel limited to these many programs (grid stride), e.g. 16,32,66")
     ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
     args = ap.parse_args(argv)
