@@ -275,16 +275,24 @@ def big_batch(sid, nbytes, block, rng):
     return wb(sid, offs, 0, rng.permutation(offs), block)
 
 
-def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
-    rx = receiver([64 * MiB], env=TCP_ONLY)
-    t = writer(env=TCP_ONLY, peer_loss_timeout_s=5.0)
-    src, sid = host_region(t, 64 * MiB, 1)
+def tcp_pair(writer, receiver, nbytes, seed, **config):
+    """A tcp-only receiver of ``nbytes``, a writer with as much random source, connected and warm."""
+    rx = receiver([nbytes], env=TCP_ONLY)
+    t = writer(env=TCP_ONLY, **config)
+    src, sid = host_region(t, nbytes, seed)
     peer = t.connect(rx.export)
-    rng = np.random.default_rng(0)
-    peer.write(big_batch(sid, 4 * MiB, 4096, rng)).wait(30)  # connection up
-    inflight = [peer.write(big_batch(sid, 64 * MiB, 4096, rng)) for _ in range(4)]
+    rng = np.random.default_rng(seed)
+    peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)  # connection up
+    return rx, src, sid, peer, rng
+
+
+def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 64 * MiB, 1, peer_loss_timeout_s=5.0)
+    posted = [peer.write(big_batch(sid, 64 * MiB, 4096, rng)) for _ in range(4)]
+    inflight = [tr for tr in posted if tr.status() is TransferStatus.PENDING]
     os.kill(rx.proc.pid, signal.SIGKILL)
     start = time.monotonic()
+    assert inflight, "every write finished before the kill; nothing was in flight"
     rx.proc.join(5)
     later = peer.write(big_batch(sid, 1 * MiB, 4096, rng))  # posted after the death
     for tr in (*inflight, later):
@@ -297,12 +305,7 @@ def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
 
 
 def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
-    rx = receiver([16 * MiB], env=TCP_ONLY)
-    t = writer(env=TCP_ONLY, peer_loss_timeout_s=1.0)
-    src, sid = host_region(t, 16 * MiB, 2)
-    peer = t.connect(rx.export)
-    rng = np.random.default_rng(1)
-    peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 16 * MiB, 2, peer_loss_timeout_s=1.0)
     os.kill(rx.proc.pid, signal.SIGSTOP)
     start = time.monotonic()
     tr = peer.write(big_batch(sid, 16 * MiB, 4096, rng))
@@ -312,12 +315,7 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
 
 
 def test_abort_in_flight_then_write_again(writer, receiver):
-    rx = receiver([32 * MiB], env=TCP_ONLY)
-    t = writer(env=TCP_ONLY)
-    src, sid = host_region(t, 32 * MiB, 4)
-    peer = t.connect(rx.export)
-    rng = np.random.default_rng(2)
-    peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 32 * MiB, 4)
     posted = [peer.write(big_batch(sid, 32 * MiB, 4096, rng)) for _ in range(6)]
     aborted = [tr for tr in posted if tr.status() is TransferStatus.PENDING]
     assert aborted, "every write finished inside its post; nothing left to abort"
