@@ -33,6 +33,11 @@ peer is FAILED at ``write`` (nothing is launched) or at completion; a copy whose
 completed after ``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and
 suppresses its notification; the kernel, once launched, still runs to completion.
 
+Measured (two H200s, NV18; ``kvtransfer bench nvlink``): the kernel moves 2 KiB-128 KiB rows
+at 364-370 GB/s, 93-94 % of torch's peer copy, and 256 B head slices at 91-93 %; one 4-warp
+program per SM saturates the link. For millions of rows ``write()`` is bound by host-side
+preparation (~28 ns per row), not by the copy.
+
 What this backend refuses (the caller falls back to NIXL)
 ---------------------------------------------------------
 :class:`NvlinkUnsupported` for host memory, a peer on another host or in this process, and a
