@@ -28,13 +28,15 @@ walks long rows in steps of ``BLOCK_C`` (the loop runs to the longest row of its
 rows (one head slice, 256 B) therefore keep several rows of loads in flight per program;
 long rows (whole pages) keep ``BLOCK_C`` elements per row in flight.
 
-Under ``TRITON_INTERPRET`` semantics (CPU tensors) the same kernel runs in Triton's
-interpreter: tests use it with tiny shapes to check the indexing without a GPU.
+CPU tensors run the same kernel in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
+set before triton is imported: tests do so in a subprocess, with tiny shapes, to check the
+indexing without a GPU.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,6 +231,8 @@ def _kernel(interpret: bool):
     """The jitted kernel, or Triton's interpreter for CPU tensors (tests)."""
     if triton is None:
         raise RuntimeError("the NVLink copy kernel needs triton (pip install triton); it is not installed")
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("CPU row tables run only in Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     if interpret not in _KERNELS:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction

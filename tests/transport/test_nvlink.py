@@ -158,6 +158,16 @@ print("KERNEL-OK")
 """
 
 
+def test_cpu_launch_without_the_interpreter_says_how_to_get_it(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows = torch.zeros((3, 1), dtype=torch.int64)
+    plan = kern.plan_launch(1, 16, kern.CopyPath.VEC16, kern.KernelConfig())
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 before importing triton"):
+        kern.scatter_rows(rows, plan, "cpu")
+
+
 def test_kernel_indexing_under_triton_interpreter():
     """Every path, rows of several lengths across regions, against a Python reference."""
     env = dict(os.environ, TRITON_INTERPRET="1")
