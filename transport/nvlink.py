@@ -501,7 +501,10 @@ class NvlinkTransport(Transport):
             raise NvlinkUnsupported("the nvlink backend moves GPU memory only; register host memory with the nixl backend")
         if self._device is not None and device != self._device:
             raise ValueError(f"all regions of one nvlink transport share a GPU: have cuda:{self._device}, got cuda:{device}")
-        exp = cuda_ipc.export_region(self._api(), ptr, length, device)
+        try:
+            exp = cuda_ipc.export_region(self._api(), ptr, length, device)
+        except (cuda_ipc.CudaIpcError, cuda_ipc.CudaIpcUnavailable) as exc:
+            raise NvlinkUnsupported(f"cannot export [0x{ptr:x}, +{length}) on cuda:{device} by CUDA IPC: {exc}") from None
         rid = self._next_id
         self._next_id += 1
         self._device = device

@@ -210,6 +210,13 @@ def test_register_refuses_host_memory_and_bad_arguments(transport):
         transport.deregister(3)
 
 
+def test_register_memory_without_an_ipc_handle_is_unsupported(transport):
+    """No CUDA here (or, on a GPU machine, an address no allocation holds): NIXL's job."""
+    with pytest.raises(NvlinkUnsupported, match=r"cannot export \[0x100000, \+4096\) on cuda:0 by CUDA IPC"):
+        transport.register(1 << 20, 4096, device=0)
+    assert transport.regions == {}
+
+
 def _descriptor(**over):
     fields = dict(name="peer", host=host_id(), pid=os.getpid() + 1, mailbox="nowhere", ipc=[[0, HANDLE, 0, 1 << 20]])
     regions = over.pop("regions", [Region(0, 1 << 30, 4096, 1)])
