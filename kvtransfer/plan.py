@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 from dataclasses import dataclass, replace
 import numpy as np
 
@@ -296,25 +297,51 @@ def _pair_table(src: RankLayout, dst: RankLayout, part: BufferSet) -> dict:
 
 
 # -- slot runs ---------------------------------------------------------------------------
-def _slots(name: str, slots, lo: int, hi: int) -> np.ndarray:
+def _slots(name: str, slots, lo: int, hi: int):
+    """``(int64 array, owned)``: ``owned`` is False when it is the caller's memory."""
     arr = np.asarray(slots)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    arr = arr.astype(_I64, copy=False)
-    if arr.size:
-        a, b = int(arr.min()), int(arr.max())
+    out = arr.astype(_I64, copy=False)
+    if out.size:
+        a, b = int(out.min()), int(out.max())
         if a < lo or b >= hi:
             raise ValueError(f"{name} must lie in [{lo}, {hi}) (page 0 is padding), got values in [{a}, {b}]")
-    return arr
+    return out, out is not slots and out.flags.owndata
+
+
+# The hot path reuses per-thread work arrays: a fresh multi-MB array per request costs a page
+# fault per 4 KiB touched (milliseconds on a VM); a reused one does not. Nothing read from
+# them escapes into a plan.
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, size: int, dtype, fill=None) -> np.ndarray:
+    """Per-thread work array ``name`` of ``size`` elements (set to ``fill`` unless None)."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = np.empty(max(size, 1 << 16), dtype=dtype)
+        setattr(_SCRATCH, name, buf)
+    out = buf[:size]
+    if fill is not None:
+        out.fill(fill)
+    return out
 
 
 def _check_distinct(name: str, slots: np.ndarray, hi: int) -> None:
-    seen = np.zeros(hi, dtype=bool)
+    seen = _scratch("seen", hi, np.bool_, False)
     seen[slots] = True
     if np.count_nonzero(seen) != slots.size:
         raise ValueError(f"{name} must be distinct: {slots.size} slots, {np.count_nonzero(seen)} distinct")
+
+
+def _steps(a: np.ndarray, name: str) -> np.ndarray:
+    """[n-1] bool (scratch): where ``a`` does not advance by exactly one."""
+    diff = _scratch("diff", a.size - 1, _I64)
+    np.subtract(a[1:], a[:-1], out=diff)
+    return np.not_equal(diff, 1, out=_scratch(name, a.size - 1, np.bool_))
 
 
 def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned: bool):
@@ -323,16 +350,21 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
     n = src.size
     if n == 0:
         return np.zeros(0, _I64), np.zeros(0, _I64), np.zeros(0, _I64)
-    brk = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
+    brk = np.logical_or(_steps(src, "brk_src"), _steps(dst, "brk_dst"), out=_scratch("brk", n - 1, np.bool_))
     if sectioned:
         brk |= (src[1:] % src_ps == 0) | (dst[1:] % dst_ps == 0)
-    starts = np.flatnonzero(np.concatenate(([True], brk)))
-    run_len = np.diff(np.append(starts, n))
-    if starts.size == n:  # no two tokens share a run (random slots): skip the gather
-        run_src, run_dst = src, dst
+    nbrk = int(np.count_nonzero(brk))
+    if nbrk == n - 1:  # no two tokens share a run (random slots): the slots are the runs
+        run_src, run_dst, run_len = src, dst, np.ones(n, dtype=_I64)
     else:
+        starts = np.empty(nbrk + 1, dtype=_I64)
+        starts[0] = 0
+        starts[1:] = np.flatnonzero(brk) + 1
+        run_len = np.empty_like(starts)
+        run_len[:-1] = starts[1:] - starts[:-1]
+        run_len[-1] = n - starts[-1]
         run_src, run_dst = src[starts], dst[starts]
-    if not sectioned and starts.size > 1:
+    if not sectioned and run_src.size > 1:
         run_src, run_dst, run_len = _chain(run_src, run_dst, run_len)
     return run_src, run_dst, run_len
 
@@ -340,17 +372,20 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
 def _chain(run_src, run_dst, run_len):
     """Merge runs that continue each other on both sides but are not neighbours in request
     order (slots [5, 3, 4] -> [10, 8, 9] is one run 3..5 -> 8..10)."""
-    if np.all(run_src[1:] > run_src[:-1]):  # increasing src: only neighbours can touch
-        return run_src, run_dst, run_len
     r = run_src.size
-    end = run_src + run_len
-    want = run_dst + run_len  # where a continuing run must start on the dst side
-    table = np.full(int(end.max()) + 1, -1, dtype=_I64)  # src slot -> dst slot of the run starting there
-    table[run_src] = run_dst
-    link = table[end] == want  # this run continues in another one
-    if not link.any():
+    up = np.greater(run_src[1:], run_src[:-1], out=_scratch("up", r - 1, np.bool_))
+    if up.all():  # increasing src: only neighbours can touch, and they were merged
         return run_src, run_dst, run_len
-    table[run_src] = np.arange(r, dtype=_I64)  # rare path: src slot -> run index
+    end = np.add(run_src, run_len, out=_scratch("end", r, _I64))
+    want = np.add(run_dst, run_len, out=_scratch("want", r, _I64))  # a continuation starts there on dst
+    table = _scratch("table", int(end.max()) + 1, _I64, -1)  # src slot -> dst slot of the run starting there
+    table[run_src] = run_dst
+    found = np.take(table, end, out=_scratch("found", r, _I64))
+    if not np.equal(found, want, out=_scratch("link", r, np.bool_)).any():
+        return run_src, run_dst, run_len
+    # rare: some run continues in another one. Link them and follow each chain to its end.
+    link = _scratch("link", r, np.bool_)
+    table[run_src] = np.arange(r, dtype=_I64)  # src slot -> run index
     ok = np.flatnonzero(link)
     succ = table[end[ok]]
     keep = run_dst[succ] == want[ok]  # duplicated src slots: the table may name another run
@@ -371,13 +406,19 @@ def _chain(run_src, run_dst, run_len):
 
 def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps, sectioned=False) -> TransferPlan:
     table = _pair_table(src, dst, part)
-    s = _slots("src_slots", src_slots, lo[0], src_hi)
-    d = _slots("dst_slots", dst_slots, lo[1], dst_hi)
+    s, s_owned = _slots("src_slots", src_slots, lo[0], src_hi)
+    d, d_owned = _slots("dst_slots", dst_slots, lo[1], dst_hi)
     if s.size != d.size:
         raise ValueError(f"src_slots and dst_slots must have equal length, got {s.size} and {d.size}")
     _check_distinct("dst_slots", d, dst_hi)
-    runs = _runs(s, d, *ps, sectioned)
-    return TransferPlan(part, **table, run_src=runs[0], run_dst=runs[1], run_len=runs[2],
+    run_src, run_dst, run_len = _runs(s, d, *ps, sectioned)
+    if run_src is s and not s_owned:  # the plan keeps its runs: never the caller's array
+        run_src = run_src.copy()
+    if run_dst is d and not d_owned:
+        run_dst = run_dst.copy()
+    for arr in (run_src, run_dst, run_len):
+        arr.flags.writeable = False  # plans are frozen, tables included
+    return TransferPlan(part, **table, run_src=run_src, run_dst=run_dst, run_len=run_len,
                         src_page_size=ps[0], dst_page_size=ps[1], sectioned=sectioned)
 
 

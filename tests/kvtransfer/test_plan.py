@@ -329,3 +329,14 @@ def test_msgpack_round_trip_every_kind():
         back = RankLayout.from_msgpack(lay.to_msgpack())
         assert back == lay and hash(back) == hash(lay)
         back.check_compatible(lay)
+
+
+def test_plan_owns_its_tables():
+    lay = _mha(num_slots=128)
+    src, dst = np.array([9, 3, 40, 7]), np.array([5, 60, 2, 11])  # no two tokens share a run
+    plan = plan_kv_transfer(lay, lay, src, dst)
+    src[:] = 1
+    dst[:] = 1
+    assert plan.run_src.tolist() == [9, 3, 40, 7] and plan.run_dst.tolist() == [5, 60, 2, 11]
+    with pytest.raises(ValueError, match="read-only"):
+        plan.run_len[0] = 5
