@@ -193,11 +193,15 @@ class TransferPlan:
         return tuple(out)
 
     def _expand(self, sel, src_slots, dst_slots, run_len):
-        def addr(slots, base, row, page, ps):
+        def addr(slots, base, row, page, ps):  # [b, n], built in place (the arrays are large)
             s = slots[None, :]
             if ps == 1:
-                return s * page[sel, None] + base[sel, None]
-            return (s // ps) * page[sel, None] + (s % ps) * row[sel, None] + base[sel, None]
+                out = np.multiply(s, page[sel, None])
+            else:
+                out = np.multiply(s // ps, page[sel, None])
+                out += (s % ps) * row[sel, None]
+            out += base[sel, None]
+            return out
 
         n = src_slots.size
         so = addr(src_slots, self.src_base, self.src_row, self.src_page, self.src_page_size)  # [b, n]
