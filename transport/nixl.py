@@ -45,6 +45,12 @@ progress happens inside calls into the transport: the writer's
 receiver must poll regularly (with it polling every 200 ms, writes took 200 ms); turn the thread
 on (``NixlConfig(progress_thread=True)``) for a receiver that does not poll.
 
+Connecting again to a newer export of an already connected agent reloads its metadata in
+place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
+complete. ``poll_notifications()`` returns each sender's payloads in arrival order; payloads
+of different senders are not ordered against each other. Deregister a region only once no
+pending transfer uses it.
+
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check (seen here within ~15 ms of SIGKILL over tcp). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
@@ -235,11 +241,11 @@ class NixlPeer(Peer):
         self.regions = MappingProxyType(dict(regions))
         self._table = _RegionTable(self.regions)
         self._pending: "weakref.WeakSet[NixlTransfer]" = weakref.WeakSet()
-        self._closed = False
+        self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
 
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NixlTransfer:
         if self._closed:
-            raise TransportClosed(f"peer {self.name!r} is closed")
+            raise TransportClosed(f"peer {self.name!r} is {self._closed}")
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
@@ -286,13 +292,18 @@ class NixlPeer(Peer):
         return t
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed == "closed":
             return
-        self._closed = True
+        self._closed = "closed"
         for t in list(self._pending):
             t.abort()
         self._pending = weakref.WeakSet()
         self._transport._forget_peer(self)
+
+    def _retire(self) -> None:
+        """A newer export of the same agent was connected: refuse new writes, let pending ones finish."""
+        if not self._closed:
+            self._closed = "closed (replaced by a newer connect to the same agent)"
 
 
 class NixlTransport(Transport):
@@ -326,7 +337,8 @@ class NixlTransport(Transport):
         self._reg_descs: dict[int, object] = {}  # region id -> nixlRegDList
         self._next_id = 0
         self._region_table: Optional[_RegionTable] = None
-        self._peers: dict[str, NixlPeer] = {}
+        self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
+        self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
         # standalone notification (genNotif) has no completion to wait on, and over tcp it
         # stays queued until something drives progress; a one-byte write has a real status.
@@ -399,10 +411,7 @@ class NixlTransport(Transport):
             raise PeerDescriptorError(f"peer descriptor 'metadata' must be non-empty bytes, got {metadata!r:.60}")
         if name == self.name:
             raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
-        old = self._peers.get(name)
-        if old is not None:  # a newer export of the same agent replaces the old snapshot
-            old.close()
-        try:
+        try:  # NIXL updates an agent it already knows in place: pending writes keep going
             loaded = agent.add_remote_agent(metadata)
         except Exception as exc:
             raise PeerDescriptorError(
@@ -410,8 +419,13 @@ class NixlTransport(Transport):
             ) from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
-            self._remove_remote(loaded)
+            if loaded not in self._peers:
+                self._remove_remote(loaded)
             raise PeerDescriptorError(f"peer descriptor names agent {name!r} but its metadata is of {loaded!r}")
+        old = self._peers.get(name)
+        if old is not None:  # a newer export of the same agent replaces the old snapshot
+            old._retire()
+            self._retired.add(old)
         peer = NixlPeer(self, name, regions, scratch)
         self._peers[name] = peer
         return peer
@@ -428,7 +442,7 @@ class NixlTransport(Transport):
     def close(self) -> None:
         if self._agent is None:
             return
-        for peer in list(self._peers.values()):
+        for peer in [*self._retired, *self._peers.values()]:
             peer.close()
         for rid in list(self._regions):
             try:
@@ -477,6 +491,7 @@ class NixlTransport(Transport):
             pass
 
     def _forget_peer(self, peer: NixlPeer) -> None:
+        """Drop the remote agent when its current peer closes (a retired snapshot leaves it)."""
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
             self._remove_remote(peer.name)
