@@ -151,7 +151,13 @@ for unit, cfg in ((16, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=64)),
                                 np.array([t.data_ptr() for t in dst]), dr, do, length)
     path = kern.choose_path(rows)
     assert path.value == unit or (unit == 16 and path.value == 16), (path, unit)
-    kern.scatter_rows(torch.from_numpy(rows), kern.plan_launch(n, int(length.max()), path, cfg), "cpu")
+    try:
+        kern.scatter_rows(torch.from_numpy(rows), kern.plan_launch(n, int(length.max()), path, cfg), "cpu")
+    except Exception as exc:  # Triton <= 3.6's interpreter under NumPy 2: int() of a 1-element array
+        if "only 0-dimensional arrays can be converted" in str(exc):
+            print("INTERPRETER-CANNOT-LOOP")
+            raise SystemExit(0)
+        raise
     for d, w in zip(dst, want):
         assert torch.equal(d, w), (unit, (d != w).nonzero()[:5])
 print("KERNEL-OK")
@@ -175,6 +181,8 @@ def test_kernel_indexing_under_triton_interpreter():
     out = subprocess.run(
         [sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=240
     )
+    if "INTERPRETER-CANNOT-LOOP" in out.stdout:
+        pytest.skip("this Triton's interpreter cannot bound range() by a tensor under this NumPy (fixed in 3.9)")
     assert "KERNEL-OK" in out.stdout, out.stdout + out.stderr
 
 
