@@ -274,7 +274,7 @@ class NixlPeer(Peer):
                 notif,
                 backends=backends,
             )
-            state = agent.transfer(handle, notif)
+            state = agent.transfer(handle)
         except Exception as exc:  # the peer is gone or NIXL refused the request
             if handle is not None:
                 transport._release_handle(handle)

@@ -15,6 +15,7 @@ torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -47,10 +48,22 @@ def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) ->
         else:
             transport.register(dst.ctypes.data, dst.nbytes)
         conn.send(transport.export())
-        while not conn.poll(0):
+        while True:
             if not transport.poll_notifications():
                 time.sleep(2e-5)
+            if not conn.poll(0):
+                continue
+            if conn.recv() == "quit":
+                break
+            conn.send(hashlib.sha256(_host_bytes(dst)).hexdigest())  # "sha": digest of the buffer
     conn.send("bye")
+
+
+def _host_bytes(buf) -> memoryview:
+    """A host view of a numpy array or a (CUDA) torch tensor of bytes."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(buf)
+    return memoryview(buf.cpu().numpy())
 
 
 class _Bare:
@@ -153,13 +166,26 @@ def run(args) -> list[dict]:
             for _ in range(args.iters):  # alternate so both paths see the same background load
                 t_ours.append(_timed(ours_write))
                 t_bare.append(_timed(bare_write))
+            def checks():  # what kvtransfer adds on top of bare NIXL's descriptor arrays
+                batch = WriteBatch.of(np.full(n, sid), src_off, np.full(n, dst_region.region_id), dst_off, np.full(n, block))
+                batch.check_bounds(ours.regions, peer.regions)
+
             row = {
+                "checks_ms": 1e3 * statistics.median(_timed(checks) for _ in range(args.iters)),
                 "block": block,
                 "entries": n,
                 "ours_gbps": total / statistics.median(t_ours) / 1e9,
                 "bare_gbps": total / statistics.median(t_bare) / 1e9,
                 "overhead_pct": (statistics.median(t_ours) / statistics.median(t_bare) - 1) * 100,
             }
+            # both paths wrote the same permutation: destination block dst_off[i] holds source block i
+            want = np.empty(total, dtype=np.uint8)
+            want.reshape(n, block)[dst_off // block] = np.frombuffer(_host_bytes(src), np.uint8).reshape(n, block)
+            conn.send("sha")
+            row["verified"] = conn.recv() == hashlib.sha256(want).hexdigest()
+            del want
+            if not row["verified"]:
+                raise RuntimeError(f"destination bytes differ from the source permutation ({block} B blocks)")
             if args.cuda:
                 dst2 = torch.empty(total, dtype=torch.uint8, device="cuda:1")
 
@@ -205,7 +231,9 @@ def _size(text: str) -> int:
 def _format(row: dict, cuda: bool) -> str:
     line = (
         f"{row['block'] // KiB:>8} KiB x {row['entries']:>6}  kvtransfer {row['ours_gbps']:6.2f} GB/s  "
-        f"bare NIXL {row['bare_gbps']:6.2f} GB/s  overhead {row['overhead_pct']:+5.1f} %"
+        f"bare NIXL {row['bare_gbps']:6.2f} GB/s  overhead {row['overhead_pct']:+5.1f} % "
+        f"(batch checks {row['checks_ms']:.1f} ms)  "
+        f"data {'ok' if row['verified'] else 'WRONG'}"
     )
     if cuda:
         line += f"  torch peer copy {row['torch_peer_copy_gbps']:6.2f} GB/s"
