@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on a GPU machine (the device tool): the GPU tests of every package, then the GPU
+# benchmarks. Logs go to $OUT (or ./gpu-logs). Usage:
+#   bench/gpu_check.sh tests     # pytest -m gpu over tests/
+#   bench/gpu_check.sh bench     # move_kv, transport --cuda, nvlink benchmarks
+# NIXL wheels carried in .whl/ (see README) are installed to /tmp/site first.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+rc=0
+for what in "${@:-tests bench}"; do
+    case "$what" in
+        tests) python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1 ;;
+        bench)
+            python3 -m kvtransfer bench move_kv 2>&1 | tee "$OUT/bench_move_kv.log" || rc=1
+            python3 -m kvtransfer bench transport --cuda 2>&1 | tee "$OUT/bench_transport_cuda.log" || rc=1
+            python3 -m kvtransfer bench nvlink 2>&1 | tee "$OUT/bench_nvlink.log" || rc=1 ;;
+        *) echo "unknown step $what (tests | bench)" >&2; exit 2 ;;
+    esac
+done
+exit $rc
