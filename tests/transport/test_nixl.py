@@ -17,7 +17,12 @@ import msgpack
 import numpy as np
 import pytest
 
-pytest.importorskip("transport._nixl_import").load_nixl_api()
+from transport._nixl_import import load_nixl_api
+
+try:
+    load_nixl_api()
+except ImportError as exc:  # NIXL is an optional extra
+    pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
 from tests.transport import _nixl_peer  # noqa: E402
 from transport.base import (  # noqa: E402
@@ -430,6 +435,15 @@ def test_descriptor_arrays_per_memory_kind():
     assert mem == "DRAM" and descs.tolist() == [[4105, 1, 0]]
     with pytest.raises(ValueError, match="mixes host and CUDA destination regions .* entry 1: region 1"):
         table.descs(np.array([0, 1]), np.array([0, 0]), np.array([1, 1]), "destination")
+
+
+def test_missing_nixl_names_the_pip_extras(monkeypatch):
+    import transport._nixl_import as lazy
+
+    monkeypatch.setattr(lazy, "_api", None)
+    monkeypatch.setattr(lazy, "CANDIDATES", ("no_such_nixl._api", "no_such_nixl_cu12._api"))
+    with pytest.raises(ImportError, match=r"kvtransfer\[nixl-cu12\].*kvtransfer\[nixl-cu13\].*no_such_nixl_cu12"):
+        lazy.load_nixl_api()
 
 
 def test_config_is_validated():
