@@ -14,7 +14,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 rc=0
-for what in "${@:-tests bench}"; do
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests bench)
+for what in "${steps[@]}"; do
     case "$what" in
         tests) python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1 ;;
         bench)
