@@ -291,18 +291,18 @@ def tcp_pair(writer, receiver, nbytes, seed, **config):
     return rx, src, sid, peer, rng
 
 
-def post_until_pending(peer, sid, nbytes, rng, tries=20):
-    """Post big writes until one is still pending right after its post (tcp usually is)."""
-    for _ in range(tries):
-        tr = peer.write(big_batch(sid, nbytes, 1024, rng))
-        if tr.status() is TransferStatus.PENDING:
-            return tr
-    raise AssertionError(f"{tries} writes of {nbytes} bytes all finished inside their posts")
+def stalled_write(rx, peer, sid, nbytes, rng):
+    """A write that is surely in flight: the receiver is stopped (SIGSTOP) before the post, and
+    over tcp the bytes beyond the socket buffers wait for it."""
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    tr = peer.write(big_batch(sid, nbytes, 4096, rng))
+    assert tr.status() is TransferStatus.PENDING, f"a {nbytes}-byte write to a stopped receiver ended: {tr.error}"
+    return tr
 
 
 def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
     rx, src, sid, peer, rng = tcp_pair(writer, receiver, 64 * MiB, 1, peer_loss_timeout_s=5.0)
-    inflight = [post_until_pending(peer, sid, 64 * MiB, rng)]
+    inflight = [stalled_write(rx, peer, sid, 64 * MiB, rng)]
     os.kill(rx.proc.pid, signal.SIGKILL)
     start = time.monotonic()
     rx.proc.join(5)
@@ -318,9 +318,8 @@ def test_receiver_killed_mid_transfer_fails_within_bound(writer, receiver):
 
 def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
     rx, src, sid, peer, rng = tcp_pair(writer, receiver, 16 * MiB, 2, peer_loss_timeout_s=1.0)
-    os.kill(rx.proc.pid, signal.SIGSTOP)
     start = time.monotonic()
-    tr = peer.write(big_batch(sid, 16 * MiB, 4096, rng))
+    tr = stalled_write(rx, peer, sid, 16 * MiB, rng)
     with pytest.raises(TransferFailed, match="not done after .* s \\(peer lost or stalled\\)"):
         tr.wait(20)
     assert time.monotonic() - start < 1.0 + 16 * MiB / 0.1e9 + 3.0
@@ -328,8 +327,9 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
 
 def test_abort_in_flight_then_write_again(writer, receiver):
     rx, src, sid, peer, rng = tcp_pair(writer, receiver, 32 * MiB, 4)
-    tr = post_until_pending(peer, sid, 32 * MiB, rng)
+    tr = stalled_write(rx, peer, sid, 32 * MiB, rng)
     tr.abort()
+    os.kill(rx.proc.pid, signal.SIGCONT)
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     with pytest.raises(TransferFailed, match="aborted"):
         tr.wait(1)
