@@ -20,10 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="local prefill -> decode demo", add_help=False)
     sub.add_parser("layouts", help="print pool layouts for a few model shapes", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()))
-    bench.add_argument("name", choices=_bench_names())
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
+    bench.add_argument("name", nargs="?", choices=_bench_names())
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
+        if args.name is None:  # `kvtransfer bench` or `kvtransfer bench --help`
+            print("usage: kvtransfer bench NAME [--help | options]\nNAME: " + ", ".join(_bench_names()))
+            return 0 if rest in ([], ["--help"], ["-h"]) else 2
         module = importlib.import_module(f"kvtransfer.benchmarks.{args.name}")
         return int(module.main(rest) or 0)
     module = importlib.import_module(f"kvtransfer.{args.command}")

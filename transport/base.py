@@ -145,7 +145,8 @@ _BATCH_FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "length
 class WriteBatch:
     """Parallel int64 arrays, one entry per byte range to write.
 
-    Build with :meth:`of`, which converts and checks lengths and signs; bounds are checked
+    Build with :meth:`of`, which converts and checks lengths and signs (a scalar stands for
+    the same value in every entry); bounds are checked
     against registered regions by :meth:`check_bounds` (each backend calls it once per write).
     """
 
@@ -157,11 +158,13 @@ class WriteBatch:
 
     @classmethod
     def of(cls, src_region, src_offset, dst_region, dst_offset, length) -> "WriteBatch":
+        values = [np.asarray(v) for v in (src_region, src_offset, dst_region, dst_offset, length)]
+        sizes = {v.size for v in values if v.ndim != 0}
+        n_common = sizes.pop() if len(sizes) == 1 else 1  # scalars broadcast to the arrays' length
         arrays = []
-        for name, value in zip(_BATCH_FIELDS, (src_region, src_offset, dst_region, dst_offset, length)):
-            arr = np.asarray(value)
+        for name, arr in zip(_BATCH_FIELDS, values):
             if arr.ndim == 0:
-                arr = arr.reshape(1)
+                arr = np.full(n_common, arr)
             if arr.ndim != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
             if arr.size and not np.issubdtype(arr.dtype, np.integer):

@@ -1,0 +1,81 @@
+"""The transport contract's shared pieces: batch validation and the export envelope."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from transport.base import PeerDescriptorError, Region, WriteBatch, pack_descriptor, unpack_descriptor
+
+
+def _regions(*lengths):
+    return {i: Region(i, 4096 * (i + 1), n) for i, n in enumerate(lengths)}
+
+
+def _reference_in_bounds(batch, table):
+    """Entry-by-entry check, the slow obvious way."""
+    for r, o, n in zip(batch.src_region, batch.src_offset, batch.length):
+        if int(r) not in table or o + n > table[int(r)].length:
+            return False
+    return True
+
+
+def test_of_converts_broadcasts_and_rejects():
+    b = WriteBatch.of([0, 1], np.array([0, 8], dtype=np.int32), 0, [16, 32], 8)
+    assert b.length.dtype == np.int64 and list(b.dst_region) == [0, 0] and len(b) == 2 and b.nbytes == 16
+    with pytest.raises(ValueError, match="differ in length: src_region has 2, src_offset has 3"):
+        WriteBatch.of([0, 1], [0, 1, 2], 0, 0, 1)
+    with pytest.raises(ValueError, match="entry 1: dst_offset is negative"):
+        WriteBatch.of(0, [0, 1], 0, [0, -4], 1)
+    with pytest.raises(ValueError, match="entry 0: length is 0"):
+        WriteBatch.of(0, 0, 0, 0, [0])
+    with pytest.raises(TypeError, match="src_offset must hold integers"):
+        WriteBatch.of(0, [0.5], 0, 0, 1)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        WriteBatch.of(0, [[0]], 0, 0, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bounds_check_agrees_with_an_entrywise_reference(seed):
+    rng = np.random.default_rng(seed)
+    table = _regions(*rng.integers(1, 1 << 16, size=int(rng.integers(1, 6))))
+    if rng.random() < 0.3:  # a deregistered id in the middle
+        table.pop(int(rng.integers(0, len(table))), None)
+    n = int(rng.integers(1, 200))
+    ids = np.array(sorted(table) or [0])
+    batch = WriteBatch.of(rng.choice(ids, n) if rng.random() < 0.9 else rng.integers(0, 8, n),
+                          rng.integers(0, 1 << 15, n), 0, 0, rng.integers(1, 1 << 12, n))
+    remote = _regions(1 << 20)
+    if _reference_in_bounds(batch, table):
+        batch.check_bounds(table, remote)
+    else:
+        with pytest.raises(ValueError, match=r"batch entry \d+: source \(local\)"):
+            batch.check_bounds(table, remote)
+
+
+def test_bounds_errors_name_entry_and_region():
+    table = _regions(100, 50)
+    with pytest.raises(ValueError, match=r"entry 1: destination \(peer\) range \[40, 60\) is outside region 1 of 50 bytes"):
+        WriteBatch.of(0, 0, [0, 1], [0, 40], 20).check_bounds(table, table)
+    with pytest.raises(ValueError, match="region 7 is not registered"):
+        WriteBatch.of(7, 0, 0, 0, 1).check_bounds(table, table)
+
+
+def test_descriptor_envelope_round_trip_and_errors():
+    regs = [Region(0, 4096, 100), Region(1, 8192, 50, device=1)]
+    body, table = unpack_descriptor(pack_descriptor("x", regs, extra=b"meta"), "x", required=["extra"])
+    assert table == {0: regs[0], 1: regs[1]} and body["extra"] == b"meta"
+    data = pack_descriptor("x", regs)
+    with pytest.raises(PeerDescriptorError, match="not valid msgpack"):
+        unpack_descriptor(data[: len(data) // 2], "x")
+    with pytest.raises(PeerDescriptorError, match="for backend 'x', expected 'y'"):
+        unpack_descriptor(data, "y")
+    with pytest.raises(PeerDescriptorError, match=r"lacks fields \['extra'\]"):
+        unpack_descriptor(data, "x", required=["extra"])
+    with pytest.raises(PeerDescriptorError, match="version 99"):
+        unpack_descriptor(msgpack.packb({"backend": "x", "version": 99, "regions": []}), "x")
+    with pytest.raises(PeerDescriptorError, match="repeats region id 0"):
+        unpack_descriptor(pack_descriptor("x", [regs[0], regs[0]]), "x")
+    with pytest.raises(PeerDescriptorError, match="4 ints"):
+        unpack_descriptor(msgpack.packb({"backend": "x", "version": 1, "regions": [[0, 1]]}), "x")
+    with pytest.raises(PeerDescriptorError, match="must be bytes"):
+        unpack_descriptor("text", "x")
