@@ -32,7 +32,6 @@ row-table gather): 72-92 ms for 2.6 M rows (60 GB/s for page 1), 1.6-4 ms for pa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 import traceback
@@ -278,7 +277,7 @@ class _Bench:
         from transport import nvlink_kernel as kern
 
         self.args, self.torch, self.kern = args, torch, kern
-        nixl_ok = importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("nixl_cu12") is not None
+        nixl_ok = _nixl_importable()
         self.backends = ("nvlink", "nixl") if nixl_ok else ("nvlink",)
         self.src_dev = torch.device("cuda", args.src_device)
         self.dst_dev = torch.device("cuda", args.dst_device)
@@ -470,6 +469,16 @@ def main(argv=None) -> int:
     finally:
         bench.close()
     return 0 if all(r["verified"] for r in results) else 2
+
+
+def _nixl_importable() -> bool:
+    from transport._nixl_import import load_nixl_api
+
+    try:
+        load_nixl_api()
+    except ImportError:
+        return False
+    return True
 
 
 def _nixl_page1(args, case: Case, peers, remote) -> str:
