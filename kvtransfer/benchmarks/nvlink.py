@@ -151,7 +151,14 @@ class RemoteBuffers:
         child.close()
 
     def call(self, cmd: str, *args):
+        self.start(cmd, *args)
+        return self.result(cmd)
+
+    def start(self, cmd: str, *args) -> None:
+        """Send a command without waiting for its answer (collect it with :meth:`result`)."""
         self._conn.send((cmd, *args))
+
+    def result(self, cmd: str):
         if not self._conn.poll(self._timeout):
             raise TimeoutError(f"receiver did not answer {cmd!r} within {self._timeout} s")
         status, value = self._conn.recv()
@@ -489,10 +496,13 @@ def _nixl_page1(args, case: Case, peers, remote) -> str:
     batch = case.batch(sel)
     _, nvl = _write_times(peers["nvlink"], batch, 3)
     tag = b"nixl page 1"
+    # The receiver polls while the write runs: NIXL's progress thread is off by default,
+    # and UCX's rendezvous needs the receiving worker to make progress.
+    remote.start("wait_notify", tag, 300.0)
     t0 = time.perf_counter()
     peers["nixl"].write(batch, notify=tag).wait(timeout=300)
     nixl_s = time.perf_counter() - t0
-    arrived = remote.call("wait_notify", tag, 60.0)
+    arrived = remote.result("wait_notify")
     nb = batch.nbytes
     return (f"nixl page 1 ({len(batch)} rows, {nb / 2**20:.0f} MiB): nixl {nb / nixl_s / 1e9:.2f} GB/s, "
             f"nvlink write() {nb / nvl / 1e9:.1f} GB/s, x{nixl_s / nvl:.0f}, notification {arrived}")
