@@ -20,6 +20,13 @@ Each process owns one :class:`Transport` (one per backend). The owner
    dst_offset, length`` (local region ids / offsets, the peer's region ids / offsets).
    The batch is validated once, vectorised: every entry must lie inside its registered
    regions or ``ValueError`` names the first bad entry and the region's bounds;
+   Factored batches (a KV plan is buffer pairs x token slots) go through
+   ``t = peer.write_strided(batch, notify=b"...")`` with a :class:`StridedBatch`: per-pair
+   arrays ``[P]`` (regions, offsets, strides, length) and per-slot arrays ``[S]``; entry
+   ``(p, s)`` writes ``length[p]`` bytes from ``src_offset[p] + src_slot[s] * src_stride[p]``
+   to ``dst_offset[p] + dst_slot[s] * dst_stride[p]``. Bounds are checked in O(P + S). The
+   default (every backend) writes ``batch.expand()``, the flat pair-major :class:`WriteBatch`,
+   with the same semantics as ``write``; a backend may override it to expand on the device;
 4. observes ``t.status()`` (a :class:`TransferStatus`), blocks with ``t.wait(timeout)``
    or gives up with ``t.abort()``;
 5. on the receiving side, polls ``transport.poll_notifications()`` for the payloads of
@@ -62,6 +69,7 @@ import numpy as np
 __all__ = [
     "Region",
     "WriteBatch",
+    "StridedBatch",
     "TransferStatus",
     "Transfer",
     "Peer",
@@ -158,29 +166,7 @@ class WriteBatch:
 
     @classmethod
     def of(cls, src_region, src_offset, dst_region, dst_offset, length) -> "WriteBatch":
-        values = [np.asarray(v) for v in (src_region, src_offset, dst_region, dst_offset, length)]
-        sizes = {v.size for v in values if v.ndim != 0}
-        n_common = sizes.pop() if len(sizes) == 1 else 1  # scalars broadcast to the arrays' length
-        arrays = []
-        for name, arr in zip(_BATCH_FIELDS, values):
-            if arr.ndim == 0:
-                arr = np.full(n_common, arr)
-            if arr.ndim != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-            if arr.size and not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-            arrays.append(np.ascontiguousarray(arr, dtype=np.int64))
-        n = arrays[0].size
-        for name, arr in zip(_BATCH_FIELDS, arrays):
-            if arr.size != n:
-                raise ValueError(f"batch arrays differ in length: src_region has {n}, {name} has {arr.size}")
-        for name, arr in zip(_BATCH_FIELDS, arrays):
-            if n and arr.min() < 0:
-                i = int(np.argmax(arr < 0))
-                raise ValueError(f"batch entry {i}: {name} is negative ({arr[i]})")
-        if n and arrays[4].min() == 0:
-            i = int(np.argmax(arrays[4] == 0))
-            raise ValueError(f"batch entry {i}: length is 0")
+        arrays = _int64_arrays(_BATCH_FIELDS, (src_region, src_offset, dst_region, dst_offset, length), "entry")
         return cls(*arrays)
 
     def __len__(self) -> int:
@@ -196,7 +182,36 @@ class WriteBatch:
         _check_side(self.dst_region, self.dst_offset, self.length, remote, "destination (peer)")
 
 
-def _check_side(region, offset, length, table: Mapping[int, Region], side: str) -> None:
+def _int64_arrays(names, values, what: str) -> list:
+    """Parallel 1-D int64 arrays, non-negative, the last (a length) positive; a scalar stands
+    for the same value in every entry. ``what`` names an index in messages ("entry", "pair")."""
+    values = [np.asarray(v) for v in values]
+    sizes = {v.size for v in values if v.ndim != 0}
+    n_common = sizes.pop() if len(sizes) == 1 else 1  # scalars broadcast to the arrays' length
+    arrays = []
+    for name, arr in zip(names, values):
+        if arr.ndim == 0:
+            arr = np.full(n_common, arr)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        arrays.append(np.ascontiguousarray(arr, dtype=np.int64))
+    n = arrays[0].size
+    for name, arr in zip(names, arrays):
+        if arr.size != n:
+            raise ValueError(f"batch arrays differ in length: {names[0]} has {n}, {name} has {arr.size}")
+    for name, arr in zip(names, arrays):
+        if n and arr.min() < 0:
+            i = int(np.argmax(arr < 0))
+            raise ValueError(f"batch {what} {i}: {name} is negative ({arr[i]})")
+    if names[-1] == "length" and n and arrays[-1].min() == 0:
+        i = int(np.argmax(arrays[-1] == 0))
+        raise ValueError(f"batch {what} {i}: length is 0")
+    return arrays
+
+
+def _check_side(region, offset, length, table: Mapping[int, Region], side: str, what: str = "entry") -> None:
     if region.size == 0:
         return
     lo, top = int(region.min()), int(region.max())
@@ -216,15 +231,104 @@ def _check_side(region, offset, length, table: Mapping[int, Region], side: str) 
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"batch entry {i}: {side} region {int(region[i])} is not registered "
+            f"batch {what} {i}: {side} region {int(region[i])} is not registered "
             f"(known ids: {sorted(table)[:16]})"
         )
     over = np.flatnonzero(ends > known)
     if over.size:
         i = int(over[0])
         raise ValueError(
-            f"batch entry {i}: {side} range [{int(offset[i])}, {int(offset[i] + length[i])}) "
+            f"batch {what} {i}: {side} range [{int(offset[i])}, {int(offset[i] + length[i])}) "
             f"is outside region {int(region[i])} of {int(known[i])} bytes"
+        )
+
+
+_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+_SLOT_FIELDS = ("src_slot", "dst_slot")
+
+
+@dataclass(frozen=True)
+class StridedBatch:
+    """A factored batch: buffer pairs x slots, ``P * S`` byte ranges.
+
+    Entry ``(p, s)`` copies ``length[p]`` bytes from byte
+    ``src_offset[p] + src_slot[s] * src_stride[p]`` of local region ``src_region[p]`` to byte
+    ``dst_offset[p] + dst_slot[s] * dst_stride[p]`` of the peer's region ``dst_region[p]``.
+    A KV transfer is one: a pair per (layer, K/V, byte range of a token row), a slot per token.
+    Build with :meth:`of`; :meth:`expand` gives the flat :class:`WriteBatch` (pair-major:
+    entry ``p * S + s``), :meth:`check_bounds` checks every entry in O(P + S).
+    """
+
+    src_region: np.ndarray  # [P] local region ids
+    src_offset: np.ndarray  # [P] bytes from the local region's start to slot 0's range
+    src_stride: np.ndarray  # [P] bytes between consecutive source slots
+    dst_region: np.ndarray  # [P] the peer's region ids
+    dst_offset: np.ndarray  # [P] bytes from the peer region's start to slot 0's range
+    dst_stride: np.ndarray  # [P] bytes between consecutive destination slots
+    length: np.ndarray  # [P] bytes per entry
+    src_slot: np.ndarray  # [S] source slot of each entry column
+    dst_slot: np.ndarray  # [S] destination slot of each entry column
+
+    @classmethod
+    def of(cls, src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride, length,
+           src_slot, dst_slot) -> "StridedBatch":
+        """Convert to int64 and check: pair arrays of one length ``P``, slot arrays of one
+        length ``S`` (a scalar stands for the same value in every pair or slot), nothing
+        negative, lengths > 0."""
+        pairs = _int64_arrays(_PAIR_FIELDS, (src_region, src_offset, src_stride, dst_region, dst_offset,
+                                             dst_stride, length), "pair")
+        slots = _int64_arrays(_SLOT_FIELDS, (src_slot, dst_slot), "slot")
+        return cls(*pairs, *slots)
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.src_slot.size)
+
+    def __len__(self) -> int:
+        return self.num_pairs * self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum()) * self.num_slots
+
+    def check_bounds(self, local: Mapping[int, Region], remote: Mapping[int, Region]) -> None:
+        """Raise ``ValueError`` naming the first pair whose furthest slot leaves its region.
+
+        O(P + S): per side, the largest slot; per pair, the end ``offset + max_slot * stride +
+        length`` (every other slot's range lies between the offset and that end)."""
+        if len(self) == 0:
+            return
+        for side, region, offset, stride, slot, table in (
+            ("source (local)", self.src_region, self.src_offset, self.src_stride, self.src_slot, local),
+            ("destination (peer)", self.dst_region, self.dst_offset, self.dst_stride, self.dst_slot, remote),
+        ):
+            top = int(slot.max())
+            reach = offset + self.length + stride.astype(np.float64) * top  # [P]; float: no wrap-around
+            if reach.max() >= 2.0**62:
+                i = int(np.argmax(reach >= 2.0**62))
+                raise ValueError(
+                    f"batch pair {i}: {side} offset {int(offset[i])} + slot {top} x stride {int(stride[i])} "
+                    "overflows int64 addresses"
+                )
+            _check_side(region, offset, stride * top + self.length, table, side, "pair")
+
+    def expand(self) -> WriteBatch:
+        """The flat form: one entry per (pair, slot), pair-major (entry ``p * S + s``)."""
+        n = self.num_slots
+
+        def offsets(offset, stride, slot):  # [P, S] -> [P * S]
+            out = np.multiply(stride[:, None], slot[None, :])
+            out += offset[:, None]
+            return out.ravel()
+
+        return WriteBatch(
+            np.repeat(self.src_region, n), offsets(self.src_offset, self.src_stride, self.src_slot),
+            np.repeat(self.dst_region, n), offsets(self.dst_offset, self.dst_stride, self.dst_slot),
+            np.repeat(self.length, n),
         )
 
 
@@ -274,6 +378,15 @@ class Peer(abc.ABC):
     @abc.abstractmethod
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> Transfer:
         """Start one batched write; ``notify`` is delivered to the peer after the data."""
+
+    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> Transfer:
+        """Start one factored write (see :class:`StridedBatch`); ``notify`` as for :meth:`write`.
+
+        The default writes ``batch.expand()`` (whose bounds ``write`` checks, naming flat
+        entries); backends that can expand on the device override it."""
+        if not isinstance(batch, StridedBatch):
+            raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        return self.write(batch.expand(), notify)
 
     @abc.abstractmethod
     def close(self) -> None:
