@@ -13,6 +13,10 @@ Data path (push, on the writer)
   it to the GPU and launches the Triton row-scatter kernel once, on a stream of its own that
   first waits for the caller's current stream (so KV written by the model is complete).
   A CUDA event recorded after the kernel marks completion.
+- ``write_strided`` (a :class:`~transport.base.StridedBatch`, buffer pairs x slots) does the
+  host work in O(P + S): bounds per pair from the largest slot, a ``[5 * P + 2 * S]`` table
+  (pair addresses, strides, lengths; slots) staged pinned and copied once; the strided kernel
+  computes each row's addresses on the GPU. Same stream, event and notification path.
 
 Notification channel (the "mailbox")
 ------------------------------------
@@ -65,6 +69,7 @@ from transport.base import (
     Peer,
     PeerDescriptorError,
     Region,
+    StridedBatch,
     Transfer,
     TransferStatus,
     Transport,
@@ -296,34 +301,65 @@ class NvlinkPeer(Peer):
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
         import torch
 
-        if self._closed:
-            raise TransportClosed(f"peer {self.name!r} is closed")
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
-        if notify is not None:
-            if not isinstance(notify, (bytes, bytearray, memoryview)):
-                raise TypeError(f"notify must be bytes or None, got {type(notify).__name__}")
-            notify = bytes(notify)
-            if len(notify) > self._config.max_notify_bytes:
-                raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
-        owner = self._owner
-        batch.check_bounds(owner.regions, self.regions)
+        notify = self._check_write(batch, notify)
         if not self._outbox.alive():
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
         n = len(batch)
         host = torch.empty((3, n), dtype=torch.int64, pin_memory=True)  # [3, num_rows]
         rows = self.row_table(batch, out=host.numpy(), checked=True)
         plan = self.launch_plan(batch, rows)
+        return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(
+            rows_dev, plan, dev, self._config.kernel.num_warps))
+
+    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
+        """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
+        ``[5 * P + 2 * S]`` strided table (:mod:`transport.nvlink_kernel`) and launches the
+        strided kernel, which computes each row's addresses; completion as for :meth:`write`."""
+        import torch
+
+        if not isinstance(batch, StridedBatch):
+            raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        notify = self._check_write(batch, notify)
+        if not self._outbox.alive():
+            return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
+        num_pairs, num_slots = batch.num_pairs, batch.num_slots
+        host = torch.empty(5 * num_pairs + 2 * num_slots, dtype=torch.int64, pin_memory=True)
+        table = self.strided_table(batch, out=host.numpy(), checked=True)
+        plan = self.strided_plan(batch, table)
+        return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
+            table_dev, num_pairs, num_slots, plan, dev, self._config.kernel.num_warps))
+
+    def _check_write(self, batch, notify) -> Optional[bytes]:
+        """The checks every write shares: open peer, notification payload, the batch's bounds."""
+        if self._closed:
+            raise TransportClosed(f"peer {self.name!r} is closed")
+        if notify is not None:
+            if not isinstance(notify, (bytes, bytearray, memoryview)):
+                raise TypeError(f"notify must be bytes or None, got {type(notify).__name__}")
+            notify = bytes(notify)
+            if len(notify) > self._config.max_notify_bytes:
+                raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
+        batch.check_bounds(self._owner.regions, self.regions)
+        return notify
+
+    def _launch(self, host, notify: Optional[bytes], launch) -> NvlinkTransfer:
+        """Copy the pinned table ``host`` to the GPU and run ``launch(table_dev, device)`` on
+        the copy stream (after the caller's stream); an event marks completion."""
+        import torch
+
+        owner = self._owner
         dev = torch.device("cuda", self._device)
         stream = owner._stream()
         if self._config.wait_current_stream:
             stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.device(dev), torch.cuda.stream(stream):
-            rows_dev = host.to(dev, non_blocking=True)
-            kern.scatter_rows(rows_dev, plan, dev, self._config.kernel.num_warps)
+            table_dev = host.to(dev, non_blocking=True)
+            launch(table_dev, dev)
             event = torch.cuda.Event()
             event.record(stream)
-        transfer = NvlinkTransfer(self, event, notify, keep=(host, rows_dev))
+        transfer = NvlinkTransfer(self, event, notify, keep=(host, table_dev))
         with self._lock:
             self._pending.append(transfer)
         owner._progress.wake()
@@ -344,6 +380,22 @@ class NvlinkPeer(Peer):
         """Copy path and tile shape for ``batch`` (``rows`` from :meth:`row_table`)."""
         n = len(batch)
         return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
+
+    def strided_table(self, batch: StridedBatch, out: Optional[np.ndarray] = None, checked: bool = False) -> np.ndarray:
+        """The ``[5 * P + 2 * S]`` strided table this peer launches for ``batch`` (see
+        :mod:`transport.nvlink_kernel`). ``checked``: the caller already ran ``check_bounds``."""
+        if not checked:
+            batch.check_bounds(self._owner.regions, self.regions)
+        pairs = (batch.src_region, batch.src_offset, batch.src_stride, batch.dst_region, batch.dst_offset,
+                 batch.dst_stride, batch.length)
+        return kern.build_strided_table(self._owner._src_base, self._dst_base, pairs, batch.src_slot, batch.dst_slot,
+                                        out=out)
+
+    def strided_plan(self, batch: StridedBatch, table: np.ndarray) -> kern.LaunchPlan:
+        """Copy path (from the pair part alone, O(P)) and tile shape for ``batch``."""
+        n = len(batch)
+        path = kern.choose_path(table[: 5 * batch.num_pairs])
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._config.kernel)
 
     @property
     def device(self) -> int:

@@ -28,6 +28,26 @@ walks long rows in steps of ``BLOCK_C`` (the loop runs to the longest row of its
 rows (one head slice, 256 B) therefore keep several rows of loads in flight per program;
 long rows (whole pages) keep ``BLOCK_C`` elements per row in flight.
 
+Strided table (factored batches)
+--------------------------------
+A batch of buffer pairs x slots (``transport.base.StridedBatch``) reaches
+:func:`scatter_strided` as ONE int64 tensor of ``5 * P + 2 * S`` elements, built on the host
+in O(P + S) by :func:`build_strided_table`::
+
+    table[0 * P : 1 * P]  # [P] source address of slot 0 of each pair (base + offset)
+    table[1 * P : 2 * P]  # [P] source stride (bytes between slots)
+    table[2 * P : 3 * P]  # [P] destination address of slot 0 (peer memory mapped here)
+    table[3 * P : 4 * P]  # [P] destination stride
+    table[4 * P : 5 * P]  # [P] bytes per row (> 0)
+    table[5 * P : 5 * P + S]  # [S] source slots
+    table[5 * P + S :]        # [S] destination slots
+
+Row ``r`` (of ``P * S``, pair-major) is pair ``p = r // S``, slot ``s = r % S``: the kernel
+computes ``src = table[p] + table[5P + s] * table[P + p]`` (and the same for the destination)
+itself, then copies as the row-table kernel does. Its copy path comes from
+:func:`choose_path` over the pair part alone: a slot multiplies a stride, so addresses of
+every slot share the alignment of the pair's address and stride.
+
 CPU tensors run the same kernel in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
 set before triton is imported: tests do so in a subprocess, with tiny shapes, to check the
 indexing without a GPU.
@@ -53,10 +73,12 @@ __all__ = [
     "KernelConfig",
     "LaunchPlan",
     "build_row_table",
+    "build_strided_table",
     "choose_path",
     "check_row_table",
     "plan_launch",
     "scatter_rows",
+    "scatter_strided",
 ]
 
 
@@ -145,6 +167,38 @@ def build_row_table(
     return out
 
 
+def build_strided_table(
+    src_base: np.ndarray,
+    dst_base: np.ndarray,
+    pairs: tuple,
+    src_slot: np.ndarray,
+    dst_slot: np.ndarray,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The ``[5 * P + 2 * S]`` strided table (module doc) of a factored batch.
+
+    ``pairs`` = ``(src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride,
+    length)``, ``[P]`` each; region ids already checked against the pointer tables. ``out``
+    may be a preallocated int64 array of that size (a pinned staging buffer's view).
+    """
+    src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride, length = pairs
+    p, n = int(length.size), int(src_slot.size)
+    size = 5 * p + 2 * n
+    if out is None:
+        out = np.empty(size, dtype=np.int64)  # [5 * P + 2 * S]
+    elif out.shape != (size,) or out.dtype != np.int64:
+        raise ValueError(f"out must be a [{size}] int64 array, got {list(out.shape)} {out.dtype}")
+    head = out[: 5 * p].reshape(5, p)  # [5, P] the pair part
+    np.add(np.take(src_base, src_region), src_offset, out=head[0])
+    head[1] = src_stride
+    np.add(np.take(dst_base, dst_region), dst_offset, out=head[2])
+    head[3] = dst_stride
+    head[4] = length
+    out[5 * p : 5 * p + n] = src_slot
+    out[5 * p + n :] = dst_slot
+    return out
+
+
 def choose_path(rows: np.ndarray) -> CopyPath:
     """The widest access every row allows: VEC16 when all addresses and lengths are 16-byte
     multiples, VEC8 for 8-byte multiples, else BYTES."""
@@ -224,23 +278,60 @@ def _scatter_rows_body(
             tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
 
 
+def _scatter_strided_body(
+    tab_ptr, n_pairs, n_slots, n_rows, num_tiles,
+    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
+):
+    """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...``, computing each
+    row's addresses from the pair and slot parts of the strided table (module doc)."""
+    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    slot_ptr = tab_ptr + 5 * n_pairs
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
+        ok = r < n_rows
+        p = tl.where(ok, r // n_slots, 0)  # [BLOCK_R] pair of each row
+        s = tl.where(ok, r - p * n_slots, 0)  # [BLOCK_R] slot position of each row
+        src = tl.load(tab_ptr + p, mask=ok, other=0) + tl.load(slot_ptr + s, mask=ok, other=0) * tl.load(
+            tab_ptr + n_pairs + p, mask=ok, other=0)
+        dst = tl.load(tab_ptr + 2 * n_pairs + p, mask=ok, other=0) + tl.load(
+            slot_ptr + n_slots + s, mask=ok, other=0) * tl.load(tab_ptr + 3 * n_pairs + p, mask=ok, other=0)
+        nbytes = tl.load(tab_ptr + 4 * n_pairs + p, mask=ok, other=0)
+        if ALIGN == 1:
+            sp = src.to(tl.pointer_type(tl.uint8))
+            dp = dst.to(tl.pointer_type(tl.uint8))
+            n = nbytes
+        else:
+            sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
+            dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
+            n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
+        steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
+        for k in range(0, steps):
+            c = k * BLOCK_C + cols  # [BLOCK_C]
+            m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
+            v = tl.load(sp[:, None] + c[None, :], mask=m, cache_modifier=LOAD_CACHE)
+            tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
+
+
 _KERNELS: dict = {}
 
 
-def _kernel(interpret: bool):
+def _kernel(interpret: bool, body=None):
     """The jitted kernel, or Triton's interpreter for CPU tensors (tests)."""
     if triton is None:
         raise RuntimeError("the NVLink copy kernel needs triton (pip install triton); it is not installed")
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("CPU row tables run only in Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
-    if interpret not in _KERNELS:
+    body = _scatter_rows_body if body is None else body
+    key = (interpret, body.__name__)
+    if key not in _KERNELS:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            _KERNELS[interpret] = InterpretedFunction(_scatter_rows_body)
+            _KERNELS[key] = InterpretedFunction(body)
         else:
-            _KERNELS[interpret] = triton.jit(_scatter_rows_body)
-    return _KERNELS[interpret]
+            _KERNELS[key] = triton.jit(body)
+    return _KERNELS[key]
 
 
 def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4) -> None:
@@ -256,4 +347,41 @@ def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4) -> None:
     kernel[(plan.num_programs,)](
         rows, n, plan.num_tiles, ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
         LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
+    )
+
+
+def check_strided_table(table, num_pairs: int, num_slots: int, device) -> None:
+    """The one shape/dtype/device check before a strided launch: ``table`` is a contiguous
+    ``[5 * num_pairs + 2 * num_slots]`` int64 tensor on ``device``."""
+    import torch
+
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int64:
+        raise TypeError(f"table must have dtype torch.int64, got {table.dtype}")
+    size = 5 * num_pairs + 2 * num_slots
+    if table.dim() != 1 or table.shape[0] != size:
+        raise ValueError(f"table must have shape [5 * {num_pairs} + 2 * {num_slots}] = [{size}], got {list(table.shape)}")
+    if not table.is_contiguous():
+        raise ValueError(f"table must be contiguous, got strides {tuple(table.stride())}")
+    want = torch.device(device)
+    if table.device.type != want.type or (want.index is not None and table.device.index != want.index):
+        raise ValueError(f"table must be on {want}, got {table.device}")
+
+
+def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, device, num_warps: int = 4) -> None:
+    """Launch the copy of every row of a factored batch: ``table`` is the strided table
+    (module doc; ``[5 * num_pairs + 2 * num_slots]`` int64 on ``device``), ``plan`` from
+    :func:`plan_launch` for ``num_pairs * num_slots`` rows. CPU tensors run in Triton's
+    interpreter."""
+    check_strided_table(table, num_pairs, num_slots, device)
+    n = num_pairs * num_slots
+    if n == 0:
+        return
+    if plan.num_tiles * plan.block_r < n:
+        raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, batch has {n}")
+    kernel = _kernel(table.device.type == "cpu", _scatter_strided_body)
+    kernel[(plan.num_programs,)](
+        table, num_pairs, num_slots, n, plan.num_tiles, ALIGN=plan.path.value, BLOCK_R=plan.block_r,
+        BLOCK_C=plan.block_c, LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
     )
