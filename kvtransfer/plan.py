@@ -43,6 +43,9 @@ API (the contract)
 - ``TransferPlan.flatten() -> (src_buf, src_offset, dst_buf, dst_offset, length)`` int64
   arrays, offsets in bytes from each buffer's start; map buffer numbers to transport region
   ids and the arrays are a ``transport.base.WriteBatch``.
+- ``TransferPlan.strided()``: the same bytes as pairs x token slots (a
+  ``transport.base.StridedBatch``, for backends that expand on the device), or None for
+  sectioned pages.
 
 Per-pair work (compatibility check, the buffer-pair table) is cached per layout pair, so a
 request costs only its slot runs: numpy, no Python loop per token or slot.
@@ -191,6 +194,22 @@ class TransferPlan:
             order = np.lexsort((out[1], out[0]))  # by (src buffer, src offset): touching ranges adjacent
             out = _merge_touching(*(a[order] for a in out))
         return tuple(out)
+
+    def strided(self):
+        """The plan as buffer pairs x token slots (``transport.base.StridedBatch``'s fields):
+        ``(src_buf, src_offset, src_stride, dst_buf, dst_offset, dst_stride, length, src_slot,
+        dst_slot)``, int64; pair arrays ``[B]``, slot arrays ``[N]`` (the runs expanded,
+        O(tokens)). Entry (pair b, token t) is ``length[b]`` bytes at ``offset[b] + slot[t] *
+        stride[b]`` on each side. Map buffer numbers to region ids and
+        ``StridedBatch.of(*arrays)`` writes the same bytes as :meth:`flatten` (unmerged: one
+        entry per pair and token). None when a slot's address is not ``slot * stride``
+        (sectioned pages larger than one slot: NSA index_k)."""
+        if self.src_page_size != 1 or self.dst_page_size != 1:
+            return None
+        tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)  # [N] each
+        # page size 1: a slot's row starts at slot * page (page == row unless sectioned)
+        return (self.src_buf, self.src_base, self.src_page, self.dst_buf, self.dst_base, self.dst_page,
+                self.length, tok_src, tok_dst)
 
     def _expand(self, sel, src_slots, dst_slots, run_len):
         def addr(slots, base, row, page, ps):  # [b, n], built in place (the arrays are large)
