@@ -10,10 +10,13 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
 (CUDA events, median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
-bounds check, the row-table gather and its host-to-device copy (median), and torch's peer
+bounds check, the row-table gather and its host-to-device copy (median), ``write_strided()``
+= the same rows as buffer pairs x slots (``StridedBatch``; O(pairs + slots) host work, the
+addresses computed on the GPU), wall time, median, and torch's peer
 copy of the same byte count between two contiguous tensors on GPU 0 and GPU 1 of this
 process (CUDA events, median). The first write of each case is verified: the receiver
-waits for its notification, then both sides checksum the rows (position-weighted).
+waits for its notification, then both sides checksum the rows (position-weighted); so is
+the first ``write_strided()`` (``verified``: write/write_strided).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
@@ -190,6 +193,7 @@ class Case:
     dst_region: np.ndarray  # [n]
     dst_offset: np.ndarray  # [n]
     length: np.ndarray  # [n]
+    strided: tuple = ()  # the same rows as StridedBatch.of arguments: 7 pair arrays [P], 2 slot arrays [S]
 
     def batch(self, rows: slice = slice(None)):
         from transport.base import WriteBatch
@@ -197,6 +201,17 @@ class Case:
         return WriteBatch.of(
             self.src_region[rows], self.src_offset[rows], self.dst_region[rows], self.dst_offset[rows], self.length[rows]
         )
+
+    def strided_batch(self):
+        """The rows as buffer pairs x slots; raises unless it expands to exactly :meth:`batch`."""
+        from transport.base import StridedBatch
+
+        sb = StridedBatch.of(*self.strided)
+        flat, want = sb.expand(), self.batch()
+        for name in ("src_region", "src_offset", "dst_region", "dst_offset", "length"):
+            if not np.array_equal(getattr(flat, name), getattr(want, name)):
+                raise RuntimeError(f"{self.name}: the strided form's {name} differs from the flat rows")
+        return sb
 
 
 def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
@@ -214,6 +229,7 @@ def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
             np.repeat(np.asarray(src_rids), req_pages), np.tile(src_pages * row, num_bufs),
             np.repeat(np.asarray(dst_rids), req_pages), np.tile(dst_pages * row, num_bufs),
             np.full(num_bufs * req_pages, row, dtype=np.int64),
+            (np.asarray(src_rids), 0, row, np.asarray(dst_rids), 0, row, row, src_pages, dst_pages),
         ))
     head_bytes = args.head_dim * 2
     src_slots = rng.choice(np.arange(1, args.pool_tokens), args.tokens, replace=False)
@@ -224,6 +240,8 @@ def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
         np.repeat(np.asarray(src_rids), args.tokens), np.tile(src_slots * token_bytes + head * head_bytes, num_bufs),
         np.repeat(np.asarray(head_rids), args.tokens), np.tile(dst_slots * head_bytes, num_bufs),
         np.full(num_bufs * args.tokens, head_bytes, dtype=np.int64),
+        (np.asarray(src_rids), head * head_bytes, token_bytes, np.asarray(head_rids), 0, head_bytes, head_bytes,
+         src_slots, dst_slots),
     ))
     return cases
 
@@ -244,12 +262,14 @@ def _median_ms_events(fn, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _write_times(peer, batch, reps: int) -> tuple[float, float]:
-    """Median seconds for ``peer.write`` to return (host-side preparation) and to complete."""
+def _write_times(peer, batch, reps: int, strided: bool = False) -> tuple[float, float]:
+    """Median seconds for ``peer.write`` (``write_strided``) to return (host-side preparation)
+    and to complete."""
     prep, total = [], []
+    write = peer.write_strided if strided else peer.write
     for _ in range(reps):
         t0 = time.perf_counter()
-        tr = peer.write(batch)
+        tr = write(batch)
         t1 = time.perf_counter()
         tr.wait(timeout=120)
         total.append(time.perf_counter() - t0)
@@ -314,12 +334,16 @@ class _Bench:
         num_sms = torch.cuda.get_device_properties(self.src_dev).multi_processor_count
         self.configs = _sweep_configs(self.kern, args.sweep, num_sms, args.programs)
 
-    def verify(self, case: Case) -> bool:
-        """One write with a notification; the receiver checks its rows once it has arrived."""
+    def verify(self, case: Case, strided: bool = False) -> bool:
+        """One write (``write_strided``) with a notification; the receiver checks its rows once
+        it has arrived."""
         peer = self.peers["nvlink"]
         self.remote.call("fill", sorted(set(case.dst_region.tolist())), 0x5A)
-        tag = f"verify {case.name}".encode()
-        peer.write(case.batch(), notify=tag).wait(timeout=120)
+        tag = f"verify {case.name} {'strided' if strided else 'flat'}".encode()
+        if strided:
+            peer.write_strided(case.strided_batch(), notify=tag).wait(timeout=120)
+        else:
+            peer.write(case.batch(), notify=tag).wait(timeout=120)
         if not self.remote.call("wait_notify", tag, 60.0):
             raise RuntimeError(f"{case.name}: notification did not arrive")
         want = checksums(self.src, case.src_region, case.src_offset, case.length)
@@ -345,8 +369,13 @@ class _Bench:
             rows_dev = self.torch.from_numpy(peer.row_table(batch)).to(self.src_dev)
             kernel = {cfg: self.kernel_ms(rows_dev, case, cfg, self.src_dev) for cfg in self.configs}
             prep_s, write_s = _write_times(peer, batch, max(3, self.args.reps // 2))
-            out.append(dict(case=case, nbytes=batch.nbytes, verified=verified, kernel=kernel, prep_s=prep_s,
-                            write_s=write_s, copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
+            strided = case.strided_batch()
+            verified_strided = self.verify(case, strided=True)
+            sprep_s, swrite_s = _write_times(peer, strided, max(3, self.args.reps // 2), strided=True)
+            out.append(dict(case=case, nbytes=batch.nbytes, verified=verified and verified_strided,
+                            checks=f"{verified}/{verified_strided}", kernel=kernel, prep_s=prep_s,
+                            write_s=write_s, strided_prep_s=sprep_s, strided_s=swrite_s,
+                            copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
 
     def together(self, res: dict) -> str:
@@ -421,7 +450,8 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         for r in results:
             print(f"  {r['case'].name:<11}", "  ".join(f"{gbs(r['nbytes'], r['kernel'][c] / 1e3):8.1f}" for c in bench.configs))
     head = (f"{'case':<11} {'rows':>8} {'row B':>6} {'MiB':>5} {'kernel GB/s':>11} {'peer copy':>9} {'ratio':>6} "
-            f"{'write() GB/s':>12} {'ratio':>6} {'prep ms':>7} {'verified':>8}")
+            f"{'write() GB/s':>12} {'ratio':>6} {'prep ms':>7} {'write_strided() GB/s':>20} {'ratio':>6} "
+            f"{'prep ms':>7} {'verified':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -429,8 +459,10 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         k = gbs(nbytes, r["kernel"][bench.configs[0]] / 1e3)
         c = gbs(nbytes, r["copy_ms"] / 1e3)
         w = gbs(nbytes, r["write_s"])
+        st = gbs(nbytes, r["strided_s"])
         print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {k:>11.1f} "
-              f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {r['prep_s'] * 1e3:>7.1f} {str(r['verified']):>8}")
+              f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {r['prep_s'] * 1e3:>7.1f} {st:>20.1f} {st / c:>6.1%} "
+              f"{r['strided_prep_s'] * 1e3:>7.1f} {r['checks']:>10}")
 
 
 def main(argv=None) -> int:
