@@ -30,6 +30,13 @@ The kernel and a copy-engine peer copy at once move 380 GB/s together, below the
 alone. ``write()`` end to end is bound by host preparation at ~28 ns per row (bounds check,
 row-table gather): 72-92 ms for 2.6 M rows (60 GB/s for page 1), 1.6-4 ms for page 16 / 64
 (279-323 GB/s).
+
+``write_strided()`` (2026-11-29, same machine, torch 2.11+cu130, two runs, --page-sizes 1,16
+--reps 3): the strided kernel alone 366 / 366 / 362 GB/s (page 1 / page 16 / head slice; the
+row-table kernel 366 / 366 / 364 in the same run), host preparation 0.6-0.9 ms whatever the
+row count, end to end 342-344 / 340-341 / 197-259 GB/s = 87 / 87 / 50-66 % of the peer copy,
+against 75-89 / 284-296 / 13-14 GB/s for ``write()``. What remains is fixed per write (launch,
+staging, the wait's polling): it weighs on the 640 MiB head-slice case, not on 5 GiB.
 """
 
 from __future__ import annotations
@@ -356,6 +363,24 @@ class _Bench:
         with self.torch.cuda.device(device):
             return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup)
 
+    def strided_kernel_ms(self, sb) -> tuple[float, float]:
+        """The strided kernel alone on a resident table (CUDA events, median), and the host
+        time of its bounds check and table build (median of ``reps``)."""
+        peer, kern, args = self.peers["nvlink"], self.kern, self.args
+        host = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            sb.check_bounds(self.transports["nvlink"].regions, peer.regions)
+            table = peer.strided_table(sb, checked=True)
+            host.append(time.perf_counter() - t0)
+        plan = peer.strided_plan(sb, table)
+        table_dev = self.torch.from_numpy(table).to(self.src_dev)
+        cfg = self.configs[0]
+        with self.torch.cuda.device(self.src_dev):
+            ms = _median_ms_events(lambda: kern.scatter_strided(table_dev, sb.num_pairs, sb.num_slots, plan, self.src_dev,
+                                                                cfg.num_warps), args.reps, args.warmup)
+        return ms, statistics.median(host)
+
     def copy_ms(self, nbytes: int) -> float:
         a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
         return _median_ms_events(lambda: b.copy_(a, non_blocking=True), self.args.reps, self.args.warmup)
@@ -372,9 +397,11 @@ class _Bench:
             strided = case.strided_batch()
             verified_strided = self.verify(case, strided=True)
             sprep_s, swrite_s = _write_times(peer, strided, max(3, self.args.reps // 2), strided=True)
+            skernel_ms, shost_s = self.strided_kernel_ms(strided)
             out.append(dict(case=case, nbytes=batch.nbytes, verified=verified and verified_strided,
                             checks=f"{verified}/{verified_strided}", kernel=kernel, prep_s=prep_s,
-                            write_s=write_s, strided_prep_s=sprep_s, strided_s=swrite_s,
+                            write_s=write_s, strided_prep_s=sprep_s, strided_s=swrite_s, strided_kernel_ms=skernel_ms,
+                            strided_host_s=shost_s, strided_shape=(strided.num_pairs, strided.num_slots),
                             copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
 
@@ -463,6 +490,12 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {k:>11.1f} "
               f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {r['prep_s'] * 1e3:>7.1f} {st:>20.1f} {st / c:>6.1%} "
               f"{r['strided_prep_s'] * 1e3:>7.1f} {r['checks']:>10}")
+    for r in results:
+        sb_pairs, sb_slots = r["strided_shape"]
+        print(f"write_strided {r['case'].name}: {sb_pairs} pairs x {sb_slots} slots; strided kernel alone "
+              f"{gbs(r['nbytes'], r['strided_kernel_ms'] / 1e3):.1f} GB/s (row-table kernel "
+              f"{gbs(r['nbytes'], r['kernel'][bench.configs[0]] / 1e3):.1f}); host bounds + table "
+              f"{r['strided_host_s'] * 1e3:.2f} ms of {r['strided_prep_s'] * 1e3:.2f} ms prep")
 
 
 def main(argv=None) -> int:
