@@ -335,6 +335,8 @@ class StridedBatch:
 class Transfer(abc.ABC):
     """A write in flight. Poll it, wait on it, or abort it."""
 
+    max_poll_sleep_s: float = 1e-3  # longest sleep between polls in wait(); backends may lower it
+
     @abc.abstractmethod
     def status(self) -> TransferStatus:
         """Non-blocking. Moves the transfer forward where the backend needs polling."""
@@ -362,11 +364,11 @@ class Transfer(abc.ABC):
                 raise TransferFailed(self.error or "transfer failed")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TransferTimeout(f"transfer still pending after {timeout} s")
-            # Spin briefly, then back off to 1 ms so a 2-core machine keeps a core for
-            # the backend's progress thread.
+            # Spin briefly, then back off to ``max_poll_sleep_s`` so a 2-core machine keeps a
+            # core for the backend's progress thread.
             if sleep:
                 time.sleep(sleep)
-            sleep = min(1e-3, sleep * 2 or 1e-5)
+            sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
 
 
 class Peer(abc.ABC):
