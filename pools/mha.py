@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

@@ -3,7 +3,7 @@
 Knows nothing of KV, layers or heads; imports neither ``pools`` nor ``kvtransfer``.
 """
 
-from transport.base import (  # noqa: F401
+from transport.base import (
     PeerDescriptorError,
     Region,
     Transfer,
@@ -13,5 +13,20 @@ from transport.base import (  # noqa: F401
     Transport,
     TransportClosed,
     TransportError,
+    StridedBatch,
     WriteBatch,
 )
+
+__all__ = [
+    "PeerDescriptorError",
+    "Region",
+    "StridedBatch",
+    "Transfer",
+    "TransferFailed",
+    "TransferStatus",
+    "TransferTimeout",
+    "Transport",
+    "TransportClosed",
+    "TransportError",
+    "WriteBatch",
+]

@@ -18,8 +18,8 @@ Data path (push, on the writer)
   (pair addresses, strides, lengths; slots) staged pinned and copied once; the strided kernel
   computes each row's addresses on the GPU. Same stream, event and notification path.
 
-Notification channel (the "mailbox")
-------------------------------------
+Notification channel (the "mailbox", :mod:`transport.mailbox`)
+--------------------------------------------------------------
 Each transport listens on a Unix stream socket in Linux's abstract namespace (named in its
 export; nothing on disk) and each peer keeps one connected socket to it. A notification is
 one frame, a 4-byte big-endian length and the payload, sent by the WRITER only after the
@@ -54,12 +54,8 @@ peer allocation that cannot be opened here (no peer access, another container, n
 from __future__ import annotations
 
 import os
-import select
-import socket
-import struct
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -67,6 +63,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from transport import cuda_ipc
+from transport.mailbox import Inbox, MailboxUnreachable, Outbox, host_id
 from transport import nvlink_kernel as kern
 from transport.base import (
     Peer,
@@ -87,7 +84,6 @@ from transport.base import (
 __all__ = ["NvlinkConfig", "NvlinkPeer", "NvlinkTransfer", "NvlinkTransport", "NvlinkUnsupported", "host_id"]
 
 BACKEND = "nvlink"
-_FRAME = struct.Struct(">I")
 
 
 class NvlinkUnsupported(TransportError):
@@ -125,106 +121,6 @@ class NvlinkConfig:
             raise TypeError(f"kernel must be a KernelConfig, got {type(self.kernel).__name__}")
         if not isinstance(self.max_notify_bytes, int) or not 0 < self.max_notify_bytes < 1 << 31:
             raise ValueError(f"max_notify_bytes must be an int in (0, 2**31), got {self.max_notify_bytes!r}")
-
-
-def host_id() -> str:
-    """Identifies this host (boot id + hostname): peers with another id are on another host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{boot}@{socket.gethostname()}"
-
-
-# -- the notification channel ------------------------------------------------------------
-
-
-class _Inbox:
-    """The receiving end: a listening abstract Unix socket and the writers connected to it."""
-
-    def __init__(self):
-        self.name = f"kvtransfer-nvlink-{os.getpid()}-{uuid.uuid4().hex}"
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind("\0" + self.name)
-        self._sock.listen(64)
-        self._sock.setblocking(False)
-        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes]
-
-    def poll(self) -> list[bytes]:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except BlockingIOError:
-                break
-            conn.setblocking(False)
-            self._conns.append([conn, bytearray()])
-        out: list[bytes] = []
-        for entry in list(self._conns):
-            conn, buf = entry
-            closed = False
-            while True:
-                try:
-                    chunk = conn.recv(1 << 16)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    closed = True
-                    break
-                if not chunk:
-                    closed = True
-                    break
-                buf += chunk
-            while len(buf) >= _FRAME.size:
-                (n,) = _FRAME.unpack_from(buf)
-                if len(buf) < _FRAME.size + n:
-                    break
-                out.append(bytes(buf[_FRAME.size : _FRAME.size + n]))
-                del buf[: _FRAME.size + n]
-            if closed:
-                conn.close()
-                self._conns.remove(entry)
-        return out
-
-    def close(self) -> None:
-        for conn, _ in self._conns:
-            conn.close()
-        self._conns.clear()
-        self._sock.close()
-
-
-class _Outbox:
-    """The writing end: one connected socket to a peer's inbox."""
-
-    def __init__(self, name: str, timeout_s: float):
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
-        try:
-            self._sock.connect("\0" + name)
-        except OSError as exc:
-            self._sock.close()
-            raise NvlinkUnsupported(
-                f"cannot reach the peer's notification socket {name!r} ({exc}); "
-                "is it on this host and in this network namespace?"
-            ) from None
-
-    def alive(self) -> bool:
-        """False once the peer closed its end (the peer never writes, so readable = EOF)."""
-        try:
-            ready, _, _ = select.select([self._sock], [], [], 0)
-            if not ready:
-                return True
-            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except (BlockingIOError, InterruptedError):
-            return True
-        except OSError:
-            return False
-
-    def send(self, payload: bytes) -> None:
-        self._sock.sendall(_FRAME.pack(len(payload)) + payload)
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 # -- transfers ---------------------------------------------------------------------------
@@ -298,7 +194,10 @@ class NvlinkPeer(Peer):
                     ) from None
                 self._opened.append(handle)
                 self._dst_base[rid] = base + offset
-            self._outbox = _Outbox(mailbox, self._config.peer_timeout_s)
+            try:
+                self._outbox = Outbox(mailbox, self._config.peer_timeout_s)
+            except MailboxUnreachable as exc:
+                raise NvlinkUnsupported(str(exc)) from None
         except BaseException:
             self._release()
             raise
@@ -528,7 +427,7 @@ class NvlinkTransport(Transport):
         self._device: Optional[int] = None
         self._cuda_stream = None
         self._peers: list[NvlinkPeer] = []
-        self._inbox = _Inbox()
+        self._inbox = Inbox()
         self._progress = _Progress(self)
         self._closed = False
 

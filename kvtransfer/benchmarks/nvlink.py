@@ -431,7 +431,7 @@ class _Bench:
 
     def pull(self, res: dict) -> str:
         """The same kernel launched on the DESTINATION GPU (reads cross NVLink, stores are local)."""
-        torch, kern = self.torch, self.kern
+        torch = self.torch
         from transport import cuda_ipc
         from transport.nvlink import parse_descriptor
 

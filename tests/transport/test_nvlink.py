@@ -26,11 +26,12 @@ from transport.nvlink import (
     NvlinkConfig,
     NvlinkTransport,
     NvlinkUnsupported,
-    _Inbox,
-    _Outbox,
-    host_id,
     parse_descriptor,
 )
+from transport.mailbox import Inbox as _Inbox
+from transport.mailbox import MailboxUnreachable
+from transport.mailbox import Outbox as _Outbox
+from transport.mailbox import host_id
 
 HANDLE = bytes(range(64))
 
@@ -297,8 +298,9 @@ def test_mailbox_delivers_whole_frames_in_order():
     out.close()
 
 
-def test_outbox_to_a_missing_mailbox_is_unsupported():
-    with pytest.raises(NvlinkUnsupported, match="cannot reach the peer's notification socket"):
+def test_outbox_to_a_missing_mailbox_is_unreachable():
+    # NvlinkPeer turns this into NvlinkUnsupported (the caller falls back to NIXL).
+    with pytest.raises(MailboxUnreachable, match="cannot reach the peer's notification socket"):
         _Outbox("kvtransfer-nvlink-does-not-exist", timeout_s=1.0)
 
 

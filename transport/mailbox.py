@@ -1,0 +1,122 @@
+"""The NVLink engine's notification channel (the "mailbox"), one Unix socket per transport.
+
+Each transport listens on a Unix stream socket in Linux's abstract namespace (nothing on
+disk); each peer keeps one connected socket to it. A notification is one frame: a 4-byte
+big-endian length, then the payload. The receiver never writes to its connections, so a
+readable socket on the writer's side means end-of-file: the peer process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import uuid
+
+from transport.base import TransportError
+
+__all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
+
+_FRAME = struct.Struct(">I")
+
+
+class MailboxUnreachable(TransportError):
+    """The peer's mailbox socket cannot be reached (another host or network namespace)."""
+
+
+def host_id() -> str:
+    """Identifies this host (boot id + hostname): peers with another id are on another host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{boot}@{socket.gethostname()}"
+
+
+class Inbox:
+    """The receiving end: a listening abstract Unix socket and the writers connected to it."""
+
+    def __init__(self):
+        self.name = f"kvtransfer-nvlink-{os.getpid()}-{uuid.uuid4().hex}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(64)
+        self._sock.setblocking(False)
+        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes]
+
+    def poll(self) -> list[bytes]:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                break
+            conn.setblocking(False)
+            self._conns.append([conn, bytearray()])
+        out: list[bytes] = []
+        for entry in list(self._conns):
+            conn, buf = entry
+            closed = False
+            while True:
+                try:
+                    chunk = conn.recv(1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    closed = True
+                    break
+                if not chunk:
+                    closed = True
+                    break
+                buf += chunk
+            while len(buf) >= _FRAME.size:
+                (n,) = _FRAME.unpack_from(buf)
+                if len(buf) < _FRAME.size + n:
+                    break
+                out.append(bytes(buf[_FRAME.size : _FRAME.size + n]))
+                del buf[: _FRAME.size + n]
+            if closed:
+                conn.close()
+                self._conns.remove(entry)
+        return out
+
+    def close(self) -> None:
+        for conn, _ in self._conns:
+            conn.close()
+        self._conns.clear()
+        self._sock.close()
+
+
+class Outbox:
+    """The writing end: one connected socket to a peer's inbox."""
+
+    def __init__(self, name: str, timeout_s: float):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect("\0" + name)
+        except OSError as exc:
+            self._sock.close()
+            raise MailboxUnreachable(
+                f"cannot reach the peer's notification socket {name!r} ({exc}); "
+                "is it on this host and in this network namespace?"
+            ) from None
+
+    def alive(self) -> bool:
+        """False once the peer closed its end (the peer never writes, so readable = EOF)."""
+        try:
+            ready, _, _ = select.select([self._sock], [], [], 0)
+            if not ready:
+                return True
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+
+    def send(self, payload: bytes) -> None:
+        self._sock.sendall(_FRAME.pack(len(payload)) + payload)
+
+    def close(self) -> None:
+        self._sock.close()
