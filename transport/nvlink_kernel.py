@@ -248,6 +248,35 @@ def check_row_table(rows, device) -> None:
         raise ValueError(f"rows must be on {want}, got {rows.device}")
 
 
+def _copy_rows_body(
+    src, dst, nbytes,
+    ALIGN: tl.constexpr, BLOCK_C: tl.constexpr, LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
+):
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for the ``[BLOCK_R]`` rows
+    of one tile, ``BLOCK_C`` elements of ``ALIGN`` bytes (1: bytes, else 8-byte words with
+    ``ALIGN``-byte alignment hints) per step. Shared by both kernels; inlined by Triton."""
+    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
+    if ALIGN == 1:
+        sp = src.to(tl.pointer_type(tl.uint8))
+        dp = dst.to(tl.pointer_type(tl.uint8))
+        n = nbytes
+    else:
+        sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
+        dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
+        n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
+    steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
+    for k in range(0, steps):
+        c = k * BLOCK_C + cols  # [BLOCK_C]
+        m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
+        v = tl.load(sp[:, None] + c[None, :], mask=m, cache_modifier=LOAD_CACHE)
+        tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
+
+
+# The kernels call it by this name; triton.jit follows TRITON_INTERPRET as set at import, the
+# same condition _kernel requires for the interpreter.
+_copy_rows = triton.jit(_copy_rows_body) if triton is not None else None
+
+
 def _scatter_rows_body(
     rows_ptr, n_rows, num_tiles,
     ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -255,27 +284,13 @@ def _scatter_rows_body(
 ):
     """Copy the rows of tiles ``pid, pid + num_programs, ...`` (tile t: rows
     ``[t * BLOCK_R, (t + 1) * BLOCK_R)`` of the row table; see the module doc)."""
-    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
         ok = r < n_rows
         src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
         dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
         nbytes = tl.load(rows_ptr + (r + n_rows) + n_rows, mask=ok, other=0)
-        if ALIGN == 1:
-            sp = src.to(tl.pointer_type(tl.uint8))
-            dp = dst.to(tl.pointer_type(tl.uint8))
-            n = nbytes
-        else:
-            sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
-            dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
-            n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
-        steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
-        for k in range(0, steps):
-            c = k * BLOCK_C + cols  # [BLOCK_C]
-            m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
-            v = tl.load(sp[:, None] + c[None, :], mask=m, cache_modifier=LOAD_CACHE)
-            tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
+        _copy_rows(src, dst, nbytes, ALIGN, BLOCK_C, LOAD_CACHE, STORE_CACHE)
 
 
 def _scatter_strided_body(
@@ -285,7 +300,6 @@ def _scatter_strided_body(
 ):
     """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...``, computing each
     row's addresses from the pair and slot parts of the strided table (module doc)."""
-    cols = tl.arange(0, BLOCK_C)  # [BLOCK_C]
     slot_ptr = tab_ptr + 5 * n_pairs
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
@@ -297,20 +311,7 @@ def _scatter_strided_body(
         dst = tl.load(tab_ptr + 2 * n_pairs + p, mask=ok, other=0) + tl.load(
             slot_ptr + n_slots + s, mask=ok, other=0) * tl.load(tab_ptr + 3 * n_pairs + p, mask=ok, other=0)
         nbytes = tl.load(tab_ptr + 4 * n_pairs + p, mask=ok, other=0)
-        if ALIGN == 1:
-            sp = src.to(tl.pointer_type(tl.uint8))
-            dp = dst.to(tl.pointer_type(tl.uint8))
-            n = nbytes
-        else:
-            sp = tl.multiple_of(src.to(tl.pointer_type(tl.int64)), [ALIGN])
-            dp = tl.multiple_of(dst.to(tl.pointer_type(tl.int64)), [ALIGN])
-            n = tl.multiple_of(nbytes >> 3, [ALIGN // 8])  # [BLOCK_R] elements
-        steps = tl.cdiv(tl.max(n, axis=0), BLOCK_C)
-        for k in range(0, steps):
-            c = k * BLOCK_C + cols  # [BLOCK_C]
-            m = c[None, :] < n[:, None]  # [BLOCK_R, BLOCK_C]
-            v = tl.load(sp[:, None] + c[None, :], mask=m, cache_modifier=LOAD_CACHE)
-            tl.store(dp[:, None] + c[None, :], v, mask=m, cache_modifier=STORE_CACHE)
+        _copy_rows(src, dst, nbytes, ALIGN, BLOCK_C, LOAD_CACHE, STORE_CACHE)
 
 
 _KERNELS: dict = {}
