@@ -71,7 +71,7 @@ class IpcExport:
 
 
 class _CudaApi:
-    """The five CUDA calls this module needs, behind one interface."""
+    """The CUDA calls the nvlink backend needs, behind one interface."""
 
     name = "abstract"
 
@@ -86,6 +86,16 @@ class _CudaApi:
     def ipc_open(self, handle: bytes) -> int: ...
 
     def ipc_close(self, ptr: int) -> None: ...
+
+    def enable_peer_access(self, peer: int) -> None:
+        """Let the current device reach ``peer``'s memory (no-op when already enabled)."""
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cudaMemcpyAsync`` (kind Default: UVA decides) on the raw ``stream`` handle."""
+
+
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
 
 
 def _code(err) -> int:
@@ -130,6 +140,17 @@ class _CudaPythonApi(_CudaApi):
 
     def ipc_close(self, ptr: int) -> None:
         self._ok(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+    def enable_peer_access(self, peer: int) -> None:
+        (err,) = self.rt.cudaDeviceEnablePeerAccess(peer, 0)
+        if _code(err) == _PEER_ACCESS_ALREADY_ENABLED:
+            self.rt.cudaGetLastError()  # clear the sticky-free error the call left
+        elif _code(err) != 0:
+            raise CudaIpcError(f"cudaDeviceEnablePeerAccess({peer}) failed: {err!r}")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._ok(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind(_MEMCPY_DEFAULT), stream),
+                 f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
 
 
 class _Handle(ctypes.Structure):
@@ -213,6 +234,18 @@ class _CtypesApi(_CudaApi):
 
     def ipc_close(self, ptr: int) -> None:
         self._ok(self.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+    def enable_peer_access(self, peer: int) -> None:
+        code = self.rt.cudaDeviceEnablePeerAccess(ctypes.c_int(peer), ctypes.c_uint(0))
+        if code == _PEER_ACCESS_ALREADY_ENABLED:
+            self.rt.cudaGetLastError()
+        else:
+            self._ok(code, f"cudaDeviceEnablePeerAccess({peer})")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        code = self.rt.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                                       ctypes.c_int(_MEMCPY_DEFAULT), ctypes.c_void_p(stream))
+        self._ok(code, f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
 
 
 _APIS: dict[str, _CudaApi] = {}

@@ -65,6 +65,7 @@ import numpy as np
 from transport import cuda_ipc
 from transport.mailbox import Inbox, MailboxUnreachable, Outbox, host_id
 from transport import nvlink_kernel as kern
+from transport import nvlink_staged as staged
 from transport.base import (
     Peer,
     PeerDescriptorError,
@@ -99,6 +100,7 @@ class NvlinkConfig:
     transfer_timeout_s: a copy whose completion event has not fired by then is FAILED.
     ipc_api: "auto" (cuda-python, else ctypes on libcudart), "cuda-python" or "ctypes".
     kernel: launch shape of the copy kernel.
+    staged: the staged engine for large batches (:mod:`transport.nvlink_staged`).
     wait_current_stream: the copy stream waits for the caller's current stream first.
     max_notify_bytes: largest notification payload.
     """
@@ -107,6 +109,7 @@ class NvlinkConfig:
     transfer_timeout_s: float = 60.0
     ipc_api: str = "auto"
     kernel: kern.KernelConfig = field(default_factory=kern.KernelConfig)
+    staged: staged.StagedConfig = field(default_factory=staged.StagedConfig)
     wait_current_stream: bool = True
     max_notify_bytes: int = 1 << 20
 
@@ -119,6 +122,8 @@ class NvlinkConfig:
             raise ValueError(f"ipc_api must be one of {cuda_ipc.API_CHOICES}, got {self.ipc_api!r}")
         if not isinstance(self.kernel, kern.KernelConfig):
             raise TypeError(f"kernel must be a KernelConfig, got {type(self.kernel).__name__}")
+        if not isinstance(self.staged, staged.StagedConfig):
+            raise TypeError(f"staged must be a StagedConfig, got {type(self.staged).__name__}")
         if not isinstance(self.max_notify_bytes, int) or not 0 < self.max_notify_bytes < 1 << 31:
             raise ValueError(f"max_notify_bytes must be an int in (0, 2**31), got {self.max_notify_bytes!r}")
 
@@ -165,35 +170,34 @@ class NvlinkTransfer(Transfer):
 class NvlinkPeer(Peer):
     """A connected peer: its regions mapped here, its pointer table, its mailbox."""
 
-    def __init__(self, owner: "NvlinkTransport", name: str, regions: Mapping[int, Region], ipc: dict, mailbox: str):
+    def __init__(self, owner: "NvlinkTransport", name: str, regions: Mapping[int, Region], ipc: dict, mailbox: str,
+                 peer_gpu: Optional[int] = None):
         self._owner = owner
         self._config = owner._config
         self.name = name
         self.regions = dict(regions)
         self._device = owner._exec_device()
         self._api = owner._api()
-        self._opened: list[bytes] = []
+        self._ipc = ipc
+        self._opened: list[tuple[bytes, int]] = []  # (handle, device it was opened under)
         self._lock = threading.RLock()
         self._pending: deque[NvlinkTransfer] = deque()
         self._closed = False
         self._outbox = None
+        # The staged engine: the peer's GPU as numbered here (None: unknown or this GPU), its
+        # regions as mapped under that GPU (opened at the first staged write), why it is off.
+        self._peer_gpu = peer_gpu if peer_gpu != self._device else None
+        self._dst_base_staged: Optional[np.ndarray] = None
+        self.staged_error: Optional[str] = None
+        self.engine = "auto"
         try:
-            top = max(self.regions) if self.regions else -1
-            self._dst_base = np.zeros(top + 1, dtype=np.int64)  # [num_peer_region_ids] addresses
             for rid, (handle, offset, alloc_size) in ipc.items():
                 reg = self.regions[rid]
                 if offset + reg.length > alloc_size:
                     raise PeerDescriptorError(
                         f"peer region {rid} [{offset}, +{reg.length}) exceeds its allocation of {alloc_size} bytes"
                     )
-                try:
-                    base = cuda_ipc.open_handle(self._api, handle, self._device)
-                except cuda_ipc.CudaIpcError as exc:
-                    raise NvlinkUnsupported(
-                        f"cannot open peer {name!r} region {rid} (peer cuda:{reg.device}) on local cuda:{self._device}: {exc}"
-                    ) from None
-                self._opened.append(handle)
-                self._dst_base[rid] = base + offset
+            self._dst_base = self._open_all(self._device)  # [num_peer_region_ids] addresses
             try:
                 self._outbox = Outbox(mailbox, self._config.peer_timeout_s)
             except MailboxUnreachable as exc:
@@ -201,6 +205,53 @@ class NvlinkPeer(Peer):
         except BaseException:
             self._release()
             raise
+
+    def _open_all(self, device: int) -> np.ndarray:
+        """Map every peer region for ``device``'s kernels: its pointer table, by region id."""
+        top = max(self.regions) if self.regions else -1
+        bases = np.zeros(top + 1, dtype=np.int64)  # [num_peer_region_ids] addresses
+        for rid, (handle, offset, _) in self._ipc.items():
+            try:
+                base = cuda_ipc.open_handle(self._api, handle, device)
+            except cuda_ipc.CudaIpcError as exc:
+                raise NvlinkUnsupported(
+                    f"cannot open peer {self.name!r} region {rid} (peer cuda:{self.regions[rid].device}) "
+                    f"on local cuda:{device}: {exc}"
+                ) from None
+            self._opened.append((handle, device))
+            bases[rid] = base + offset
+        return bases
+
+    ENGINES = ("auto", "kernel", "staged")
+
+    @property
+    def engine(self) -> str:
+        """Which engine writes take: "auto" (staged from ``StagedConfig.min_bytes`` on, when
+        enabled and possible), "kernel" (always the direct push kernel) or "staged" (staged
+        whenever possible, whatever the size; benchmarks and tests)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, value: str) -> None:
+        if value not in self.ENGINES:
+            raise ValueError(f"engine must be one of {self.ENGINES}, got {value!r}")
+        self._engine = value
+
+    def _lane_for(self, total: int, max_len: int) -> Optional[staged.StagedLane]:
+        """The staged lane when this batch should take it (module doc of nvlink_staged), else None."""
+        cfg = self._config.staged
+        small = total < cfg.min_bytes and self._engine == "auto"
+        if (not cfg.enabled or self._engine == "kernel" or small or self._peer_gpu is None
+                or self.staged_error is not None or max_len > cfg.chunk_bytes):
+            return None
+        try:
+            lane = self._owner._lane(self._peer_gpu)
+            if self._dst_base_staged is None:
+                self._dst_base_staged = self._open_all(self._peer_gpu)
+            return lane
+        except (cuda_ipc.CudaIpcError, NvlinkUnsupported, RuntimeError) as exc:
+            self.staged_error = f"staged engine off for peer {self.name!r}: {exc}"
+            return None
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
@@ -212,11 +263,19 @@ class NvlinkPeer(Peer):
         if not self._outbox.alive():
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
         n = len(batch)
-        host = torch.empty((3, n), dtype=torch.int64, pin_memory=True)  # [3, num_rows]
-        rows = self.row_table(batch, out=host.numpy(), checked=True)
+        max_len = int(batch.length.max()) if n else 0
+        lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
+        host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
+        rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
         plan = self.launch_plan(batch, rows)
-        return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(
-            rows_dev, plan, dev, self._config.kernel.num_warps))
+        warps = self._config.kernel.num_warps
+        if lane is None:
+            return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(rows_dev, plan, dev, warps))
+        total = int(rows[3, -1] + batch.length[-1])
+        bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
+        offsets = np.append(rows[3], total)[bounds]
+        return self._launch_staged(host, notify, lane, bounds, offsets, lambda rows_dev, dev, a, b, stage: (
+            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage)))
 
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
@@ -230,11 +289,21 @@ class NvlinkPeer(Peer):
         if not self._outbox.alive():
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
         num_pairs, num_slots = batch.num_pairs, batch.num_slots
-        host = torch.empty(5 * num_pairs + 2 * num_slots, dtype=torch.int64, pin_memory=True)
-        table = self.strided_table(batch, out=host.numpy(), checked=True)
+        max_len = int(batch.length.max()) if len(batch) else 0
+        lane = self._lane_for(int(batch.length.sum()) * num_slots, max_len) if len(batch) else None
+        host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
+                           pin_memory=True)
+        table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
         plan = self.strided_plan(batch, table)
-        return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
-            table_dev, num_pairs, num_slots, plan, dev, self._config.kernel.num_warps))
+        warps = self._config.kernel.num_warps
+        if lane is None:
+            return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
+                table_dev, num_pairs, num_slots, plan, dev, warps))
+        pair_offset = table[5 * num_pairs + 2 * num_slots:]
+        bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
+        offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
+        return self._launch_staged(host, notify, lane, bounds, offsets, lambda table_dev, dev, a, b, stage: (
+            kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=a, end=b, stage=stage)))
 
     def _check_write(self, batch, notify) -> Optional[bytes]:
         """The checks every write shares: open peer, notification payload, the batch's bounds."""
@@ -264,21 +333,44 @@ class NvlinkPeer(Peer):
             launch(table_dev, dev)
             event = torch.cuda.Event()
             event.record(stream)
-        transfer = NvlinkTransfer(self, event, notify, keep=(host, table_dev))
+        return self._track(NvlinkTransfer(self, event, notify, keep=(host, table_dev)))
+
+    def _launch_staged(self, host, notify: Optional[bytes], lane: staged.StagedLane, bounds, offsets,
+                       launch) -> NvlinkTransfer:
+        """Copy the pinned table to both GPUs and run the staged pipeline: ``launch(table_dev,
+        device, begin, end, stage)`` gathers on the local GPU and scatters on the peer's."""
+        import torch
+
+        local, peer = torch.device("cuda", self._device), torch.device("cuda", lane.peer)
+        stream = self._owner._stream()
+        if self._config.wait_current_stream:
+            stream.wait_stream(torch.cuda.current_stream(local))
+        with torch.cuda.device(local), torch.cuda.stream(stream):
+            table_local = host.to(local, non_blocking=True)
+        with torch.cuda.device(peer), torch.cuda.stream(lane.scatter_stream):
+            table_peer = host.to(peer, non_blocking=True)
+        event = lane.run(stream, bounds, offsets, lambda a, b, st: launch(table_local, local, a, b, st),
+                         lambda a, b, st: launch(table_peer, peer, a, b, st))
+        return self._track(NvlinkTransfer(self, event, notify, keep=(host, table_local, table_peer)))
+
+    def _track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         with self._lock:
             self._pending.append(transfer)
-        owner._progress.wake()
+        self._owner._progress.wake()
         return transfer
 
-    def row_table(self, batch: WriteBatch, out: Optional[np.ndarray] = None, checked: bool = False) -> np.ndarray:
+    def row_table(self, batch: WriteBatch, out: Optional[np.ndarray] = None, checked: bool = False,
+                  lane: Optional[staged.StagedLane] = None) -> np.ndarray:
         """The ``[3, n]`` row table (source address, destination address, bytes) this peer
         launches for ``batch`` (see :mod:`transport.nvlink_kernel`); benchmarks time the kernel
-        on it. ``checked``: the caller already ran ``batch.check_bounds``."""
+        on it. ``checked``: the caller already ran ``batch.check_bounds``. With a ``lane``: the
+        staged ``[4, n]`` form, destinations as mapped under the peer's GPU."""
         if not checked:
             batch.check_bounds(self._owner.regions, self.regions)
         return kern.build_row_table(
             self._owner._src_base, batch.src_region, batch.src_offset,
-            self._dst_base, batch.dst_region, batch.dst_offset, batch.length, out=out,
+            self._dst_base if lane is None else self._dst_base_staged, batch.dst_region, batch.dst_offset,
+            batch.length, out=out, staged=lane is not None,
         )
 
     def launch_plan(self, batch: WriteBatch, rows: np.ndarray) -> kern.LaunchPlan:
@@ -286,15 +378,18 @@ class NvlinkPeer(Peer):
         n = len(batch)
         return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
 
-    def strided_table(self, batch: StridedBatch, out: Optional[np.ndarray] = None, checked: bool = False) -> np.ndarray:
+    def strided_table(self, batch: StridedBatch, out: Optional[np.ndarray] = None, checked: bool = False,
+                      lane: Optional[staged.StagedLane] = None) -> np.ndarray:
         """The ``[5 * P + 2 * S]`` strided table this peer launches for ``batch`` (see
-        :mod:`transport.nvlink_kernel`). ``checked``: the caller already ran ``check_bounds``."""
+        :mod:`transport.nvlink_kernel`). ``checked``: the caller already ran ``check_bounds``.
+        With a ``lane``: the staged form (``+ P`` offsets), destinations under the peer's GPU."""
         if not checked:
             batch.check_bounds(self._owner.regions, self.regions)
         pairs = (batch.src_region, batch.src_offset, batch.src_stride, batch.dst_region, batch.dst_offset,
                  batch.dst_stride, batch.length)
-        return kern.build_strided_table(self._owner._src_base, self._dst_base, pairs, batch.src_slot, batch.dst_slot,
-                                        out=out)
+        dst_base = self._dst_base if lane is None else self._dst_base_staged
+        return kern.build_strided_table(self._owner._src_base, dst_base, pairs, batch.src_slot, batch.dst_slot,
+                                        out=out, staged=lane is not None)
 
     def strided_plan(self, batch: StridedBatch, table: np.ndarray) -> kern.LaunchPlan:
         """Copy path (from the pair part alone, O(P)) and tile shape for ``batch``."""
@@ -358,9 +453,10 @@ class NvlinkPeer(Peer):
         """Wait for copies in flight, then unmap the peer's memory and close the socket."""
         if self._opened:
             self._owner._stream().synchronize()
-            for handle in self._opened:
+            self._owner._sync_lanes()
+            for handle, device in self._opened:
                 try:
-                    cuda_ipc.close_handle(self._api, handle, self._device)
+                    cuda_ipc.close_handle(self._api, handle, device)
                 except cuda_ipc.CudaIpcError:
                     pass  # the mapping is gone with the peer; nothing left to release
             self._opened.clear()
@@ -427,6 +523,7 @@ class NvlinkTransport(Transport):
         self._device: Optional[int] = None
         self._cuda_stream = None
         self._peers: list[NvlinkPeer] = []
+        self._lanes: dict[int, staged.StagedLane] = {}  # peer GPU -> staged lane
         self._inbox = Inbox()
         self._progress = _Progress(self)
         self._closed = False
@@ -449,6 +546,15 @@ class NvlinkTransport(Transport):
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream(device=self._exec_device())
         return self._cuda_stream
+
+    def _lane(self, peer_gpu: int) -> staged.StagedLane:
+        if peer_gpu not in self._lanes:
+            self._lanes[peer_gpu] = staged.open_lane(self._api(), self._exec_device(), peer_gpu, self._config.staged)
+        return self._lanes[peer_gpu]
+
+    def _sync_lanes(self) -> None:
+        for lane in self._lanes.values():
+            lane.synchronize()
 
     # -- regions --------------------------------------------------------------------------
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
@@ -490,7 +596,7 @@ class NvlinkTransport(Transport):
         ipc = [[rid, e.handle, e.offset, e.alloc_size] for rid, e in self._exports.items()]
         return pack_descriptor(
             BACKEND, self._regions.values(), name=self.name, host=host_id(), pid=os.getpid(),
-            mailbox=self._inbox.name, ipc=ipc,
+            mailbox=self._inbox.name, ipc=ipc, gpu_uuid=_gpu_uuid(self._device),
         )
 
     def connect(self, peer_bytes: bytes) -> NvlinkPeer:
@@ -500,7 +606,8 @@ class NvlinkTransport(Transport):
             raise NvlinkUnsupported(f"peer {body['name']!r} is on host {body['host']!r}, this process on {host_id()!r}")
         if body["pid"] == os.getpid():
             raise NvlinkUnsupported("the peer is this process: the nvlink backend connects two processes")
-        peer = NvlinkPeer(self, body["name"], regions, ipc, body["mailbox"])
+        peer_gpu = _local_ordinal(body.get("gpu_uuid"))
+        peer = NvlinkPeer(self, body["name"], regions, ipc, body["mailbox"], peer_gpu)
         self._peers.append(peer)
         return peer
 
@@ -519,9 +626,36 @@ class NvlinkTransport(Transport):
         self._progress.stop()
         for peer in list(self._peers):
             peer.close()
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
         self._inbox.close()
         self._regions.clear()
         self._exports.clear()
+
+
+def _gpu_uuid(device: Optional[int]) -> Optional[str]:
+    """The UUID of ``device`` (the same GPU has the same UUID in every process), or None."""
+    if device is None:
+        return None
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # no CUDA, or a torch without the property: the staged engine stays off
+        return None
+
+
+def _local_ordinal(uuid) -> Optional[int]:
+    """This process's ordinal of the GPU with ``uuid`` (None when it does not see it)."""
+    if not isinstance(uuid, str):
+        return None
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if _gpu_uuid(i) == uuid:
+            return i
+    return None
 
 
 def parse_descriptor(peer_bytes) -> tuple[dict, dict[int, Region], dict[int, tuple[bytes, int, int]]]:

@@ -48,6 +48,18 @@ itself, then copies as the row-table kernel does. Its copy path comes from
 :func:`choose_path` over the pair part alone: a slot multiplies a stride, so addresses of
 every slot share the alignment of the pair's address and stride.
 
+Staged copies (gather / scatter through a staging buffer)
+---------------------------------------------------------
+The same two kernels also serve the staged engine (:mod:`transport.nvlink_staged`), which moves
+a large batch as contiguous chunks: *gather* copies rows ``[begin, end)`` from their sources
+into a staging buffer, back to back, and *scatter* copies them from a staging buffer to their
+destinations. A row's place in the staging stream is its byte offset ``off(r)`` among all rows
+(an exclusive prefix sum of the lengths); a chunk of rows starting at row ``b`` lands at
+``stage + off(r) - off(b)`` (:class:`Stage`). The tables carry ``off`` as one more section:
+
+    rows[3]  # [num_rows] off(r), the row table's staged form is [4, num_rows]
+    table[5 * P + 2 * S :]  # [P] off of slot 0 of each pair; off(p, s) = that + s * bytes
+
 CPU tensors run the same kernel in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
 set before triton is imported: tests do so in a subprocess, with tiny shapes, to check the
 indexing without a GPU.
@@ -58,6 +70,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -70,6 +83,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 __all__ = [
     "CopyPath",
+    "Stage",
+    "StageMode",
     "KernelConfig",
     "LaunchPlan",
     "build_row_table",
@@ -92,6 +107,23 @@ class CopyPath(enum.Enum):
     @property
     def elem_bytes(self) -> int:
         return 1 if self is CopyPath.BYTES else 8
+
+
+class StageMode(enum.Enum):
+    """Which side of a row goes through the staging buffer."""
+
+    GATHER = 1  # sources -> staging buffer
+    SCATTER = 2  # staging buffer -> destinations
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The staging side of one gather or scatter launch: the buffer's address and the staging
+    offset of the chunk's first row (``off(begin)``, subtracted from every row's offset)."""
+
+    mode: StageMode
+    address: int
+    origin: int
 
 
 @dataclass(frozen=True)
@@ -149,21 +181,26 @@ def build_row_table(
     dst_offset: np.ndarray,
     length: np.ndarray,
     out: np.ndarray | None = None,
+    staged: bool = False,
 ) -> np.ndarray:
     """Gather absolute row addresses: ``rows[0] = src_base[src_region] + src_offset`` etc.
 
     ``src_base`` / ``dst_base`` are the pointer tables (int64, indexed by region id); the
-    region ids must already be checked (``WriteBatch.check_bounds``). ``out`` may be a
-    preallocated ``[3, n]`` int64 array (a pinned staging buffer's numpy view).
+    region ids must already be checked (``WriteBatch.check_bounds``). ``staged`` adds the
+    fourth row, each row's staging offset (exclusive prefix sum of the lengths). ``out`` may be
+    a preallocated ``[3, n]`` (``[4, n]``) int64 array (a pinned staging buffer's numpy view).
     """
-    n = int(length.size)
+    n, k = int(length.size), 4 if staged else 3
     if out is None:
-        out = np.empty((3, n), dtype=np.int64)  # [3, num_rows]
-    elif out.shape != (3, n) or out.dtype != np.int64:
-        raise ValueError(f"out must be a [3, {n}] int64 array, got {list(out.shape)} {out.dtype}")
+        out = np.empty((k, n), dtype=np.int64)  # [3 or 4, num_rows]
+    elif out.shape != (k, n) or out.dtype != np.int64:
+        raise ValueError(f"out must be a [{k}, {n}] int64 array, got {list(out.shape)} {out.dtype}")
     np.add(np.take(src_base, src_region), src_offset, out=out[0])
     np.add(np.take(dst_base, dst_region), dst_offset, out=out[1])
     out[2] = length
+    if staged and n:
+        out[3, 0] = 0
+        np.cumsum(length[:-1], out=out[3, 1:])
     return out
 
 
@@ -174,18 +211,20 @@ def build_strided_table(
     src_slot: np.ndarray,
     dst_slot: np.ndarray,
     out: np.ndarray | None = None,
+    staged: bool = False,
 ) -> np.ndarray:
     """The ``[5 * P + 2 * S]`` strided table (module doc) of a factored batch.
 
     ``pairs`` = ``(src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride,
-    length)``, ``[P]`` each; region ids already checked against the pointer tables. ``out``
-    may be a preallocated int64 array of that size (a pinned staging buffer's view).
+    length)``, ``[P]`` each; region ids already checked against the pointer tables. ``staged``
+    appends the ``[P]`` staging offsets of each pair's first row. ``out`` may be a preallocated
+    int64 array of that size (a pinned staging buffer's view).
     """
     src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride, length = pairs
     p, n = int(length.size), int(src_slot.size)
-    size = 5 * p + 2 * n
+    size = strided_table_size(p, n, staged)
     if out is None:
-        out = np.empty(size, dtype=np.int64)  # [5 * P + 2 * S]
+        out = np.empty(size, dtype=np.int64)  # [5 * P + 2 * S (+ P)]
     elif out.shape != (size,) or out.dtype != np.int64:
         raise ValueError(f"out must be a [{size}] int64 array, got {list(out.shape)} {out.dtype}")
     head = out[: 5 * p].reshape(5, p)  # [5, P] the pair part
@@ -195,7 +234,11 @@ def build_strided_table(
     head[3] = dst_stride
     head[4] = length
     out[5 * p : 5 * p + n] = src_slot
-    out[5 * p + n :] = dst_slot
+    out[5 * p + n : 5 * p + 2 * n] = dst_slot
+    if staged and p:
+        tail = out[5 * p + 2 * n :]  # [P] staging offset of each pair's slot 0
+        tail[0] = 0
+        np.cumsum(length[:-1] * n, out=tail[1:])
     return out
 
 
@@ -230,22 +273,29 @@ def plan_launch(num_rows: int, max_len: int, path: CopyPath, config: KernelConfi
     return LaunchPlan(path, block_r, block_c, num_tiles, programs, config.load_cache, config.store_cache)
 
 
-def check_row_table(rows, device) -> None:
+def _check_device(t, name: str, device) -> None:
+    import torch
+
+    want = torch.device(device)
+    if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+        raise ValueError(f"{name} must be on {want}, got {t.device}")
+
+
+def check_row_table(rows, device, staged: bool = False) -> None:
     """The one shape/dtype/device check before a launch: ``rows`` is a contiguous
-    ``[3, num_rows]`` int64 tensor on ``device`` (a torch.device or string)."""
+    ``[3, num_rows]`` (``[4, num_rows]`` when ``staged``) int64 tensor on ``device``."""
     import torch
 
     if not isinstance(rows, torch.Tensor):
         raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
     if rows.dtype != torch.int64:
         raise TypeError(f"rows must have dtype torch.int64, got {rows.dtype}")
-    if rows.dim() != 2 or rows.shape[0] != 3:
-        raise ValueError(f"rows must have shape [3, num_rows], got {list(rows.shape)}")
+    k = 4 if staged else 3
+    if rows.dim() != 2 or rows.shape[0] != k:
+        raise ValueError(f"rows must have shape [{k}, num_rows], got {list(rows.shape)}")
     if not rows.is_contiguous():
         raise ValueError(f"rows must be contiguous, got strides {tuple(rows.stride())}")
-    want = torch.device(device)
-    if rows.device.type != want.type or (want.index is not None and rows.device.index != want.index):
-        raise ValueError(f"rows must be on {want}, got {rows.device}")
+    _check_device(rows, "rows", device)
 
 
 def _copy_rows_body(
@@ -278,39 +328,57 @@ _copy_rows = triton.jit(_copy_rows_body) if triton is not None else None
 
 
 def _scatter_rows_body(
-    rows_ptr, n_rows, num_tiles,
-    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    rows_ptr, n_rows, row_begin, row_end, num_tiles, stage, stage_origin,
+    STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
-    """Copy the rows of tiles ``pid, pid + num_programs, ...`` (tile t: rows
-    ``[t * BLOCK_R, (t + 1) * BLOCK_R)`` of the row table; see the module doc)."""
+    """Copy the rows of tiles ``pid, pid + num_programs, ...`` (tile t: rows ``row_begin +
+    [t * BLOCK_R, (t + 1) * BLOCK_R)`` below ``row_end`` of the row table; see the module doc).
+    ``STAGE`` 0: source to destination; 1 (gather): source to ``stage``; 2 (scatter): ``stage``
+    to destination."""
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
-        ok = r < n_rows
-        src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
-        dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
+        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R + row_begin  # [BLOCK_R] rows (int64)
+        ok = r < row_end
         nbytes = tl.load(rows_ptr + (r + n_rows) + n_rows, mask=ok, other=0)
+        if STAGE == 0:
+            src = tl.load(rows_ptr + r, mask=ok, other=0)  # [BLOCK_R] addresses
+            dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
+        else:
+            staged = stage + tl.load(rows_ptr + 3 * n_rows + r, mask=ok, other=0) - stage_origin
+            if STAGE == 1:
+                src = tl.load(rows_ptr + r, mask=ok, other=0)
+                dst = staged
+            else:
+                src = staged
+                dst = tl.load(rows_ptr + n_rows + r, mask=ok, other=0)
         _copy_rows(src, dst, nbytes, ALIGN, BLOCK_C, LOAD_CACHE, STORE_CACHE)
 
 
 def _scatter_strided_body(
-    tab_ptr, n_pairs, n_slots, n_rows, num_tiles,
-    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    tab_ptr, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
+    STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
-    """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...``, computing each
-    row's addresses from the pair and slot parts of the strided table (module doc)."""
+    """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...`` (offset by
+    ``row_begin``, below ``row_end``), computing each row's addresses from the pair and slot
+    parts of the strided table (module doc); ``STAGE`` as in the row-table kernel."""
     slot_ptr = tab_ptr + 5 * n_pairs
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R  # [BLOCK_R] row indices (int64)
-        ok = r < n_rows
+        r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R + row_begin  # [BLOCK_R] rows (int64)
+        ok = r < row_end
         p = tl.where(ok, r // n_slots, 0)  # [BLOCK_R] pair of each row
         s = tl.where(ok, r - p * n_slots, 0)  # [BLOCK_R] slot position of each row
+        nbytes = tl.load(tab_ptr + 4 * n_pairs + p, mask=ok, other=0)
         src = tl.load(tab_ptr + p, mask=ok, other=0) + tl.load(slot_ptr + s, mask=ok, other=0) * tl.load(
             tab_ptr + n_pairs + p, mask=ok, other=0)
         dst = tl.load(tab_ptr + 2 * n_pairs + p, mask=ok, other=0) + tl.load(
             slot_ptr + n_slots + s, mask=ok, other=0) * tl.load(tab_ptr + 3 * n_pairs + p, mask=ok, other=0)
-        nbytes = tl.load(tab_ptr + 4 * n_pairs + p, mask=ok, other=0)
+        if STAGE != 0:
+            staged = stage + tl.load(slot_ptr + 2 * n_slots + p, mask=ok, other=0) + s * nbytes - stage_origin
+            if STAGE == 1:
+                dst = staged
+            else:
+                src = staged
         _copy_rows(src, dst, nbytes, ALIGN, BLOCK_C, LOAD_CACHE, STORE_CACHE)
 
 
@@ -335,54 +403,83 @@ def _kernel(interpret: bool, body=None):
     return _KERNELS[key]
 
 
-def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4) -> None:
-    """Launch the copy of every row of ``rows`` (``[3, num_rows]`` int64 on ``device``, see
+def _range(n: int, begin: int, end, plan: LaunchPlan) -> tuple[int, int]:
+    """Check ``[begin, end)`` against ``n`` rows and the plan; return it with ``end`` filled in."""
+    end = n if end is None else int(end)
+    begin = int(begin)
+    if not 0 <= begin <= end <= n:
+        raise ValueError(f"row range [{begin}, {end}) must lie within [0, {n}]")
+    if plan.num_tiles * plan.block_r < end - begin:
+        raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, the range has {end - begin}")
+    return begin, end
+
+
+def _stage_args(stage: Optional[Stage]) -> tuple[int, int, int]:
+    if stage is None:
+        return 0, 0, 0
+    if not isinstance(stage, Stage):
+        raise TypeError(f"stage must be a Stage or None, got {type(stage).__name__}")
+    return stage.mode.value, int(stage.address), int(stage.origin)
+
+
+def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: int = 0, end: Optional[int] = None,
+                 stage: Optional[Stage] = None) -> None:
+    """Launch the copy of rows ``[begin, end)`` (default: all) of ``rows`` (``[3, num_rows]``
+    int64 on ``device``, or ``[4, num_rows]`` with staging offsets when ``stage`` is given; see
     the module doc) on the current stream. CPU tensors run in Triton's interpreter."""
-    check_row_table(rows, device)
+    check_row_table(rows, device, staged=stage is not None)
     n = int(rows.shape[1])
-    if n == 0:
+    begin, end = _range(n, begin, end, plan)
+    if end == begin:
         return
-    if plan.num_tiles * plan.block_r < n:
-        raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, batch has {n}")
+    mode, address, origin = _stage_args(stage)
     kernel = _kernel(rows.device.type == "cpu")
-    kernel[(plan.num_programs,)](
-        rows, n, plan.num_tiles, ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
+    kernel[(min(plan.num_programs, -(-(end - begin) // plan.block_r)),)](
+        rows, n, begin, end, -(-(end - begin) // plan.block_r), address, origin, STAGE=mode,
+        ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
         LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
     )
 
 
-def check_strided_table(table, num_pairs: int, num_slots: int, device) -> None:
+def strided_table_size(num_pairs: int, num_slots: int, staged: bool = False) -> int:
+    """Elements of the strided table: ``5 P + 2 S``, plus ``P`` staging offsets when staged."""
+    return (6 if staged else 5) * num_pairs + 2 * num_slots
+
+
+def check_strided_table(table, num_pairs: int, num_slots: int, device, staged: bool = False) -> None:
     """The one shape/dtype/device check before a strided launch: ``table`` is a contiguous
-    ``[5 * num_pairs + 2 * num_slots]`` int64 tensor on ``device``."""
+    ``[5 * num_pairs + 2 * num_slots]`` int64 tensor on ``device`` (``6 * num_pairs + ...``
+    when ``staged``)."""
     import torch
 
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
     if table.dtype != torch.int64:
         raise TypeError(f"table must have dtype torch.int64, got {table.dtype}")
-    size = 5 * num_pairs + 2 * num_slots
+    size = strided_table_size(num_pairs, num_slots, staged)
+    k = 6 if staged else 5
     if table.dim() != 1 or table.shape[0] != size:
-        raise ValueError(f"table must have shape [5 * {num_pairs} + 2 * {num_slots}] = [{size}], got {list(table.shape)}")
+        raise ValueError(
+            f"table must have shape [{k} * {num_pairs} + 2 * {num_slots}] = [{size}], got {list(table.shape)}")
     if not table.is_contiguous():
         raise ValueError(f"table must be contiguous, got strides {tuple(table.stride())}")
-    want = torch.device(device)
-    if table.device.type != want.type or (want.index is not None and table.device.index != want.index):
-        raise ValueError(f"table must be on {want}, got {table.device}")
+    _check_device(table, "table", device)
 
 
-def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, device, num_warps: int = 4) -> None:
-    """Launch the copy of every row of a factored batch: ``table`` is the strided table
-    (module doc; ``[5 * num_pairs + 2 * num_slots]`` int64 on ``device``), ``plan`` from
-    :func:`plan_launch` for ``num_pairs * num_slots`` rows. CPU tensors run in Triton's
-    interpreter."""
-    check_strided_table(table, num_pairs, num_slots, device)
-    n = num_pairs * num_slots
-    if n == 0:
+def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, device, num_warps: int = 4, *,
+                    begin: int = 0, end: Optional[int] = None, stage: Optional[Stage] = None) -> None:
+    """Launch the copy of rows ``[begin, end)`` (default: all ``num_pairs * num_slots``) of a
+    factored batch: ``table`` is the strided table (module doc; on ``device``, with the staging
+    offsets section when ``stage`` is given), ``plan`` from :func:`plan_launch`. CPU tensors
+    run in Triton's interpreter."""
+    check_strided_table(table, num_pairs, num_slots, device, staged=stage is not None)
+    begin, end = _range(num_pairs * num_slots, begin, end, plan)
+    if end == begin:
         return
-    if plan.num_tiles * plan.block_r < n:
-        raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, batch has {n}")
+    mode, address, origin = _stage_args(stage)
     kernel = _kernel(table.device.type == "cpu", _scatter_strided_body)
-    kernel[(plan.num_programs,)](
-        table, num_pairs, num_slots, n, plan.num_tiles, ALIGN=plan.path.value, BLOCK_R=plan.block_r,
-        BLOCK_C=plan.block_c, LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
+    kernel[(min(plan.num_programs, -(-(end - begin) // plan.block_r)),)](
+        table, num_pairs, num_slots, begin, end, -(-(end - begin) // plan.block_r), address, origin, STAGE=mode,
+        ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, LOAD_CACHE=plan.load_cache,
+        STORE_CACHE=plan.store_cache, num_warps=num_warps,
     )

@@ -346,7 +346,7 @@ class _Bench:
         it has arrived."""
         peer = self.peers["nvlink"]
         self.remote.call("fill", sorted(set(case.dst_region.tolist())), 0x5A)
-        tag = f"verify {case.name} {'strided' if strided else 'flat'}".encode()
+        tag = f"verify {case.name} {'strided' if strided else 'flat'} {peer.engine}".encode()
         if strided:
             peer.write_strided(case.strided_batch(), notify=tag).wait(timeout=120)
         else:
@@ -393,15 +393,21 @@ class _Bench:
             verified = self.verify(case)
             rows_dev = self.torch.from_numpy(peer.row_table(batch)).to(self.src_dev)
             kernel = {cfg: self.kernel_ms(rows_dev, case, cfg, self.src_dev) for cfg in self.configs}
-            prep_s, write_s = _write_times(peer, batch, max(3, self.args.reps // 2))
+            reps = max(3, self.args.reps // 2)
+            prep_s, write_s = _write_times(peer, batch, reps)
             strided = case.strided_batch()
-            verified_strided = self.verify(case, strided=True)
-            sprep_s, swrite_s = _write_times(peer, strided, max(3, self.args.reps // 2), strided=True)
+            engines = {}  # engine -> (verified, prep s, total s) of write_strided()
+            for engine in ("kernel", "staged"):
+                peer.engine = engine
+                ok = self.verify(case, strided=True)
+                engines[engine] = (ok, *_write_times(peer, strided, reps, strided=True))
+            peer.engine = "auto"
             skernel_ms, shost_s = self.strided_kernel_ms(strided)
-            out.append(dict(case=case, nbytes=batch.nbytes, verified=verified and verified_strided,
-                            checks=f"{verified}/{verified_strided}", kernel=kernel, prep_s=prep_s,
-                            write_s=write_s, strided_prep_s=sprep_s, strided_s=swrite_s, strided_kernel_ms=skernel_ms,
-                            strided_host_s=shost_s, strided_shape=(strided.num_pairs, strided.num_slots),
+            checks = [verified] + [v[0] for v in engines.values()]
+            out.append(dict(case=case, nbytes=batch.nbytes, verified=all(checks),
+                            checks="/".join("ok" if c else "BAD" for c in checks), kernel=kernel, prep_s=prep_s,
+                            write_s=write_s, engines=engines, strided_kernel_ms=skernel_ms, strided_host_s=shost_s,
+                            strided_shape=(strided.num_pairs, strided.num_slots),
                             copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
 
@@ -476,9 +482,11 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         print("kernel sweep, GB/s:  " + " | ".join(_config_name(c) for c in bench.configs))
         for r in results:
             print(f"  {r['case'].name:<11}", "  ".join(f"{gbs(r['nbytes'], r['kernel'][c] / 1e3):8.1f}" for c in bench.configs))
-    head = (f"{'case':<11} {'rows':>8} {'row B':>6} {'MiB':>5} {'kernel GB/s':>11} {'peer copy':>9} {'ratio':>6} "
-            f"{'write() GB/s':>12} {'ratio':>6} {'prep ms':>7} {'write_strided() GB/s':>20} {'ratio':>6} "
-            f"{'prep ms':>7} {'verified':>10}")
+    print("GB/s, each beside torch's peer copy of the same bytes in the same run; kernel = the direct push kernel "
+          "alone; write() = engine auto, end to end; write_strided() end to end with each engine")
+    head = (f"{'case':<11} {'rows':>8} {'row B':>6} {'MiB':>5} {'peer copy':>9} {'kernel':>7} {'ratio':>6} "
+            f"{'write()':>7} {'ratio':>6} {'strided kernel':>14} {'ratio':>6} {'strided staged':>14} {'ratio':>6} "
+            f"{'prep ms':>7} {'verified':>12}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -486,16 +494,17 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         k = gbs(nbytes, r["kernel"][bench.configs[0]] / 1e3)
         c = gbs(nbytes, r["copy_ms"] / 1e3)
         w = gbs(nbytes, r["write_s"])
-        st = gbs(nbytes, r["strided_s"])
-        print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {k:>11.1f} "
-              f"{c:>9.1f} {k / c:>6.1%} {w:>12.1f} {w / c:>6.1%} {r['prep_s'] * 1e3:>7.1f} {st:>20.1f} {st / c:>6.1%} "
-              f"{r['strided_prep_s'] * 1e3:>7.1f} {r['checks']:>10}")
+        sk = gbs(nbytes, r["engines"]["kernel"][2])
+        sg = gbs(nbytes, r["engines"]["staged"][2])
+        print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {c:>9.1f} "
+              f"{k:>7.1f} {k / c:>6.1%} {w:>7.1f} {w / c:>6.1%} {sk:>14.1f} {sk / c:>6.1%} {sg:>14.1f} {sg / c:>6.1%} "
+              f"{r['engines']['staged'][1] * 1e3:>7.2f} {r['checks']:>12}")
     for r in results:
         sb_pairs, sb_slots = r["strided_shape"]
         print(f"write_strided {r['case'].name}: {sb_pairs} pairs x {sb_slots} slots; strided kernel alone "
               f"{gbs(r['nbytes'], r['strided_kernel_ms'] / 1e3):.1f} GB/s (row-table kernel "
               f"{gbs(r['nbytes'], r['kernel'][bench.configs[0]] / 1e3):.1f}); host bounds + table "
-              f"{r['strided_host_s'] * 1e3:.2f} ms of {r['strided_prep_s'] * 1e3:.2f} ms prep")
+              f"{r['strided_host_s'] * 1e3:.2f} ms of {r['engines']['kernel'][1] * 1e3:.2f} ms prep")
 
 
 def main(argv=None) -> int:
