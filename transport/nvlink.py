@@ -45,6 +45,10 @@ preparation (~28 ns per row), not by the copy. ``write_strided`` removes that: f
 kernel 366 in the same run), the host prepares in 0.6-0.9 ms (bounds + table 0.1-0.2 ms), and
 ``write_strided().wait()`` reaches 342-344 GB/s = 87 % of the peer copy (``write()``: 75-89).
 
+The staged engine (:mod:`transport.nvlink_staged`, ``NvlinkPeer.engine``) packs rows on the
+local GPU, moves the packed bytes with the copy engine and unpacks them with a kernel this
+process launches on the peer GPU; off by default (measured below the direct kernel there).
+
 What this backend refuses (the caller falls back to NIXL)
 ---------------------------------------------------------
 :class:`NvlinkUnsupported` for host memory, a peer on another host or in this process, and a
@@ -53,6 +57,7 @@ peer allocation that cannot be opened here (no peer access, another container, n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -66,6 +71,8 @@ from transport import cuda_ipc
 from transport.mailbox import Inbox, MailboxUnreachable, Outbox, host_id
 from transport import nvlink_kernel as kern
 from transport import nvlink_staged as staged
+from transport.nvlink_progress import Progress
+from transport.nvlink_descriptor import BACKEND, gpu_uuid, local_ordinal, parse_descriptor
 from transport.base import (
     Peer,
     PeerDescriptorError,
@@ -79,13 +86,10 @@ from transport.base import (
     WriteBatch,
     check_region_args,
     pack_descriptor,
-    unpack_descriptor,
 )
 
-__all__ = ["NvlinkConfig", "NvlinkPeer", "NvlinkTransfer", "NvlinkTransport", "NvlinkUnsupported", "host_id"]
-
-BACKEND = "nvlink"
-
+__all__ = ["NvlinkConfig", "NvlinkPeer", "NvlinkTransfer", "NvlinkTransport", "NvlinkUnsupported", "host_id",
+           "parse_descriptor"]
 
 class NvlinkUnsupported(TransportError):
     """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
@@ -226,9 +230,9 @@ class NvlinkPeer(Peer):
 
     @property
     def engine(self) -> str:
-        """Which engine writes take: "auto" (staged from ``StagedConfig.min_bytes`` on, when
-        enabled and possible), "kernel" (always the direct push kernel) or "staged" (staged
-        whenever possible, whatever the size; benchmarks and tests)."""
+        """Which engine writes take: "auto" (staged from ``StagedConfig.min_bytes`` on when
+        ``StagedConfig.enabled``, else the kernel), "kernel" (always the direct push kernel) or
+        "staged" (staged whenever possible, whatever the size and setting)."""
         return self._engine
 
     @engine.setter
@@ -240,8 +244,8 @@ class NvlinkPeer(Peer):
     def _lane_for(self, total: int, max_len: int) -> Optional[staged.StagedLane]:
         """The staged lane when this batch should take it (module doc of nvlink_staged), else None."""
         cfg = self._config.staged
-        small = total < cfg.min_bytes and self._engine == "auto"
-        if (not cfg.enabled or self._engine == "kernel" or small or self._peer_gpu is None
+        auto_says_no = self._engine == "auto" and (not cfg.enabled or total < cfg.min_bytes)
+        if (auto_says_no or self._engine == "kernel" or self._peer_gpu is None
                 or self.staged_error is not None or max_len > cfg.chunk_bytes):
             return None
         try:
@@ -267,7 +271,7 @@ class NvlinkPeer(Peer):
         lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
         host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
         rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.launch_plan(batch, rows)
+        plan = self.launch_plan(batch, rows, staged=lane is not None)
         warps = self._config.kernel.num_warps
         if lane is None:
             return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(rows_dev, plan, dev, warps))
@@ -275,7 +279,7 @@ class NvlinkPeer(Peer):
         bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
         offsets = np.append(rows[3], total)[bounds]
         return self._launch_staged(host, notify, lane, bounds, offsets, lambda rows_dev, dev, a, b, stage: (
-            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage)))
+            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage, checked=True)))
 
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
@@ -294,7 +298,7 @@ class NvlinkPeer(Peer):
         host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
                            pin_memory=True)
         table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.strided_plan(batch, table)
+        plan = self.strided_plan(batch, table, staged=lane is not None)
         warps = self._config.kernel.num_warps
         if lane is None:
             return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
@@ -303,7 +307,8 @@ class NvlinkPeer(Peer):
         bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
         offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
         return self._launch_staged(host, notify, lane, bounds, offsets, lambda table_dev, dev, a, b, stage: (
-            kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=a, end=b, stage=stage)))
+            kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=a, end=b, stage=stage,
+                                 checked=True)))
 
     def _check_write(self, batch, notify) -> Optional[bytes]:
         """The checks every write shares: open peer, notification payload, the batch's bounds."""
@@ -373,10 +378,16 @@ class NvlinkPeer(Peer):
             batch.length, out=out, staged=lane is not None,
         )
 
-    def launch_plan(self, batch: WriteBatch, rows: np.ndarray) -> kern.LaunchPlan:
+    def _kernel_config(self, staged_launch: bool) -> kern.KernelConfig:
+        if not staged_launch:
+            return self._config.kernel
+        return dataclasses.replace(self._config.kernel, max_programs=self._config.staged.max_programs)
+
+    def launch_plan(self, batch: WriteBatch, rows: np.ndarray, staged: bool = False) -> kern.LaunchPlan:
         """Copy path and tile shape for ``batch`` (``rows`` from :meth:`row_table`)."""
         n = len(batch)
-        return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows), self._config.kernel)
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows),
+                                self._kernel_config(staged))
 
     def strided_table(self, batch: StridedBatch, out: Optional[np.ndarray] = None, checked: bool = False,
                       lane: Optional[staged.StagedLane] = None) -> np.ndarray:
@@ -391,11 +402,11 @@ class NvlinkPeer(Peer):
         return kern.build_strided_table(self._owner._src_base, dst_base, pairs, batch.src_slot, batch.dst_slot,
                                         out=out, staged=lane is not None)
 
-    def strided_plan(self, batch: StridedBatch, table: np.ndarray) -> kern.LaunchPlan:
+    def strided_plan(self, batch: StridedBatch, table: np.ndarray, staged: bool = False) -> kern.LaunchPlan:
         """Copy path (from the pair part alone, O(P)) and tile shape for ``batch``."""
         n = len(batch)
         path = kern.choose_path(table[: 5 * batch.num_pairs])
-        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._config.kernel)
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._kernel_config(staged))
 
     @property
     def device(self) -> int:
@@ -464,45 +475,6 @@ class NvlinkPeer(Peer):
             self._outbox.close()
 
 
-class _Progress:
-    """A daemon thread that advances pending transfers while any exist."""
-
-    def __init__(self, owner: "NvlinkTransport"):
-        self._owner = owner
-        self._cond = threading.Condition()
-        self._stop = False
-        self._kicked = False  # a write arrived since the thread last looked
-        self._thread: Optional[threading.Thread] = None
-
-    def wake(self) -> None:
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nvlink-progress", daemon=True)
-                self._thread.start()
-            self._kicked = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._stop:
-                    return
-                self._kicked = False
-            busy = any([p._advance() for p in list(self._owner._peers)])
-            with self._cond:
-                if self._stop:
-                    return
-                if not self._kicked:
-                    self._cond.wait(2e-4 if busy else None)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-
 # -- the transport -----------------------------------------------------------------------
 
 
@@ -525,7 +497,7 @@ class NvlinkTransport(Transport):
         self._peers: list[NvlinkPeer] = []
         self._lanes: dict[int, staged.StagedLane] = {}  # peer GPU -> staged lane
         self._inbox = Inbox()
-        self._progress = _Progress(self)
+        self._progress = Progress(lambda: any([p._advance() for p in list(self._peers)]))
         self._closed = False
 
     def _check_open(self) -> None:
@@ -596,7 +568,7 @@ class NvlinkTransport(Transport):
         ipc = [[rid, e.handle, e.offset, e.alloc_size] for rid, e in self._exports.items()]
         return pack_descriptor(
             BACKEND, self._regions.values(), name=self.name, host=host_id(), pid=os.getpid(),
-            mailbox=self._inbox.name, ipc=ipc, gpu_uuid=_gpu_uuid(self._device),
+            mailbox=self._inbox.name, ipc=ipc, gpu_uuid=gpu_uuid(self._device),
         )
 
     def connect(self, peer_bytes: bytes) -> NvlinkPeer:
@@ -606,7 +578,7 @@ class NvlinkTransport(Transport):
             raise NvlinkUnsupported(f"peer {body['name']!r} is on host {body['host']!r}, this process on {host_id()!r}")
         if body["pid"] == os.getpid():
             raise NvlinkUnsupported("the peer is this process: the nvlink backend connects two processes")
-        peer_gpu = _local_ordinal(body.get("gpu_uuid"))
+        peer_gpu = local_ordinal(body.get("gpu_uuid"))
         peer = NvlinkPeer(self, body["name"], regions, ipc, body["mailbox"], peer_gpu)
         self._peers.append(peer)
         return peer
@@ -632,56 +604,3 @@ class NvlinkTransport(Transport):
         self._inbox.close()
         self._regions.clear()
         self._exports.clear()
-
-
-def _gpu_uuid(device: Optional[int]) -> Optional[str]:
-    """The UUID of ``device`` (the same GPU has the same UUID in every process), or None."""
-    if device is None:
-        return None
-    try:
-        import torch
-
-        return str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:  # no CUDA, or a torch without the property: the staged engine stays off
-        return None
-
-
-def _local_ordinal(uuid) -> Optional[int]:
-    """This process's ordinal of the GPU with ``uuid`` (None when it does not see it)."""
-    if not isinstance(uuid, str):
-        return None
-    import torch
-
-    for i in range(torch.cuda.device_count()):
-        if _gpu_uuid(i) == uuid:
-            return i
-    return None
-
-
-def parse_descriptor(peer_bytes) -> tuple[dict, dict[int, Region], dict[int, tuple[bytes, int, int]]]:
-    """Decode an nvlink export: (body, regions by id, ipc by id as (handle, offset, alloc_size))."""
-    body, regions = unpack_descriptor(peer_bytes, BACKEND, required=("name", "host", "pid", "mailbox", "ipc"))
-    for key, typ in (("name", str), ("host", str), ("pid", int), ("mailbox", str), ("ipc", list)):
-        if not isinstance(body[key], typ):
-            raise PeerDescriptorError(f"peer descriptor field {key!r} must be {typ.__name__}, got {body[key]!r:.60}")
-    host_regions = [rid for rid, r in regions.items() if not r.is_cuda]
-    if host_regions:
-        raise PeerDescriptorError(f"nvlink peer descriptor lists host regions {host_regions}; only GPU regions are allowed")
-    ipc: dict[int, tuple[bytes, int, int]] = {}
-    for item in body["ipc"]:
-        ok = (
-            isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
-            and isinstance(item[1], bytes) and len(item[1]) == cuda_ipc.IPC_HANDLE_BYTES
-            and isinstance(item[2], int) and isinstance(item[3], int) and item[2] >= 0 and item[3] > 0
-        )
-        if not ok:
-            raise PeerDescriptorError(
-                f"ipc entry must be [region id, {cuda_ipc.IPC_HANDLE_BYTES}-byte handle, offset >= 0, "
-                f"allocation size > 0], got {item!r:.80}"
-            )
-        ipc[item[0]] = (item[1], item[2], item[3])
-    if set(ipc) != set(regions):
-        raise PeerDescriptorError(
-            f"ipc entries cover regions {sorted(ipc)}, the region table lists {sorted(regions)}"
-        )
-    return body, regions, ipc

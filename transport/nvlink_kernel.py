@@ -398,8 +398,9 @@ def _kernel(interpret: bool, body=None):
             from triton.runtime.interpreter import InterpretedFunction
 
             _KERNELS[key] = InterpretedFunction(body)
-        else:
-            _KERNELS[key] = triton.jit(body)
+        else:  # per-chunk integers: one compiled variant whatever their values
+            _KERNELS[key] = triton.jit(body, do_not_specialize=["row_begin", "row_end", "num_tiles", "stage",
+                                                                "stage_origin"])
     return _KERNELS[key]
 
 
@@ -423,11 +424,13 @@ def _stage_args(stage: Optional[Stage]) -> tuple[int, int, int]:
 
 
 def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: int = 0, end: Optional[int] = None,
-                 stage: Optional[Stage] = None) -> None:
+                 stage: Optional[Stage] = None, checked: bool = False) -> None:
     """Launch the copy of rows ``[begin, end)`` (default: all) of ``rows`` (``[3, num_rows]``
     int64 on ``device``, or ``[4, num_rows]`` with staging offsets when ``stage`` is given; see
-    the module doc) on the current stream. CPU tensors run in Triton's interpreter."""
-    check_row_table(rows, device, staged=stage is not None)
+    the module doc) on the current stream. CPU tensors run in Triton's interpreter. ``checked``:
+    the caller already ran :func:`check_row_table` on this table (per-chunk launches)."""
+    if not checked:
+        check_row_table(rows, device, staged=stage is not None)
     n = int(rows.shape[1])
     begin, end = _range(n, begin, end, plan)
     if end == begin:
@@ -467,12 +470,14 @@ def check_strided_table(table, num_pairs: int, num_slots: int, device, staged: b
 
 
 def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, device, num_warps: int = 4, *,
-                    begin: int = 0, end: Optional[int] = None, stage: Optional[Stage] = None) -> None:
+                    begin: int = 0, end: Optional[int] = None, stage: Optional[Stage] = None,
+                    checked: bool = False) -> None:
     """Launch the copy of rows ``[begin, end)`` (default: all ``num_pairs * num_slots``) of a
     factored batch: ``table`` is the strided table (module doc; on ``device``, with the staging
     offsets section when ``stage`` is given), ``plan`` from :func:`plan_launch`. CPU tensors
-    run in Triton's interpreter."""
-    check_strided_table(table, num_pairs, num_slots, device, staged=stage is not None)
+    run in Triton's interpreter; ``checked`` as for :func:`scatter_rows`."""
+    if not checked:
+        check_strided_table(table, num_pairs, num_slots, device, staged=stage is not None)
     begin, end = _range(num_pairs * num_slots, begin, end, plan)
     if end == begin:
         return

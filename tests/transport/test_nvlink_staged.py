@@ -12,8 +12,6 @@ from transport import nvlink_staged as staged
 from transport.base import StridedBatch, TransferStatus, WriteBatch
 
 from tests.transport.test_nvlink import (  # noqa: F401  (the fixture is used by name)
-    HEAD_DIM,
-    HEADS,
     LAYERS,
     SLOTS,
     TOKEN,
@@ -194,7 +192,7 @@ def test_range_and_stage_arguments_are_checked():
 
 # -- two processes on two GPUs --------------------------------------------------------------------
 
-SMALL = staged.StagedConfig(chunk_bytes=1 << 16)  # many chunks even for test-sized batches
+SMALL = staged.StagedConfig(chunk_bytes=1 << 18)  # many chunks even for test-sized batches (rows up to 256 KiB)
 
 
 def _staged_pair(remote, num_bufs, buf_bytes):
@@ -269,15 +267,20 @@ def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):  # noqa:
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_auto_engine_keeps_small_batches_on_the_kernel(remote):  # noqa: F811
+@pytest.mark.parametrize("enabled, min_bytes, staged_used", [(True, 1 << 40, False), (False, 0, False),
+                                                              (True, 0, True)])
+def test_auto_engine_follows_the_config(remote, enabled, min_bytes, staged_used):  # noqa: F811
     from transport.nvlink import NvlinkConfig
 
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, NvlinkConfig())
+    config = NvlinkConfig(staged=staged.StagedConfig(enabled=enabled, min_bytes=min_bytes, chunk_bytes=1 << 18))
+    t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, config)
     try:
+        assert peer.engine == "auto"
         batch = _kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(2))
-        peer.write(batch, notify=b"small").wait(timeout=60)
-        assert peer._dst_base_staged is None  # under min_bytes: never opened for the staged engine
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"small")
+        tag = f"auto {enabled} {min_bytes}".encode()
+        peer.write(batch, notify=tag).wait(timeout=60)
+        assert (peer._dst_base_staged is not None) == staged_used  # mapped for the staged engine only if used
+        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
