@@ -12,7 +12,8 @@ For each case, in the same run: ``kernel`` = the copy kernel alone on a resident
 (CUDA events, median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
 bounds check, the row-table gather and its host-to-device copy (median), ``write_strided()``
 = the same rows as buffer pairs x slots (``StridedBatch``; O(pairs + slots) host work, the
-addresses computed on the GPU), wall time, median, and torch's peer
+addresses computed on the GPU), wall time, median, once with the direct kernel and once with
+the staged engine (``peer.engine``, :mod:`transport.nvlink_staged`), and torch's peer
 copy of the same byte count between two contiguous tensors on GPU 0 and GPU 1 of this
 process (CUDA events, median). The first write of each case is verified: the receiver
 waits for its notification, then both sides checksum the rows (position-weighted); so is
@@ -37,6 +38,11 @@ row-table kernel 366 / 366 / 364 in the same run), host preparation 0.6-0.9 ms w
 row count, end to end 342-344 / 340-341 / 197-259 GB/s = 87 / 87 / 50-66 % of the peer copy,
 against 75-89 / 284-296 / 13-14 GB/s for ``write()``. What remains is fixed per write (launch,
 staging, the wait's polling): it weighs on the 640 MiB head-slice case, not on 5 GiB.
+
+With the staged engine column (2026-11-29, same machine, ``--reps 5``; peer copy 392-396):
+kernel 368.4 / 369.2 / 365.3 / 342.6 GB/s (93.1 / 93.8 / 93.0 / 87.3 %; page 1 / 16 / 64 /
+head slice), ``write_strided()`` direct 88.4 / 90.5 / 87.6 / 62.3 %, staged 88.5 / 91.3 / 89.3 /
+56.4 % (host enqueue 6-9 ms for 5 GiB in 128 MiB chunks), every write verified.
 """
 
 from __future__ import annotations
