@@ -91,6 +91,7 @@ from transport.base import (
 __all__ = ["NvlinkConfig", "NvlinkPeer", "NvlinkTransfer", "NvlinkTransport", "NvlinkUnsupported", "host_id",
            "parse_descriptor"]
 
+
 class NvlinkUnsupported(TransportError):
     """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
 
@@ -271,7 +272,7 @@ class NvlinkPeer(Peer):
         lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
         host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
         rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.launch_plan(batch, rows, staged=lane is not None)
+        plan = self.launch_plan(batch, rows, staged_launch=lane is not None)
         warps = self._config.kernel.num_warps
         if lane is None:
             return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(rows_dev, plan, dev, warps))
@@ -298,7 +299,7 @@ class NvlinkPeer(Peer):
         host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
                            pin_memory=True)
         table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.strided_plan(batch, table, staged=lane is not None)
+        plan = self.strided_plan(batch, table, staged_launch=lane is not None)
         warps = self._config.kernel.num_warps
         if lane is None:
             return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
@@ -383,11 +384,11 @@ class NvlinkPeer(Peer):
             return self._config.kernel
         return dataclasses.replace(self._config.kernel, max_programs=self._config.staged.max_programs)
 
-    def launch_plan(self, batch: WriteBatch, rows: np.ndarray, staged: bool = False) -> kern.LaunchPlan:
+    def launch_plan(self, batch: WriteBatch, rows: np.ndarray, staged_launch: bool = False) -> kern.LaunchPlan:
         """Copy path and tile shape for ``batch`` (``rows`` from :meth:`row_table`)."""
         n = len(batch)
         return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows),
-                                self._kernel_config(staged))
+                                self._kernel_config(staged_launch))
 
     def strided_table(self, batch: StridedBatch, out: Optional[np.ndarray] = None, checked: bool = False,
                       lane: Optional[staged.StagedLane] = None) -> np.ndarray:
@@ -402,11 +403,11 @@ class NvlinkPeer(Peer):
         return kern.build_strided_table(self._owner._src_base, dst_base, pairs, batch.src_slot, batch.dst_slot,
                                         out=out, staged=lane is not None)
 
-    def strided_plan(self, batch: StridedBatch, table: np.ndarray, staged: bool = False) -> kern.LaunchPlan:
+    def strided_plan(self, batch: StridedBatch, table: np.ndarray, staged_launch: bool = False) -> kern.LaunchPlan:
         """Copy path (from the pair part alone, O(P)) and tile shape for ``batch``."""
         n = len(batch)
         path = kern.choose_path(table[: 5 * batch.num_pairs])
-        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._kernel_config(staged))
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._kernel_config(staged_launch))
 
     @property
     def device(self) -> int:
