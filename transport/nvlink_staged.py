@@ -171,7 +171,7 @@ class StagedLane:
             return
         self.synchronize()
         size = -(-max(nbytes, self._config.chunk_bytes) // (2 << 20)) * (2 << 20)
-        self._bufs = []
+        self._bufs = []  # drop the old buffers before allocating the new ones
         self._bufs = [
             (torch.empty(size, dtype=torch.uint8, device=f"cuda:{self.local}"),
              torch.empty(size, dtype=torch.uint8, device=f"cuda:{self.peer}"))
