@@ -7,70 +7,7 @@ import sys, time
 import numpy as np
 import cupy as cp
 
-SRC = r'''
-extern "C" __global__ void sm_rows(const char* __restrict__ src, char* __restrict__ dst,
-    const long long* __restrict__ soff, const long long* __restrict__ doff, int nrows, int row_bytes)
-{
-  int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int nvec = row_bytes / 16;
-  for (long long r = (long long)blockIdx.x * warps + warp; r < nrows; r += (long long)gridDim.x * warps) {
-    const int4* s = (const int4*)(src + soff[r]);
-    int4* d = (int4*)(dst + doff[r]);
-    #pragma unroll 4
-    for (int i = lane; i < nvec; i += 32) d[i] = s[i];
-  }
-}
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-#ifndef STAGES
-#define STAGES 4
-#endif
-// One thread per block drives TMA bulk copies: rows of a group land in one smem stage, then are stored.
-extern "C" __global__ void tma_rows(const char* __restrict__ src, char* __restrict__ dst,
-    const long long* __restrict__ soff, const long long* __restrict__ doff, int nrows, int row_bytes, int group_rows)
-{
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ __align__(8) unsigned long long bars[STAGES];
-  if (threadIdx.x != 0) return;
-  int ngroups = (nrows + group_rows - 1) / group_rows;
-  int stage_bytes = group_rows * row_bytes;
-  for (int s = 0; s < STAGES; ++s)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  // my groups: g = blockIdx.x + k * gridDim.x, k = 0..
-  int mine = ngroups > (int)blockIdx.x ? (ngroups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  auto issue_load = [&](int k) {
-    int g = blockIdx.x + k * gridDim.x, s = k % STAGES;
-    int r0 = g * group_rows, r1 = min(r0 + group_rows, nrows);
-    unsigned bar = smem_addr(&bars[s]);
-    unsigned bytes = (unsigned)((r1 - r0) * row_bytes);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-    unsigned char* st = smem + s * stage_bytes;
-    for (int r = r0; r < r1; ++r)
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        :: "r"(smem_addr(st + (r - r0) * row_bytes)), "l"(src + soff[r]), "r"(row_bytes), "r"(bar) : "memory");
-  };
-  for (int k = 0; k < STAGES - 1 && k < mine; ++k) issue_load(k);
-  for (int k = 0; k < mine; ++k) {
-    int s = k % STAGES, g = blockIdx.x + k * gridDim.x;
-    unsigned bar = smem_addr(&bars[s]);
-    unsigned parity = (k / STAGES) & 1;
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
-    int r0 = g * group_rows, r1 = min(r0 + group_rows, nrows);
-    unsigned char* st = smem + s * stage_bytes;
-    for (int r = r0; r < r1; ++r)
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-        :: "l"(dst + doff[r]), "r"(smem_addr(st + (r - r0) * row_bytes)), "r"(row_bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    if (k + STAGES - 1 < mine) {
-      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      issue_load(k + STAGES - 1);
-    }
-  }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-'''
+from sm_vs_tma import SRC  # the push and TMA kernels (run from bench/probes/ or with it on sys.path)
 
 
 from cuda.bindings import runtime as rt

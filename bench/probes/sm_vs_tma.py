@@ -135,4 +135,5 @@ def main():
                     print("  tma failed", stages, grp, bps, e); return
                 print(f"  tma stages {stages} group {grp} rows ({grp*row>>10} KiB) {bps}/SM: {gb(t):.1f} GB/s = {t_ce/t*100:.1f}% ok={ok}", flush=True)
 
-main()
+if __name__ == "__main__":
+    main()

@@ -4,13 +4,13 @@ mailbox, the kernel under Triton's interpreter); two processes on two GPUs (mark
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+
+from tests.transport._interpret import run_interpreted
 
 from transport import nvlink_kernel as kern
 from transport.base import (
@@ -177,11 +177,7 @@ def test_cpu_launch_without_the_interpreter_says_how_to_get_it(monkeypatch):
 
 def test_kernel_indexing_under_triton_interpreter():
     """Every path, rows of several lengths across regions, against a Python reference."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run(
-        [sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=240
-    )
+    out = run_interpreted(_INTERPRET_SCRIPT)
     if "INTERPRETER-CANNOT-LOOP" in out.stdout:
         pytest.skip("this Triton's interpreter cannot bound range() by a tensor under this NumPy (fixed in 3.9)")
     assert "KERNEL-OK" in out.stdout, out.stdout + out.stderr

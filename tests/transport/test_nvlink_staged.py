@@ -1,11 +1,9 @@
 """The nvlink backend's staged engine: chunking, the gather/scatter kernels, two-process writes."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+
+from tests.transport._interpret import run_interpreted
 
 from transport import nvlink_kernel as kern
 from transport import nvlink_staged as staged
@@ -170,10 +168,7 @@ print("STAGED-KERNEL-OK")
 
 def test_gather_and_scatter_under_triton_interpreter():
     """Chunks of rows (row table and strided) through one reused staging buffer, every byte."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=240)
+    out = run_interpreted(_INTERPRET_SCRIPT)
     if "only 0-dimensional arrays can be converted" in out.stderr:
         pytest.skip("this Triton's interpreter cannot bound range() by a tensor under this NumPy (fixed in 3.9)")
     assert "STAGED-KERNEL-OK" in out.stdout, out.stdout + out.stderr

@@ -5,12 +5,11 @@ kernel path between two processes on two GPUs (marked)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests.transport._interpret import run_interpreted
 
 from transport.base import Region, StridedBatch, TransferStatus, WriteBatch
 
@@ -174,10 +173,7 @@ print("STRIDED-KERNEL-OK")
 
 def test_strided_kernel_under_triton_interpreter():
     """Every copy path: the strided kernel against a byte reference and the flat kernel."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=240)
+    out = run_interpreted(_INTERPRET_SCRIPT)
     assert "STRIDED-KERNEL-OK" in out.stdout, out.stdout + out.stderr
 
 
