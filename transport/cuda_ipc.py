@@ -45,6 +45,7 @@ __all__ = [
     "close_handle",
     "export_region",
     "load_api",
+    "on_device",
     "open_handle",
 ]
 
@@ -93,9 +94,23 @@ class _CudaApi:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """``cudaMemcpyAsync`` (kind Default: UVA decides) on the raw ``stream`` handle."""
 
+    def event_create(self):
+        """A new event of the current device, without timing (``cudaEventDisableTiming``); an
+        opaque handle for the three calls below."""
+
+    def event_destroy(self, event) -> None: ...
+
+    def event_record(self, event, stream: int) -> None:
+        """``cudaEventRecord`` on a raw stream of the event's device."""
+
+    def stream_wait_event(self, stream: int, event) -> None:
+        """``cudaStreamWaitEvent``: work queued on ``stream`` from now on waits for ``event``
+        (any device)."""
+
 
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 
 def _code(err) -> int:
@@ -151,6 +166,18 @@ class _CudaPythonApi(_CudaApi):
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._ok(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind(_MEMCPY_DEFAULT), stream),
                  f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
+
+    def event_create(self):
+        return self._ok(self.rt.cudaEventCreateWithFlags(_EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags")[0]
+
+    def event_destroy(self, event) -> None:
+        self._ok(self.rt.cudaEventDestroy(event), "cudaEventDestroy")
+
+    def event_record(self, event, stream: int) -> None:
+        self._ok(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
+
+    def stream_wait_event(self, stream: int, event) -> None:
+        self._ok(self.rt.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
 class _Handle(ctypes.Structure):
@@ -247,6 +274,22 @@ class _CtypesApi(_CudaApi):
                                        ctypes.c_int(_MEMCPY_DEFAULT), ctypes.c_void_p(stream))
         self._ok(code, f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
 
+    def event_create(self):
+        event = ctypes.c_void_p()
+        self._ok(self.rt.cudaEventCreateWithFlags(ctypes.byref(event), ctypes.c_uint(_EVENT_DISABLE_TIMING)),
+                 "cudaEventCreateWithFlags")
+        return event
+
+    def event_destroy(self, event) -> None:
+        self._ok(self.rt.cudaEventDestroy(event), "cudaEventDestroy")
+
+    def event_record(self, event, stream: int) -> None:
+        self._ok(self.rt.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def stream_wait_event(self, stream: int, event) -> None:
+        self._ok(self.rt.cudaStreamWaitEvent(ctypes.c_void_p(stream), event, ctypes.c_uint(0)),
+                 "cudaStreamWaitEvent")
+
 
 _APIS: dict[str, _CudaApi] = {}
 _LOCK = threading.Lock()
@@ -276,17 +319,19 @@ def load_api(choice: str = "auto") -> _CudaApi:
     )
 
 
-class _OnDevice:
-    """Make ``device`` current for the block (torch and the IPC API alike), then restore."""
+class on_device:
+    """Make ``device`` current for the block (torch and the CUDA runtime alike; with
+    ``torch_too=False`` the runtime alone, which is cheaper), then restore the previous one."""
 
-    def __init__(self, api: _CudaApi, device: int):
-        self.api, self.device = api, device
+    def __init__(self, api: _CudaApi, device: int, torch_too: bool = True):
+        self.api, self.device, self.torch_too = api, device, torch_too
 
     def __enter__(self):
-        import torch
+        if self.torch_too:
+            import torch
 
-        self._torch = torch.cuda.device(self.device)
-        self._torch.__enter__()
+            self._torch = torch.cuda.device(self.device)
+            self._torch.__enter__()
         self.prev = self.api.get_device()
         self.api.set_device(self.device)
         return self
@@ -295,12 +340,13 @@ class _OnDevice:
         try:
             self.api.set_device(self.prev)
         finally:
-            self._torch.__exit__(*exc)
+            if self.torch_too:
+                self._torch.__exit__(*exc)
 
 
 def export_region(api: _CudaApi, ptr: int, length: int, device: int) -> IpcExport:
     """Handle of the allocation holding ``[ptr, ptr + length)`` on ``device`` plus the offset."""
-    with _OnDevice(api, device):
+    with on_device(api, device):
         base, size = api.address_range(ptr)
         if ptr + length > base + size:
             raise ValueError(
@@ -321,7 +367,7 @@ def open_handle(api: _CudaApi, handle: bytes, device: int) -> int:
     with _LOCK:
         entry = _OPENED.get(key)
         if entry is None:
-            with _OnDevice(api, device):
+            with on_device(api, device):
                 entry = _OPENED[key] = [api.ipc_open(bytes(handle)), 0]
         entry[1] += 1
         return entry[0]
@@ -338,5 +384,5 @@ def close_handle(api: _CudaApi, handle: bytes, device: int) -> None:
         if entry[1] > 0:
             return
         del _OPENED[key]
-        with _OnDevice(api, device):
+        with on_device(api, device):
             api.ipc_close(entry[0])

@@ -279,8 +279,8 @@ class NvlinkPeer(Peer):
         total = int(rows[3, -1] + batch.length[-1])
         bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
         offsets = np.append(rows[3], total)[bounds]
-        return self._launch_staged(host, notify, lane, bounds, offsets, lambda rows_dev, dev, a, b, stage: (
-            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage, checked=True)))
+        return self._launch_staged(host, notify, lane, bounds, offsets, lambda rows_dev, dev, a, b, stage, stream: (
+            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage, checked=True, stream=stream)))
 
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
@@ -307,9 +307,9 @@ class NvlinkPeer(Peer):
         pair_offset = table[5 * num_pairs + 2 * num_slots:]
         bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
         offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
-        return self._launch_staged(host, notify, lane, bounds, offsets, lambda table_dev, dev, a, b, stage: (
+        return self._launch_staged(host, notify, lane, bounds, offsets, lambda table_dev, dev, a, b, stage, stream: (
             kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=a, end=b, stage=stage,
-                                 checked=True)))
+                                 checked=True, stream=stream)))
 
     def _check_write(self, batch, notify) -> Optional[bytes]:
         """The checks every write shares: open peer, notification payload, the batch's bounds."""
@@ -344,7 +344,7 @@ class NvlinkPeer(Peer):
     def _launch_staged(self, host, notify: Optional[bytes], lane: staged.StagedLane, bounds, offsets,
                        launch) -> NvlinkTransfer:
         """Copy the pinned table to both GPUs and run the staged pipeline: ``launch(table_dev,
-        device, begin, end, stage)`` gathers on the local GPU and scatters on the peer's."""
+        device, begin, end, stage, stream)`` gathers on the local GPU and scatters on the peer's."""
         import torch
 
         local, peer = torch.device("cuda", self._device), torch.device("cuda", lane.peer)
@@ -355,8 +355,8 @@ class NvlinkPeer(Peer):
             table_local = host.to(local, non_blocking=True)
         with torch.cuda.device(peer), torch.cuda.stream(lane.scatter_stream):
             table_peer = host.to(peer, non_blocking=True)
-        event = lane.run(stream, bounds, offsets, lambda a, b, st: launch(table_local, local, a, b, st),
-                         lambda a, b, st: launch(table_peer, peer, a, b, st))
+        event = lane.run(stream, bounds, offsets, lambda a, b, st, s: launch(table_local, lane.local, a, b, st, s),
+                         lambda a, b, st, s: launch(table_peer, lane.peer, a, b, st, s))
         return self._track(NvlinkTransfer(self, event, notify, keep=(host, table_local, table_peer)))
 
     def _track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:

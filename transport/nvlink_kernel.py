@@ -74,6 +74,8 @@ from typing import Optional
 
 import numpy as np
 
+from transport.triton_launch import Relauncher
+
 try:  # triton is a Linux x86-64 dependency; the pure parts below work without it.
     import triton
     import triton.language as tl
@@ -383,10 +385,15 @@ def _scatter_strided_body(
 
 
 _KERNELS: dict = {}
+_INTS = {  # the integer parameters of each kernel, all unspecialized (transport.triton_launch)
+    "_scatter_rows_body": ["n_rows", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
+    "_scatter_strided_body": ["n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
+}
 
 
 def _kernel(interpret: bool, body=None):
-    """The jitted kernel, or Triton's interpreter for CPU tensors (tests)."""
+    """The kernel: a :class:`~transport.triton_launch.Relauncher` of the jitted body, or
+    Triton's interpreter for CPU tensors (tests)."""
     if triton is None:
         raise RuntimeError("the NVLink copy kernel needs triton (pip install triton); it is not installed")
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
@@ -398,10 +405,21 @@ def _kernel(interpret: bool, body=None):
             from triton.runtime.interpreter import InterpretedFunction
 
             _KERNELS[key] = InterpretedFunction(body)
-        else:  # per-chunk integers: one compiled variant whatever their values
-            _KERNELS[key] = triton.jit(body, do_not_specialize=["row_begin", "row_end", "num_tiles", "stage",
-                                                                "stage_origin"])
+        else:  # one compiled variant whatever the integers (sizes, row ranges, staging addresses)
+            _KERNELS[key] = Relauncher(triton.jit(body, do_not_specialize=_INTS[body.__name__]))
     return _KERNELS[key]
+
+
+def _run(kernel, grid: int, table, device, stream, args: tuple, constexprs: tuple, num_warps: int) -> None:
+    """Launch on ``stream`` (a torch stream of ``device``; None: the current one), or in the
+    interpreter for a CPU ``table``."""
+    if table.device.type == "cpu":
+        kernel[(grid,)](*args, **dict(constexprs), num_warps=num_warps)
+        return
+    import torch
+
+    index = torch.device(device).index if not isinstance(device, int) else device
+    kernel(grid, torch.cuda.current_stream(index) if stream is None else stream, index, args, constexprs, num_warps)
 
 
 def _range(n: int, begin: int, end, plan: LaunchPlan) -> tuple[int, int]:
@@ -415,6 +433,11 @@ def _range(n: int, begin: int, end, plan: LaunchPlan) -> tuple[int, int]:
     return begin, end
 
 
+def _constexprs(mode: int, plan: LaunchPlan) -> tuple:
+    return (("STAGE", mode), ("ALIGN", plan.path.value), ("BLOCK_R", plan.block_r), ("BLOCK_C", plan.block_c),
+            ("LOAD_CACHE", plan.load_cache), ("STORE_CACHE", plan.store_cache))
+
+
 def _stage_args(stage: Optional[Stage]) -> tuple[int, int, int]:
     if stage is None:
         return 0, 0, 0
@@ -424,11 +447,13 @@ def _stage_args(stage: Optional[Stage]) -> tuple[int, int, int]:
 
 
 def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: int = 0, end: Optional[int] = None,
-                 stage: Optional[Stage] = None, checked: bool = False) -> None:
+                 stage: Optional[Stage] = None, checked: bool = False, stream=None) -> None:
     """Launch the copy of rows ``[begin, end)`` (default: all) of ``rows`` (``[3, num_rows]``
     int64 on ``device``, or ``[4, num_rows]`` with staging offsets when ``stage`` is given; see
-    the module doc) on the current stream. CPU tensors run in Triton's interpreter. ``checked``:
-    the caller already ran :func:`check_row_table` on this table (per-chunk launches)."""
+    the module doc) on ``stream``. CPU tensors run in Triton's interpreter. ``checked``:
+    the caller already ran :func:`check_row_table` on this table (per-chunk launches).
+    ``stream``: a torch stream of ``device`` (default: the current one); ``device`` must be
+    current in CUDA (the launch takes :mod:`transport.triton_launch`'s direct path)."""
     if not checked:
         check_row_table(rows, device, staged=stage is not None)
     n = int(rows.shape[1])
@@ -436,12 +461,9 @@ def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: i
     if end == begin:
         return
     mode, address, origin = _stage_args(stage)
-    kernel = _kernel(rows.device.type == "cpu")
-    kernel[(min(plan.num_programs, -(-(end - begin) // plan.block_r)),)](
-        rows, n, begin, end, -(-(end - begin) // plan.block_r), address, origin, STAGE=mode,
-        ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
-        LOAD_CACHE=plan.load_cache, STORE_CACHE=plan.store_cache, num_warps=num_warps,
-    )
+    num_tiles = -(-(end - begin) // plan.block_r)
+    _run(_kernel(rows.device.type == "cpu"), min(plan.num_programs, num_tiles), rows, device, stream,
+         (rows, n, begin, end, num_tiles, address, origin), _constexprs(mode, plan), num_warps)
 
 
 def strided_table_size(num_pairs: int, num_slots: int, staged: bool = False) -> int:
@@ -471,20 +493,18 @@ def check_strided_table(table, num_pairs: int, num_slots: int, device, staged: b
 
 def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, device, num_warps: int = 4, *,
                     begin: int = 0, end: Optional[int] = None, stage: Optional[Stage] = None,
-                    checked: bool = False) -> None:
+                    checked: bool = False, stream=None) -> None:
     """Launch the copy of rows ``[begin, end)`` (default: all ``num_pairs * num_slots``) of a
     factored batch: ``table`` is the strided table (module doc; on ``device``, with the staging
     offsets section when ``stage`` is given), ``plan`` from :func:`plan_launch`. CPU tensors
-    run in Triton's interpreter; ``checked`` as for :func:`scatter_rows`."""
+    run in Triton's interpreter; ``checked`` and ``stream`` as for :func:`scatter_rows`."""
     if not checked:
         check_strided_table(table, num_pairs, num_slots, device, staged=stage is not None)
     begin, end = _range(num_pairs * num_slots, begin, end, plan)
     if end == begin:
         return
     mode, address, origin = _stage_args(stage)
-    kernel = _kernel(table.device.type == "cpu", _scatter_strided_body)
-    kernel[(min(plan.num_programs, -(-(end - begin) // plan.block_r)),)](
-        table, num_pairs, num_slots, begin, end, -(-(end - begin) // plan.block_r), address, origin, STAGE=mode,
-        ALIGN=plan.path.value, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c, LOAD_CACHE=plan.load_cache,
-        STORE_CACHE=plan.store_cache, num_warps=num_warps,
-    )
+    num_tiles = -(-(end - begin) // plan.block_r)
+    _run(_kernel(table.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), table, device,
+         stream, (table, num_pairs, num_slots, begin, end, num_tiles, address, origin), _constexprs(mode, plan),
+         num_warps)
