@@ -63,7 +63,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -134,6 +134,17 @@ class NvlinkConfig:
 
 
 # -- transfers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """A write whose host work is done (:meth:`NvlinkPeer.prepare`)."""
+
+    host: object  # pinned int64 tensor: the row table [3 or 4, n] or the strided table
+    launch: Callable  # (table on a GPU, device, torch stream, begin=0, end=None, stage=None) -> None
+    lane: Optional[staged.StagedLane] = None  # the staged engine's lane, None: the direct kernel
+    bounds: Optional[np.ndarray] = None  # staged: chunk k is rows [bounds[k], bounds[k + 1])
+    offsets: Optional[np.ndarray] = None  # staged: staging offset of each bound
 
 
 class NvlinkTransfer(Transfer):
@@ -260,56 +271,100 @@ class NvlinkPeer(Peer):
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
-        import torch
-
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
-        notify = self._check_write(batch, notify)
-        if not self._outbox.alive():
-            return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
-        n = len(batch)
-        max_len = int(batch.length.max()) if n else 0
-        lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
-        host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
-        rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.launch_plan(batch, rows, staged_launch=lane is not None)
-        warps = self._config.kernel.num_warps
-        if lane is None:
-            return self._launch(host, notify, lambda rows_dev, dev: kern.scatter_rows(rows_dev, plan, dev, warps))
-        total = int(rows[3, -1] + batch.length[-1])
-        bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
-        offsets = np.append(rows[3], total)[bounds]
-        return self._launch_staged(host, notify, lane, bounds, offsets, lambda rows_dev, dev, a, b, stage, stream: (
-            kern.scatter_rows(rows_dev, plan, dev, warps, begin=a, end=b, stage=stage, checked=True, stream=stream)))
+        return self._write(batch, notify)
 
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
         ``[5 * P + 2 * S]`` strided table (:mod:`transport.nvlink_kernel`) and launches the
         strided kernel, which computes each row's addresses; completion as for :meth:`write`."""
-        import torch
-
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        return self._write(batch, notify)
+
+    def _write(self, batch, notify: Optional[bytes]) -> NvlinkTransfer:
         notify = self._check_write(batch, notify)
         if not self._outbox.alive():
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
-        num_pairs, num_slots = batch.num_pairs, batch.num_slots
-        max_len = int(batch.length.max()) if len(batch) else 0
-        lane = self._lane_for(int(batch.length.sum()) * num_slots, max_len) if len(batch) else None
-        host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
-                           pin_memory=True)
-        table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
-        plan = self.strided_plan(batch, table, staged_launch=lane is not None)
-        warps = self._config.kernel.num_warps
+        job = self.prepare(batch, checked=True)
+        tables = self.upload(job)
+        return self._track(NvlinkTransfer(self, self.enqueue(job, tables), notify, keep=(job.host, *tables)))
+
+    # The three steps of a write; benchmarks also call them to time the GPU side alone
+    # (prepare and upload once, enqueue again and again).
+    def prepare(self, batch, checked: bool = False) -> PreparedWrite:
+        """The host side of a write of ``batch`` (a WriteBatch or a StridedBatch): the engine,
+        the table in pinned memory, the launch, the chunks. ``checked``: bounds already checked."""
+        import torch
+
+        if not checked:
+            batch.check_bounds(self._owner.regions, self.regions)
+        n, warps = len(batch), self._config.kernel.num_warps
+        max_len = int(batch.length.max()) if n else 0
+        if isinstance(batch, StridedBatch):
+            num_pairs, num_slots = batch.num_pairs, batch.num_slots
+            lane = self._lane_for(int(batch.length.sum()) * num_slots, max_len) if n else None
+            host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
+                               pin_memory=True)
+            table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
+            plan = self.strided_plan(batch, table, staged_launch=lane is not None)
+
+            def launch(table_dev, dev, stream, begin=0, end=None, stage=None):
+                kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=begin, end=end,
+                                     stage=stage, checked=True, stream=stream)
+
+            if lane is None:
+                return PreparedWrite(host, launch)
+            pair_offset = table[5 * num_pairs + 2 * num_slots:]
+            bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
+            offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
+            return PreparedWrite(host, launch, lane, bounds, offsets)
+        lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
+        host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
+        rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
+        plan = self.launch_plan(batch, rows, staged_launch=lane is not None)
+
+        def launch(rows_dev, dev, stream, begin=0, end=None, stage=None):
+            kern.scatter_rows(rows_dev, plan, dev, warps, begin=begin, end=end, stage=stage, checked=True,
+                              stream=stream)
+
         if lane is None:
-            return self._launch(host, notify, lambda table_dev, dev: kern.scatter_strided(
-                table_dev, num_pairs, num_slots, plan, dev, warps))
-        pair_offset = table[5 * num_pairs + 2 * num_slots:]
-        bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
-        offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
-        return self._launch_staged(host, notify, lane, bounds, offsets, lambda table_dev, dev, a, b, stage, stream: (
-            kern.scatter_strided(table_dev, num_pairs, num_slots, plan, dev, warps, begin=a, end=b, stage=stage,
-                                 checked=True, stream=stream)))
+            return PreparedWrite(host, launch)
+        total = int(rows[3, -1] + batch.length[-1])
+        bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
+        return PreparedWrite(host, launch, lane, bounds, np.append(rows[3], total)[bounds])
+
+    def upload(self, job: PreparedWrite) -> tuple:
+        """Copy the pinned table to the local GPU (on the copy stream) and, staged, to the
+        peer's (on the scatter stream): the tables :meth:`enqueue` reads."""
+        import torch
+
+        with torch.cuda.device(self._device), torch.cuda.stream(self._owner._stream()):
+            tables = (job.host.to(self._device, non_blocking=True),)
+        if job.lane is not None:
+            with torch.cuda.device(job.lane.peer), torch.cuda.stream(job.lane.scatter_stream):
+                tables += (job.host.to(job.lane.peer, non_blocking=True),)
+        return tables
+
+    def enqueue(self, job: PreparedWrite, tables: tuple):
+        """Queue the copy (after the caller's current stream when ``wait_current_stream``);
+        return the CUDA event that marks its completion."""
+        import torch
+
+        stream = self._owner._stream()
+        if self._config.wait_current_stream:
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+        lane = job.lane
+        if lane is None:
+            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                job.launch(tables[0], self._device, stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            return event
+        return lane.run(stream, job.bounds, job.offsets,
+                        lambda a, b, st, s: job.launch(tables[0], lane.local, s, a, b, st),
+                        lambda a, b, st, s: job.launch(tables[1], lane.peer, s, a, b, st))
 
     def _check_write(self, batch, notify) -> Optional[bytes]:
         """The checks every write shares: open peer, notification payload, the batch's bounds."""
@@ -323,41 +378,6 @@ class NvlinkPeer(Peer):
                 raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
         batch.check_bounds(self._owner.regions, self.regions)
         return notify
-
-    def _launch(self, host, notify: Optional[bytes], launch) -> NvlinkTransfer:
-        """Copy the pinned table ``host`` to the GPU and run ``launch(table_dev, device)`` on
-        the copy stream (after the caller's stream); an event marks completion."""
-        import torch
-
-        owner = self._owner
-        dev = torch.device("cuda", self._device)
-        stream = owner._stream()
-        if self._config.wait_current_stream:
-            stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
-            table_dev = host.to(dev, non_blocking=True)
-            launch(table_dev, dev)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return self._track(NvlinkTransfer(self, event, notify, keep=(host, table_dev)))
-
-    def _launch_staged(self, host, notify: Optional[bytes], lane: staged.StagedLane, bounds, offsets,
-                       launch) -> NvlinkTransfer:
-        """Copy the pinned table to both GPUs and run the staged pipeline: ``launch(table_dev,
-        device, begin, end, stage, stream)`` gathers on the local GPU and scatters on the peer's."""
-        import torch
-
-        local, peer = torch.device("cuda", self._device), torch.device("cuda", lane.peer)
-        stream = self._owner._stream()
-        if self._config.wait_current_stream:
-            stream.wait_stream(torch.cuda.current_stream(local))
-        with torch.cuda.device(local), torch.cuda.stream(stream):
-            table_local = host.to(local, non_blocking=True)
-        with torch.cuda.device(peer), torch.cuda.stream(lane.scatter_stream):
-            table_peer = host.to(peer, non_blocking=True)
-        event = lane.run(stream, bounds, offsets, lambda a, b, st, s: launch(table_local, lane.local, a, b, st, s),
-                         lambda a, b, st, s: launch(table_peer, lane.peer, a, b, st, s))
-        return self._track(NvlinkTransfer(self, event, notify, keep=(host, table_local, table_peer)))
 
     def _track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         with self._lock:

@@ -387,6 +387,22 @@ class _Bench:
                                                                 cfg.num_warps), args.reps, args.warmup)
         return ms, statistics.median(host)
 
+    def staged_ms(self, sb) -> float:
+        """The staged engine's pipeline alone (gather, copy engine, scatter) on resident tables,
+        CUDA events, median; NaN when the engine cannot run here."""
+        peer, torch = self.peers["nvlink"], self.torch
+        peer.engine = "staged"
+        try:
+            job = peer.prepare(sb)
+            if job.lane is None:
+                return float("nan")
+            tables = peer.upload(job)
+            with torch.cuda.device(self.src_dev):
+                return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(peer.enqueue(job, tables)),
+                                         self.args.reps, self.args.warmup)
+        finally:
+            peer.engine = "auto"
+
     def copy_ms(self, nbytes: int) -> float:
         a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
         return _median_ms_events(lambda: b.copy_(a, non_blocking=True), self.args.reps, self.args.warmup)
@@ -409,10 +425,12 @@ class _Bench:
                 engines[engine] = (ok, *_write_times(peer, strided, reps, strided=True))
             peer.engine = "auto"
             skernel_ms, shost_s = self.strided_kernel_ms(strided)
+            staged_ms = self.staged_ms(strided)
             checks = [verified] + [v[0] for v in engines.values()]
             out.append(dict(case=case, nbytes=batch.nbytes, verified=all(checks),
                             checks="/".join("ok" if c else "BAD" for c in checks), kernel=kernel, prep_s=prep_s,
                             write_s=write_s, engines=engines, strided_kernel_ms=skernel_ms, strided_host_s=shost_s,
+                            staged_ms=staged_ms,
                             strided_shape=(strided.num_pairs, strided.num_slots),
                             copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
@@ -489,8 +507,10 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         for r in results:
             print(f"  {r['case'].name:<11}", "  ".join(f"{gbs(r['nbytes'], r['kernel'][c] / 1e3):8.1f}" for c in bench.configs))
     print("GB/s, each beside torch's peer copy of the same bytes in the same run; kernel = the direct push kernel "
-          "alone; write() = engine auto, end to end; write_strided() end to end with each engine")
+          "alone, staged = the staged engine's pipeline alone (CUDA events, tables resident); write() = engine auto, "
+          "end to end; write_strided() end to end with each engine")
     head = (f"{'case':<11} {'rows':>8} {'row B':>6} {'MiB':>5} {'peer copy':>9} {'kernel':>7} {'ratio':>6} "
+            f"{'staged':>7} {'ratio':>6} "
             f"{'write()':>7} {'ratio':>6} {'strided kernel':>14} {'ratio':>6} {'strided staged':>14} {'ratio':>6} "
             f"{'prep ms':>7} {'verified':>12}")
     print(head)
@@ -498,12 +518,13 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     for r in results:
         case, nbytes = r["case"], r["nbytes"]
         k = gbs(nbytes, r["kernel"][bench.configs[0]] / 1e3)
+        st = gbs(nbytes, r["staged_ms"] / 1e3)
         c = gbs(nbytes, r["copy_ms"] / 1e3)
         w = gbs(nbytes, r["write_s"])
         sk = gbs(nbytes, r["engines"]["kernel"][2])
         sg = gbs(nbytes, r["engines"]["staged"][2])
         print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {c:>9.1f} "
-              f"{k:>7.1f} {k / c:>6.1%} {w:>7.1f} {w / c:>6.1%} {sk:>14.1f} {sk / c:>6.1%} {sg:>14.1f} {sg / c:>6.1%} "
+              f"{k:>7.1f} {k / c:>6.1%} {st:>7.1f} {st / c:>6.1%} {w:>7.1f} {w / c:>6.1%} {sk:>14.1f} {sk / c:>6.1%} {sg:>14.1f} {sg / c:>6.1%} "
               f"{r['engines']['staged'][1] * 1e3:>7.2f} {r['checks']:>12}")
     for r in results:
         sb_pairs, sb_slots = r["strided_shape"]
