@@ -242,8 +242,8 @@ class NvlinkPeer(Peer):
 
     @property
     def engine(self) -> str:
-        """Which engine writes take: "auto" (staged from ``StagedConfig.min_bytes`` on when
-        ``StagedConfig.enabled``, else the kernel), "kernel" (always the direct push kernel) or
+        """Which engine writes take: "auto" (staged for large batches of long rows, see
+        ``StagedConfig.wants``, else the kernel), "kernel" (always the direct push kernel) or
         "staged" (staged whenever possible, whatever the size and setting)."""
         return self._engine
 
@@ -253,10 +253,10 @@ class NvlinkPeer(Peer):
             raise ValueError(f"engine must be one of {self.ENGINES}, got {value!r}")
         self._engine = value
 
-    def _lane_for(self, total: int, max_len: int) -> Optional[staged.StagedLane]:
+    def _lane_for(self, total: int, rows: int, max_len: int) -> Optional[staged.StagedLane]:
         """The staged lane when this batch should take it (module doc of nvlink_staged), else None."""
         cfg = self._config.staged
-        auto_says_no = self._engine == "auto" and (not cfg.enabled or total < cfg.min_bytes)
+        auto_says_no = self._engine == "auto" and not cfg.wants(total, rows)
         if (auto_says_no or self._engine == "kernel" or self._peer_gpu is None
                 or self.staged_error is not None or max_len > cfg.chunk_bytes):
             return None
@@ -304,7 +304,7 @@ class NvlinkPeer(Peer):
         max_len = int(batch.length.max()) if n else 0
         if isinstance(batch, StridedBatch):
             num_pairs, num_slots = batch.num_pairs, batch.num_slots
-            lane = self._lane_for(int(batch.length.sum()) * num_slots, max_len) if n else None
+            lane = self._lane_for(int(batch.length.sum()) * num_slots, n, max_len) if n else None
             host = torch.empty(kern.strided_table_size(num_pairs, num_slots, lane is not None), dtype=torch.int64,
                                pin_memory=True)
             table = self.strided_table(batch, out=host.numpy(), checked=True, lane=lane)
@@ -317,10 +317,11 @@ class NvlinkPeer(Peer):
             if lane is None:
                 return PreparedWrite(host, launch)
             pair_offset = table[5 * num_pairs + 2 * num_slots:]
-            bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._config.staged.chunk_bytes)
+            total = int(pair_offset[-1] + batch.length[-1] * num_slots)
+            bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, self._chunk_starts(total))
             offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
             return PreparedWrite(host, launch, lane, bounds, offsets)
-        lane = self._lane_for(int(batch.length.sum()), max_len) if n else None
+        lane = self._lane_for(int(batch.length.sum()), n, max_len) if n else None
         host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
         rows = self.row_table(batch, out=host.numpy(), checked=True, lane=lane)
         plan = self.launch_plan(batch, rows, staged_launch=lane is not None)
@@ -332,8 +333,12 @@ class NvlinkPeer(Peer):
         if lane is None:
             return PreparedWrite(host, launch)
         total = int(rows[3, -1] + batch.length[-1])
-        bounds = staged.row_chunks(rows[3], total, self._config.staged.chunk_bytes)
+        bounds = staged.row_chunks(rows[3], total, self._chunk_starts(total))
         return PreparedWrite(host, launch, lane, bounds, np.append(rows[3], total)[bounds])
+
+    def _chunk_starts(self, total: int) -> np.ndarray:
+        cfg = self._config.staged
+        return staged.chunk_starts(total, cfg.chunk_bytes, cfg.edge_bytes)
 
     def upload(self, job: PreparedWrite) -> tuple:
         """Copy the pinned table to the local GPU (on the copy stream) and, staged, to the

@@ -72,46 +72,76 @@ import numpy as np
 from transport import cuda_ipc
 from transport.nvlink_kernel import Stage, StageMode
 
-__all__ = ["StagedConfig", "StagedLane", "row_chunks", "strided_chunks", "strided_offsets"]
+__all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_offsets"]
 
 
 @dataclass(frozen=True)
 class StagedConfig:
     """Settings of the staged engine (module doc).
 
-    enabled: engine "auto" uses it for batches of ``min_bytes`` and more (off by default:
-        measured below the direct kernel, see the module doc); engine "staged" always does.
-    min_bytes: batches of at least this many bytes go staged.
-    chunk_bytes: bytes per copy-engine copy (rows longer than this go direct).
+    enabled: engine "auto" uses it for batches of ``min_bytes`` and more whose rows average
+        ``min_row_bytes`` or more; engine "staged" always does.
+    min_bytes: batches of at least this many bytes go staged (smaller ones fill and drain the
+        pipeline for too long: the direct kernel is faster there).
+    min_row_bytes: average bytes per row for "auto" (short rows, such as 256 B head slices,
+        gather and scatter slowly: the direct kernel is faster there).
+    chunk_bytes: bytes per copy-engine copy in the middle of a batch (rows longer than this go
+        direct); also the size of each staging buffer.
+    edge_bytes: size of the first and last chunk; chunks double from it up to ``chunk_bytes``
+        and halve back towards the end, so the pipeline fills and drains quickly.
     buffers: staging buffers per GPU, >= 2 so that gather, copy and scatter overlap.
     max_programs: programs of each gather / scatter launch (grid stride; 0: one per tile).
     """
 
-    enabled: bool = False
-    min_bytes: int = 256 << 20
+    enabled: bool = True
+    min_bytes: int = 1 << 30
+    min_row_bytes: int = 1024
     chunk_bytes: int = 128 << 20
+    edge_bytes: int = 16 << 20
     buffers: int = 2
     max_programs: int = 264
 
     def __post_init__(self):
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
-        for name, low in (("min_bytes", 0), ("chunk_bytes", 1 << 16), ("buffers", 2), ("max_programs", 0)):
+        for name, low in (("min_bytes", 0), ("min_row_bytes", 0), ("chunk_bytes", 1 << 16), ("edge_bytes", 1 << 16),
+                          ("buffers", 2), ("max_programs", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
 
+    def wants(self, total: int, rows: int) -> bool:
+        """Whether engine "auto" stages a batch of ``rows`` rows and ``total`` bytes."""
+        return self.enabled and total >= self.min_bytes and total >= self.min_row_bytes * rows
 
-def row_chunks(offsets: np.ndarray, total: int, chunk_bytes: int) -> np.ndarray:
+
+def chunk_starts(total: int, chunk_bytes: int, edge_bytes: int) -> np.ndarray:
+    """Byte offsets where the chunks of a ``total``-byte stream start (``[num_chunks]``, first
+    0). Sizes double from ``edge_bytes`` towards ``chunk_bytes`` at the front and halve back at
+    the end (as long as the middle keeps at least the next size); the middle is split evenly
+    into chunks of at most ``chunk_bytes``. No chunk is above ``chunk_bytes`` or below
+    ``min(edge_bytes, chunk_bytes // 2, total)``."""
+    ramp, acc, size = [], 0, min(edge_bytes, chunk_bytes)
+    while size < chunk_bytes and 2 * (acc + size) + min(2 * size, chunk_bytes) <= total:
+        ramp.append(size)
+        acc += size
+        size *= 2
+    middle = total - 2 * acc
+    parts = -(-middle // chunk_bytes)
+    mid = [middle // parts + (1 if i < middle % parts else 0) for i in range(parts)]
+    sizes = np.asarray(ramp + mid + ramp[::-1], dtype=np.int64)
+    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(sizes)[:-1]])
+
+
+def row_chunks(offsets: np.ndarray, total: int, starts: np.ndarray) -> np.ndarray:
     """Chunk boundaries (row indices ``[0, ..., n]``) of ``n`` rows whose staging offsets are
     ``offsets`` (``[n]`` ascending, ``offsets[0] == 0``) and whose bytes sum to ``total``: chunk
-    ``k`` starts at the last row that starts at or before ``k * chunk_bytes``."""
+    ``k`` starts at the last row that starts at or before ``starts[k]`` (:func:`chunk_starts`)."""
     n = int(offsets.size)
     if n == 0:
         return np.zeros(1, dtype=np.int64)
-    targets = np.arange(0, total, chunk_bytes, dtype=np.int64)  # [num_chunks]
-    starts = np.searchsorted(offsets, targets, side="right") - 1
-    return np.unique(np.append(starts, n)).astype(np.int64)
+    first = np.searchsorted(offsets, starts, side="right") - 1
+    return np.unique(np.append(first, n)).astype(np.int64)
 
 
 def strided_offsets(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, rows: np.ndarray) -> np.ndarray:
@@ -124,15 +154,13 @@ def strided_offsets(pair_offset: np.ndarray, length: np.ndarray, num_slots: int,
     return np.where(rows >= num_pairs * num_slots, total, pair_offset[p] + s * length[p]).astype(np.int64)
 
 
-def strided_chunks(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, chunk_bytes: int) -> np.ndarray:
+def strided_chunks(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, starts: np.ndarray) -> np.ndarray:
     """:func:`row_chunks` for a factored batch, in O(P + number of chunks)."""
     num_pairs = int(length.size)
     if num_pairs == 0 or num_slots == 0:
         return np.zeros(1, dtype=np.int64)
-    total = int(pair_offset[-1] + length[-1] * num_slots)
-    targets = np.arange(0, total, chunk_bytes, dtype=np.int64)  # [num_chunks]
-    p = np.searchsorted(pair_offset, targets, side="right") - 1
-    s = np.minimum((targets - pair_offset[p]) // length[p], num_slots - 1)
+    p = np.searchsorted(pair_offset, starts, side="right") - 1
+    s = np.minimum((starts - pair_offset[p]) // length[p], num_slots - 1)
     return np.unique(np.append(p * num_slots + s, num_pairs * num_slots)).astype(np.int64)
 
 

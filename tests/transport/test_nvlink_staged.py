@@ -21,17 +21,28 @@ from tests.transport.test_nvlink import (  # noqa: F401  (the fixture is used by
 from tests.transport.test_strided import _kv_strided
 
 
-def _check_chunks(bounds, offsets_of, total, chunk, max_len, n):
-    """Bounds start at 0, end at n, strictly increase; every chunk is under chunk + one row and
-    starts at the last row starting at or before its multiple of ``chunk``."""
+def _check_chunks(bounds, offsets_of, starts, max_len, n):
+    """Bounds start at 0, end at n, strictly increase; chunk ``k`` starts at the last row that
+    starts at or before ``starts[k]`` and holds less than its share plus one row."""
     assert bounds[0] == 0 and bounds[-1] == n and np.all(np.diff(bounds) > 0)
-    off = offsets_of(bounds)
-    assert off[-1] == total
-    assert np.all(np.diff(off) < chunk + max_len)
     all_off = offsets_of(np.arange(n + 1))
-    for k in range(int(np.ceil(total / chunk))):
-        want = int(np.searchsorted(all_off[:-1], k * chunk, side="right") - 1)
-        assert want in set(bounds.tolist()), (k, want)
+    total = int(all_off[-1])
+    want = sorted({int(np.searchsorted(all_off[:-1], t, side="right") - 1) for t in starts} | {n})
+    assert bounds.tolist() == want
+    share = np.diff(np.append(starts, total))  # bytes the chunk was meant to hold
+    got = np.diff(offsets_of(bounds))
+    assert got.max() < share.max() + max_len
+
+
+@pytest.mark.parametrize("total, chunk, edge", [(1, 64, 16), (16, 64, 16), (17, 64, 16), (40, 64, 16), (100, 64, 16),
+                                                (1000, 64, 16), (100, 64, 64), (1000, 64, 128), (12345, 100, 7)])
+def test_chunk_starts_ramp_up_and_down(total, chunk, edge):
+    starts = staged.chunk_starts(total, chunk, edge)
+    sizes = np.diff(np.append(starts, total))
+    assert starts[0] == 0 and sizes.sum() == total
+    assert sizes.max() <= chunk and sizes.min() >= min(edge, chunk // 2, total)
+    if total >= 8 * edge and 2 * edge < chunk:  # room for a ramp: edge, 2 edge, ..., mirrored
+        assert sizes[0] == sizes[-1] == edge and sizes[1] == sizes[-2] == 2 * edge
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -40,9 +51,10 @@ def test_row_chunks_cut_at_row_starts(seed):
     n = int(rng.integers(1, 300))
     length = rng.integers(1, 5000, n)
     offsets = np.concatenate([[0], np.cumsum(length)[:-1]])
-    total, chunk = int(length.sum()), int(rng.integers(1, 20)) * 1000
-    bounds = staged.row_chunks(offsets, total, chunk)
-    _check_chunks(bounds, lambda r: np.append(offsets, total)[r], total, chunk, int(length.max()), n)
+    total = int(length.sum())
+    starts = staged.chunk_starts(total, int(rng.integers(4, 20)) * 1000, int(rng.integers(1, 4)) * 1000)
+    bounds = staged.row_chunks(offsets, total, starts)
+    _check_chunks(bounds, lambda r: np.append(offsets, total)[r], starts, int(length.max()), n)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -51,17 +63,24 @@ def test_strided_chunks_match_the_expanded_rows(seed):
     P, S = int(rng.integers(1, 9)), int(rng.integers(1, 50))
     length = rng.integers(1, 3000, P)
     pair_offset = np.concatenate([[0], np.cumsum(length * S)[:-1]])
-    total, chunk = int((length * S).sum()), int(rng.integers(1, 30)) * 997
+    total = int((length * S).sum())
     flat_len = np.repeat(length, S)
     flat_off = np.concatenate([[0], np.cumsum(flat_len)])
     np.testing.assert_array_equal(staged.strided_offsets(pair_offset, length, S, np.arange(P * S + 1)), flat_off)
-    bounds = staged.strided_chunks(pair_offset, length, S, chunk)
-    _check_chunks(bounds, lambda r: flat_off[r], total, chunk, int(length.max()), P * S)
+    starts = staged.chunk_starts(total, int(rng.integers(1, 30)) * 997, 997)
+    bounds = staged.strided_chunks(pair_offset, length, S, starts)
+    _check_chunks(bounds, lambda r: flat_off[r], starts, int(length.max()), P * S)
+
+
+def test_auto_wants_large_batches_of_long_rows():
+    cfg = staged.StagedConfig(min_bytes=1000, min_row_bytes=100)
+    assert cfg.wants(1000, 10) and not cfg.wants(999, 1) and not cfg.wants(1000, 11)
+    assert not staged.StagedConfig(enabled=False, min_bytes=0, min_row_bytes=0).wants(1 << 40, 1)
 
 
 def test_empty_batches_have_one_bound():
-    assert staged.row_chunks(np.zeros(0, np.int64), 0, 1 << 16).tolist() == [0]
-    assert staged.strided_chunks(np.zeros(0, np.int64), np.zeros(0, np.int64), 5, 1 << 16).tolist() == [0]
+    assert staged.row_chunks(np.zeros(0, np.int64), 0, staged.chunk_starts(0, 1 << 16, 1 << 16)).tolist() == [0]
+    assert staged.strided_chunks(np.zeros(0, np.int64), np.zeros(0, np.int64), 5, np.zeros(1, np.int64)).tolist() == [0]
 
 
 def test_staged_config_and_engine_reject_bad_values():
@@ -71,6 +90,8 @@ def test_staged_config_and_engine_reject_bad_values():
         staged.StagedConfig(buffers=1)
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 65536, got 4096"):
         staged.StagedConfig(chunk_bytes=4096)
+    with pytest.raises(ValueError, match="edge_bytes must be an int >= 65536, got 0"):
+        staged.StagedConfig(edge_bytes=0)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         staged.StagedConfig(enabled="yes")
     with pytest.raises(TypeError, match="staged must be a StagedConfig, got dict"):
@@ -125,7 +146,7 @@ for unit in (16, 1):
     rows = kern.build_row_table(sb, sr, so, db, dr, do, length, staged=True)
     plan = kern.plan_launch(n, int(length.max()), kern.choose_path(rows), cfg)
     total = int(length.sum())
-    bounds = staged.row_chunks(rows[3], total, 48)
+    bounds = staged.row_chunks(rows[3], total, staged.chunk_starts(total, 48, 16))
     offsets = np.append(rows[3], total)[bounds]
     stage = torch.zeros(int(np.diff(offsets).max()) + 16, dtype=torch.uint8)
     t = torch.from_numpy(rows)
@@ -152,7 +173,7 @@ for unit in (16, 1):
     table = kern.build_strided_table(sb, db, pairs, b.src_slot, b.dst_slot, staged=True)
     plan = kern.plan_launch(P * S, int(plen.max()), kern.choose_path(table[:5 * P]), cfg)
     po = table[5 * P + 2 * S:]
-    bounds = staged.strided_chunks(po, b.length, S, 64)
+    bounds = staged.strided_chunks(po, b.length, S, staged.chunk_starts(int((b.length * S).sum()), 64, 16))
     offsets = staged.strided_offsets(po, b.length, S, bounds)
     stage = torch.zeros(int(np.diff(offsets).max()) + 16, dtype=torch.uint8)
     t = torch.from_numpy(table)
@@ -187,7 +208,8 @@ def test_range_and_stage_arguments_are_checked():
 
 # -- two processes on two GPUs --------------------------------------------------------------------
 
-SMALL = staged.StagedConfig(chunk_bytes=1 << 18)  # many chunks even for test-sized batches (rows up to 256 KiB)
+# many chunks even for test-sized batches (rows up to 256 KiB), ramping up from 64 KiB and back
+SMALL = staged.StagedConfig(chunk_bytes=1 << 18, edge_bytes=1 << 16)
 
 
 def _staged_pair(remote, num_bufs, buf_bytes):
@@ -262,18 +284,19 @@ def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):  # noqa:
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("enabled, min_bytes, staged_used", [(True, 1 << 40, False), (False, 0, False),
-                                                              (True, 0, True)])
-def test_auto_engine_follows_the_config(remote, enabled, min_bytes, staged_used):  # noqa: F811
+@pytest.mark.parametrize("enabled, min_bytes, min_row_bytes, staged_used", [
+    (True, 1 << 40, 0, False), (False, 0, 0, False), (True, 0, 1 << 30, False), (True, 0, TOKEN, True)])
+def test_auto_engine_follows_the_config(remote, enabled, min_bytes, min_row_bytes, staged_used):  # noqa: F811
     from transport.nvlink import NvlinkConfig
 
     buf_bytes = SLOTS * TOKEN
-    config = NvlinkConfig(staged=staged.StagedConfig(enabled=enabled, min_bytes=min_bytes, chunk_bytes=1 << 18))
+    config = NvlinkConfig(staged=staged.StagedConfig(enabled=enabled, min_bytes=min_bytes, min_row_bytes=min_row_bytes,
+                                                     chunk_bytes=1 << 18))
     t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, config)
     try:
         assert peer.engine == "auto"
         batch = _kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(2))
-        tag = f"auto {enabled} {min_bytes}".encode()
+        tag = f"auto {enabled} {min_bytes} {min_row_bytes}".encode()
         peer.write(batch, notify=tag).wait(timeout=60)
         assert (peer._dst_base_staged is not None) == staged_used  # mapped for the staged engine only if used
         _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
