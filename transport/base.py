@@ -68,6 +68,7 @@ import numpy as np
 
 __all__ = [
     "Region",
+    "RegionSizes",
     "WriteBatch",
     "StridedBatch",
     "TransferStatus",
@@ -177,7 +178,8 @@ class WriteBatch:
         return int(self.length.sum())
 
     def check_bounds(self, local: Mapping[int, Region], remote: Mapping[int, Region]) -> None:
-        """Raise ``ValueError`` naming the first entry outside its (local or remote) region."""
+        """Raise ``ValueError`` naming the first entry outside its (local or remote) region
+        (either table may also be a :class:`RegionSizes`)."""
         _check_side(self.src_region, self.src_offset, self.length, local, "source (local)")
         _check_side(self.dst_region, self.dst_offset, self.length, remote, "destination (peer)")
 
@@ -211,14 +213,33 @@ def _int64_arrays(names, values, what: str) -> list:
     return arrays
 
 
-def _check_side(region, offset, length, table: Mapping[int, Region], side: str, what: str = "entry") -> None:
+class RegionSizes:
+    """The byte size of each region id of a region table (``-1``: not registered), built once
+    so that a bounds check costs no Python loop over the regions. Backends keep one per side
+    and rebuild it when their regions change; ``check_bounds`` accepts it wherever it accepts
+    a ``Mapping[int, Region]``."""
+
+    def __init__(self, table: Mapping[int, Region]):
+        top = max(table) if table else -1
+        self.sizes = np.full(top + 1, -1, dtype=np.int64)  # [max id + 1] bytes
+        for rid, reg in table.items():
+            self.sizes[rid] = reg.length
+        self.ids = sorted(table)
+
+    def upto(self, top: int) -> np.ndarray:
+        """Sizes of ids ``0 .. top`` (``-1`` past the known ids)."""
+        if top < self.sizes.size:
+            return self.sizes[: top + 1]
+        return np.concatenate([self.sizes, np.full(top + 1 - self.sizes.size, -1, dtype=np.int64)])
+
+
+def _check_side(region, offset, length, table, side: str, what: str = "entry") -> None:
     if region.size == 0:
         return
     lo, top = int(region.min()), int(region.max())
-    sizes = np.full(top + 1, -1, dtype=np.int64)  # -1: unknown or deregistered id
-    for rid, reg in table.items():
-        if rid <= top:
-            sizes[rid] = reg.length
+    if not isinstance(table, RegionSizes):
+        table = RegionSizes(table)
+    sizes = table.upto(top)  # [top + 1] bytes, -1: unknown or deregistered id
     ends = offset + length
     # Fast path (a few reductions, no gather): every id in [lo, top] is registered and the
     # furthest end fits the smallest of them. Plans over equal-sized per-layer buffers
@@ -232,7 +253,7 @@ def _check_side(region, offset, length, table: Mapping[int, Region], side: str, 
         i = int(bad[0])
         raise ValueError(
             f"batch {what} {i}: {side} region {int(region[i])} is not registered "
-            f"(known ids: {sorted(table)[:16]})"
+            f"(known ids: {table.ids[:16]})"
         )
     over = np.flatnonzero(ends > known)
     if over.size:

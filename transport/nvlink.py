@@ -77,6 +77,7 @@ from transport.base import (
     Peer,
     PeerDescriptorError,
     Region,
+    RegionSizes,
     StridedBatch,
     Transfer,
     TransferStatus,
@@ -192,6 +193,7 @@ class NvlinkPeer(Peer):
         self._config = owner._config
         self.name = name
         self.regions = dict(regions)
+        self._sizes = RegionSizes(self.regions)
         self._device = owner._exec_device()
         self._api = owner._api()
         self._ipc = ipc
@@ -299,7 +301,7 @@ class NvlinkPeer(Peer):
         import torch
 
         if not checked:
-            batch.check_bounds(self._owner.regions, self.regions)
+            self._check_bounds(batch)
         n, warps = len(batch), self._config.kernel.num_warps
         max_len = int(batch.length.max()) if n else 0
         if isinstance(batch, StridedBatch):
@@ -371,6 +373,9 @@ class NvlinkPeer(Peer):
                         lambda a, b, st, s: job.launch(tables[0], lane.local, s, a, b, st),
                         lambda a, b, st, s: job.launch(tables[1], lane.peer, s, a, b, st))
 
+    def _check_bounds(self, batch) -> None:
+        batch.check_bounds(self._owner._region_sizes(), self._sizes)
+
     def _check_write(self, batch, notify) -> Optional[bytes]:
         """The checks every write shares: open peer, notification payload, the batch's bounds."""
         if self._closed:
@@ -381,7 +386,7 @@ class NvlinkPeer(Peer):
             notify = bytes(notify)
             if len(notify) > self._config.max_notify_bytes:
                 raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
-        batch.check_bounds(self._owner.regions, self.regions)
+        self._check_bounds(batch)
         return notify
 
     def _track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
@@ -397,7 +402,7 @@ class NvlinkPeer(Peer):
         on it. ``checked``: the caller already ran ``batch.check_bounds``. With a ``lane``: the
         staged ``[4, n]`` form, destinations as mapped under the peer's GPU."""
         if not checked:
-            batch.check_bounds(self._owner.regions, self.regions)
+            self._check_bounds(batch)
         return kern.build_row_table(
             self._owner._src_base, batch.src_region, batch.src_offset,
             self._dst_base if lane is None else self._dst_base_staged, batch.dst_region, batch.dst_offset,
@@ -421,7 +426,7 @@ class NvlinkPeer(Peer):
         :mod:`transport.nvlink_kernel`). ``checked``: the caller already ran ``check_bounds``.
         With a ``lane``: the staged form (``+ P`` offsets), destinations under the peer's GPU."""
         if not checked:
-            batch.check_bounds(self._owner.regions, self.regions)
+            self._check_bounds(batch)
         pairs = (batch.src_region, batch.src_offset, batch.src_stride, batch.dst_region, batch.dst_offset,
                  batch.dst_stride, batch.length)
         dst_base = self._dst_base if lane is None else self._dst_base_staged
@@ -518,6 +523,7 @@ class NvlinkTransport(Transport):
         self._exports: dict[int, cuda_ipc.IpcExport] = {}
         self._next_id = 0
         self._src_base = np.zeros(0, dtype=np.int64)  # [num_region_ids] local addresses
+        self._sizes: Optional[RegionSizes] = None  # of self._regions, rebuilt after a change
         self._device: Optional[int] = None
         self._cuda_stream = None
         self._peers: list[NvlinkPeer] = []
@@ -574,6 +580,7 @@ class NvlinkTransport(Transport):
         if rid >= self._src_base.size:
             self._src_base = np.concatenate([self._src_base, np.zeros(max(16, rid + 1), dtype=np.int64)])
         self._src_base[rid] = ptr
+        self._sizes = None
         return rid
 
     def deregister(self, region_id: int) -> None:
@@ -583,10 +590,16 @@ class NvlinkTransport(Transport):
         del self._regions[region_id]
         del self._exports[region_id]
         self._src_base[region_id] = 0
+        self._sizes = None
 
     @property
     def regions(self) -> Mapping[int, Region]:
         return dict(self._regions)
+
+    def _region_sizes(self) -> RegionSizes:
+        if self._sizes is None:
+            self._sizes = RegionSizes(self._regions)
+        return self._sizes
 
     # -- peers ----------------------------------------------------------------------------
     def export(self) -> bytes:

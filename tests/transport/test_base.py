@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from transport.base import PeerDescriptorError, Region, WriteBatch, pack_descriptor, unpack_descriptor
+from transport.base import PeerDescriptorError, Region, RegionSizes, WriteBatch, pack_descriptor, unpack_descriptor
 
 
 def _regions(*lengths):
@@ -45,11 +45,12 @@ def test_bounds_check_agrees_with_an_entrywise_reference(seed):
     batch = WriteBatch.of(rng.choice(ids, n) if rng.random() < 0.9 else rng.integers(0, 8, n),
                           rng.integers(0, 1 << 15, n), 0, 0, rng.integers(1, 1 << 12, n))
     remote = _regions(1 << 20)
-    if _reference_in_bounds(batch, table):
-        batch.check_bounds(table, remote)
-    else:
-        with pytest.raises(ValueError, match=r"batch entry \d+: source \(local\)"):
-            batch.check_bounds(table, remote)
+    for local in (table, RegionSizes(table)):  # the mapping, and the sizes a backend keeps
+        if _reference_in_bounds(batch, table):
+            batch.check_bounds(local, RegionSizes(remote))
+        else:
+            with pytest.raises(ValueError, match=r"batch entry \d+: source \(local\)"):
+                batch.check_bounds(local, remote)
 
 
 def test_bounds_errors_name_entry_and_region():
@@ -58,6 +59,9 @@ def test_bounds_errors_name_entry_and_region():
         WriteBatch.of(0, 0, [0, 1], [0, 40], 20).check_bounds(table, table)
     with pytest.raises(ValueError, match="region 7 is not registered"):
         WriteBatch.of(7, 0, 0, 0, 1).check_bounds(table, table)
+    with pytest.raises(ValueError, match=r"region 7 is not registered \(known ids: \[0, 1\]\)"):
+        WriteBatch.of(0, 0, 7, 0, 1).check_bounds(RegionSizes(table), RegionSizes(table))
+    assert RegionSizes({}).upto(2).tolist() == [-1, -1, -1]
 
 
 def test_descriptor_envelope_round_trip_and_errors():
