@@ -178,7 +178,9 @@ class NvlinkTransfer(Transfer):
                 self._fail("aborted")
 
     def _fail(self, why: str) -> None:
-        self._status, self._error, self._keep = TransferStatus.FAILED, why, ()
+        self._status, self._error = TransferStatus.FAILED, why
+        self._peer._bury(self._event, self._keep)  # the GPU may still read the tables
+        self._keep = ()
 
     def _done(self) -> None:
         self._status, self._keep = TransferStatus.DONE, ()
@@ -200,6 +202,7 @@ class NvlinkPeer(Peer):
         self._opened: list[tuple[bytes, int]] = []  # (handle, device it was opened under)
         self._lock = threading.RLock()
         self._pending: deque[NvlinkTransfer] = deque()
+        self._graveyard: list = []  # [(event, tables)] of failed transfers whose copy may still run
         self._closed = False
         self._outbox = None
         # The staged engine: the peer's GPU as numbered here (None: unknown or this GPU), its
@@ -345,14 +348,23 @@ class NvlinkPeer(Peer):
     def upload(self, job: PreparedWrite) -> tuple:
         """Copy the pinned table to the local GPU (on the copy stream) and, staged, to the
         peer's (on the scatter stream): the tables :meth:`enqueue` reads."""
+        tables = (self._table_on(job.host, self._device, self._owner._stream()),)
+        if job.lane is not None:
+            tables += (self._table_on(job.host, job.lane.peer, job.lane.scatter_stream),)
+        return tables
+
+    def _table_on(self, host, device: int, stream):
+        """``host`` copied to ``device`` on ``stream`` by one raw ``cudaMemcpyAsync`` (torch's
+        stream contexts cost more than the copy). The pinned ``host`` must outlive the copy:
+        transfers keep it until their event completes, failed ones too (:meth:`_bury`)."""
         import torch
 
-        with torch.cuda.device(self._device), torch.cuda.stream(self._owner._stream()):
-            tables = (job.host.to(self._device, non_blocking=True),)
-        if job.lane is not None:
-            with torch.cuda.device(job.lane.peer), torch.cuda.stream(job.lane.scatter_stream):
-                tables += (job.host.to(job.lane.peer, non_blocking=True),)
-        return tables
+        table = torch.empty(host.shape, dtype=host.dtype, device=torch.device("cuda", device))
+        table.record_stream(stream)  # the allocator reuses it only once the stream is past this point
+        with cuda_ipc.on_device(self._api, device, torch_too=False):
+            self._api.memcpy_async(table.data_ptr(), host.data_ptr(), host.numel() * host.element_size(),
+                                   stream.cuda_stream)
+        return table
 
     def enqueue(self, job: PreparedWrite, tables: tuple):
         """Queue the copy (after the caller's current stream when ``wait_current_stream``);
@@ -364,10 +376,10 @@ class NvlinkPeer(Peer):
             stream.wait_stream(torch.cuda.current_stream(self._device))
         lane = job.lane
         if lane is None:
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
+            with cuda_ipc.on_device(self._api, self._device, torch_too=False):
                 job.launch(tables[0], self._device, stream)
-                event = torch.cuda.Event()
-                event.record(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
             return event
         return lane.run(stream, job.bounds, job.offsets,
                         lambda a, b, st, s: job.launch(tables[0], lane.local, s, a, b, st),
@@ -444,9 +456,27 @@ class NvlinkPeer(Peer):
         """The local GPU that runs this peer's copies."""
         return self._device
 
+    def _bury(self, event, keep: tuple) -> None:
+        """Hold ``keep`` until ``event`` completes (a failed or aborted transfer's tables)."""
+        if keep and event is not None:
+            with self._lock:
+                self._graveyard.append((event, keep))
+
+    def _dig(self) -> None:
+        """Release the tables of failed transfers whose copy has finished (or errored)."""
+        def running(event) -> bool:
+            try:
+                return not event.query()
+            except Exception:  # a CUDA error: nothing will run any more
+                return False
+
+        self._graveyard = [(e, k) for e, k in self._graveyard if running(e)]
+
     def _advance(self) -> bool:
         """Move the FIFO of pending transfers forward; True while some remain pending."""
         with self._lock:
+            if self._graveyard:
+                self._dig()
             while self._pending:
                 t = self._pending[0]
                 if t._status is TransferStatus.PENDING and not self._advance_one(t):
@@ -496,6 +526,7 @@ class NvlinkPeer(Peer):
         if self._opened:
             self._owner._stream().synchronize()
             self._owner._sync_lanes()
+            self._graveyard.clear()
             for handle, device in self._opened:
                 try:
                     cuda_ipc.close_handle(self._api, handle, device)

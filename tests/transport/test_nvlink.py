@@ -488,6 +488,7 @@ def cpu_peer():
     peer.name = "cpu-peer"
     peer._lock = threading.RLock()
     peer._pending = deque()
+    peer._graveyard = []
     peer._outbox = _Outbox(inbox.name, 1.0)
     yield peer, inbox
     peer._outbox.close()
@@ -530,6 +531,28 @@ def test_abort_fails_the_transfer_and_suppresses_its_notification(cpu_peer):
     with pytest.raises(TransferFailed, match="aborted"):
         t.wait(timeout=1)
     assert _drain(inbox, 1, timeout=0.1) == []
+
+
+def test_failed_transfers_hold_their_tables_until_the_copy_ends(cpu_peer):
+    """An aborted or timed-out copy may still be reading its tables on the GPU: they are
+    released only once its event completes (or errors), not at the failure."""
+    from transport.nvlink import NvlinkTransfer
+
+    peer, _ = cpu_peer
+    tables = [object(), object()]
+    running, broken = _Event(), _Event()
+    for event in (running, broken):
+        t = NvlinkTransfer(peer, event, None, keep=tuple(tables))
+        peer._pending.append(t)
+        t.abort()
+        assert t.status() is TransferStatus.FAILED and t._keep == ()
+    assert [k for _, k in peer._graveyard] == [tuple(tables)] * 2
+    broken.error = RuntimeError("illegal memory access")
+    peer._advance()
+    assert [e for e, _ in peer._graveyard] == [running]
+    running.fired = True
+    peer._advance()
+    assert peer._graveyard == []
 
 
 def test_copy_that_never_completes_fails_after_the_timeout(cpu_peer):
