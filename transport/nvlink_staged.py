@@ -13,7 +13,7 @@ microsecond per copy: ``cudaMemcpyBatchAsync`` moved 2 KiB rows at 1.9 GB/s, 32 
 
 How
 ---
-The batch is cut into chunks of about ``chunk_bytes`` of whole rows. For each chunk:
+The batch is cut into chunks of whole rows. For each chunk:
 
 1. *gather* (the row kernel of :mod:`transport.nvlink_kernel`, on the local GPU, the writer's
    copy stream): the chunk's rows, back to back, into local staging buffer ``k``;
@@ -26,39 +26,47 @@ The batch is cut into chunks of about ``chunk_bytes`` of whole rows. For each ch
 buffer ``k`` waits for the copy that last read it, a copy into peer buffer ``k`` for the scatter
 that last read that), and the host enqueues every chunk at once without waiting. The kernels
 move bytes through HBM several times faster than the link, so the copy engine runs back to
-back and the kernels hide behind it; what is left is the first gather and the last scatter.
-Completion is one event on the peer-GPU stream after the last scatter.
+back and the kernels hide behind it; what is left is the first gather and the last scatter,
+which is why chunks start at ``edge_bytes`` (16 MiB), double up to ``chunk_bytes`` (128 MiB)
+and halve again at the end (:func:`chunk_starts`). Completion is one event on the peer-GPU
+stream after the last scatter.
+
+The host must stay ahead of the copy engine (128 MiB take 340 us on the link). Torch's stream
+contexts and events and Triton's ``kernel[grid]`` cost about 130 us per chunk on an H200
+host, so :class:`StagedLane` enqueues with raw CUDA calls and relaunches the kernels directly
+(:mod:`transport.triton_launch`): about 46 us per chunk.
 
 A row's place in the staging stream is its offset among all rows of the batch
 (:mod:`transport.nvlink_kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
-cut the batch where a row starts at or before each multiple of ``chunk_bytes``, so a chunk
-holds less than ``chunk_bytes`` plus one row.
+cut the batch at the last row that starts at or before each chunk start, so a chunk holds less
+than its share plus one row.
 
-Costs (why it is a setting)
----------------------------
+Costs and when "auto" takes it
+------------------------------
 - This process creates a CUDA context on the peer GPU (some hundred MB there) and holds
-  ``buffers`` staging buffers of about ``chunk_bytes`` on each of the two GPUs (defaults:
-  2 x 64 MiB each), per pair of GPUs, shared by every peer on that GPU.
+  ``buffers`` staging buffers of ``chunk_bytes`` on each of the two GPUs (defaults: 2 x 128 MiB
+  each), per pair of GPUs, shared by every peer on that GPU. ``StagedConfig(enabled=False)``
+  keeps a deployment on the direct kernel when that memory matters more than the last 4 %.
 - The peer's IPC handles are opened a second time, under the peer GPU: a mapping opened under
   one GPU faults when another GPU's kernels use it, and opening one handle under both GPUs
   works (both seen on two H200s).
-- The pipeline fills and drains: batches under ``min_bytes`` use the direct push kernel.
+- Each write costs more host time before the GPU starts (chunk cuts, a table on each GPU,
+  about 0.3 ms more than the direct kernel): end to end it beats the direct kernel from about
+  1.3 GB on (1280 MiB: 81.0 % vs 80.7 %; 5 GiB: 90-93 % vs 88-90 %), hence ``min_bytes`` 2 GiB.
+- Short rows gather and scatter slowly (256 B head slices: 87 % against the direct kernel's
+  93 %), hence ``min_row_bytes``.
 
-Measured (2026-11-29, two H200s, NV18, two processes, 80 layers x K,V x 16,384 tokens, GB/s on
-CUDA events beside the same run's peer copy of the same bytes, 391.9 / 390.1 GB/s)
+Measured (2026-11-29, two H200s, NV18, two processes, ``kvtransfer bench nvlink``: 80 layers x
+K,V x 16,384 tokens, the pipeline alone on CUDA events with its tables resident, beside the
+same run's peer copy of the same bytes, 393.7-395.5 GB/s)
 ------------------------------------------------------------------------------------------
-A probe with hand-written CUDA gather/scatter kernels (one process, launches ~10 us) showed
-what the scheme can do: 2 KiB rows, 2 GB, 64 MiB chunks, 132 blocks: 377.0 GB/s = 95.3 % of
-the copy engine, above every SM-driven copy. This module, launching Triton kernels through
-torch streams and events, spends ~110-200 us of host time per chunk (two kernel launches, a
-copy, six event operations, two device switches), which caps it:
+    page 1 (2 KiB rows, 5 GiB)      382.7 GB/s = 96.8 %   (direct kernel 369.6 = 93.5 %)
+    page 16 (32 KiB rows, 5 GiB)    385.3 GB/s = 97.5 %   (direct kernel 366.6 = 92.7 %)
+    page 64 (128 KiB rows, 5 GiB)   378.9 GB/s = 96.2 %   (direct kernel 367.1 = 93.2 %)
+    head slice (256 B, 640 MiB)     334.6 GB/s = 86.9 %   (direct kernel 357.8 = 92.9 %)
 
-    page 1 (2 KiB rows, 5 GiB)   chunk 64 MiB 359.0 (91.6 %), 128 MiB 357.4 (91.2 %), 256 MiB 351.8
-    head slice (256 B, 640 MiB)  chunk 64 MiB 223.9 (57.4 %), 128 MiB 238.3 (61.1 %)
-
-against 364-370 GB/s (93 %) for the direct kernel. Hence ``enabled`` is False by default. What
-would lift it: fewer host operations per chunk (raw CUDA calls on cached kernels, or the whole
-pipeline captured once as a CUDA graph), and small first and last chunks to shorten the fill.
+``write_strided().wait()`` end to end: 92.4 / 93.0 / 90.3 % (direct kernel 89.5 / 88.4 / 88.1 %).
+Before the raw enqueue and the ramped chunks the same pipeline reached 91.6 %, host-bound.
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ class StagedConfig:
     """
 
     enabled: bool = True
-    min_bytes: int = 1 << 30
+    min_bytes: int = 2 << 30
     min_row_bytes: int = 1024
     chunk_bytes: int = 128 << 20
     edge_bytes: int = 16 << 20
@@ -173,9 +181,10 @@ class StagedLane:
 
     The pipeline is enqueued with raw CUDA calls (``cudaSetDevice``, ``cudaEventRecord``,
     ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` through :mod:`transport.cuda_ipc`) and kernels
-    relaunched without Triton's JIT (:mod:`transport.triton_launch`): about 45 us of host time per
-    chunk, against 170 us of copy-engine time for 64 MiB (torch's stream contexts and events
-    and ``kernel[grid]`` cost 130 us, measured 2026-11-29 on an H200 host)."""
+    relaunched without Triton's JIT (:mod:`transport.triton_launch`): about 46 us of host time per
+    chunk (2.0 ms for the 44 chunks of 5 GiB), against 340 us of copy-engine time for 128 MiB
+    (torch's stream contexts and events and ``kernel[grid]`` cost 130 us; measured 2026-11-29
+    on an H200 host)."""
 
     def __init__(self, api, local: int, peer: int, config: StagedConfig):
         import torch
