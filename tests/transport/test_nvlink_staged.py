@@ -302,3 +302,41 @@ def test_auto_engine_follows_the_config(remote, enabled, min_bytes, min_row_byte
         _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):  # noqa: F811
+    """A launch that fails mid-pipeline raises from write() (after what was queued has run),
+    releases the lane, and the next write lands byte for byte."""
+    import dataclasses
+
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
+    try:
+        batch = _kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(5))
+        prepare, launches = peer.prepare, []
+
+        def failing_prepare(b, checked=False):
+            job = prepare(b, checked)
+
+            def launch(*args, **kwargs):
+                launches.append(args[1])
+                if len(launches) == 3:
+                    raise RuntimeError("injected launch failure")
+                job.launch(*args, **kwargs)
+
+            return dataclasses.replace(job, launch=launch)
+
+        peer.prepare = failing_prepare
+        with pytest.raises(RuntimeError, match="injected launch failure"):
+            peer.write(batch)
+        del peer.prepare  # back to the class's method
+        assert not peer._owner._lanes[peer._peer_gpu]._lock.locked()
+        tag = b"after a failed enqueue"
+        tr = peer.write(batch, notify=tag)
+        tr.wait(timeout=60)
+        assert tr.status() is TransferStatus.DONE
+        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+    finally:
+        t.close()
