@@ -53,19 +53,20 @@ Costs and when "auto" takes it
 - Each write costs more host time before the GPU starts (chunk cuts, a table on each GPU,
   about 0.3 ms more than the direct kernel): end to end it beats the direct kernel from about
   1.3 GB on (1280 MiB: 81.0 % vs 80.7 %; 5 GiB: 90-93 % vs 88-90 %), hence ``min_bytes`` 2 GiB.
-- Short rows gather and scatter slowly (256 B head slices: 87 % against the direct kernel's
-  93 %), hence ``min_row_bytes``.
+- Short rows gather and scatter slowly (256 B head slices: 87-90 % against the direct
+  kernel's 93 %), hence ``min_row_bytes``.
 
 Measured (2026-11-29, two H200s, NV18, two processes, ``kvtransfer bench nvlink``: 80 layers x
 K,V x 16,384 tokens, the pipeline alone on CUDA events with its tables resident, beside the
-same run's peer copy of the same bytes, 393.7-395.5 GB/s)
+same run's peer copy of the same bytes, 392.4-396.1 GB/s)
 ------------------------------------------------------------------------------------------
-    page 1 (2 KiB rows, 5 GiB)      382.7 GB/s = 96.8 %   (direct kernel 369.6 = 93.5 %)
-    page 16 (32 KiB rows, 5 GiB)    385.3 GB/s = 97.5 %   (direct kernel 366.6 = 92.7 %)
-    page 64 (128 KiB rows, 5 GiB)   378.9 GB/s = 96.2 %   (direct kernel 367.1 = 93.2 %)
-    head slice (256 B, 640 MiB)     334.6 GB/s = 86.9 %   (direct kernel 357.8 = 92.9 %)
+    page 1 (2 KiB rows, 5 GiB)      386.3 GB/s = 98.1 %   (direct kernel 368.9 = 93.6 %)
+    page 16 (32 KiB rows, 5 GiB)    385.7 GB/s = 97.4 %   (direct kernel 369.9 = 93.4 %)
+    page 64 (128 KiB rows, 5 GiB)   385.2 GB/s = 97.6 %   (direct kernel 369.4 = 93.6 %)
+    head slice (256 B, 640 MiB)     353.4 GB/s = 90.1 %   (direct kernel 363.7 = 92.7 %)
 
-``write_strided().wait()`` end to end: 92.4 / 93.0 / 90.3 % (direct kernel 89.5 / 88.4 / 88.1 %).
+``write_strided().wait()`` end to end: 92.5 / 90.4 / 93.2 % (direct kernel 88.8 / 90.5 / 90.8 %).
+An earlier run: 96.8 / 97.5 / 96.2 %, head slice 86.9 %.
 Before the raw enqueue and the ramped chunks the same pipeline reached 91.6 %, host-bound.
 """
 

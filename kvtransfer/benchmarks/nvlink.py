@@ -9,7 +9,9 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
                        one KV head), page size 1, all 160 buffers
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
-(CUDA events, median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
+(CUDA events, median), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
+scatter; its tables resident on both GPUs, ``NvlinkPeer.enqueue`` repeated; CUDA events,
+median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
 bounds check, the row-table gather and its host-to-device copy (median), ``write_strided()``
 = the same rows as buffer pairs x slots (``StridedBatch``; O(pairs + slots) host work, the
 addresses computed on the GPU), wall time, median, once with the direct kernel and once with
@@ -39,10 +41,12 @@ row count, end to end 342-344 / 340-341 / 197-259 GB/s = 87 / 87 / 50-66 % of th
 against 75-89 / 284-296 / 13-14 GB/s for ``write()``. What remains is fixed per write (launch,
 staging, the wait's polling): it weighs on the 640 MiB head-slice case, not on 5 GiB.
 
-With the staged engine column (2026-11-29, same machine, ``--reps 5``; peer copy 392-396):
-kernel 368.4 / 369.2 / 365.3 / 342.6 GB/s (93.1 / 93.8 / 93.0 / 87.3 %; page 1 / 16 / 64 /
-head slice), ``write_strided()`` direct 88.4 / 90.5 / 87.6 / 62.3 %, staged 88.5 / 91.3 / 89.3 /
-56.4 % (host enqueue 6-9 ms for 5 GiB in 128 MiB chunks), every write verified.
+Current (2026-11-29, same machine, default settings; raw enqueue, ramped chunks, cached region
+sizes, raw table uploads): peer copy 393.9-396.1 GB/s; staged 386.3 / 385.7 / 385.2 GB/s =
+98.1 / 97.4 / 97.6 % (page 1 / 16 / 64), head slice 90.1 %; kernel 93.4-93.6 %, head slice
+92.7 %; ``write_strided()`` end to end staged 92.5 / 90.4 / 93.2 %, direct 88.8 / 90.5 / 90.8 /
+76.5 % (head slice); NIXL page 1 0.48 GB/s. With 4,096 tokens (1280 MiB): staged 94.9 %,
+kernel 91.3 %, end to end 81.0 / 80.7 %.
 """
 
 from __future__ import annotations
