@@ -356,7 +356,7 @@ class StridedBatch:
 class Transfer(abc.ABC):
     """A write in flight. Poll it, wait on it, or abort it."""
 
-    max_poll_sleep_s: float = 1e-3  # longest sleep between polls in wait(); backends may lower it
+    max_poll_sleep_s: float = 1e-3  # longest sleep between polls in wait(); backends may lower it (0: yield only)
 
     @abc.abstractmethod
     def status(self) -> TransferStatus:
@@ -386,8 +386,9 @@ class Transfer(abc.ABC):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TransferTimeout(f"transfer still pending after {timeout} s")
             # Spin briefly, then back off to ``max_poll_sleep_s`` so a 2-core machine keeps a
-            # core for the backend's progress thread.
-            if sleep:
+            # core for the backend's progress thread. 0: never sleep, only yield the GIL (a
+            # Linux sleep lasts at least the 50 us timer slack).
+            if sleep or not self.max_poll_sleep_s:
                 time.sleep(sleep)
             sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
 

@@ -158,8 +158,10 @@ class PreparedWrite:
 class NvlinkTransfer(Transfer):
     """One batched write: a CUDA event, an optional notification, a deadline."""
 
-    # A 5 GiB copy takes ~14 ms on NVLink: a 1 ms poll back-off would cost up to 7 %.
-    max_poll_sleep_s = 5e-5
+    # A 640 MiB copy takes 1.7 ms on NVLink: even a 50 us sleep (Linux's timer slack) costs a
+    # few percent, so wait() polls yielding the GIL, without sleeping; it keeps one core busy
+    # while it waits (poll status() from an event loop to avoid that).
+    max_poll_sleep_s = 0.0
 
     def __init__(self, peer: "NvlinkPeer", event, notify: Optional[bytes], keep=(), error: Optional[str] = None):
         self._peer = peer
