@@ -366,6 +366,14 @@ def _kv_batch(src_rids, dst_rids, page_size, head_slice, rng, tokens=64):
     )
 
 
+def _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, tag: bytes) -> None:
+    """Write ``batch`` with notification ``tag``, wait for it, check the bytes on the receiver."""
+    tr = peer.write(batch, notify=tag)
+    tr.wait(timeout=60)
+    assert tr.status() is TransferStatus.DONE
+    _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (64, False), (1, True), (16, True)])
@@ -375,11 +383,7 @@ def test_two_processes_kv_rows_exact(remote, page_size, head_slice):
     try:
         rng = np.random.default_rng(page_size + 100 * head_slice)
         batch = _kv_batch(sorted(src), dst_rids, page_size, head_slice, rng)
-        tag = f"kv {page_size} {head_slice}".encode()
-        tr = peer.write(batch, notify=tag)
-        tr.wait(timeout=60)
-        assert tr.status() is TransferStatus.DONE
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, f"kv {page_size} {head_slice}".encode())
     finally:
         t.close()
 

@@ -16,6 +16,7 @@ from tests.transport.test_nvlink import (  # noqa: F401  (the fixture is used by
     _check_landed,
     _kv_batch,
     _local_pair,
+    _write_landed,
     remote,
 )
 from tests.transport.test_strided import _kv_strided
@@ -333,10 +334,6 @@ def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):  # noqa: F811
             peer.write(batch)
         del peer.prepare  # back to the class's method
         assert not peer._owner._lanes[peer._peer_gpu]._lock.locked()
-        tag = b"after a failed enqueue"
-        tr = peer.write(batch, notify=tag)
-        tr.wait(timeout=60)
-        assert tr.status() is TransferStatus.DONE
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, b"after a failed enqueue")
     finally:
         t.close()
