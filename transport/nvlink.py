@@ -52,7 +52,7 @@ time the GPU side alone. A failed or aborted transfer keeps its tables until its
 
 The staged engine (:mod:`transport.nvlink_staged`, ``NvlinkPeer.engine``) packs rows on the
 local GPU, moves the packed bytes with the copy engine and unpacks them with a kernel this
-process launches on the peer GPU: 96-97.5 % of the peer copy for whole-token rows. Engine
+process launches on the peer GPU: 95-98 % of the peer copy for whole-token rows. Engine
 "auto" takes it for batches of 2 GiB and more whose rows average 1 KiB or more.
 
 What this backend refuses (the caller falls back to NIXL)
@@ -302,8 +302,8 @@ class NvlinkPeer(Peer):
         if not self._outbox.alive():
             return NvlinkTransfer(self, None, None, error=f"peer {self.name!r} lost (its socket closed)")
         job = self.prepare(batch, checked=True)
-        tables = self.upload(job)
         try:
+            tables = self.upload(job)
             event = self.enqueue(job, tables)
         except BaseException:
             self._quiesce(job)  # part of it may be queued: nothing may read the tables once they go
