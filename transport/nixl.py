@@ -76,6 +76,7 @@ from transport.base import (
     Peer,
     PeerDescriptorError,
     Region,
+    RegionSizes,
     Transfer,
     TransferStatus,
     Transport,
@@ -141,10 +142,11 @@ class _RegionTable:
 
     ``ptr[id]`` is the base address, ``dev[id]`` the CUDA ordinal or -1 for host. Ids are
     dense from 0; a deregistered id keeps a stale entry, but batches are bounds-checked
-    against the live regions before the table is indexed.
+    against the live regions (``sizes``) before the table is indexed.
     """
 
     def __init__(self, regions: Mapping[int, Region]):
+        self.sizes = RegionSizes(regions)  # what check_bounds reads: no loop over regions per write
         top = max(regions, default=-1) + 1
         self.ptr = np.zeros(top, dtype=np.uint64)  # [num_ids]
         self.dev = np.full(top, -1, dtype=np.int64)  # [num_ids]
@@ -252,7 +254,7 @@ class NixlPeer(Peer):
             raise TypeError(f"notify must be non-empty bytes or None, got {notify!r:.60}")
         transport = self._transport
         agent = transport._agent_checked()
-        batch.check_bounds(transport._regions, self.regions)
+        batch.check_bounds(transport._table().sizes, self._table.sizes)
         notif = bytes(notify) if notify is not None else b""
         if len(batch) == 0 and not notif:
             return NixlTransfer.finished(self, TransferStatus.DONE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.transport._interpret import run_interpreted
+from tests.transport._interpret import assert_interpreted_ok
 
 from transport.base import Region, StridedBatch, TransferStatus, WriteBatch
 
@@ -173,8 +173,7 @@ print("STRIDED-KERNEL-OK")
 
 def test_strided_kernel_under_triton_interpreter():
     """Every copy path: the strided kernel against a byte reference and the flat kernel."""
-    out = run_interpreted(_INTERPRET_SCRIPT)
-    assert "STRIDED-KERNEL-OK" in out.stdout, out.stdout + out.stderr
+    assert_interpreted_ok(_INTERPRET_SCRIPT, "STRIDED-KERNEL-OK")
 
 
 def test_strided_table_and_its_checks():
@@ -260,6 +259,7 @@ from tests.transport.test_nvlink import (  # noqa: E402  (GPU helpers; the fixtu
     TOKEN,
     _check_landed,
     _local_pair,
+    _write_landed,
     remote,  # noqa: F401
 )
 
@@ -292,11 +292,7 @@ def test_two_processes_strided_write_exact(remote, page_size, head_slice):  # no
     try:
         rng = np.random.default_rng(page_size + 100 * head_slice)
         b = _kv_strided(sorted(src), dst_rids, page_size, head_slice, rng)
-        tag = f"strided {page_size} {head_slice}".encode()
-        tr = peer.write_strided(b, notify=tag)
-        tr.wait(timeout=60)
-        assert tr.status() is TransferStatus.DONE
-        _check_landed(remote, src, dst_rids, b.expand(), buf_bytes, tag)
+        _write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"strided {page_size} {head_slice}".encode())
     finally:
         t.close()
 
