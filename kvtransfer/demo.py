@@ -9,8 +9,9 @@ with its own MHA pool on the CPU (page sizes may differ between the sides) and i
 2. every prefill rank fills its pool with its head shard of a deterministic "model" KV
    (a seeded random tensor per layer), registers its buffers and sends its layout;
 3. for each decode rank, the prefill ranks that write into it (``senders_for``) plan the
-   transfer (``plan_kv_transfer``), write the flattened ranges with one batched write and a
-   notification;
+   transfer (``plan_kv_transfer``) and write it with one batched write and a notification
+   (``kvtransfer.batches.write_plan``: buffer numbers to region ids through both sides'
+   :class:`~kvtransfer.batches.BufferRegions`);
 4. each decode rank waits for its senders' notifications, then compares its whole pool
    region for the request against its own shard of the same seeded reference.
 
@@ -90,6 +91,7 @@ def _make_rank(cfg: DemoConfig, tp_rank: int, tp_size: int, page_size: int):
     """Pool, allocator and transport of one rank; the request's slots on it; its layout."""
     import torch
 
+    from kvtransfer.batches import BufferRegions
     from kvtransfer.layout import RankLayout
     from pools.allocator import PagedTokenToKVPoolAllocator
     from pools.mha import MHATokenToKVPool
@@ -113,15 +115,14 @@ def _make_rank(cfg: DemoConfig, tp_rank: int, tp_size: int, page_size: int):
     slots = pages[order[:need]].reshape(-1)[: cfg.tokens]  # [tokens]
     layout = RankLayout.from_pools(pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=cfg.total_heads)
     transport = NixlTransport(NixlConfig(progress_thread=cfg.progress_thread))
-    ptrs, lens, _ = pool.get_contiguous_buf_infos()
-    regions = np.array([transport.register(p, n) for p, n in zip(ptrs, lens)], dtype=np.int64)
+    regions = BufferRegions.register(transport, pool.get_contiguous_buf_infos())
     return pool, slots, layout, transport, regions, heads
 
 
 def _prefill_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
+    from kvtransfer.batches import BufferRegions, plan_batch, write_batch
     from kvtransfer.layout import RankLayout
     from kvtransfer.plan import plan_kv_transfer
-    from transport.base import WriteBatch
 
     pool, slots, layout, transport, regions, heads = _make_rank(cfg, tp_rank, cfg.prefill_tp, cfg.prefill_page_size)
     with transport:
@@ -133,23 +134,23 @@ def _prefill_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
             msg = conn.recv()
             if msg[0] == "done":
                 break
-            _, decode_rank, dst_layout_bytes, peer_bytes, dst_slots = msg
+            _, decode_rank, dst_layout_bytes, peer_bytes, dst_regions, dst_slots = msg
             dst_layout = RankLayout.from_msgpack(dst_layout_bytes)
+            dst_regions = BufferRegions.from_wire(dst_regions)
             t0 = time.perf_counter()
             plan = plan_kv_transfer(layout, dst_layout, slots.numpy(), dst_slots)
             t1 = time.perf_counter()
-            src_buf, src_off, dst_buf, dst_off, length = plan.flatten()
+            batch = plan_batch(plan, regions, dst_regions)
             t2 = time.perf_counter()
             peer = transport.connect(peer_bytes)
-            batch = WriteBatch.of(regions[src_buf], src_off, dst_buf, dst_off, length)
             t3 = time.perf_counter()
-            peer.write(batch, notify=f"prefill{tp_rank}".encode()).wait(timeout=HANDSHAKE_TIMEOUT_S)
+            write_batch(peer, batch, notify=f"prefill{tp_rank}".encode()).wait(timeout=HANDSHAKE_TIMEOUT_S)
             t4 = time.perf_counter()
             peer.close()
             rows.append(dict(prefill=tp_rank, decode=decode_rank, nbytes=batch.nbytes,
                              per_token=plan.num_token_entries, factored=f"{plan.num_pairs}x{plan.num_runs}",
-                             entries=len(batch),
-                             plan_ms=(t1 - t0) * 1e3, flatten_ms=(t2 - t1) * 1e3,
+                             entries=plan.num_entries,
+                             plan_ms=(t1 - t0) * 1e3, batch_ms=(t2 - t1) * 1e3,
                              write_ms=(t4 - t3) * 1e3))
         conn.send(("stats", rows))
 
@@ -157,9 +158,9 @@ def _prefill_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
 def _decode_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
     import torch
 
-    pool, slots, layout, transport, _, heads = _make_rank(cfg, tp_rank, cfg.decode_tp, cfg.decode_page_size)
+    pool, slots, layout, transport, regions, heads = _make_rank(cfg, tp_rank, cfg.decode_tp, cfg.decode_page_size)
     with transport:
-        conn.send(("ready", layout.to_msgpack(), transport.export(), slots.numpy()))
+        conn.send(("ready", layout.to_msgpack(), transport.export(), regions.to_wire(), slots.numpy()))
         expected = conn.recv()  # the prefill ranks that write here
         got, deadline = set(), time.monotonic() + HANDSHAKE_TIMEOUT_S
         while got != expected:
@@ -217,11 +218,11 @@ def run(cfg: DemoConfig) -> int:
         decode = {r: _recv(conns["decode", r], "decode handshake", procs["decode", r]) for r in range(cfg.decode_tp)}
         prefill = {r: _recv(conns["prefill", r], "prefill handshake", procs["prefill", r]) for r in range(cfg.prefill_tp)}
         RankLayout.from_msgpack(prefill[0][1]).check_compatible(RankLayout.from_msgpack(decode[0][1]))
-        for d, (_, layout_bytes, export, dst_slots) in decode.items():
+        for d, (_, layout_bytes, export, dst_regions, dst_slots) in decode.items():
             senders = senders_for(RankLayout.from_msgpack(layout_bytes), cfg.prefill_tp)
             conns["decode", d].send(set(senders))
             for p in senders:
-                conns["prefill", p].send(("write", d, layout_bytes, export, dst_slots))
+                conns["prefill", p].send(("write", d, layout_bytes, export, dst_regions, dst_slots))
         verdicts = {d: _recv(conns["decode", d], "verification", procs["decode", d]) for d in range(cfg.decode_tp)}
         for p in range(cfg.prefill_tp):
             conns["prefill", p].send(("done",))
@@ -241,13 +242,13 @@ def _report(cfg: DemoConfig, stats: list, verdicts: dict, wall: float) -> int:
           f"{cfg.tokens} tokens; prefill TP {cfg.prefill_tp} (page {cfg.prefill_page_size}) -> "
           f"decode TP {cfg.decode_tp} (page {cfg.decode_page_size}); NIXL/UCX over loopback, CPU memory")
     head = (f"{'prefill':>7} {'decode':>6} {'MiB':>8} {'per-token':>10} {'pairs x runs':>12} {'ranges':>9} "
-            f"{'plan ms':>8} {'flat ms':>8} {'write ms':>9} {'GB/s':>6}")
+            f"{'plan ms':>8} {'batch ms':>8} {'write ms':>9} {'GB/s':>6}")
     print(head)
     print("-" * len(head))
     for s in sorted(stats, key=lambda s: (s["decode"], s["prefill"])):
         gbps = s["nbytes"] / (s["write_ms"] * 1e-3) / 1e9
         print(f"{s['prefill']:>7} {s['decode']:>6} {s['nbytes'] / 2**20:>8.1f} {s['per_token']:>10,} {s['factored']:>12} {s['entries']:>9,} "
-              f"{s['plan_ms']:>8.2f} {s['flatten_ms']:>8.2f} {s['write_ms']:>9.1f} {gbps:>6.2f}")
+              f"{s['plan_ms']:>8.2f} {s['batch_ms']:>8.2f} {s['write_ms']:>9.1f} {gbps:>6.2f}")
     ok = True
     for d, (_, bad, stray) in sorted(verdicts.items()):
         good = bad == 0 and stray == 0

@@ -25,8 +25,9 @@ Each process owns one :class:`Transport` (one per backend). The owner
    arrays ``[P]`` (regions, offsets, strides, length) and per-slot arrays ``[S]``; entry
    ``(p, s)`` writes ``length[p]`` bytes from ``src_offset[p] + src_slot[s] * src_stride[p]``
    to ``dst_offset[p] + dst_slot[s] * dst_stride[p]``. Bounds are checked in O(P + S). The
-   default (every backend) writes ``batch.expand()``, the flat pair-major :class:`WriteBatch`,
-   with the same semantics as ``write``; a backend may override it to expand on the device;
+   default (every backend) writes ``batch.coalesced()``, the flat :class:`WriteBatch` with
+   touching whole-slot runs merged, with the same semantics as ``write``; a backend may
+   override it to expand on the device;
 4. observes ``t.status()`` (a :class:`TransferStatus`), blocks with ``t.wait(timeout)``
    or gives up with ``t.abort()``;
 5. on the receiving side, polls ``transport.poll_notifications()`` for the payloads of
@@ -352,6 +353,34 @@ class StridedBatch:
             np.repeat(self.length, n),
         )
 
+    def coalesced(self) -> WriteBatch:
+        """The same bytes as :meth:`expand` in as few entries as possible: for a pair whose
+        entry is a whole slot on both sides (``length == src_stride == dst_stride``), slots
+        that advance by one on both sides form one entry (a run); other pairs keep one entry
+        per slot. What a backend that posts each range (NIXL) writes: a KV plan with equal TP
+        and contiguous pages becomes one range per (buffer, run) instead of per token."""
+        n = self.num_slots
+        whole = (self.length == self.src_stride) & (self.length == self.dst_stride)  # [P]
+        if n < 2 or not whole.any():
+            return self.expand()
+        step = (np.diff(self.src_slot) == 1) & (np.diff(self.dst_slot) == 1)  # [S-1] slot s+1 continues s
+        if not step.any():
+            return self.expand()
+        starts = np.flatnonzero(np.concatenate(([True], ~step)))  # [R] first slot of each run
+        runs = np.diff(np.append(starts, n))  # [R] slots per run
+        merged = self._subset(whole, self.src_slot[starts], self.dst_slot[starts]).expand()
+        merged = WriteBatch(merged.src_region, merged.src_offset, merged.dst_region, merged.dst_offset,
+                            (self.length[whole][:, None] * runs[None, :]).ravel())
+        if whole.all():
+            return merged
+        rest = self._subset(~whole, self.src_slot, self.dst_slot).expand()
+        return WriteBatch(*(np.concatenate([getattr(merged, f), getattr(rest, f)]) for f in _BATCH_FIELDS))
+
+    def _subset(self, keep: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndarray) -> "StridedBatch":
+        """The pairs where ``keep`` ([P] bool) holds, over the given slots."""
+        pairs = (getattr(self, f)[keep] for f in _PAIR_FIELDS)
+        return StridedBatch(*pairs, src_slot, dst_slot)
+
 
 class Transfer(abc.ABC):
     """A write in flight. Poll it, wait on it, or abort it."""
@@ -406,11 +435,11 @@ class Peer(abc.ABC):
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> Transfer:
         """Start one factored write (see :class:`StridedBatch`); ``notify`` as for :meth:`write`.
 
-        The default writes ``batch.expand()`` (whose bounds ``write`` checks, naming flat
+        The default writes ``batch.coalesced()`` (whose bounds ``write`` checks, naming flat
         entries); backends that can expand on the device override it."""
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
-        return self.write(batch.expand(), notify)
+        return self.write(batch.coalesced(), notify)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -1,0 +1,122 @@
+"""The plan -> batch road (``kvtransfer.batches``): buffer numbers to region ids through
+explicit maps on both sides; the batch writes exactly the plan's bytes. (The real transfer
+through it, between processes, is the demo's e2e test.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtransfer.batches import BufferRegions, plan_batch
+from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer
+from transport.base import StridedBatch, WriteBatch
+
+FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "length")
+
+
+def _byte_map(arrays) -> dict:
+    """(src region, byte) -> (dst region, byte) for every byte of flat entries."""
+    out = {}
+    for sr, so, dr, do, ln in zip(*(np.asarray(a).tolist() for a in arrays)):
+        for i in range(ln):
+            out[sr, so + i] = (dr, do + i)
+    return out
+
+
+def _mha(tp_rank, tp_size, page_size, heads=4, head_dim=4, slots=256):
+    return RankLayout.attention(PoolKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
+                                layer_ids=range(2), dtype="float16", head_dim=head_dim, num_slots=slots,
+                                total_heads=heads)
+
+
+def _maps(layout, first_id):
+    """A map whose region ids are not the buffer numbers (registration order is irrelevant)."""
+    ids = first_id + 3 * np.arange(layout.num_kv_buffers)[::-1]
+    return BufferRegions.of(ids), ids
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (2, 2)])
+def test_strided_batch_writes_the_plans_bytes_through_the_maps(src_tp, dst_tp):
+    rng = np.random.default_rng(src_tp * 10 + dst_tp)
+    src, dst = _mha(0, src_tp, 16), _mha(0, dst_tp, 1)
+    src_slots, dst_slots = rng.permutation(np.arange(16, 256))[:40], rng.permutation(np.arange(1, 256))[:40]
+    plan = plan_kv_transfer(src, dst, src_slots, dst_slots)
+    (s_map, s_ids), (d_map, d_ids) = _maps(src, 7), _maps(dst, 40)
+    batch = plan_batch(plan, s_map, d_map)
+    assert isinstance(batch, StridedBatch)
+    sb, so, db, do, ln = plan.flatten()
+    want = _byte_map((s_ids[sb], so, d_ids[db], do, ln))
+    got = batch.expand()
+    assert _byte_map(getattr(got, f) for f in FIELDS) == want
+    assert set(batch.src_region.tolist()) <= set(s_ids.tolist())
+    assert set(batch.dst_region.tolist()) <= set(d_ids.tolist())
+
+
+def test_sectioned_state_pages_take_the_flat_batch():
+    def nsa(page_size):
+        lay = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=page_size, layer_ids=range(2),
+                                   dtype="uint8", head_dim=656, num_slots=64 * page_size)
+        return lay.with_nsa_index(index_head_dim=128, num_pages=64)
+
+    src, dst = nsa(4), nsa(8)
+    slots = np.arange(8, 40)
+    plan = plan_state_transfer(src, dst, slots, slots + 16)
+    maps = BufferRegions.of(kv=[0, 1], state=[5, 9])
+    batch = plan_batch(plan, maps, BufferRegions.of(kv=[0, 1], state=[11, 2]))
+    assert isinstance(batch, WriteBatch)
+    sb, so, db, do, ln = plan.flatten()
+    assert _byte_map((getattr(batch, f) for f in FIELDS)) == _byte_map(
+        (np.array([5, 9])[sb], so, np.array([11, 2])[db], do, ln))
+
+
+def test_a_map_too_short_for_the_plan_is_named():
+    src = dst = _mha(0, 1, 1)
+    plan = plan_kv_transfer(src, dst, [1, 2], [3, 4])
+    with pytest.raises(ValueError, match="destination side, whose map holds 2 buffers"):
+        plan_batch(plan, BufferRegions.of(range(4)), BufferRegions.of([0, 1]))
+    with pytest.raises(TypeError, match="dst must be BufferRegions"):
+        plan_batch(plan, BufferRegions.of(range(4)), [0, 1, 2, 3])
+
+
+def test_maps_validate_and_round_trip():
+    m = BufferRegions.of([3, 1, 2], [7])
+    assert BufferRegions.from_wire(m.to_wire()).to_wire() == {"kv": [3, 1, 2], "state": [7]}
+    assert not m.kv.flags.writeable
+    with pytest.raises(ValueError, match=">= 0"):
+        BufferRegions.of([0, -1])
+    with pytest.raises(TypeError, match="integers"):
+        BufferRegions.of([0.5])
+    with pytest.raises(ValueError, match="keys \\['kv', 'state'\\]"):
+        BufferRegions.from_wire({"kv": [1]})
+    with pytest.raises(ValueError, match="must be a list"):
+        BufferRegions.from_wire({"kv": 5, "state": []})
+
+
+class _Registry:
+    """A transport's register/deregister only (what BufferRegions.register calls)."""
+
+    def __init__(self, fail_at=None):
+        self.live, self.next, self.fail_at = {}, 10, fail_at
+
+    def register(self, ptr, length, device=None):
+        if ptr == self.fail_at:
+            raise ValueError(f"bad pointer {ptr}")
+        self.live[self.next] = (ptr, length, device)
+        self.next += 1
+        return self.next - 1
+
+    def deregister(self, rid):
+        del self.live[rid]
+
+
+def test_register_maps_export_order_and_undoes_a_failure():
+    reg = _Registry()
+    m = BufferRegions.register(reg, ([100, 200], [8, 8], [4, 4]), ([300], [16], [16]), device=None)
+    assert m.kv.tolist() == [10, 11] and m.state.tolist() == [12]
+    assert [reg.live[i][0] for i in (10, 11, 12)] == [100, 200, 300]
+    m.deregister(reg)
+    assert reg.live == {}
+    bad = _Registry(fail_at=300)
+    with pytest.raises(ValueError, match="bad pointer 300"):
+        BufferRegions.register(bad, ([100, 200], [8, 8], [4, 4]), ([300], [16], [16]))
+    assert bad.live == {}
