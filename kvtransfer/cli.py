@@ -1,4 +1,4 @@
-"""The ``kvtransfer`` command: ``demo``, ``bench NAME``, ``layouts``."""
+"""The ``kvtransfer`` command: ``demo``, ``bench NAME``, ``layouts``, ``bootstrap``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 import importlib
 import pkgutil
 import sys
+
+
+_MODULES = {"bootstrap": "kvtransfer.control.bootstrap"}  # commands whose module is not kvtransfer.<command>
 
 
 def _bench_names() -> list[str]:
@@ -20,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="local prefill -> decode demo", add_help=False)
     sub.add_parser("layouts", help="print pool layouts for a few model shapes", add_help=False)
+    sub.add_parser("bootstrap", help="run the bootstrap service (prefill ranks register, decode finds them)",
+                   add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
     bench.add_argument("name", nargs="?", choices=_bench_names())
     args, rest = parser.parse_known_args(argv)
@@ -29,5 +34,5 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if rest in ([], ["--help"], ["-h"]) else 2
         module = importlib.import_module(f"kvtransfer.benchmarks.{args.name}")
         return int(module.main(rest) or 0)
-    module = importlib.import_module(f"kvtransfer.{args.command}")
+    module = importlib.import_module(_MODULES.get(args.command, f"kvtransfer.{args.command}"))
     return int(module.main(rest) or 0)

@@ -1,0 +1,204 @@
+"""Control-plane messages: one frozen dataclass per kind, msgpack on the wire.
+
+Every frame is a msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, "body": {field: value}}``.
+:func:`decode` trusts nothing: a frame that is too large, not msgpack, of another protocol
+version, of an unknown kind, or whose body lacks a field, has an extra one or a value of the
+wrong type raises :class:`WireError` naming what was expected and what arrived. Receivers
+log and drop such frames; the socket and the process carry on.
+
+Messages (who sends them):
+
+- bootstrap service: :class:`RegisterPrefill` (prefill rank -> service, answered by
+  :class:`Registered`), :class:`GetTopology` (decode -> service, answered by
+  :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`).
+
+Field types are the annotations: ``int``, ``str``, ``bytes``, ``bool``, ``float``, ``list``
+and ``dict`` (msgpack's own types; ``bytes`` travels as bin), checked on decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgpack
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "GetTopology",
+    "Message",
+    "Ping",
+    "Pong",
+    "RegisterPrefill",
+    "Registered",
+    "Topology",
+    "WireError",
+    "decode",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20  # a frame larger than this is refused before it is parsed
+
+_TYPES = {"int": int, "str": str, "bytes": bytes, "bool": bool, "float": (int, float), "list": list, "dict": dict}
+
+
+class WireError(ValueError):
+    """A frame that cannot be trusted; the message says what was expected and what arrived."""
+
+
+_KINDS: dict = {}
+
+
+def _check_value(kind: str, name: str, annotation: str, value) -> None:
+    want = _TYPES[annotation]
+    ok = isinstance(value, want) and not (annotation in ("int", "float") and isinstance(value, bool))
+    if not ok:
+        raise WireError(f"{kind}.{name} must be {annotation}, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every control message. Subclasses set ``KIND`` and declare typed fields."""
+
+    KIND: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.KIND:
+            if cls.KIND in _KINDS:
+                raise TypeError(f"message kind {cls.KIND!r} defined twice")
+            _KINDS[cls.KIND] = cls
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_value(self.KIND, f.name, str(f.type), getattr(self, f.name))
+
+    def to_msgpack(self) -> bytes:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return msgpack.packb({"v": PROTOCOL_VERSION, "kind": self.KIND, "body": body}, use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> "Message":
+        """Decode ``data`` and check it is this kind (see :func:`decode`)."""
+        msg = decode(data)
+        if not isinstance(msg, cls):
+            raise WireError(f"expected a {cls.KIND or cls.__name__} message, got {msg.KIND}")
+        return msg
+
+
+def decode(data) -> Message:
+    """The message in ``data``, fully checked (see the module docstring)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"a frame must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {len(data)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    try:
+        frame = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise WireError(f"frame of {len(data)} bytes is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(frame, dict) or set(frame) != {"v", "kind", "body"}:
+        got = sorted(frame) if isinstance(frame, dict) else type(frame).__name__
+        raise WireError(f"a frame must be a map with keys ['body', 'kind', 'v'], got {got}")
+    if frame["v"] != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {frame['v']!r}, this side speaks {PROTOCOL_VERSION}")
+    cls = _KINDS.get(frame["kind"]) if isinstance(frame["kind"], str) else None
+    if cls is None:
+        raise WireError(f"unknown message kind {frame['kind']!r}; known: {sorted(_KINDS)}")
+    body = frame["body"]
+    if not isinstance(body, dict):
+        raise WireError(f"{cls.KIND} body must be a map, got {type(body).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    if set(body) != set(names):
+        missing, extra = sorted(set(names) - set(body)), sorted(set(body) - set(names))
+        raise WireError(f"{cls.KIND} fields must be {sorted(names)}: missing {missing}, unexpected {extra}")
+    try:
+        return cls(**body)
+    except WireError:
+        raise
+    except (TypeError, ValueError) as exc:  # a message's own checks
+        raise WireError(f"{cls.KIND}: {exc}") from None
+
+
+# -- bootstrap ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisterPrefill(Message):
+    """A prefill rank announces itself to the bootstrap service (sent again after a restart:
+    the newer registration of a (dp_rank, tp_rank) replaces the older)."""
+
+    KIND: ClassVar[str] = "register_prefill"
+    dp_rank: int
+    tp_rank: int
+    tp_size: int
+    control_addr: str  # where decode ranks reach this rank's control socket (tcp://host:port)
+    host: str  # host identity: ranks on one host may use the nvlink transport
+    backend: str  # transport backend name ("nixl", "nvlink")
+    transport_export: bytes  # Transport.export() of this rank
+    transport_name: str  # the name notifications from this rank carry
+    layout: bytes  # RankLayout.to_msgpack()
+    regions: dict  # BufferRegions.to_wire()
+    incarnation: str  # changes on every start of the rank: tells a restart from a retry
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size or self.dp_rank < 0:
+            raise WireError(f"register_prefill: need 0 <= tp_rank < tp_size and dp_rank >= 0, got tp_rank "
+                            f"{self.tp_rank}, tp_size {self.tp_size}, dp_rank {self.dp_rank}")
+
+    @property
+    def key(self) -> tuple:
+        return (self.dp_rank, self.tp_rank)
+
+
+@dataclass(frozen=True)
+class Registered(Message):
+    """The service's answer to :class:`RegisterPrefill`: ``error`` is empty when accepted."""
+
+    KIND: ClassVar[str] = "registered"
+    error: str
+
+
+@dataclass(frozen=True)
+class GetTopology(Message):
+    """A decode rank asks for the prefill ranks of one DP group."""
+
+    KIND: ClassVar[str] = "get_topology"
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class Topology(Message):
+    """The prefill ranks of one DP group registered so far (each a RegisterPrefill frame),
+    and the TP size they declare (0 while none is registered)."""
+
+    KIND: ClassVar[str] = "topology"
+    dp_rank: int
+    tp_size: int
+    ranks: list  # RegisterPrefill.to_msgpack() per registered rank, by tp_rank
+
+    def rank_infos(self) -> list:
+        """The registrations, decoded and checked."""
+        return [RegisterPrefill.from_msgpack(r) for r in self.ranks]
+
+    @property
+    def complete(self) -> bool:
+        """Every TP rank of the group has registered."""
+        return self.tp_size > 0 and len(self.ranks) == self.tp_size
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    KIND: ClassVar[str] = "ping"
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    """The answer to :class:`Ping`: the same nonce, and the service's registration count."""
+
+    KIND: ClassVar[str] = "pong"
+    nonce: int
+    registered: int

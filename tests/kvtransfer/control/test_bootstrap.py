@@ -1,0 +1,143 @@
+"""The bootstrap service over real ZeroMQ sockets: registration, topology, restarts,
+refusals, malformed frames, a service that comes up late, one that never answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError, BootstrapService, BootstrapTimeout
+from kvtransfer.control.wire import Ping, Pong, decode
+from tests.kvtransfer.control._support import register
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def service():
+    with BootstrapService() as svc:
+        yield svc
+
+
+def test_ranks_register_and_decode_sees_the_topology(service):
+    client = BootstrapClient(service.address)
+    client.register(register(tp_rank=1))
+    topo = client.topology(0)
+    assert topo.tp_size == 2 and not topo.complete and [r.tp_rank for r in topo.rank_infos()] == [1]
+    client.register(register(tp_rank=0, control_addr="tcp://127.0.0.1:5001"))
+    topo = client.wait_for_topology(0, deadline_s=5)
+    assert topo.complete and [r.control_addr for r in topo.rank_infos()] == ["tcp://127.0.0.1:5001",
+                                                                             "tcp://127.0.0.1:5000"]
+    assert client.topology(dp_rank=1).tp_size == 0
+    assert client.ping().registered == 2
+
+
+def test_a_restarted_rank_replaces_its_entry(service):
+    client = BootstrapClient(service.address)
+    client.register(register(tp_rank=0, incarnation="first", transport_name="old"))
+    client.register(register(tp_rank=0, incarnation="second", transport_name="new"))
+    (reg,) = client.topology(0).rank_infos()
+    assert (reg.incarnation, reg.transport_name) == ("second", "new")
+
+
+def test_a_contradicting_tp_size_is_refused_naming_both(service):
+    client = BootstrapClient(service.address)
+    client.register(register(tp_rank=0, tp_size=2))
+    with pytest.raises(BootstrapError, match=r"registers tp_size 4, the group's other ranks registered \[2\]"):
+        client.register(register(tp_rank=1, tp_size=4))
+
+
+def test_malformed_frames_are_dropped_and_the_service_keeps_serving(service):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.address)
+    for junk in ([b"\xc1garbage"], [Ping(nonce=1).to_msgpack()[:-1]], [b"a", b"b"], [Pong(nonce=1, registered=0).to_msgpack()]):
+        sock.send_multipart(junk)
+    deadline = time.monotonic() + 5
+    while service.dropped < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.dropped == 4
+    assert not sock.poll(100)  # nothing was answered
+    sock.send(Ping(nonce=9).to_msgpack())
+    assert sock.poll(5000) and decode(sock.recv()) == Pong(nonce=9, registered=0)
+    sock.close()
+
+
+def test_registration_retries_until_a_late_service_comes_up():
+    port = free_port()
+    client = BootstrapClient(f"tcp://127.0.0.1:{port}")
+    box = {}
+
+    def late():
+        time.sleep(0.7)
+        box["svc"] = BootstrapService(port=port)
+
+    starter = threading.Thread(target=late)
+    starter.start()
+    t0 = time.monotonic()
+    try:
+        client.register(register(), deadline_s=20)
+        assert time.monotonic() - t0 >= 0.6
+        assert box["svc"].registrations(0)[1].transport_name == "prefill-1"
+    finally:
+        starter.join()
+        box["svc"].close()
+
+
+def test_no_service_times_out_within_its_bound():
+    client = BootstrapClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapTimeout, match="no answer to ping"):
+        client.ping()
+    with pytest.raises(BootstrapTimeout, match="did not answer within 0.5 s"):
+        client.register(register(), deadline_s=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_wait_for_topology_names_the_ranks_still_missing(service):
+    client = BootstrapClient(service.address)
+    client.register(register(tp_rank=1))
+    with pytest.raises(BootstrapTimeout, match=r"ranks \[1\] of tp_size 2 registered after 0.3 s"):
+        client.wait_for_topology(0, deadline_s=0.3)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="'tcp://host:port'"):
+        BootstrapClient("127.0.0.1:5")
+    with pytest.raises(ValueError, match="port must be in"):
+        BootstrapService(port=70000)
+    with BootstrapService() as svc:
+        port = int(svc.address.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match="cannot bind"):
+            BootstrapService(port=port)
+
+
+def test_the_command_serves_until_terminated():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", "bootstrap", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert f"serving on tcp://127.0.0.1:{port}" in proc.stdout.readline()
+        client = BootstrapClient(f"tcp://127.0.0.1:{port}")
+        client.register(register(), deadline_s=10)
+        assert client.ping().registered == 1
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        assert proc.returncode == 0 and "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

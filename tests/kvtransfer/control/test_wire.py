@@ -1,0 +1,64 @@
+"""Control-plane frames: round trips, and every way a frame can be untrustworthy."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvtransfer.control import wire
+from kvtransfer.control.wire import GetTopology, Ping, Registered, Topology, WireError, decode
+from tests.kvtransfer.control._support import register
+
+
+def frame(kind, body, v=wire.PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb({"v": v, "kind": kind, "body": body}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("msg", [register(), Registered(error=""), GetTopology(dp_rank=3), Ping(nonce=7),
+                                 Topology(dp_rank=0, tp_size=2, ranks=[register().to_msgpack()])])
+def test_round_trip(msg):
+    back = decode(msg.to_msgpack())
+    assert back == msg and type(back) is type(msg)
+    assert type(msg).from_msgpack(msg.to_msgpack()) == msg
+
+
+def test_topology_decodes_its_registrations():
+    topo = decode(Topology(dp_rank=0, tp_size=2, ranks=[register(tp_rank=0).to_msgpack()]).to_msgpack())
+    assert [r.tp_rank for r in topo.rank_infos()] == [0] and not topo.complete
+    with pytest.raises(WireError, match="frame must be bytes, got int"):
+        Topology(dp_rank=0, tp_size=1, ranks=[5]).rank_infos()
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"\xc1", "not valid msgpack"),
+    (register().to_msgpack()[:-3], "not valid msgpack"),
+    (msgpack.packb([1, 2]), "must be a map with keys"),
+    (frame("ping", {"nonce": 1}, v=2), "protocol version 2, this side speaks 1"),
+    (frame("launch_missiles", {}), "unknown message kind 'launch_missiles'"),
+    (frame("ping", {}), r"missing \['nonce'\]"),
+    (frame("ping", {"nonce": 1, "extra": 2}), r"unexpected \['extra'\]"),
+    (frame("ping", {"nonce": "1"}), "ping.nonce must be int, got str"),
+    (frame("ping", {"nonce": True}), "ping.nonce must be int, got bool"),
+    (frame("ping", [1]), "ping body must be a map"),
+    (frame("register_prefill", {**register().__dict__, "tp_rank": 2}), "need 0 <= tp_rank < tp_size"),
+    ("text", "must be bytes, got str"),
+])
+def test_untrustworthy_frames_raise_wire_error(data, match):
+    with pytest.raises(WireError, match=match):
+        decode(data)
+
+
+def test_oversized_frames_are_refused_before_parsing(monkeypatch):
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 64)
+    with pytest.raises(WireError, match="exceeds the limit of 64"):
+        decode(register().to_msgpack())
+
+
+def test_from_msgpack_checks_the_kind():
+    with pytest.raises(WireError, match="expected a pong message, got ping"):
+        wire.Pong.from_msgpack(Ping(nonce=1).to_msgpack())
+
+
+def test_constructing_a_bad_message_fails_here_not_at_the_peer():
+    with pytest.raises(WireError, match="get_topology.dp_rank must be int, got float"):
+        GetTopology(dp_rank=1.5)
