@@ -10,7 +10,11 @@ Messages (who sends them):
 
 - bootstrap service: :class:`RegisterPrefill` (prefill rank -> service, answered by
   :class:`Registered`), :class:`GetTopology` (decode -> service, answered by
-  :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`).
+  :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`);
+- decode rank <-> prefill rank: :class:`DecodeHello` (answered by :class:`HelloAck`),
+  :class:`TransferRequest` per request, :class:`AbortRequest` either way,
+  :class:`Heartbeat` both ways; :class:`KVArrived` is the payload of a transport
+  notification (it arrives after the bytes it announces).
 
 Field types are the annotations: ``int``, ``str``, ``bytes``, ``bool``, ``float``, ``list``
 and ``dict`` (msgpack's own types; ``bytes`` travels as bin), checked on decode.
@@ -27,13 +31,19 @@ import msgpack
 __all__ = [
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
+    "AbortRequest",
+    "DecodeHello",
     "GetTopology",
+    "Heartbeat",
+    "HelloAck",
+    "KVArrived",
     "Message",
     "Ping",
     "Pong",
     "RegisterPrefill",
     "Registered",
     "Topology",
+    "TransferRequest",
     "WireError",
     "decode",
 ]
@@ -202,3 +212,90 @@ class Pong(Message):
     KIND: ClassVar[str] = "pong"
     nonce: int
     registered: int
+
+
+# -- decode <-> prefill --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeHello(Message):
+    """A decode rank introduces itself to one prefill rank it will receive from (decode ->
+    prefill control socket), answered by :class:`HelloAck`. The prefill rank checks the
+    layouts (``RankLayout.check_compatible``) and connects its transport to the export."""
+
+    KIND: ClassVar[str] = "decode_hello"
+    dp_rank: int
+    tp_rank: int
+    tp_size: int
+    host: str
+    backend: str
+    transport_export: bytes
+    transport_name: str
+    layout: bytes  # RankLayout.to_msgpack()
+    regions: dict  # BufferRegions.to_wire() of the KV / state buffers
+    aux_region: int  # region id of the aux records (-1: none)
+    aux_record_bytes: int
+    incarnation: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.dp_rank, self.tp_rank)
+
+
+@dataclass(frozen=True)
+class HelloAck(Message):
+    """A prefill rank's answer to :class:`DecodeHello`: ``error`` empty when the pair can
+    exchange data, else why not (a layout mismatch names the field and both values)."""
+
+    KIND: ClassVar[str] = "hello_ack"
+    error: str
+    incarnation: str  # the prefill rank's: a change tells decode the rank restarted
+
+
+@dataclass(frozen=True)
+class TransferRequest(Message):
+    """Decode -> prefill, per request: where this decode rank wants the request's bytes.
+
+    ``dst_slots`` are int64 token slots (little endian) for the tokens after the first
+    ``prefix_tokens`` (which decode already holds); ``state_slot`` / ``aux_slot`` are -1
+    when the model has no state / the request wants no aux record."""
+
+    KIND: ClassVar[str] = "transfer_request"
+    request_id: str
+    decode_tp_rank: int
+    dst_slots: bytes
+    prefix_tokens: int
+    state_slot: int
+    aux_slot: int
+
+
+@dataclass(frozen=True)
+class KVArrived(Message):
+    """The notification payload of a write (prefill -> decode, through the transport, after
+    the bytes): chunk ``chunk`` of ``request_id`` covering ``tokens`` tokens has landed;
+    ``last`` marks the chunk that also carried the state and aux record."""
+
+    KIND: ClassVar[str] = "kv_arrived"
+    request_id: str
+    chunk: int
+    tokens: int
+    last: bool
+
+
+@dataclass(frozen=True)
+class AbortRequest(Message):
+    """Either side gives up a request; the other side fails it with ``reason``."""
+
+    KIND: ClassVar[str] = "abort_request"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Liveness between the two control sockets; the answer is a heartbeat with the same
+    ``seq`` and the answering rank's incarnation."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    seq: int
+    incarnation: str
