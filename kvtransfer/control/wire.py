@@ -13,7 +13,7 @@ Messages (who sends them):
   :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`);
 - decode rank <-> prefill rank: :class:`DecodeHello` (answered by :class:`HelloAck`),
   :class:`TransferRequest` per request, :class:`AbortRequest` either way,
-  :class:`Heartbeat` both ways; :class:`KVArrived` is the payload of a transport
+  :class:`Quiesced` after a failure, :class:`Heartbeat` both ways; :class:`KVArrived` is the payload of a transport
   notification (it arrives after the bytes it announces).
 
 Field types are the annotations: ``int``, ``str``, ``bytes``, ``bool``, ``float``, ``list``
@@ -40,6 +40,7 @@ __all__ = [
     "Message",
     "Ping",
     "Pong",
+    "Quiesced",
     "RegisterPrefill",
     "Registered",
     "Topology",
@@ -224,6 +225,7 @@ class DecodeHello(Message):
     layouts (``RankLayout.check_compatible``) and connects its transport to the export."""
 
     KIND: ClassVar[str] = "decode_hello"
+    instance: str  # the decode node (TP group) this rank belongs to
     dp_rank: int
     tp_rank: int
     tp_size: int
@@ -239,7 +241,7 @@ class DecodeHello(Message):
 
     @property
     def key(self) -> tuple:
-        return (self.dp_rank, self.tp_rank)
+        return (self.instance, self.tp_rank)
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ class TransferRequest(Message):
 
     KIND: ClassVar[str] = "transfer_request"
     request_id: str
+    instance: str  # the decode node; every decode rank of it that reads from this prefill rank sends one
     decode_tp_rank: int
     dst_slots: bytes
     prefix_tokens: int
@@ -271,15 +274,27 @@ class TransferRequest(Message):
 
 @dataclass(frozen=True)
 class KVArrived(Message):
-    """The notification payload of a write (prefill -> decode, through the transport, after
-    the bytes): chunk ``chunk`` of ``request_id`` covering ``tokens`` tokens has landed;
-    ``last`` marks the chunk that also carried the state and aux record."""
+    """The notification payload of one write (prefill -> decode, through the transport, after
+    its bytes): write number ``seq`` of one prefill rank for ``request_id`` to this decode rank
+    has landed; ``part`` is ``"kv"`` (a chunk), ``"state"`` or ``"aux"``. The sender's last
+    write carries ``total``, the number of writes it made for the request (0 on the others):
+    the receiver is done with a sender once it has counted ``total`` of them, in any order."""
 
     KIND: ClassVar[str] = "kv_arrived"
     request_id: str
-    chunk: int
-    tokens: int
-    last: bool
+    part: str
+    seq: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Quiesced(Message):
+    """Prefill -> decode, after a request failed or was aborted: none of this prefill rank's
+    writes for ``request_id`` is still in flight, so decode may reuse the request's pages
+    once every sender has said so (or was lost)."""
+
+    KIND: ClassVar[str] = "quiesced"
+    request_id: str
 
 
 @dataclass(frozen=True)

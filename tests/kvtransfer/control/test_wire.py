@@ -65,15 +65,17 @@ def test_constructing_a_bad_message_fails_here_not_at_the_peer():
 
 
 def test_decode_prefill_messages_round_trip():
-    from kvtransfer.control.wire import AbortRequest, DecodeHello, Heartbeat, HelloAck, KVArrived, TransferRequest
+    from kvtransfer.control.wire import (AbortRequest, DecodeHello, Heartbeat, HelloAck, KVArrived, Quiesced,
+                                         TransferRequest)
 
-    msgs = [DecodeHello(dp_rank=0, tp_rank=0, tp_size=1, host="h", backend="nixl", transport_export=b"x",
+    msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h", backend="nixl", transport_export=b"x",
                         transport_name="d0", layout=b"l", regions={"kv": [1], "state": []}, aux_region=-1,
                         aux_record_bytes=0, incarnation="i"),
             HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p"),
-            TransferRequest(request_id="r", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7), prefix_tokens=0,
+            TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7), prefix_tokens=0,
                             state_slot=-1, aux_slot=3),
-            KVArrived(request_id="r", chunk=0, tokens=16, last=True), AbortRequest(request_id="r", reason="client"),
+            KVArrived(request_id="r", part="kv", seq=0, total=1), AbortRequest(request_id="r", reason="client"),
+            Quiesced(request_id="r"),
             Heartbeat(seq=1, incarnation="p")]
     for msg in msgs:
         assert decode(msg.to_msgpack()) == msg

@@ -1,0 +1,243 @@
+"""What both KV managers share: their config, the aux records, and the event loop thread.
+
+:class:`ControlConfig` holds every timeout and address (no environment variables).
+:class:`AuxRecords` is a small registered host buffer of fixed-size records: decode reserves
+one per request (the first output token and its logprob land there), prefill stages the
+records it sends. :class:`EventLoop` is a manager's one background thread: it polls the
+manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue (every
+transport call happens on it: transports are single-threaded by contract), and calls the
+manager's ``tick`` for timers and in-flight transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import zmq
+
+__all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "default_host_id", "pack_first_token",
+           "unpack_first_token"]
+
+log = logging.getLogger("kvtransfer.control")
+
+AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
+_FIRST_TOKEN = struct.Struct("<qd")
+
+
+def default_host_id() -> str:
+    """This host's identity in registrations (ranks on one host may share GPUs over NVLink)."""
+    return socket.gethostname()
+
+
+def pack_first_token(token_id: int, logprob: float) -> bytes:
+    """The aux record prefill sends with a request's last chunk."""
+    return _FIRST_TOKEN.pack(int(token_id), float(logprob))
+
+
+def unpack_first_token(record: bytes) -> tuple:
+    """``(token_id, logprob)`` from an aux record."""
+    return _FIRST_TOKEN.unpack(bytes(record[:_FIRST_TOKEN.size]))
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Addresses and timeouts of one rank's KV manager."""
+
+    host: str = "127.0.0.1"  # the address this rank's control socket binds and announces
+    port: int = 0  # control socket port (0: any free port)
+    dp_rank: int = 0  # the DP group of this rank (prefill) / of the prefill ranks it reads from (decode)
+    bootstrap_timeout_s: float = 60.0  # registration and topology deadline
+    handshake_timeout_s: float = 30.0  # a DecodeHello's answer
+    transfer_timeout_s: float = 120.0  # a request not done by then fails
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0  # a peer silent this long is lost
+    aux_slots: int = 1024  # aux records (decode: one per request in flight; prefill: staging)
+
+    def __post_init__(self):
+        for name in ("bootstrap_timeout_s", "handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
+                     "heartbeat_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s})")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if not isinstance(self.aux_slots, int) or self.aux_slots < 2:
+            raise ValueError(f"aux_slots must be an int >= 2 (slot 0 is padding), got {self.aux_slots!r}")
+        if not isinstance(self.dp_rank, int) or self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be an int >= 0, got {self.dp_rank!r}")
+
+
+class AuxRecords:
+    """``num_slots`` records of ``record_bytes`` in host memory; slot 0 is never handed out."""
+
+    def __init__(self, num_slots: int, record_bytes: int = AUX_RECORD_BYTES):
+        self.record_bytes = record_bytes
+        self.buffer = np.zeros(num_slots * record_bytes, dtype=np.uint8)  # [num_slots * record_bytes]
+        self._free = list(range(num_slots - 1, 0, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self) -> int:
+        return int(self.buffer.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    @property
+    def available(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        """A free slot, or None when all are taken."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            if not 0 < slot < self.buffer.size // self.record_bytes or slot in self._free:
+                raise ValueError(f"aux slot {slot} is not an allocated slot")
+            self._free.append(slot)
+
+    def read(self, slot: int) -> bytes:
+        start = slot * self.record_bytes
+        return self.buffer[start:start + self.record_bytes].tobytes()
+
+    def write(self, slot: int, record: bytes) -> None:
+        if len(record) > self.record_bytes:
+            raise ValueError(f"an aux record holds at most {self.record_bytes} bytes, got {len(record)}")
+        start = slot * self.record_bytes
+        self.buffer[start:start + self.record_bytes] = 0
+        self.buffer[start:start + len(record)] = np.frombuffer(record, dtype=np.uint8)
+
+
+class EventLoop:
+    """One background thread: sockets, queued jobs, and a tick.
+
+    ``handlers`` maps a ZeroMQ socket to the function that drains it; ``tick()`` runs after
+    every wake-up and returns how long (seconds) the loop may sleep next (short while
+    transfers are in flight). Jobs run in submission order on the loop thread; ``call``
+    returns a Future of the job's result."""
+
+    def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
+        self._handlers, self._tick = dict(handlers), tick
+        self._poller = zmq.Poller()
+        for sock in self._handlers:
+            self._poller.register(sock, zmq.POLLIN)
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the loop thread; its result or exception lands in the Future."""
+        fut: Future = Future()
+        if self._stop.is_set():
+            fut.set_exception(RuntimeError("the manager is closed"))
+            return fut
+        self._jobs.put((fn, args, fut))
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # the pipe is full (the loop will wake anyway) or closed
+            pass
+        return fut
+
+    def add_socket(self, sock, handler: Callable[[], None]) -> None:
+        """Poll ``sock`` too (from the loop thread, or before ``start``)."""
+        self._handlers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_socket(self, sock) -> None:
+        """Stop polling ``sock`` (from the loop thread); the caller closes it."""
+        if self._handlers.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
+    def _run(self) -> None:
+        poller = self._poller
+        poller.register(self._wake_r, zmq.POLLIN)
+        sleep = 0.0
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(int(sleep * 1000)))
+            except zmq.ZMQError as exc:
+                log.error("control loop %s: poll failed: %s", self._thread.name, exc)
+                return
+            if self._wake_r in ready:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            self._run_jobs()
+            for sock, handler in list(self._handlers.items()):
+                if sock in ready and sock in self._handlers:
+                    self._guard(handler)
+            sleep = self._guard(self._tick)
+            sleep = 0.05 if sleep is None else sleep
+
+    def _run_jobs(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller through the Future
+                fut.set_exception(exc)
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except Exception:  # a bug in one handler must not end the loop
+            log.exception("control loop %s: %s failed", self._thread.name, getattr(fn, "__name__", fn))
+            return None
+
+    def close(self, final: Optional[Callable] = None) -> None:
+        """Run ``final`` on the loop (if still running), stop the thread, join it (idempotent)."""
+        if self._stop.is_set():
+            return
+        if final is not None and self._thread.is_alive():
+            try:
+                self.call(final).result(timeout=30)
+            except Exception:
+                log.exception("control loop %s: shutdown step failed", self._thread.name)
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive():
+            self._thread.join()
+        while True:  # jobs queued after the last turn: their Futures say the manager closed
+            try:
+                _, _, fut = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the manager is closed"))
+        os.close(self._wake_r)
+        os.close(self._wake_w)

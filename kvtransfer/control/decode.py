@@ -1,0 +1,458 @@
+"""The decode side of the control plane: :class:`DecodeKVManager` and :class:`KVReceiver`.
+
+One manager per decode rank. At start it registers its pools' buffers and an aux buffer
+with the transport, asks the bootstrap service for the prefill ranks of its DP group, and
+says hello to each prefill rank it reads from (``senders_for``); a refused hello (layouts
+that cannot exchange data) raises :class:`HandshakeError` with the prefill rank's reason.
+
+Per request, the engine reserves the pages, then::
+
+    receiver = manager.receiver(request_id)
+    receiver.init(dst_slots, prefix_tokens=k, state_slot=s)   # tells every sender where to write
+    ... receiver.poll() until KVPoll.Success (or Failed: receiver.failure says why)
+    token_id, logprob = receiver.first_token()
+    receiver.close()                                          # forget it, free its aux record
+
+``dst_slots`` are the slots of the tokens after the first ``prefix_tokens`` (which this rank
+already holds). Success means every expected sender's KV, state and aux writes have landed
+(each write's notification counted; the last one says how many there are).
+
+Page reuse: a request that failed or was aborted may still have writes in flight on
+prefill ranks. ``receiver.released`` turns True once every sender has said ``Quiesced`` (or
+was lost): reuse the request's pages only then.
+
+Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
+every request that expects it, and is reconnected once the bootstrap service lists a new
+incarnation of it (a restarted rank); a request not done after ``transfer_timeout_s`` fails
+and is aborted on its senders.
+
+Threads: as for the prefill manager, one loop thread does every transport and socket call.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import zmq
+
+from kvtransfer.batches import BufferRegions
+from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
+from kvtransfer.control.common import AuxRecords, ControlConfig, EventLoop, default_host_id, unpack_first_token
+from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
+from kvtransfer.control.wire import (
+    AbortRequest,
+    DecodeHello,
+    Heartbeat,
+    HelloAck,
+    KVArrived,
+    Quiesced,
+    RegisterPrefill,
+    TransferRequest,
+    WireError,
+    decode,
+)
+from kvtransfer.layout import RankLayout, StateKind
+from kvtransfer.plan import senders_for
+from transport.base import Transport
+
+__all__ = ["DecodeKVManager", "HandshakeError", "KVReceiver"]
+
+log = logging.getLogger("kvtransfer.control.decode")
+
+
+class HandshakeError(ConnectionError):
+    """A prefill rank refused this decode rank's hello, or never answered it."""
+
+
+class KVReceiver:
+    """One request on this decode rank (see the module docstring)."""
+
+    def __init__(self, manager: "DecodeKVManager", request_id: str):
+        self.request_id = request_id
+        self.status = RequestStatus(request_id)
+        self._mgr = manager
+        self._aux_slot: Optional[int] = None
+        self._released = False
+        self._inited = False
+
+    def init(self, dst_slots, *, prefix_tokens: int = 0, state_slot: Optional[int] = None) -> None:
+        """Tell every sender where this request's bytes go (see the module docstring)."""
+        if self._inited:
+            raise ValueError(f"request {self.request_id!r}: init() called twice")
+        layout = self._mgr.layout
+        arr = np.asarray(dst_slots)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"dst_slots must be a 1-D array of ints, got {arr.dtype} of shape {list(arr.shape)}")
+        arr = arr.astype("<i8")
+        if arr.size and (arr.min() <= 0 or arr.max() >= layout.num_slots):
+            raise ValueError(f"dst_slots must lie in [1, {layout.num_slots}) (slot 0 is padding), got values in "
+                             f"[{arr.min()}, {arr.max()}]")
+        if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens must be an int >= 0, got {prefix_tokens!r}")
+        if layout.state_kind is StateKind.MAMBA:
+            if not isinstance(state_slot, int) or not 0 < state_slot < layout.state_num_slots:
+                raise ValueError(f"this model has Mamba state: state_slot must be an int in [1, "
+                                 f"{layout.state_num_slots}), got {state_slot!r}")
+        self._inited = True
+        self._mgr._loop.call(self._mgr._on_init, self, arr.tobytes(), prefix_tokens,
+                             -1 if state_slot is None else int(state_slot))
+
+    def poll(self) -> KVPoll:
+        return self.status.state
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self.status.reason
+
+    @property
+    def released(self) -> bool:
+        """No byte of this request's writes can still land: its pages may be reused."""
+        return self._released
+
+    def first_token(self) -> tuple:
+        """``(token_id, logprob)`` from the aux record, once Success."""
+        if self.status.state is not KVPoll.Success or self._aux_slot is None:
+            raise ValueError(f"request {self.request_id!r} has no aux record ({self.status.state.name})")
+        return unpack_first_token(self._mgr._aux.read(self._aux_slot))
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self._mgr._loop.call(self._mgr._fail, self.request_id, reason, True)
+
+    def close(self) -> None:
+        """Forget the request (aborting it if it has not ended) and free its aux record."""
+        self._mgr._loop.call(self._mgr._close_receiver, self)
+
+
+class _PeerState(enum.Enum):
+    CONNECTING = "connecting"  # hello sent, no answer yet
+    READY = "ready"
+    REFUSED = "refused"  # the hello was refused: error says why
+    LOST = "lost"  # no heartbeat answer in time; waiting for a new incarnation
+
+
+@dataclass
+class _PrefillPeer:
+    """A prefill rank this rank reads from (loop thread only)."""
+
+    registration: RegisterPrefill
+    socket: object
+    state: _PeerState
+    since: float  # when the state was entered
+    last_seen: float
+    incarnation: str = ""  # the one its hello ack named
+    error: str = ""
+    heartbeat_seq: int = 0
+    last_heartbeat: float = 0.0
+
+
+@dataclass
+class _Incoming:
+    """A request's progress on this rank (loop thread only)."""
+
+    receiver: KVReceiver
+    deadline: float
+    counts: dict = field(default_factory=dict)  # prefill rank -> writes landed
+    totals: dict = field(default_factory=dict)  # prefill rank -> writes it made (from its last one)
+    quiesced: set = field(default_factory=set)  # prefill ranks with nothing in flight for it
+    asked: bool = False
+    request: Optional[tuple] = None  # (dst_slots bytes, prefix_tokens, state_slot) until asked
+
+
+class DecodeKVManager:
+    """The KV manager of one decode rank (see the module docstring)."""
+
+    def __init__(self, layout: RankLayout, transport: Transport, kv_infos, state_infos=None, *, bootstrap: str,
+                 instance: Optional[str] = None, config: ControlConfig = ControlConfig(),
+                 device: Optional[int] = None, host_id: Optional[str] = None):
+        if not isinstance(layout, RankLayout):
+            raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
+        self.layout, self.transport, self.config = layout, transport, config
+        self.instance = instance or f"decode-{uuid.uuid4().hex[:12]}"
+        self.incarnation = uuid.uuid4().hex
+        self._host = host_id or default_host_id()
+        self._bootstrap = BootstrapClient(bootstrap)
+        topo = self._bootstrap.wait_for_topology(config.dp_rank, deadline_s=config.bootstrap_timeout_s)
+        self.prefill_tp_size = topo.tp_size
+        self.senders = senders_for(layout, topo.tp_size)
+        self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
+        self._aux = AuxRecords(config.aux_slots)
+        self._aux_region = transport.register(self._aux.ptr, self._aux.nbytes)
+        self._ctx = zmq.Context()
+        self._receivers: RequestTable = RequestTable()
+        self._incoming: dict = {}  # request id -> _Incoming
+        self._peers: dict = {}  # prefill tp rank -> _PrefillPeer
+        self._by_name: dict = {}  # transport name -> prefill tp rank
+        self._last_lookup = 0.0
+        self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick)
+        regs = {r.tp_rank: r for r in topo.rank_infos()}
+        for rank in self.senders:
+            self._connect(regs[rank])
+        self._loop.start()
+        try:
+            self._await_handshakes()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the owner's API --------------------------------------------------------------
+    def receiver(self, request_id: str) -> KVReceiver:
+        """A new request on this rank; raises DuplicateRequest while ``request_id`` is live."""
+        receiver = self._receivers.add(request_id, KVReceiver(self, request_id))
+        self._loop.call(self._on_new_receiver, receiver)
+        return receiver
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._receivers)
+
+    def close(self) -> None:
+        """Fail what is in flight, close sockets and the thread, deregister (idempotent)."""
+        if self._ctx.closed:
+            return
+        self._loop.close(final=self._shutdown)
+        self._ctx.term()
+        try:
+            self.regions.deregister(self.transport)
+            self.transport.deregister(self._aux_region)
+        except ValueError as exc:  # the transport was closed first
+            log.debug("deregistering after close: %s", exc)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- handshakes -----------------------------------------------------------------------
+    def _connect(self, reg: RegisterPrefill) -> None:
+        """Open a control socket to a prefill rank and say hello (loop thread, or before start)."""
+        old = self._peers.get(reg.tp_rank)
+        if old is not None:
+            self._loop.remove_socket(old.socket)
+            old.socket.close()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(reg.control_addr)
+        now = time.monotonic()
+        peer = _PrefillPeer(reg, sock, _PeerState.CONNECTING, since=now, last_seen=now)
+        self._peers[reg.tp_rank] = peer
+        self._by_name[reg.transport_name] = reg.tp_rank
+        self._loop.add_socket(sock, lambda: self._on_socket(peer))
+        sock.send(DecodeHello(
+            instance=self.instance, dp_rank=self.config.dp_rank, tp_rank=self.layout.tp_rank,
+            tp_size=self.layout.tp_size, host=self._host, backend=self.transport.backend,
+            transport_export=self.transport.export(), transport_name=self.transport.name,
+            layout=self.layout.to_msgpack(), regions=self.regions.to_wire(), aux_region=self._aux_region,
+            aux_record_bytes=self._aux.record_bytes, incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
+
+    def _await_handshakes(self) -> None:
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        while True:
+            states = self._loop.call(lambda: {r: (p.state, p.error) for r, p in self._peers.items()}).result()
+            refused = {r: e for r, (s, e) in states.items() if s is _PeerState.REFUSED}
+            if refused:
+                raise HandshakeError("; ".join(f"prefill rank {r} refused decode rank {self.layout.tp_rank}: {e}"
+                                               for r, e in sorted(refused.items())))
+            waiting = sorted(r for r, (s, _) in states.items() if s is not _PeerState.READY)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise HandshakeError(f"decode rank {self.layout.tp_rank}: no answer to its hello from prefill ranks "
+                                     f"{waiting} within {self.config.handshake_timeout_s:g} s")
+            time.sleep(0.005)
+
+    def _on_socket(self, peer: _PrefillPeer) -> None:
+        rank = peer.registration.tp_rank
+        for _ in range(256):
+            try:
+                frame = peer.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame)
+            except WireError as exc:
+                log.warning("decode rank %d dropped a frame from prefill rank %d: %s", self.layout.tp_rank, rank, exc)
+                continue
+            peer.last_seen = time.monotonic()
+            if isinstance(msg, HelloAck):
+                self._on_ack(peer, msg)
+            elif isinstance(msg, Heartbeat):
+                if peer.incarnation and msg.incarnation != peer.incarnation:
+                    self._lose(rank, f"prefill rank {rank} restarted")
+            elif isinstance(msg, AbortRequest):
+                self._fail(msg.request_id, msg.reason, tell_senders=False)
+            elif isinstance(msg, Quiesced):
+                inc = self._incoming.get(msg.request_id)
+                if inc is not None:
+                    inc.quiesced.add(rank)
+                    self._maybe_release(inc)
+            else:
+                log.warning("decode rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
+
+    def _on_ack(self, peer: _PrefillPeer, ack: HelloAck) -> None:
+        if ack.error:
+            peer.state, peer.error = _PeerState.REFUSED, ack.error
+            log.error("prefill rank %d refused decode rank %d: %s", peer.registration.tp_rank, self.layout.tp_rank,
+                      ack.error)
+            return
+        peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
+        for inc in list(self._incoming.values()):  # requests that waited for this rank
+            self._ask(inc)
+
+    # -- requests -------------------------------------------------------------------------
+    def _on_new_receiver(self, receiver: KVReceiver) -> None:
+        self._incoming[receiver.request_id] = _Incoming(receiver, time.monotonic() + self.config.transfer_timeout_s)
+
+    def _on_init(self, receiver: KVReceiver, dst: bytes, prefix: int, state_slot: int) -> None:
+        inc = self._incoming.get(receiver.request_id)
+        if inc is None or receiver.status.state.final:
+            return
+        aux = self._aux.alloc()
+        if aux is None:
+            self._fail(receiver.request_id, f"all {self.config.aux_slots - 1} aux records are in use", False)
+            return
+        receiver._aux_slot = aux
+        inc.request = (dst, prefix, state_slot)
+        self._ask(inc)
+
+    def _ask(self, inc: _Incoming) -> None:
+        """Send the request to every sender once all are ready; fail it if one cannot be."""
+        if inc.asked or inc.request is None or inc.receiver.status.state.final:
+            return
+        peers = [self._peers[r] for r in self.senders]
+        down = [p for p in peers if p.state in (_PeerState.LOST, _PeerState.REFUSED)]
+        if down:
+            p = down[0]
+            why = p.error or f"prefill rank {p.registration.tp_rank} is {p.state.value}"
+            self._fail(inc.receiver.request_id, why, tell_senders=False)
+            inc.quiesced.update(self.senders)  # nothing was asked: nothing can land
+            self._maybe_release(inc)
+            return
+        if any(p.state is not _PeerState.READY for p in peers):
+            return  # a sender is (re)connecting: asked once it is ready
+        dst, prefix, state_slot = inc.request
+        rid = inc.receiver.request_id
+        for p in peers:
+            p.socket.send(TransferRequest(request_id=rid, instance=self.instance, decode_tp_rank=self.layout.tp_rank,
+                                          dst_slots=dst, prefix_tokens=prefix, state_slot=state_slot,
+                                          aux_slot=inc.receiver._aux_slot).to_msgpack(), zmq.NOBLOCK)
+        inc.asked = True
+        inc.receiver.status.advance(KVPoll.WaitingForInput)
+
+    def _on_arrived(self, sender: str, payload: bytes) -> None:
+        rank = self._by_name.get(sender)
+        try:
+            note = KVArrived.from_msgpack(payload)
+        except WireError as exc:
+            log.warning("decode rank %d dropped a notification from %r: %s", self.layout.tp_rank, sender, exc)
+            return
+        inc = self._incoming.get(note.request_id)
+        if rank is None or inc is None or inc.receiver.status.state.final:
+            return  # an ended or unknown request: its late notification means nothing now
+        inc.counts[rank] = inc.counts.get(rank, 0) + 1
+        if note.total:
+            inc.totals[rank] = note.total
+        inc.receiver.status.advance(KVPoll.Transferring)
+        if all(inc.totals.get(r) is not None and inc.counts.get(r, 0) >= inc.totals[r] for r in self.senders):
+            if inc.receiver.status.advance(KVPoll.Success):
+                inc.receiver._released = True
+
+    def _fail(self, request_id: str, reason: str, tell_senders: bool) -> None:
+        inc = self._incoming.get(request_id)
+        if inc is None or not inc.receiver.status.fail(reason):
+            return
+        log.info("request %s failed on decode rank %d: %s", request_id, self.layout.tp_rank, reason)
+        if tell_senders and inc.asked:
+            for r in self.senders:
+                peer = self._peers[r]
+                if peer.state is _PeerState.READY:
+                    peer.socket.send(AbortRequest(request_id=request_id, reason=reason).to_msgpack(), zmq.NOBLOCK)
+        if not inc.asked:
+            inc.quiesced.update(self.senders)
+        for r in self.senders:  # a lost or refused sender writes nothing more
+            if self._peers[r].state is not _PeerState.READY:
+                inc.quiesced.add(r)
+        self._maybe_release(inc)
+
+    def _maybe_release(self, inc: _Incoming) -> None:
+        if inc.receiver.status.state is KVPoll.Failed and inc.quiesced >= set(self.senders):
+            inc.receiver._released = True
+
+    def _close_receiver(self, receiver: KVReceiver) -> None:
+        self._fail(receiver.request_id, "closed by its owner", tell_senders=True)
+        inc = self._incoming.pop(receiver.request_id, None)
+        if receiver._aux_slot is not None:
+            self._aux.free(receiver._aux_slot)
+            receiver._aux_slot = None
+        self._receivers.pop(receiver.request_id)
+        if inc is not None and not receiver.released:
+            log.warning("request %s closed before its senders quiesced: its pages are not safe to reuse yet",
+                        receiver.request_id)
+
+    # -- timers, heartbeats, notifications ---------------------------------------------------
+    def _tick(self) -> float:
+        for note in self.transport.poll_notifications():
+            self._on_arrived(note.sender, note.payload)
+        now = time.monotonic()
+        cfg = self.config
+        for rank, peer in self._peers.items():
+            if peer.state is _PeerState.READY:
+                if now - peer.last_heartbeat >= cfg.heartbeat_interval_s:
+                    peer.heartbeat_seq += 1
+                    peer.last_heartbeat = now
+                    peer.socket.send(Heartbeat(seq=peer.heartbeat_seq, incarnation=self.incarnation).to_msgpack(),
+                                     zmq.NOBLOCK)
+                if now - peer.last_seen > cfg.heartbeat_timeout_s:
+                    self._lose(rank, f"prefill rank {rank} lost: no answer for {cfg.heartbeat_timeout_s:g} s")
+            elif peer.state is _PeerState.CONNECTING and now - peer.since > cfg.handshake_timeout_s:
+                self._lose(rank, f"prefill rank {rank} did not answer its hello within {cfg.handshake_timeout_s:g} s")
+        if any(p.state is _PeerState.LOST for p in self._peers.values()) and now - self._last_lookup > 1.0:
+            self._last_lookup = now
+            self._reconnect_restarted()
+        for rid, inc in list(self._incoming.items()):
+            if not inc.receiver.status.state.final and now > inc.deadline:
+                waiting = [r for r in self.senders if inc.counts.get(r, 0) < inc.totals.get(r, 1 << 62)]
+                self._fail(rid, f"not done after {cfg.transfer_timeout_s:g} s (waiting for prefill ranks {waiting})",
+                           tell_senders=True)
+        busy = any(not i.receiver.status.state.final for i in self._incoming.values())
+        return 0.0005 if busy else min(0.05, cfg.heartbeat_interval_s)
+
+    def _lose(self, rank: int, reason: str) -> None:
+        peer = self._peers[rank]
+        if peer.state is _PeerState.LOST:
+            return
+        log.warning("decode rank %d: %s", self.layout.tp_rank, reason)
+        peer.state, peer.error, peer.since = _PeerState.LOST, reason, time.monotonic()
+        for rid, inc in list(self._incoming.items()):
+            if inc.receiver.status.state.final:
+                inc.quiesced.add(rank)
+                self._maybe_release(inc)
+            else:
+                self._fail(rid, reason, tell_senders=True)
+
+    def _reconnect_restarted(self) -> None:
+        """Look the lost ranks up at the bootstrap service; connect to new incarnations."""
+        try:
+            topo = self._bootstrap.topology(self.config.dp_rank, timeout_s=0.2)
+        except BootstrapError as exc:
+            log.debug("bootstrap lookup failed: %s", exc)
+            return
+        for reg in topo.rank_infos():
+            peer = self._peers.get(reg.tp_rank)
+            if peer is not None and peer.state is _PeerState.LOST and reg.incarnation != peer.registration.incarnation:
+                log.info("decode rank %d: prefill rank %d is back (new incarnation); reconnecting",
+                         self.layout.tp_rank, reg.tp_rank)
+                self._connect(reg)
+
+    def _shutdown(self) -> None:
+        for rid in list(self._incoming):
+            self._fail(rid, "the decode manager closed", tell_senders=True)
+        for peer in self._peers.values():
+            self._loop.remove_socket(peer.socket)
+            peer.socket.close()

@@ -1,0 +1,527 @@
+"""The prefill side of the control plane: :class:`PrefillKVManager` and :class:`KVSender`.
+
+One manager per prefill rank. At start it registers its pools' buffers with the transport,
+binds its control socket (a ZeroMQ ROUTER), and registers with the bootstrap service. Decode
+ranks then introduce themselves (``DecodeHello``: layout, transport export, buffer map); the
+manager checks the layouts (a mismatch is refused, naming the field and both values) and
+connects its transport to theirs.
+
+Per request, the engine calls ``sender = manager.sender(request_id)`` and then
+``sender.send(slots, last=...)`` once per chunk of a chunked prefill: ``slots`` are this
+rank's token slots of the chunk's tokens, in order; the last chunk also carries the Mamba
+state slot and the aux record (the first output token, :func:`~kvtransfer.control.common.
+pack_first_token`). Each decode rank of the request sends a ``TransferRequest`` (its
+destination slots, the prefix it already holds, its state and aux slots); chunks queued
+before every expected decode rank has asked wait for it. Tokens decode already holds are not
+sent. Every write carries a ``KVArrived`` notification; the last write to each decode rank
+carries the number of writes, so decode knows when it has everything.
+
+``sender.poll()`` gives the :class:`~kvtransfer.control.state.KVPoll`: Bootstrapping (not
+every decode rank has asked yet), WaitingForInput (all have, no chunk sent yet),
+Transferring, Success (every write of the last chunk is done) or Failed
+(``sender.failure`` says why: a write failed, the decode rank was lost or aborted, the
+transfer timeout passed). A failed request's writes are aborted; once none is in flight the
+manager sends ``Quiesced`` so decode may reuse the pages.
+
+Threads: every transport call and socket operation happens on the manager's one loop
+thread; ``sender()``, ``send()``, ``poll()`` and ``abort()`` may be called from any thread.
+``close()`` fails what is in flight, closes peers, sockets and the thread, and deregisters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import zmq
+
+from kvtransfer.batches import BufferRegions, plan_batch, write_batch
+from kvtransfer.control.bootstrap import BootstrapClient
+from kvtransfer.control.common import AUX_RECORD_BYTES, AuxRecords, ControlConfig, EventLoop, default_host_id
+from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
+from kvtransfer.control.wire import (
+    AbortRequest,
+    DecodeHello,
+    Heartbeat,
+    HelloAck,
+    KVArrived,
+    Quiesced,
+    RegisterPrefill,
+    TransferRequest,
+    WireError,
+    decode,
+)
+from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
+from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
+from transport.base import PeerDescriptorError, TransferStatus, Transport, TransportError, WriteBatch
+
+__all__ = ["KVSender", "PrefillKVManager"]
+
+log = logging.getLogger("kvtransfer.control.prefill")
+
+
+def _slots(name: str, slots) -> np.ndarray:
+    arr = np.asarray(slots)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must be a 1-D array of ints, got {arr.dtype} of shape {list(arr.shape)}")
+    return np.array(arr, dtype=np.int64)
+
+
+class KVSender:
+    """One request on this prefill rank (see the module docstring)."""
+
+    def __init__(self, manager: "PrefillKVManager", request_id: str):
+        self.request_id = request_id
+        self.status = RequestStatus(request_id)
+        self._mgr = manager
+        self._last_sent = False
+
+    def poll(self) -> KVPoll:
+        return self.status.state
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self.status.reason
+
+    def send(self, slots, *, last: bool = False, state_slot: Optional[int] = None,
+             aux: Optional[bytes] = None) -> None:
+        """Queue one chunk: this rank's token slots of the request's next tokens. The last
+        chunk (``last=True``) also sends the Mamba state (``state_slot``, required when the
+        model has state) and ``aux`` (at most ``AUX_RECORD_BYTES``)."""
+        if self._last_sent:
+            raise ValueError(f"request {self.request_id!r}: send() after the last chunk")
+        arr = _slots("slots", slots)
+        if last and self._mgr.layout.state_kind is StateKind.MAMBA:
+            if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool) or state_slot <= 0:
+                raise ValueError(f"request {self.request_id!r}: the last chunk of a model with Mamba state needs "
+                                 f"its state_slot (an int > 0), got {state_slot!r}")
+        if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
+            raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
+        self._last_sent = last
+        self._mgr._loop.call(self._mgr._on_send, self, _Chunk(arr, last, state_slot, aux))
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._mgr._loop.call(self._mgr._fail, self.request_id, reason)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    slots: np.ndarray  # [n] this rank's token slots
+    last: bool
+    state_slot: Optional[int]
+    aux: Optional[bytes]
+
+
+@dataclass
+class _DecodePeer:
+    """A decode rank that said hello (loop thread only)."""
+
+    hello: DecodeHello
+    identity: bytes
+    layout: RankLayout
+    regions: BufferRegions
+    peer: object  # transport Peer
+    writes_aux: bool  # this rank is the lowest of its senders: it writes the aux record
+    last_seen: float
+
+
+@dataclass
+class _Outgoing:
+    """A request's progress on this rank (loop thread only)."""
+
+    sender: KVSender
+    deadline: float
+    instance: Optional[str] = None
+    expected: frozenset = frozenset()  # decode keys that will ask
+    dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
+    chunks: list = field(default_factory=list)  # queued until every decode rank has asked
+    tokens_sent: int = 0
+    writes: dict = field(default_factory=dict)  # decode key -> writes posted
+    inflight: list = field(default_factory=list)  # [(Transfer, staging aux slot or None)]
+    last_posted: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.expected) and set(self.dests) == self.expected
+
+
+class PrefillKVManager:
+    """The KV manager of one prefill rank (see the module docstring)."""
+
+    def __init__(self, layout: RankLayout, transport: Transport, kv_infos, state_infos=None, *,
+                 bootstrap: str, config: ControlConfig = ControlConfig(), device: Optional[int] = None,
+                 host_id: Optional[str] = None):
+        if not isinstance(layout, RankLayout):
+            raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
+        self.layout, self.transport, self.config = layout, transport, config
+        self.incarnation = uuid.uuid4().hex
+        self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
+        self._aux = AuxRecords(config.aux_slots)
+        self._aux_region = transport.register(self._aux.ptr, self._aux.nbytes)
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        try:
+            port = config.port or self._router.bind_to_random_port(f"tcp://{config.host}")
+            if config.port:
+                self._router.bind(f"tcp://{config.host}:{port}")
+        except zmq.ZMQError as exc:
+            self._release_memory()
+            raise OSError(f"prefill rank {layout.tp_rank}: cannot bind tcp://{config.host}:{config.port}: {exc}") from None
+        self.control_addr = f"tcp://{config.host}:{port}"
+        self._senders: RequestTable = RequestTable()
+        self._outgoing: dict = {}  # request id -> _Outgoing
+        self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
+        self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
+        self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
+        self._by_identity: dict = {}  # routing id -> decode key
+        self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
+        try:
+            BootstrapClient(bootstrap).register(RegisterPrefill(
+                dp_rank=config.dp_rank, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+                control_addr=self.control_addr, host=host_id or default_host_id(), backend=transport.backend,
+                transport_export=transport.export(), transport_name=transport.name, layout=layout.to_msgpack(),
+                regions=self.regions.to_wire(), incarnation=self.incarnation), deadline_s=config.bootstrap_timeout_s)
+        except BaseException:
+            self._router.close()
+            self._ctx.term()
+            self._release_memory()
+            raise
+        self._loop.start()
+
+    # -- the owner's API --------------------------------------------------------------
+    def sender(self, request_id: str) -> KVSender:
+        """A new request on this rank; raises DuplicateRequest while ``request_id`` is live."""
+        sender = self._senders.add(request_id, KVSender(self, request_id))
+        self._loop.call(self._on_new_sender, sender)
+        return sender
+
+    @property
+    def num_requests(self) -> int:
+        """Requests not yet ended and released."""
+        return len(self._senders)
+
+    def close(self) -> None:
+        """Fail what is in flight, close peers, sockets and the thread, deregister (idempotent)."""
+        if self._router.closed:
+            return
+        self._loop.close(final=self._shutdown)
+        self._router.close()
+        self._ctx.term()
+        self._release_memory()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- loop thread: requests ----------------------------------------------------------
+    def _on_new_sender(self, sender: KVSender) -> None:
+        out = _Outgoing(sender, deadline=time.monotonic() + self.config.transfer_timeout_s)
+        self._outgoing[sender.request_id] = out
+        aborted = self._aborted_early.pop(sender.request_id, None)
+        if aborted is not None:
+            self._fail(sender.request_id, aborted[1])
+            return
+        for _, key, req in self._early.pop(sender.request_id, []):
+            self._attach(out, key, req)
+
+    def _on_send(self, sender: KVSender, chunk: _Chunk) -> None:
+        out = self._outgoing.get(sender.request_id)
+        if out is None or sender.status.state.final:
+            return  # failed (and forgotten) meanwhile: nothing to send
+        out.chunks.append(chunk)
+        self._flush(out)
+
+    def _attach(self, out: _Outgoing, key: tuple, req: TransferRequest) -> None:
+        peer = self._decode.get(key)
+        if peer is None:
+            self._fail(out.sender.request_id, f"decode rank {key} asked without a hello")
+            return
+        if out.instance is None:
+            out.instance = req.instance
+            out.expected = self._readers_of(req.instance)
+        elif out.instance != req.instance:
+            self._fail(out.sender.request_id, f"decode instances {out.instance!r} and {req.instance!r} both asked")
+            return
+        if len(req.dst_slots) % 8:
+            self._fail(out.sender.request_id, f"decode rank {key}: dst_slots of {len(req.dst_slots)} bytes is not "
+                                              "int64 slots")
+            return
+        out.dests[key] = (req, np.frombuffer(req.dst_slots, dtype="<i8").astype(np.int64))
+        if out.ready:
+            out.sender.status.advance(KVPoll.WaitingForInput)
+            self._flush(out)
+
+    def _readers_of(self, instance: str) -> frozenset:
+        """The decode ranks of ``instance`` that read from this rank (from any one of their
+        layouts: the ranks of a group differ only in ``tp_rank``)."""
+        peer = next((p for k, p in self._decode.items() if k[0] == instance), None)
+        if peer is None:
+            return frozenset()
+        me, tp = self.layout.tp_rank, self.layout.tp_size
+        return frozenset((instance, d) for d in range(peer.layout.tp_size)
+                         if me in senders_for(dataclasses.replace(peer.layout, tp_rank=d), tp))
+
+    def _flush(self, out: _Outgoing) -> None:
+        if not out.ready or out.sender.status.state.final:
+            return
+        chunks, out.chunks = out.chunks, []
+        try:
+            for chunk in chunks:
+                self._post_chunk(out, chunk)
+        except (ValueError, TypeError, TransportError) as exc:  # bad slots, a peer gone, a closed transport
+            self._fail(out.sender.request_id, f"cannot write: {exc}")
+
+    def _post_chunk(self, out: _Outgoing, chunk: _Chunk) -> None:
+        rid = out.sender.request_id
+        first, out.tokens_sent = out.tokens_sent, out.tokens_sent + chunk.slots.size
+        for key in sorted(out.dests):
+            req, dst_all = out.dests[key]
+            peer = self._decode[key]
+            skip = min(chunk.slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
+            src = chunk.slots[skip:]
+            start = first + skip - req.prefix_tokens
+            dst = dst_all[start:start + src.size]
+            if dst.size != src.size:
+                raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
+                                 f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
+            writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), self.regions,
+                                        peer.regions), None)]
+            if self.layout.state_kind is StateKind.NSA_INDEX:
+                writes.append(("state", plan_batch(plan_state_transfer(self.layout, peer.layout, src, dst),
+                                                   self.regions, peer.regions), None))
+            if chunk.last:
+                if out.tokens_sent != req.prefix_tokens + dst_all.size:
+                    raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
+                                     f"{req.prefix_tokens} held + {dst_all.size} sent")
+                writes += self._last_writes(peer, req, chunk)
+            for i, (part, batch, staging) in enumerate(writes):
+                seq = out.writes.get(key, 0)
+                out.writes[key] = seq + 1
+                total = seq + 1 if chunk.last and i == len(writes) - 1 else 0
+                note = KVArrived(request_id=rid, part=part, seq=seq, total=total).to_msgpack()
+                out.inflight.append((write_batch(peer.peer, batch, note), staging))
+        out.last_posted |= chunk.last
+        out.sender.status.advance(KVPoll.Transferring)
+
+    def _last_writes(self, peer: _DecodePeer, req: TransferRequest, chunk: _Chunk) -> list:
+        """The state and aux writes that go with the last chunk to one decode rank."""
+        writes = []
+        if self.layout.state_kind is StateKind.MAMBA and req.state_slot > 0:
+            plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
+            if not plan.empty:
+                writes.append(("state", plan_batch(plan, self.regions, peer.regions), None))
+        if chunk.aux is not None and req.aux_slot > 0 and peer.writes_aux and peer.hello.aux_region >= 0:
+            slot = self._aux.alloc()
+            if slot is None:
+                raise ValueError(f"all {self.config.aux_slots - 1} aux staging records are in flight")
+            self._aux.write(slot, chunk.aux)
+            rb = self._aux.record_bytes
+            batch = WriteBatch.of(self._aux_region, slot * rb, peer.hello.aux_region,
+                                  req.aux_slot * peer.hello.aux_record_bytes, rb)
+            writes.append(("aux", batch, slot))
+        return writes
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
+        write is in flight)."""
+        out = self._outgoing.get(request_id)
+        if out is None:
+            return
+        if out.sender.status.fail(reason):
+            log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
+            for transfer, _ in out.inflight:
+                transfer.abort()
+            for key in out.dests:
+                self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
+                                                                           f"{reason}"))
+
+    def _send(self, key: tuple, msg) -> None:
+        peer = self._decode.get(key)
+        if peer is not None:
+            try:
+                self._router.send_multipart([peer.identity, msg.to_msgpack()], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the decode rank is gone: heartbeats will tell
+                log.debug("cannot send %s to decode rank %s: %s", msg.KIND, key, exc)
+
+    # -- loop thread: control messages ----------------------------------------------------
+    def _on_router(self) -> None:
+        for _ in range(256):  # a bounded batch per turn: transfers get polled in between
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                log.warning("prefill rank %d dropped a message of %d frames", self.layout.tp_rank, len(parts))
+                continue
+            identity, frame = parts
+            try:
+                msg = decode(frame)
+            except WireError as exc:
+                log.warning("prefill rank %d dropped a frame: %s", self.layout.tp_rank, exc)
+                continue
+            if isinstance(msg, DecodeHello):
+                self._on_hello(identity, msg)
+                continue
+            key = self._by_identity.get(identity)
+            if key is None:
+                log.warning("prefill rank %d dropped %s from a decode rank without a hello", self.layout.tp_rank,
+                            msg.KIND)
+                continue
+            self._decode[key].last_seen = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                self._router.send_multipart([identity, Heartbeat(seq=msg.seq, incarnation=self.incarnation)
+                                             .to_msgpack()], zmq.NOBLOCK)
+            elif isinstance(msg, TransferRequest):
+                self._on_request(key, msg)
+            elif isinstance(msg, AbortRequest):
+                self._on_abort(key, msg)
+            else:
+                log.warning("prefill rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
+
+    def _on_hello(self, identity: bytes, hello: DecodeHello) -> None:
+        error = ""
+        try:
+            if hello.backend != self.transport.backend:
+                raise LayoutMismatch(f"transports differ: this side {self.transport.backend!r}, peer {hello.backend!r}")
+            layout = RankLayout.from_msgpack(hello.layout)
+            self.layout.check_compatible(layout)
+            regions = BufferRegions.from_wire(hello.regions)
+            readers = senders_for(layout, self.layout.tp_size)
+        except (LayoutMismatch, ValueError, TypeError) as exc:
+            error = str(exc)
+        if not error:
+            old = self._decode.pop(hello.key, None)
+            if old is not None:  # the decode rank restarted: its old requests cannot finish
+                self._drop_peer(old, f"decode rank {hello.key} said hello again (restarted)")
+            try:
+                peer = self.transport.connect(hello.transport_export)
+            except (PeerDescriptorError, TransportError) as exc:
+                error = f"cannot connect to the decode rank's transport: {exc}"
+            else:
+                self._decode[hello.key] = _DecodePeer(
+                    hello, identity, layout, regions, peer, writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
+                self._by_identity[identity] = hello.key
+        if error:
+            log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
+        self._router.send_multipart([identity, HelloAck(error=error, incarnation=self.incarnation).to_msgpack()],
+                                    zmq.NOBLOCK)
+
+    def _on_request(self, key: tuple, req: TransferRequest) -> None:
+        out = self._outgoing.get(req.request_id)
+        if out is not None:
+            self._attach(out, key, req)
+        elif req.request_id in self._aborted_early:
+            self._send(key, Quiesced(request_id=req.request_id))
+        else:
+            self._early.setdefault(req.request_id, []).append((time.monotonic(), key, req))
+
+    def _on_abort(self, key: tuple, msg: AbortRequest) -> None:
+        reason = f"aborted by decode rank {key}: {msg.reason}"
+        if msg.request_id in self._outgoing:
+            self._fail(msg.request_id, reason)
+            out = self._outgoing[msg.request_id]
+            if key not in out.dests:  # it asked for nothing yet: nothing of ours can land there
+                self._send(key, Quiesced(request_id=msg.request_id))
+        else:  # before sender(): remember, and nothing can be in flight
+            self._early.pop(msg.request_id, None)
+            self._aborted_early[msg.request_id] = (time.monotonic(), reason)
+            self._send(key, Quiesced(request_id=msg.request_id))
+
+    # -- loop thread: timers and transfers --------------------------------------------------
+    def _tick(self) -> float:
+        now = time.monotonic()
+        busy = False
+        for rid, out in list(self._outgoing.items()):
+            busy |= self._advance(out)
+            state = out.sender.status.state
+            if state is KVPoll.Success or (state is KVPoll.Failed and not out.inflight):
+                self._finish(rid, out)
+            elif not state.final and now > out.deadline:
+                self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+        lost = [p for p in self._decode.values() if now - p.last_seen > self.config.heartbeat_timeout_s]
+        for peer in lost:
+            self._decode.pop(peer.hello.key, None)
+            self._drop_peer(peer, f"decode rank {peer.hello.key} lost: no heartbeat for "
+                                  f"{self.config.heartbeat_timeout_s:g} s")
+        horizon = now - self.config.transfer_timeout_s  # ids nobody claimed in that time are forgotten
+        for rid in [r for r, asks in self._early.items() if asks[0][0] < horizon]:
+            del self._early[rid]
+        for rid in [r for r, (when, _) in self._aborted_early.items() if when < horizon]:
+            del self._aborted_early[rid]
+        return 0.0005 if busy else min(0.05, self.config.heartbeat_interval_s)
+
+    def _advance(self, out: _Outgoing) -> bool:
+        """Poll the request's writes; True while some are in flight."""
+        still = []
+        for transfer, staging in out.inflight:
+            status = transfer.status()
+            if status is TransferStatus.PENDING:
+                still.append((transfer, staging))
+                continue
+            if staging is not None:
+                self._aux.free(staging)
+            if status is TransferStatus.FAILED:
+                self._fail(out.sender.request_id, f"write failed: {transfer.error}")
+        out.inflight = still
+        if out.last_posted and not still:
+            out.sender.status.advance(KVPoll.Success)
+        return bool(still)
+
+    def _finish(self, rid: str, out: _Outgoing) -> None:
+        """Forget an ended request; a failed one tells its decode ranks nothing is in flight."""
+        if out.sender.status.state is KVPoll.Failed:
+            for key in out.dests:
+                self._send(key, Quiesced(request_id=rid))
+        del self._outgoing[rid]
+        self._senders.pop(rid)
+
+    def _describe(self, out: _Outgoing) -> str:
+        if not out.ready:
+            missing = sorted(out.expected - set(out.dests)) if out.expected else "every decode rank"
+            return f"waiting for the destination from {missing}"
+        if not out.last_posted:
+            return f"{out.tokens_sent} tokens sent, waiting for the last chunk"
+        return f"{len(out.inflight)} writes in flight"
+
+    def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
+        log.warning("prefill rank %d: %s", self.layout.tp_rank, reason)
+        for rid, out in list(self._outgoing.items()):
+            if peer.hello.key in out.dests or peer.hello.key in out.expected:
+                self._fail(rid, reason)
+        self._by_identity.pop(peer.identity, None)
+        try:
+            peer.peer.close()
+        except TransportError as exc:
+            log.debug("closing the transport peer of %s: %s", peer.hello.key, exc)
+
+    def _shutdown(self) -> None:
+        for rid in list(self._outgoing):
+            self._fail(rid, "the prefill manager closed")
+        deadline = time.monotonic() + 5.0
+        while any(out.inflight for out in self._outgoing.values()) and time.monotonic() < deadline:
+            for out in self._outgoing.values():
+                self._advance(out)
+            time.sleep(0.001)
+        for rid, out in list(self._outgoing.items()):
+            self._finish(rid, out)
+        for peer in list(self._decode.values()):
+            try:
+                peer.peer.close()
+            except TransportError:
+                pass
+        self._decode.clear()
+
+    def _release_memory(self) -> None:
+        try:
+            self.regions.deregister(self.transport)
+            self.transport.deregister(self._aux_region)
+        except (ValueError, TransportError) as exc:  # the transport was closed first
+            log.debug("deregistering after close: %s", exc)
