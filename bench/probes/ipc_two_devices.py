@@ -6,7 +6,7 @@ Results on 2x H200 are quoted in transport/nvlink_staged.py."""
 import multiprocessing as mp
 import cupy as cp
 import torch
-from transport import cuda_ipc
+from transport.nvlink import ipc as cuda_ipc
 
 N = 1 << 20
 

@@ -15,7 +15,7 @@ How
 ---
 The batch is cut into chunks of whole rows. For each chunk:
 
-1. *gather* (the row kernel of :mod:`transport.nvlink_kernel`, on the local GPU, the writer's
+1. *gather* (the row kernel of :mod:`transport.nvlink.kernel`, on the local GPU, the writer's
    copy stream): the chunk's rows, back to back, into local staging buffer ``k``;
 2. *copy* (``cudaMemcpyAsync`` on a second local stream, i.e. the copy engine): local staging
    buffer ``k`` into peer staging buffer ``k``, one contiguous copy at the link's rate;
@@ -34,10 +34,10 @@ stream after the last scatter.
 The host must stay ahead of the copy engine (128 MiB take 340 us on the link). Torch's stream
 contexts and events and Triton's ``kernel[grid]`` cost about 130 us per chunk on an H200
 host, so :class:`StagedLane` enqueues with raw CUDA calls and relaunches the kernels directly
-(:mod:`transport.triton_launch`): about 46 us per chunk.
+(:mod:`transport.nvlink.launch`): about 46 us per chunk.
 
 A row's place in the staging stream is its offset among all rows of the batch
-(:mod:`transport.nvlink_kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
+(:mod:`transport.nvlink.kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
 cut the batch at the last row that starts at or before each chunk start, so a chunk holds less
 than its share plus one row.
 
@@ -78,8 +78,8 @@ from typing import Callable
 
 import numpy as np
 
-from transport import cuda_ipc
-from transport.nvlink_kernel import Stage, StageMode
+from transport.nvlink import ipc
+from transport.nvlink.kernel import Stage, StageMode
 
 __all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_offsets"]
 
@@ -181,8 +181,8 @@ class StagedLane:
     GPU; shared by every peer on that GPU, one pipeline at a time (a lock).
 
     The pipeline is enqueued with raw CUDA calls (``cudaSetDevice``, ``cudaEventRecord``,
-    ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` through :mod:`transport.cuda_ipc`) and kernels
-    relaunched without Triton's JIT (:mod:`transport.triton_launch`): about 46 us of host time per
+    ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` through :mod:`transport.nvlink.ipc`) and kernels
+    relaunched without Triton's JIT (:mod:`transport.nvlink.launch`): about 46 us of host time per
     chunk (2.0 ms for the 44 chunks of 5 GiB), against 340 us of copy-engine time for 128 MiB
     (torch's stream contexts and events and ``kernel[grid]`` cost 130 us; measured 2026-11-29
     on an H200 host)."""
@@ -195,11 +195,11 @@ class StagedLane:
         self._copy = torch.cuda.Stream(device=local)
         self.scatter_stream = torch.cuda.Stream(device=peer)
         n = config.buffers
-        with cuda_ipc.on_device(api, local):
+        with ipc.on_device(api, local):
             api.enable_peer_access(peer)  # the copy engine writes the peer's staging buffers
             self._gathered = [api.event_create() for _ in range(n)]  # recorded on the gather stream
             self._copied = [api.event_create() for _ in range(n)]  # recorded on the copy stream
-        with cuda_ipc.on_device(api, peer):
+        with ipc.on_device(api, peer):
             self._scattered = [api.event_create() for _ in range(n)]  # recorded on the scatter stream
         self._bufs: list = []  # [(local staging tensor, peer staging tensor)]
         self._next = 0
@@ -237,7 +237,7 @@ class StagedLane:
         with self._lock:
             self._ensure(int(sizes.max()) if sizes.size else 0)
             bufs = [(mine.data_ptr(), theirs.data_ptr()) for mine, theirs in self._bufs]
-            with cuda_ipc.on_device(api, self.local, torch_too=False):
+            with ipc.on_device(api, self.local, torch_too=False):
                 for k in range(sizes.size):
                     a, b, origin, nbytes = int(bounds[k]), int(bounds[k + 1]), int(bound_offsets[k]), int(sizes[k])
                     slot = self._next % len(bufs)
@@ -268,14 +268,14 @@ class StagedLane:
         self.synchronize()
         self._bufs = []
         for device, events in ((self.local, self._gathered + self._copied), (self.peer, self._scattered)):
-            with cuda_ipc.on_device(self._api, device):
+            with ipc.on_device(self._api, device):
                 for event in events:
                     self._api.event_destroy(event)
         self._gathered, self._copied, self._scattered = [], [], []
 
 
 def open_lane(api, local: int, peer: int, config: StagedConfig) -> StagedLane:
-    """A lane, or :class:`cuda_ipc.CudaIpcError` when the two GPUs cannot reach each other."""
+    """A lane, or :class:`ipc.CudaIpcError` when the two GPUs cannot reach each other."""
     if local == peer:
-        raise cuda_ipc.CudaIpcError(f"the staged engine copies between two GPUs, got cuda:{local} twice")
+        raise ipc.CudaIpcError(f"the staged engine copies between two GPUs, got cuda:{local} twice")
     return StagedLane(api, local, peer, config)
