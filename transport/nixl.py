@@ -40,7 +40,7 @@ place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pe
 complete. Deregister a region only once no pending transfer uses it.
 
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
-status check (seen here within ~15 ms of SIGKILL over tcp). A peer that is alive but stalled
+status check (within milliseconds of SIGKILL over tcp, bench/RESULTS.md). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
 ``peer_loss_timeout_s + nbytes / min_throughput``: past it, ``status()`` releases the request
 (cancelling it) and reports FAILED.

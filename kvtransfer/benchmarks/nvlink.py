@@ -10,43 +10,21 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
 (CUDA events, median), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
-scatter; its tables resident on both GPUs, ``NvlinkPeer.enqueue`` repeated; CUDA events,
-median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
-bounds check, the row-table gather and its host-to-device copy (median), ``write_strided()``
-= the same rows as buffer pairs x slots (``StridedBatch``; O(pairs + slots) host work, the
-addresses computed on the GPU), wall time, median, once with the direct kernel and once with
-the staged engine (``peer.engine``, :mod:`transport.nvlink.staged`), and torch's peer
-copy of the same byte count between two contiguous tensors on GPU 0 and GPU 1 of this
-process (CUDA events, median). The first write of each case is verified: the receiver
-waits for its notification, then both sides checksum the rows (position-weighted); so is
-the first ``write_strided()`` (``verified``: write/write_strided).
+scatter; one prepared write, :meth:`NvlinkPeer.prepare`, posted again and again with its
+tables resident on both GPUs; CUDA events, median), ``write()`` = ``peer.write(batch).wait()``
+wall time including the bounds check, the row-table gather and its host-to-device copy
+(median), ``write_strided()`` = the same rows as buffer pairs x slots (``StridedBatch``;
+O(pairs + slots) host work, the addresses computed on the GPU), wall time, median, once with
+the direct kernel and once with the staged engine (a prepared write with that
+``NvlinkEngine``, :mod:`transport.nvlink.staged`), and torch's peer copy of the same byte
+count between two contiguous tensors on GPU 0 and GPU 1 of this process (CUDA events,
+median). The first write of each case is verified: the receiver waits for its notification
+(from this transport), then both sides checksum the rows (position-weighted); so is the first
+``write_strided()`` with each engine (``verified``: write/kernel/staged).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
-Measured (2026-11-29, two H200s joined by NV18, torch 2.11+cu130, triton 3.6; three runs):
-kernel 364-370 GB/s for whole-token rows (2 KiB / 32 KiB / 128 KiB) = 93.1-94.1 % of the
-same-run peer copy (393-395 GB/s); head-slice 256 B rows 349-365 GB/s = 91-93 %. Every kernel
-variant tried lands at 364-371 GB/s (tile 4-16 KiB, 4 or 8 warps, .cg/.cs cache policies,
-grid-stride with 528-1056 programs, and pulling from the destination GPU), as does any grid
-of >= 132 programs (one 4-warp program per SM); 66 programs reach 304-336, 33 reach 255-286.
-The kernel and a copy-engine peer copy at once move 380 GB/s together, below the copy engine
-alone. ``write()`` end to end is bound by host preparation at ~28 ns per row (bounds check,
-row-table gather): 72-92 ms for 2.6 M rows (60 GB/s for page 1), 1.6-4 ms for page 16 / 64
-(279-323 GB/s).
-
-``write_strided()`` (2026-11-29, same machine, torch 2.11+cu130, two runs, --page-sizes 1,16
---reps 3): the strided kernel alone 366 / 366 / 362 GB/s (page 1 / page 16 / head slice; the
-row-table kernel 366 / 366 / 364 in the same run), host preparation 0.6-0.9 ms whatever the
-row count, end to end 342-344 / 340-341 / 197-259 GB/s = 87 / 87 / 50-66 % of the peer copy,
-against 75-89 / 284-296 / 13-14 GB/s for ``write()``. What remains is fixed per write (launch,
-staging, the wait's polling): it weighs on the 640 MiB head-slice case, not on 5 GiB.
-
-Current (2026-11-29, same machine, default settings; raw enqueue, ramped chunks, cached region
-sizes, raw table uploads): peer copy 393.9-396.1 GB/s; staged 386.3 / 385.7 / 385.2 GB/s =
-98.1 / 97.4 / 97.6 % (page 1 / 16 / 64), head slice 90.1 %; kernel 93.4-93.6 %, head slice
-92.7 %; ``write_strided()`` end to end staged 92.5 / 90.4 / 93.2 %, direct 88.8 / 90.5 / 90.8 /
-76.5 % (head slice); NIXL page 1 0.48 GB/s. With 4,096 tokens (1280 MiB): staged 94.9 %,
-kernel 91.3 %, end to end 81.0 / 80.7 %.
+Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its section).
 """
 
 from __future__ import annotations
