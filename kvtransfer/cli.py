@@ -1,4 +1,8 @@
-"""The ``kvtransfer`` command: ``demo``, ``bench NAME``, ``layouts``, ``bootstrap``."""
+"""The ``kvtransfer`` command: ``demo``, ``bench NAME [--record]``, ``layouts``, ``bootstrap``.
+
+``kvtransfer bench NAME --record ...`` runs the benchmark and, when it succeeds, rewrites its
+section of bench/RESULTS.md (machine, date, command line, the table it printed).
+"""
 
 from __future__ import annotations
 
@@ -30,9 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         if args.name is None:  # `kvtransfer bench` or `kvtransfer bench --help`
-            print("usage: kvtransfer bench NAME [--help | options]\nNAME: " + ", ".join(_bench_names()))
+            print("usage: kvtransfer bench NAME [--help | [--record] options]\nNAME: " + ", ".join(_bench_names())
+                  + "\n--record: on success, rewrite the benchmark's section of bench/RESULTS.md")
             return 0 if rest in ([], ["--help"], ["-h"]) else 2
         module = importlib.import_module(f"kvtransfer.benchmarks.{args.name}")
+        if "--record" in rest:
+            from kvtransfer.benchmarks._results import run_recorded
+
+            return run_recorded(args.name, module.main, [a for a in rest if a != "--record"])
         return int(module.main(rest) or 0)
     module = importlib.import_module(_MODULES.get(args.command, f"kvtransfer.{args.command}"))
     return int(module.main(rest) or 0)

@@ -164,7 +164,7 @@ def _decode_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
         expected = conn.recv()  # the prefill ranks that write here
         got, deadline = set(), time.monotonic() + HANDSHAKE_TIMEOUT_S
         while got != expected:
-            got.update(int(n.decode().removeprefix("prefill")) for n in transport.poll_notifications())
+            got.update(int(n.payload.decode().removeprefix("prefill")) for n in transport.poll_notifications())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode rank {tp_rank}: notifications from {sorted(got)}, expected {sorted(expected)}")
             time.sleep(1e-3)

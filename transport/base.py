@@ -12,9 +12,13 @@ Each process owns one :class:`Transport` (one per backend). The owner
        rid = transport.register(ptr, length, device=0)      # CUDA ordinal 0
 
    A region id is a small int, dense from 0, never reused while the transport lives;
+   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered);
+   ``transport.regions`` is a read-only view of the live regions by id;
 2. sends ``transport.export()`` (bytes, msgpack-able) to its peer through the control
    plane, and connects to the peer's bytes with ``peer = transport.connect(peer_bytes)``.
-   The export is a snapshot: regions registered later need a new export/connect;
+   The export is a snapshot: regions registered later need a new export/connect. It carries
+   the transport's :attr:`Transport.name`, which the connected :class:`Peer` reports as
+   ``peer.name`` and the peer's notifications as their ``sender``;
 3. writes: ``t = peer.write(batch, notify=b"...")`` where ``batch`` is a
    :class:`WriteBatch` of parallel int64 arrays ``src_region, src_offset, dst_region,
    dst_offset, length`` (local region ids / offsets, the peer's region ids / offsets).
@@ -30,9 +34,12 @@ Each process owns one :class:`Transport` (one per backend). The owner
    override it to expand on the device;
 4. observes ``t.status()`` (a :class:`TransferStatus`), blocks with ``t.wait(timeout)``
    or gives up with ``t.abort()``;
-5. on the receiving side, polls ``transport.poll_notifications()`` for the payloads of
-   transfers that have landed: a notification is delivered only after all bytes of the
-   write that carries it are visible in the receiver's memory;
+5. on the receiving side, polls ``transport.poll_notifications()`` for the
+   :class:`Notification` of each transfer that has landed: ``sender`` (the writing
+   transport's name, as its export carries it) and ``payload`` (the ``notify`` bytes). A
+   notification is delivered only after all bytes of the write that carries it are visible
+   in the receiver's memory; one sender's notifications arrive in the order it posted them,
+   different senders' are not ordered against each other;
 6. closes: ``transport.close()`` (or ``with Transport(...) as t``) releases every peer,
    region and thread. Closing twice is harmless.
 
@@ -44,7 +51,8 @@ a progress thread of their own; that is configuration of the backend, not of cal
 Errors
 ------
 - ``ValueError`` / ``TypeError``: bad arguments (a batch that is out of bounds, arrays of
-  different lengths, an unknown region id, a negative length).
+  different lengths, an unknown region id -- in a batch or in ``deregister`` --, a negative
+  length).
 - :class:`PeerDescriptorError` (a ``ValueError``): the peer's export bytes are malformed,
   truncated, of another backend or protocol version.
 - :class:`TransferFailed`: raised by ``wait`` when the transfer failed; ``status()`` is
@@ -68,6 +76,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
+    "Notification",
     "Region",
     "RegionSizes",
     "WriteBatch",
@@ -110,6 +119,18 @@ class TransferStatus(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One delivered notification: who wrote it and the ``notify`` bytes of its transfer.
+
+    ``sender`` is the sending transport's :attr:`Transport.name`, the name its export carries
+    (and the receiver's ``Peer.name`` for it, if it connected back), so a receiver that serves
+    many peers can match a payload to the peer it came from."""
+
+    sender: str
+    payload: bytes
 
 
 @dataclass(frozen=True)
@@ -447,9 +468,14 @@ class Peer(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """One process's endpoint of a backend. See the module docstring for the contract."""
+    """One process's endpoint of a backend. See the module docstring for the contract.
+
+    ``name``: this endpoint's name, unique per transport (backends default to one built from
+    host, process and a random part); its export carries it, peers connected to that export
+    report it as ``Peer.name`` and receivers as :attr:`Notification.sender`."""
 
     backend: str = "abstract"
+    name: str
 
     @abc.abstractmethod
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
@@ -466,12 +492,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def deregister(self, region_id: int) -> None:
-        """Forget a region; later writes naming it fail with ValueError."""
+        """Forget a region; later writes naming it fail with ValueError, and so does
+        ``deregister`` of an id that is not registered."""
 
     @property
     @abc.abstractmethod
     def regions(self) -> Mapping[int, Region]:
-        """The live registered regions by id."""
+        """The live registered regions by id (a read-only view)."""
 
     @abc.abstractmethod
     def export(self) -> bytes:
@@ -482,8 +509,9 @@ class Transport(abc.ABC):
         """Connect to a peer's export. Raises PeerDescriptorError on bad bytes."""
 
     @abc.abstractmethod
-    def poll_notifications(self) -> list[bytes]:
-        """Notification payloads delivered since the last call, in arrival order."""
+    def poll_notifications(self) -> list[Notification]:
+        """Notifications delivered since the last call (see :class:`Notification`); each
+        sender's in the order it posted them."""
 
     @abc.abstractmethod
     def close(self) -> None:

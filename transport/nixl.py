@@ -16,43 +16,31 @@ uint64 descriptor arrays ``(address, length, device)`` (no Python loop per entry
 only after the request's data is flushed to the target, so a delivered notification means its
 bytes have landed.
 
-Descriptor strategy, measured on this 2-core CPU machine (loopback, 1 GiB, UCX_TLS=tcp,self,sm,
-progress thread on; time to build both descriptor lists + create the request; transfer time):
+Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
+(``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
+write's time on loopback, inside the run-to-run noise of the transfer itself, and only when the
+exact block layout repeats; they cannot express the arbitrary (offset, length) entries of a
+WriteBatch without preparing one descriptor per possible block (figures: bench/RESULTS.md).
 
-    blocks          list of descs (get_xfer_descs+initialize_xfer)   prepped (make_prepped_xfer)
-    4096 x 256 KiB  build 0.3 ms + init 0.1-0.4 ms, xfer 170-210 ms  make 0.1-0.2 ms, xfer 185-211 ms
-    65536 x 16 KiB  build 0.9-7 ms + init 6-7 ms,   xfer 520-680 ms  make 1.4-2.9 ms, xfer 675-794 ms
-
-Prepared lists save at most ~10 ms (< 2 %) per 1 GiB, inside the run-to-run noise of the
-transfer itself, and only when the exact block layout repeats; they cannot express the
-arbitrary (offset, length) entries of a WriteBatch without preparing one descriptor per
-possible block. So writes use lists of descriptors built from numpy arrays.
-
-Progress thread (default OFF), measured with ``kvtransfer bench transport`` (1 GiB per write,
-median of 5, receiver polling notifications; GB/s through this transport / bare NIXL):
-
-    UCX_TLS          progress thread   256 KiB x 4096    16 KiB x 65536
-    tcp,self,sm      off               10.48 / 10.50     3.55 / 3.56
-    tcp,self,sm      on                 2.46 /  2.71     0.80 / 0.93
-    tcp,self         off                2.34 /  2.31     1.71 / 1.66
-    tcp,self         on                 1.47 /  1.00     0.75 / 0.63
-
-(The machine is shared; tcp figures move by up to +-50 % between runs, sm ones by ~20 %.) On
-two cores the progress thread competes with the pollers for a core and costs 1.5-4x. With sm
-in UCX_TLS, one host's writes go through cma and finish inside the post. Without the thread,
-progress happens inside calls into the transport: the writer's
+Progress thread (default OFF; figures from ``kvtransfer bench transport``: bench/RESULTS.md).
+On two cores the progress thread competes with the pollers for a core and costs 1.5-4x. With
+sm in UCX_TLS, one host's writes go through cma and finish inside the post. Without the
+thread, progress happens inside calls into the transport: the writer's
 ``Transfer.status()``/``wait()`` and the receiver's ``poll_notifications()``. Over tcp the
 receiver must poll regularly (with it polling every 200 ms, writes took 200 ms); turn the thread
 on (``NixlConfig(progress_thread=True)``) for a receiver that does not poll.
 
+Notifications: ``poll_notifications()`` returns a :class:`~transport.base.Notification` per
+payload, its ``sender`` the writing agent's name (the ``agent`` of its export, its
+``NixlTransport.name``); each sender's in arrival order, different senders' not ordered
+against each other.
+
 Connecting again to a newer export of an already connected agent reloads its metadata in
 place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
-complete. ``poll_notifications()`` returns each sender's payloads in arrival order; payloads
-of different senders are not ordered against each other. Deregister a region only once no
-pending transfer uses it.
+complete. Deregister a region only once no pending transfer uses it.
 
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
-status check (seen here within ~15 ms of SIGKILL over tcp). A peer that is alive but stalled
+status check (within milliseconds of SIGKILL over tcp, bench/RESULTS.md). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
 ``peer_loss_timeout_s + nbytes / min_throughput``: past it, ``status()`` releases the request
 (cancelling it) and reports FAILED.
@@ -66,13 +54,13 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Mapping, Optional
 
 import numpy as np
 
 from transport._nixl_import import load_nixl_api
 from transport.base import (
+    Notification,
     Peer,
     PeerDescriptorError,
     Region,
@@ -83,10 +71,10 @@ from transport.base import (
     TransportClosed,
     TransportError,
     WriteBatch,
-    check_region_args,
     pack_descriptor,
     unpack_descriptor,
 )
+from transport.registry import RegionRegistry
 
 __all__ = ["NixlConfig", "NixlTransport", "NixlPeer", "NixlTransfer"]
 
@@ -240,7 +228,7 @@ class NixlPeer(Peer):
         self._transport = transport
         self.name = name
         self._scratch_ptr = scratch_ptr
-        self.regions = MappingProxyType(dict(regions))
+        self.regions = RegionRegistry.frozen(regions)
         self._table = _RegionTable(self.regions)
         self._pending: "weakref.WeakSet[NixlTransfer]" = weakref.WeakSet()
         self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
@@ -309,7 +297,10 @@ class NixlPeer(Peer):
 
 
 class NixlTransport(Transport):
-    """One process's NIXL agent. See :mod:`transport.base` for the contract."""
+    """One process's NIXL agent. See :mod:`transport.base` for the contract.
+
+    ``name``: the agent's name (``NixlConfig.agent_name`` or a unique default); its export
+    carries it as ``agent``, and peers' notifications from it name it as sender."""
 
     backend = BACKEND
 
@@ -335,10 +326,7 @@ class NixlTransport(Transport):
             plugins = self._agent.get_plugin_list()
             self._agent = None
             raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})")
-        self._regions: dict[int, Region] = {}
-        self._reg_descs: dict[int, object] = {}  # region id -> nixlRegDList
-        self._next_id = 0
-        self._region_table: Optional[_RegionTable] = None
+        self._registry = RegionRegistry()  # handles: the nixlRegDList of each region
         self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
         self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
@@ -355,7 +343,7 @@ class NixlTransport(Transport):
 
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
         agent = self._agent_checked()
-        check_region_args(ptr, length, device)
+        RegionRegistry.check(ptr, length, device)
         mem = "DRAM" if device is None else "VRAM"
         descs = np.array([[ptr, length, 0 if device is None else device]], dtype=np.uint64)  # [1, 3]
         try:
@@ -364,30 +352,19 @@ class NixlTransport(Transport):
             raise TransportError(
                 f"NIXL could not register {mem} [{ptr:#x}, +{length}) device {device}: {type(exc).__name__}: {exc}"
             ) from exc
-        rid = self._next_id
-        self._next_id += 1
-        self._regions[rid] = Region(rid, ptr, length, device)
-        self._reg_descs[rid] = reg
-        self._region_table = None
-        return rid
+        return self._registry.add(ptr, length, device, handle=reg).region_id
 
     def deregister(self, region_id: int) -> None:
         agent = self._agent_checked()
-        if region_id not in self._regions:
-            raise KeyError(f"region {region_id!r} is not registered (live ids: {sorted(self._regions)[:16]})")
-        reg = self._reg_descs.pop(region_id)
-        del self._regions[region_id]
-        self._region_table = None
+        reg = self._registry.remove(region_id)
         agent.deregister_memory(reg, backends=list(self.config.backends))
 
     @property
     def regions(self) -> Mapping[int, Region]:
-        return MappingProxyType(self._regions)
+        return self._registry.view
 
     def _table(self) -> _RegionTable:
-        if self._region_table is None:
-            self._region_table = _RegionTable(self._regions)
-        return self._region_table
+        return self._registry.derived(_RegionTable)
 
     # -- peers ----------------------------------------------------------------------------
 
@@ -395,7 +372,7 @@ class NixlTransport(Transport):
         agent = self._agent_checked()
         return pack_descriptor(
             BACKEND,
-            self._regions.values(),
+            self._registry.view.values(),
             agent=self.name,
             scratch=self._scratch.ctypes.data,
             metadata=bytes(agent.get_agent_metadata()),
@@ -432,11 +409,12 @@ class NixlTransport(Transport):
         self._peers[name] = peer
         return peer
 
-    def poll_notifications(self) -> list[bytes]:
+    def poll_notifications(self) -> list[Notification]:
         agent = self._agent_checked()
-        out: list[bytes] = []
-        for msgs in agent.get_new_notifs().values():
-            out.extend(bytes(m) for m in msgs)
+        out: list[Notification] = []
+        for sender, msgs in agent.get_new_notifs().items():
+            sender = sender.decode() if isinstance(sender, bytes) else str(sender)
+            out.extend(Notification(sender, bytes(m)) for m in msgs)
         return out
 
     # -- lifetime -------------------------------------------------------------------------
@@ -446,7 +424,7 @@ class NixlTransport(Transport):
             return
         for peer in [*self._retired, *self._peers.values()]:
             peer.close()
-        for rid in list(self._regions):
+        for rid in list(self._registry.view):
             try:
                 self.deregister(rid)
             except Exception:  # keep releasing the rest; the agent's teardown frees it too

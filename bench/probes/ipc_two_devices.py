@@ -2,11 +2,11 @@
 
 Usage: PYTHONPATH=. python3 bench/probes/ipc_two_devices.py (two GPUs; cupy).
 
-Results on 2x H200 are quoted in transport/nvlink_staged.py."""
+Results on 2x H200: bench/RESULTS.md ("Staged engine: why and when")."""
 import multiprocessing as mp
 import cupy as cp
 import torch
-from transport import cuda_ipc
+from transport.nvlink import ipc as cuda_ipc
 
 N = 1 << 20
 

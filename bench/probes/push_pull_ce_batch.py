@@ -2,7 +2,7 @@
 
 Usage: python3 bench/probes/push_pull_ce_batch.py ROW_BYTES TOTAL_BYTES (needs cupy and cuda-python).
 
-Results on 2x H200 are quoted in transport/nvlink_staged.py."""
+Results on 2x H200: bench/RESULTS.md ("Staged engine: why and when")."""
 import sys, time
 import numpy as np
 import cupy as cp

@@ -2,7 +2,7 @@
 
 Usage (a 2-GPU machine with cupy): python3 bench/probes/sm_vs_tma.py ROW_BYTES TOTAL_BYTES, e.g. 2048 2e9.
 
-Results on 2x H200 are quoted in transport/nvlink_staged.py."""
+Results on 2x H200: bench/RESULTS.md ("Staged engine: why and when")."""
 import sys
 import numpy as np
 import cupy as cp

@@ -10,43 +10,21 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
 (CUDA events, median), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
-scatter; its tables resident on both GPUs, ``NvlinkPeer.enqueue`` repeated; CUDA events,
-median), ``write()`` = ``peer.write(batch).wait()`` wall time including the
-bounds check, the row-table gather and its host-to-device copy (median), ``write_strided()``
-= the same rows as buffer pairs x slots (``StridedBatch``; O(pairs + slots) host work, the
-addresses computed on the GPU), wall time, median, once with the direct kernel and once with
-the staged engine (``peer.engine``, :mod:`transport.nvlink_staged`), and torch's peer
-copy of the same byte count between two contiguous tensors on GPU 0 and GPU 1 of this
-process (CUDA events, median). The first write of each case is verified: the receiver
-waits for its notification, then both sides checksum the rows (position-weighted); so is
-the first ``write_strided()`` (``verified``: write/write_strided).
+scatter; one prepared write, :meth:`NvlinkPeer.prepare`, posted again and again with its
+tables resident on both GPUs; CUDA events, median), ``write()`` = ``peer.write(batch).wait()``
+wall time including the bounds check, the row-table gather and its host-to-device copy
+(median), ``write_strided()`` = the same rows as buffer pairs x slots (``StridedBatch``;
+O(pairs + slots) host work, the addresses computed on the GPU), wall time, median, once with
+the direct kernel and once with the staged engine (a prepared write with that
+``NvlinkEngine``, :mod:`transport.nvlink.staged`), and torch's peer copy of the same byte
+count between two contiguous tensors on GPU 0 and GPU 1 of this process (CUDA events,
+median). The first write of each case is verified: the receiver waits for its notification
+(from this transport), then both sides checksum the rows (position-weighted); so is the first
+``write_strided()`` with each engine (``verified``: write/kernel/staged).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
-Measured (2026-11-29, two H200s joined by NV18, torch 2.11+cu130, triton 3.6; three runs):
-kernel 364-370 GB/s for whole-token rows (2 KiB / 32 KiB / 128 KiB) = 93.1-94.1 % of the
-same-run peer copy (393-395 GB/s); head-slice 256 B rows 349-365 GB/s = 91-93 %. Every kernel
-variant tried lands at 364-371 GB/s (tile 4-16 KiB, 4 or 8 warps, .cg/.cs cache policies,
-grid-stride with 528-1056 programs, and pulling from the destination GPU), as does any grid
-of >= 132 programs (one 4-warp program per SM); 66 programs reach 304-336, 33 reach 255-286.
-The kernel and a copy-engine peer copy at once move 380 GB/s together, below the copy engine
-alone. ``write()`` end to end is bound by host preparation at ~28 ns per row (bounds check,
-row-table gather): 72-92 ms for 2.6 M rows (60 GB/s for page 1), 1.6-4 ms for page 16 / 64
-(279-323 GB/s).
-
-``write_strided()`` (2026-11-29, same machine, torch 2.11+cu130, two runs, --page-sizes 1,16
---reps 3): the strided kernel alone 366 / 366 / 362 GB/s (page 1 / page 16 / head slice; the
-row-table kernel 366 / 366 / 364 in the same run), host preparation 0.6-0.9 ms whatever the
-row count, end to end 342-344 / 340-341 / 197-259 GB/s = 87 / 87 / 50-66 % of the peer copy,
-against 75-89 / 284-296 / 13-14 GB/s for ``write()``. What remains is fixed per write (launch,
-staging, the wait's polling): it weighs on the 640 MiB head-slice case, not on 5 GiB.
-
-Current (2026-11-29, same machine, default settings; raw enqueue, ramped chunks, cached region
-sizes, raw table uploads): peer copy 393.9-396.1 GB/s; staged 386.3 / 385.7 / 385.2 GB/s =
-98.1 / 97.4 / 97.6 % (page 1 / 16 / 64), head slice 90.1 %; kernel 93.4-93.6 %, head slice
-92.7 %; ``write_strided()`` end to end staged 92.5 / 90.4 / 93.2 %, direct 88.8 / 90.5 / 90.8 /
-76.5 % (head slice); NIXL page 1 0.48 GB/s. With 4,096 tokens (1280 MiB): staged 94.9 %,
-kernel 91.3 %, end to end 81.0 / 80.7 %.
+Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its section).
 """
 
 from __future__ import annotations
@@ -59,144 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transport.base import StridedBatch
+from transport.remote import RemoteBuffers, checksums, make_transport
+
 BACKENDS = ("nvlink", "nixl")
-
-
-# -- a receiver process holding registered GPU buffers (also used by tests) ---------------
-
-
-def _make_transport(backend: str, ipc_api: str = "auto"):
-    if backend == "nvlink":
-        from transport.nvlink import NvlinkConfig, NvlinkTransport
-
-        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api))
-    from transport.nixl import NixlTransport
-
-    return NixlTransport()
-
-
-def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
-    """Position-weighted checksum of the rows of each region (in order of first appearance).
-
-    ``bufs`` maps region id -> uint8 CUDA tensor. Rows of one region must share one length
-    that divides their offsets (true of page and head-slice rows).
-    """
-    import torch
-
-    _, first = np.unique(region, return_index=True)
-    out = []
-    for rid in region[np.sort(first)]:
-        sel = region == rid
-        off, ln = offset[sel], length[sel]
-        row = int(ln[0])
-        if (ln != row).any() or (off % row).any() or row % 4:
-            raise ValueError(f"region {rid}: checksums need equal rows (4-byte multiple) at multiples of their length")
-        buf = bufs[int(rid)]
-        idx = torch.from_numpy(off // row).to(buf.device)
-        words = buf.view(-1, row)[idx].view(torch.int32).to(torch.int64)  # [rows, row // 4]
-        weights = torch.arange(words.numel(), device=buf.device, dtype=torch.int64) % 65521 + 1
-        out.append(int((words.view(-1) * weights).sum()))
-    return out
-
-
-def _receiver_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
-    """Serve commands from the pipe: alloc, export, fill, wait_notify, fetch, checksum, exit."""
-    import torch
-
-    torch.cuda.set_device(device)
-    transports = {b: _make_transport(b, ipc_api) for b in backends}
-    bufs: dict[int, torch.Tensor] = {}  # region id (same in every transport) -> uint8 tensor
-    seen: list[bytes] = []
-    try:
-        while True:
-            cmd, *args = conn.recv()
-            try:
-                if cmd == "exit":
-                    conn.send(("ok", None))
-                    return
-                if cmd == "alloc":  # sizes, fill byte -> region ids
-                    sizes, fill = args
-                    rids = []
-                    for n in sizes:
-                        t = torch.full((n,), fill, dtype=torch.uint8, device=device)
-                        ids = {transports[b].register_tensor(t) for b in backends}
-                        if len(ids) != 1:
-                            raise RuntimeError(f"backends gave different region ids {ids}")
-                        rids.append(ids.pop())
-                        bufs[rids[-1]] = t
-                    conn.send(("ok", rids))
-                elif cmd == "export":
-                    conn.send(("ok", {b: transports[b].export() for b in backends}))
-                elif cmd == "fill":
-                    rids, fill = args
-                    for r in rids:
-                        bufs[r].fill_(fill)
-                    torch.cuda.synchronize(device)
-                    conn.send(("ok", None))
-                elif cmd == "wait_notify":  # payload, timeout -> True when it arrived
-                    payload, timeout = args
-                    deadline = time.monotonic() + timeout
-                    while payload not in seen and time.monotonic() < deadline:
-                        for t in transports.values():
-                            seen.extend(t.poll_notifications())
-                        time.sleep(1e-4)
-                    found = payload in seen
-                    if found:
-                        seen.remove(payload)
-                    conn.send(("ok", found))
-                elif cmd == "fetch":
-                    conn.send(("ok", [bufs[r].cpu().numpy() for r in args[0]]))
-                elif cmd == "checksum":
-                    conn.send(("ok", checksums(bufs, *args)))
-                else:
-                    conn.send(("err", f"unknown command {cmd!r}"))
-            except Exception:  # report to the driving process, keep serving
-                conn.send(("err", traceback.format_exc()))
-    finally:
-        for t in transports.values():
-            t.close()
-
-
-class RemoteBuffers:
-    """A receiver process on ``device`` holding GPU buffers registered with ``backends``."""
-
-    def __init__(self, device: int, backends: tuple = ("nvlink",), ipc_api: str = "auto", timeout_s: float = 120.0):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._timeout = timeout_s
-        self.proc = ctx.Process(target=_receiver_main, args=(child, device, tuple(backends), ipc_api), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def call(self, cmd: str, *args):
-        self.start(cmd, *args)
-        return self.result(cmd)
-
-    def start(self, cmd: str, *args) -> None:
-        """Send a command without waiting for its answer (collect it with :meth:`result`)."""
-        self._conn.send((cmd, *args))
-
-    def result(self, cmd: str):
-        if not self._conn.poll(self._timeout):
-            raise TimeoutError(f"receiver did not answer {cmd!r} within {self._timeout} s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"receiver failed on {cmd!r}:\n{value}")
-        return value
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit")
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=10)
-        self._conn.close()
 
 
 # -- the benchmark -------------------------------------------------------------------------
@@ -279,11 +123,19 @@ def _median_ms_events(fn, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _write_times(peer, batch, reps: int, strided: bool = False) -> tuple[float, float]:
-    """Median seconds for ``peer.write`` (``write_strided``) to return (host-side preparation)
-    and to complete."""
+def _write_times(peer, batch, reps: int, engine=None) -> tuple[float, float]:
+    """Median seconds for a write to return (host-side preparation) and to complete: with
+    ``engine`` None, ``peer.write`` (``write_strided`` for a StridedBatch) as a caller runs it;
+    else a prepared write with that engine, prepared, posted once and released (the same host
+    work as ``write_strided``)."""
     prep, total = [], []
-    write = peer.write_strided if strided else peer.write
+
+    def write(b):
+        if engine is None:
+            return (peer.write_strided if isinstance(b, StridedBatch) else peer.write)(b)
+        with peer.prepare(b, engine=engine) as job:
+            return job.post()
+
     for _ in range(reps):
         t0 = time.perf_counter()
         tr = write(batch)
@@ -318,23 +170,24 @@ class _Bench:
     def __init__(self, args):
         import torch
 
-        from transport import nvlink_kernel as kern
+        from transport.nvlink import NvlinkEngine
+        from transport.nvlink import kernel as kern
 
-        self.args, self.torch, self.kern = args, torch, kern
+        self.args, self.torch, self.kern, self.engines = args, torch, kern, NvlinkEngine
         nixl_ok = _nixl_importable()
         self.backends = ("nvlink", "nixl") if nixl_ok else ("nvlink",)
         self.src_dev = torch.device("cuda", args.src_device)
         self.dst_dev = torch.device("cuda", args.dst_device)
         torch.cuda.set_device(self.src_dev)
         self.remote = RemoteBuffers(args.dst_device, self.backends)
-        self.transports = {b: _make_transport(b) for b in self.backends}
+        self.transports = {b: make_transport(b) for b in self.backends}
 
     def setup(self) -> None:
         args, torch = self.args, self.torch
         token_bytes = args.heads * args.head_dim * 2
         num_bufs = 2 * args.layers
-        dst_rids = self.remote.call("alloc", [args.pool_tokens * token_bytes] * num_bufs, 0x5A)
-        head_rids = self.remote.call("alloc", [args.pool_tokens * args.head_dim * 2] * num_bufs, 0x5A)
+        dst_rids = self.remote.alloc([args.pool_tokens * token_bytes] * num_bufs, 0x5A)
+        head_rids = self.remote.alloc([args.pool_tokens * args.head_dim * 2] * num_bufs, 0x5A)
         self.src = {}
         for _ in range(num_bufs):
             t = torch.empty(args.pool_tokens * token_bytes // 4, dtype=torch.int32, device=self.src_dev)
@@ -342,7 +195,7 @@ class _Bench:
             t = t.view(torch.uint8)  # [pool_tokens * token_bytes] bytes
             ids = {tr.register_tensor(t) for tr in self.transports.values()}
             self.src[ids.pop()] = t
-        self.exports = self.remote.call("export")
+        self.exports = self.remote.export()
         self.peers = {b: self.transports[b].connect(self.exports[b]) for b in self.backends}
         self.cases = build_cases(args, sorted(self.src), dst_rids, head_rids, np.random.default_rng(0))
         max_bytes = max(int(c.length.sum()) for c in self.cases)
@@ -351,20 +204,23 @@ class _Bench:
         num_sms = torch.cuda.get_device_properties(self.src_dev).multi_processor_count
         self.configs = _sweep_configs(self.kern, args.sweep, num_sms, args.programs)
 
-    def verify(self, case: Case, strided: bool = False) -> bool:
-        """One write (``write_strided``) with a notification; the receiver checks its rows once
-        it has arrived."""
+    def verify(self, case: Case, engine=None) -> bool:
+        """One write with a notification: ``peer.write`` (engine None), else the strided form
+        prepared with ``engine``; the receiver checks its rows once the notification came from
+        this transport."""
         peer = self.peers["nvlink"]
-        self.remote.call("fill", sorted(set(case.dst_region.tolist())), 0x5A)
-        tag = f"verify {case.name} {'strided' if strided else 'flat'} {peer.engine}".encode()
-        if strided:
-            peer.write_strided(case.strided_batch(), notify=tag).wait(timeout=120)
-        else:
+        self.remote.fill(sorted(set(case.dst_region.tolist())), 0x5A)
+        tag = f"verify {case.name} {'flat' if engine is None else 'strided ' + engine.value}".encode()
+        if engine is None:
             peer.write(case.batch(), notify=tag).wait(timeout=120)
-        if not self.remote.call("wait_notify", tag, 60.0):
-            raise RuntimeError(f"{case.name}: notification did not arrive")
+        else:
+            with peer.prepare(case.strided_batch(), engine=engine) as job:
+                job.post(notify=tag).wait(timeout=120)
+        sender = self.remote.wait_notify(tag, 60.0)
+        if sender != self.transports["nvlink"].name:
+            raise RuntimeError(f"{case.name}: notification from {sender!r}, expected {self.transports['nvlink'].name!r}")
         want = checksums(self.src, case.src_region, case.src_offset, case.length)
-        return want == self.remote.call("checksum", case.dst_region, case.dst_offset, case.length)
+        return want == self.remote.checksum(case.dst_region, case.dst_offset, case.length)
 
     def kernel_ms(self, rows_dev, case: Case, cfg, device) -> float:
         kern, args = self.kern, self.args
@@ -381,9 +237,9 @@ class _Bench:
         for _ in range(args.reps):
             t0 = time.perf_counter()
             sb.check_bounds(self.transports["nvlink"].regions, peer.regions)
-            table = peer.strided_table(sb, checked=True)
+            table = peer.tables.strided_table(sb, checked=True)
             host.append(time.perf_counter() - t0)
-        plan = peer.strided_plan(sb, table)
+        plan = peer.tables.strided_plan(sb, table)
         table_dev = self.torch.from_numpy(table).to(self.src_dev)
         cfg = self.configs[0]
         with self.torch.cuda.device(self.src_dev):
@@ -392,20 +248,17 @@ class _Bench:
         return ms, statistics.median(host)
 
     def staged_ms(self, sb) -> float:
-        """The staged engine's pipeline alone (gather, copy engine, scatter) on resident tables,
-        CUDA events, median; NaN when the engine cannot run here."""
+        """The staged engine's pipeline alone (gather, copy engine, scatter) on resident tables:
+        one prepared write posted again and again, the current stream waiting on each post's
+        completion event; CUDA events, median; NaN when the engine cannot run here."""
         peer, torch = self.peers["nvlink"], self.torch
-        peer.engine = "staged"
-        try:
-            job = peer.prepare(sb)
-            if job.lane is None:
+        with peer.prepare(sb, engine=self.engines.STAGED) as job:
+            if job.engine is not self.engines.STAGED:
                 return float("nan")
-            tables = peer.upload(job)
+            job.post().wait(timeout=120)  # uploads the tables: later posts find them resident
             with torch.cuda.device(self.src_dev):
-                return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(peer.enqueue(job, tables)),
+                return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(job.post().event),
                                          self.args.reps, self.args.warmup)
-        finally:
-            peer.engine = "auto"
 
     def copy_ms(self, nbytes: int) -> float:
         a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
@@ -417,17 +270,15 @@ class _Bench:
         for case in self.cases:
             batch = case.batch()
             verified = self.verify(case)
-            rows_dev = self.torch.from_numpy(peer.row_table(batch)).to(self.src_dev)
+            rows_dev = self.torch.from_numpy(peer.tables.row_table(batch)).to(self.src_dev)
             kernel = {cfg: self.kernel_ms(rows_dev, case, cfg, self.src_dev) for cfg in self.configs}
             reps = max(3, self.args.reps // 2)
             prep_s, write_s = _write_times(peer, batch, reps)
             strided = case.strided_batch()
             engines = {}  # engine -> (verified, prep s, total s) of write_strided()
-            for engine in ("kernel", "staged"):
-                peer.engine = engine
-                ok = self.verify(case, strided=True)
-                engines[engine] = (ok, *_write_times(peer, strided, reps, strided=True))
-            peer.engine = "auto"
+            for engine in (self.engines.KERNEL, self.engines.STAGED):
+                ok = self.verify(case, engine=engine)
+                engines[engine.value] = (ok, *_write_times(peer, strided, reps, engine=engine))
             skernel_ms, shost_s = self.strided_kernel_ms(strided)
             staged_ms = self.staged_ms(strided)
             checks = [verified] + [v[0] for v in engines.values()]
@@ -466,8 +317,7 @@ class _Bench:
     def pull(self, res: dict) -> str:
         """The same kernel launched on the DESTINATION GPU (reads cross NVLink, stores are local)."""
         torch = self.torch
-        from transport import cuda_ipc
-        from transport.nvlink import parse_descriptor
+        from transport.nvlink import ipc as cuda_ipc, parse_descriptor
 
         from cuda.bindings import runtime as rt
 
@@ -603,11 +453,11 @@ def _nixl_page1(args, case: Case, peers, remote) -> str:
     tag = b"nixl page 1"
     # The receiver polls while the write runs: NIXL's progress thread is off by default,
     # and UCX's rendezvous needs the receiving worker to make progress.
-    remote.start("wait_notify", tag, 300.0)
+    remote.start_wait_notify(tag, 300.0)
     t0 = time.perf_counter()
     peers["nixl"].write(batch, notify=tag).wait(timeout=300)
     nixl_s = time.perf_counter() - t0
-    arrived = remote.result("wait_notify")
+    arrived = remote.result("wait_notify") is not None
     nb = batch.nbytes
     return (f"nixl page 1 ({len(batch)} rows, {nb / 2**20:.0f} MiB): nixl {nb / nixl_s / 1e9:.2f} GB/s, "
             f"nvlink write() {nb / nvl / 1e9:.1f} GB/s, x{nixl_s / nvl:.0f}, notification {arrived}")

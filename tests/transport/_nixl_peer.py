@@ -6,7 +6,7 @@ notification it immediately hashes the byte ranges the payload names, so the par
 that the data was already in place when the notification was seen.
 
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
-Messages to the parent: ``("ready", export)``, ``("notif", payload, sha256_hex)``,
+Messages to the parent: ``("ready", export)``, ``("notif", sender, payload, sha256_hex)``,
 ``("dump", bytes)``, ``("export", bytes)``, ``("bye",)``.
 Commands from the parent: ``("dump", region)``, ``("deregister", region)``, ``("quit",)``.
 """
@@ -74,9 +74,9 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False) -> Non
         conn.send(("ready", transport.export()))
         while True:
             for note in transport.poll_notifications():
-                _, ranges = msgpack.unpackb(note)
+                _, ranges = msgpack.unpackb(note.payload)
                 got = digest(buffers.read(ids.index(r), o, n) for r, o, n in ranges)
-                conn.send(("notif", note, got))
+                conn.send(("notif", note.sender, note.payload, got))
             if not conn.poll(0):
                 time.sleep(1e-4)
                 continue

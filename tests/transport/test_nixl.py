@@ -1,14 +1,13 @@
 """NIXL backend: real transfers between this process and a spawned receiver over loopback UCX.
 
-The receiver (tests/transport/_nixl_peer.py) owns zeroed regions; this process writes into them
-and then reads them back through the pipe. Expected bytes come from a numpy reference built
+The receiver (tests/transport/_nixl_peer.py, driven by ``_support.Receiver``) owns zeroed
+regions; this process writes into them and then reads them back through the pipe. Expected bytes come from a numpy reference built
 entry by entry here, independent of the transport's descriptor building.
 """
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,6 +24,7 @@ except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
 from tests.transport import _nixl_peer  # noqa: E402
+from tests.transport._support import assert_same  # noqa: E402
 from transport.base import (  # noqa: E402
     PeerDescriptorError,
     TransferFailed,
@@ -39,99 +39,6 @@ MiB = 1 << 20
 # Over tcp alone a write is asynchronous (with sm, UCX's cma copy finishes inside the post),
 # which the abort / stall / kill tests need to catch a transfer in flight.
 TCP_ONLY = {"UCX_TLS": "tcp,self"}
-
-
-class Receiver:
-    """A spawned receiver process and its pipe; notifications are collected as they come."""
-
-    def __init__(self, sizes, env=None, cuda_device=None):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_nixl_peer.serve, args=(child, list(sizes)), kwargs={"env": env, "cuda_device": cuda_device}
-        )
-        self.proc.start()
-        child.close()
-        self.notes: list[tuple[bytes, str]] = []  # (payload, digest seen at arrival)
-        self.export = self._expect("ready", 60.0)[1]
-
-    def _expect(self, kind, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.05):
-                msg = self.conn.recv()
-                if msg[0] == "notif":
-                    self.notes.append((msg[1], msg[2]))
-                    continue
-                if msg[0] != kind:
-                    raise AssertionError(f"expected {kind!r} from the receiver, got {msg[0]!r}")
-                return msg
-            if not self.proc.is_alive():
-                raise AssertionError(f"receiver exited with code {self.proc.exitcode}")
-        raise AssertionError(f"no {kind!r} from the receiver within {timeout} s")
-
-    def wait_notes(self, count, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while len(self.notes) < count and time.monotonic() < deadline:
-            if self.conn.poll(0.05):
-                msg = self.conn.recv()
-                if msg[0] == "notif":
-                    self.notes.append((msg[1], msg[2]))
-        assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
-        return self.notes
-
-    def dump(self, region) -> np.ndarray:
-        self.conn.send(("dump", region))
-        return np.frombuffer(self._expect("dump", 30.0)[1], dtype=np.uint8)
-
-    def deregister(self, region) -> bytes:
-        self.conn.send(("deregister", region))
-        return self._expect("export", 30.0)[1]
-
-    def stop(self):
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
-                self.conn.send(("quit",))
-                self._expect("bye", 10.0)
-            except (AssertionError, OSError, EOFError):
-                pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-@pytest.fixture
-def receiver():
-    started = []
-
-    def start(sizes, env=None, cuda_device=None):
-        r = Receiver(sizes, env, cuda_device)
-        started.append(r)
-        return r
-
-    yield start
-    for r in started:
-        r.stop()
-
-
-@pytest.fixture
-def writer(monkeypatch):
-    """A factory of writing transports, closed at teardown; ``env`` overrides UCX variables."""
-    made = []
-
-    def make(env=None, **config):
-        for key, value in (env or {}).items():
-            monkeypatch.setenv(key, value)
-        t = NixlTransport(NixlConfig(**config))
-        made.append(t)
-        return t
-
-    yield make
-    for t in made:
-        t.close()
 
 
 def wb(src_region, src_offset, dst_region, dst_offset, length) -> WriteBatch:
@@ -183,12 +90,6 @@ def reference(srcs, dst_sizes, entries):
     return out
 
 
-def assert_same(got, want, what):
-    if not np.array_equal(got, want):
-        bad = np.flatnonzero(got != want)
-        raise AssertionError(f"{what}: {bad.size} bytes differ, first at {bad[0]} (got {got[bad[0]]}, want {want[bad[0]]})")
-
-
 # -- data --------------------------------------------------------------------------------------
 
 
@@ -207,7 +108,7 @@ def test_mixed_batch_lands_byte_for_byte(writer, receiver):
     peer.write(batch, notify=note).wait(60)
     want = reference(srcs, dst_sizes, entries)
     (got_note, got_digest), = rx.wait_notes(1)
-    assert got_note == note
+    assert got_note == note and rx.senders == [t.name]
     assert got_digest == sha(want), "the notification was seen before the data landed"
     for r in range(len(dst_sizes)):
         assert_same(rx.dump(r), want[r], f"destination region {r}")
@@ -269,6 +170,39 @@ def test_empty_batch_still_notifies(writer, receiver):
     tr.wait(30)
     assert peer.write(WriteBatch.of([], [], [], [], [])).status() is TransferStatus.DONE
     assert rx.wait_notes(1)[0][0] == note
+
+
+def test_notifications_name_their_sender(writer, receiver):
+    """Two writing agents, one receiver: each notification says which agent sent it."""
+    rx = receiver([1 * MiB])
+    a, b = writer(), writer()
+    assert a.name != b.name
+    sends = []
+    for i, t in enumerate((a, b, a, b)):
+        src, sid = host_region(t, 4096, 20 + i)
+        note = _nixl_peer.payload(i, [(0, i * 4096, 4096)])
+        t.connect(rx.export).write(wb(sid, 0, 0, i * 4096, 4096), notify=note).wait(30)
+        sends.append((note, t.name))
+    rx.wait_notes(4)
+    got = dict(zip((n for n, _ in rx.notes), rx.senders))
+    assert got == dict(sends)
+    # each sender's notifications in the order it posted them
+    for t in (a, b):
+        assert [n for (n, _), s in zip(rx.notes, rx.senders) if s == t.name] == [n for n, s in sends if s == t.name]
+
+
+def test_deregister_of_an_unknown_region_is_a_value_error(writer):
+    t = writer()
+    data, rid = host_region(t, 4096, 30)
+    t.deregister(rid)
+    for bad in (rid, 99, -1, "0"):
+        with pytest.raises(ValueError, match=r"is not registered \(live ids: \[\]\)"):
+            t.deregister(bad)
+    _, again = host_region(t, 4096, 31)
+    assert again == rid + 1  # ids are never reused
+    assert list(t.regions) == [again]
+    with pytest.raises(TypeError):
+        t.regions[5] = None  # a read-only view
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -391,7 +325,7 @@ def test_bad_batches_and_deregistered_regions(writer, receiver):
     t.deregister(spare_id)
     with pytest.raises(ValueError, match=f"region {spare_id} is not registered"):
         peer.write(wb(spare_id, 0, 0, 0, 64))
-    with pytest.raises(KeyError, match="not registered"):
+    with pytest.raises(ValueError, match=f"region {spare_id} is not registered"):
         t.deregister(spare_id)
     # the receiver drops its region 1 and re-exports; the new snapshot replaces the old peer,
     # and what was posted through the old one still completes

@@ -10,13 +10,20 @@ import time
 import numpy as np
 import pytest
 
-from tests.transport._interpret import assert_interpreted_ok
-
-from transport import nvlink_kernel as kern
+from tests.transport._support import (
+    LAYERS,
+    SLOTS,
+    TOKEN,
+    assert_interpreted_ok,
+    check_landed,
+    kv_batch,
+    local_pair,
+    write_landed,
+)
 from transport.base import (
+    Notification,
     PeerDescriptorError,
     Region,
-    StridedBatch,
     TransferFailed,
     TransferStatus,
     TransportClosed,
@@ -25,14 +32,18 @@ from transport.base import (
 )
 from transport.nvlink import (
     NvlinkConfig,
+    NvlinkEngine,
     NvlinkTransport,
     NvlinkUnsupported,
     parse_descriptor,
 )
-from transport.mailbox import Inbox as _Inbox
-from transport.mailbox import MailboxUnreachable
-from transport.mailbox import Outbox as _Outbox
-from transport.mailbox import host_id
+from transport.nvlink import kernel as kern
+from transport.nvlink.mailbox import Inbox as _Inbox
+from transport.nvlink.mailbox import MailboxUnreachable
+from transport.nvlink.mailbox import Outbox as _Outbox
+from transport.nvlink.mailbox import host_id
+from transport.nvlink.pending import PendingQueue
+from transport.nvlink.transfer import NvlinkTransfer
 
 HANDLE = bytes(range(64))
 
@@ -126,7 +137,7 @@ def test_check_row_table_names_what_was_expected():
 
 _INTERPRET_SCRIPT = r"""
 import numpy as np, torch
-from transport import nvlink_kernel as kern
+from transport.nvlink import kernel as kern
 rng = np.random.default_rng(3)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
 dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 9000, 7000)]
@@ -187,6 +198,9 @@ def test_config_rejects_bad_values():
         NvlinkConfig(kernel={})
     with pytest.raises(TypeError, match="config must be an NvlinkConfig, got dict"):
         NvlinkTransport({})
+    with pytest.raises(TypeError, match=r"engine must be an NvlinkEngine \(AUTO, KERNEL, STAGED\), got 'staged'"):
+        NvlinkConfig(engine="staged")
+    assert NvlinkConfig().engine is NvlinkEngine.AUTO
 
 
 @pytest.fixture
@@ -203,7 +217,7 @@ def test_register_refuses_host_memory_and_bad_arguments(transport):
         transport.register(-1, 100, device=0)
     with pytest.raises(ValueError, match="length must be a positive int"):
         transport.register(4096, 0, device=0)
-    with pytest.raises(KeyError, match="region 3 is not registered"):
+    with pytest.raises(ValueError, match=r"region 3 is not registered \(live ids: \[\]\)"):
         transport.deregister(3)
 
 
@@ -270,7 +284,7 @@ def test_closed_transport_refuses_calls():
 
 def test_mailbox_delivers_whole_frames_in_order():
     inbox = _Inbox()
-    out = _Outbox(inbox.name, timeout_s=5.0)
+    out = _Outbox(inbox.name, timeout_s=5.0, sender="writer")
     payloads = [b"", b"a", os.urandom(3 << 20), b"tail"]  # one frame larger than the socket buffer
     sender = threading.Thread(target=lambda: [out.send(p) for p in payloads])
     sender.start()
@@ -278,7 +292,7 @@ def test_mailbox_delivers_whole_frames_in_order():
     while len(got) < len(payloads) and time.monotonic() < deadline:
         got += inbox.poll()
     sender.join()
-    assert got == payloads
+    assert got == [Notification("writer", p) for p in payloads]
     assert out.alive()
     inbox.close()
     time.sleep(0.05)
@@ -289,95 +303,45 @@ def test_mailbox_delivers_whole_frames_in_order():
 def test_outbox_to_a_missing_mailbox_is_unreachable():
     # NvlinkPeer turns this into NvlinkUnsupported (the caller falls back to NIXL).
     with pytest.raises(MailboxUnreachable, match="cannot reach the peer's notification socket"):
-        _Outbox("kvtransfer-nvlink-does-not-exist", timeout_s=1.0)
+        _Outbox("kvtransfer-nvlink-does-not-exist", timeout_s=1.0, sender="x")
+
+
+def test_mailbox_tells_senders_apart():
+    """Two writers into one inbox, interleaved: each notification names its writer, and each
+    writer's arrive in the order it sent them."""
+    inbox = _Inbox()
+    a, b = _Outbox(inbox.name, 5.0, sender="prefill-0"), _Outbox(inbox.name, 5.0, sender="prefill-1")
+    sent = []
+    for i in range(6):
+        out, name = (a, "prefill-0") if i % 2 else (b, "prefill-1")
+        out.send(b"req-%d" % i)
+        sent.append(Notification(name, b"req-%d" % i))
+    got = _drain(inbox, len(sent))
+    assert sorted(got, key=lambda n: n.payload) == sent
+    for name in ("prefill-0", "prefill-1"):
+        assert [n for n in got if n.sender == name] == [n for n in sent if n.sender == name]
+    a.close(), b.close(), inbox.close()
+
+
+def test_transports_have_distinct_names():
+    with NvlinkTransport() as a, NvlinkTransport() as b:
+        assert a.name != b.name and a.name.startswith("nvlink-")
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        NvlinkTransport(name="")
 
 
 # -- two processes on two GPUs --------------------------------------------------------------------
-
-HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256
-TOKEN = HEADS * HEAD_DIM * 2  # bytes of one bf16 token row
-
-
-@pytest.fixture(scope="module")
-def remote():
-    from kvtransfer.benchmarks.nvlink import RemoteBuffers
-
-    r = RemoteBuffers(device=1)
-    yield r
-    r.close()
-
-
-def _local_pair(remote, num_bufs, buf_bytes, config=None):
-    """A transport on cuda:0 with random source buffers, connected to fresh remote buffers."""
-    import torch
-
-    torch.cuda.set_device(0)
-    t = NvlinkTransport(config)
-    src = {}
-    for _ in range(num_bufs):
-        buf = torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8, device="cuda:0")
-        src[t.register_tensor(buf)] = buf
-    dst_rids = remote.call("alloc", [buf_bytes] * num_bufs, 0x5A)
-    peer = t.connect(remote.call("export")["nvlink"])
-    return t, peer, src, dst_rids
-
-
-def _check_landed(remote, src, dst_rids, batch, buf_bytes, tag):
-    """Notification first, then every byte of every destination buffer against a reference."""
-    assert remote.call("wait_notify", tag, 60.0), "notification did not arrive"
-    got = dict(zip(dst_rids, remote.call("fetch", dst_rids)))
-    want = {r: np.full(buf_bytes, 0x5A, dtype=np.uint8) for r in dst_rids}
-    host = {r: b.cpu().numpy() for r, b in src.items()}
-    for sr, so, dr, do, n in zip(batch.src_region, batch.src_offset, batch.dst_region, batch.dst_offset, batch.length):
-        want[dr][do:do + n] = host[sr][so:so + n]
-    for r in dst_rids:
-        np.testing.assert_array_equal(got[r], want[r], err_msg=f"destination region {r}")
-
-
-def _kv_batch(src_rids, dst_rids, page_size, head_slice, rng, tokens=64):
-    """Rows for the K and V buffers of LAYERS layers: whole pages, or one head per token
-    (head h -> head 7 - h, so no two rows are adjacent on both sides)."""
-    src_rids, dst_rids = np.asarray(src_rids), np.asarray(dst_rids)
-    if head_slice:
-        s = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
-        d = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
-        h = np.arange(HEADS)
-        so = (s[:, None] * TOKEN + h[None, :] * HEAD_DIM * 2).ravel()
-        do = (d[:, None] * TOKEN + (HEADS - 1 - h)[None, :] * HEAD_DIM * 2).ravel()
-        row = HEAD_DIM * 2
-    else:
-        pages = SLOTS // page_size
-        k = max(1, min(tokens // page_size, pages - 1))
-        so = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
-        do = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
-        row = page_size * TOKEN
-    m = so.size
-    return WriteBatch.of(
-        np.repeat(src_rids, m), np.tile(so, src_rids.size), np.repeat(dst_rids, m), np.tile(do, dst_rids.size),
-        np.full(m * src_rids.size, row),
-    )
-
-
-def _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, tag: bytes) -> None:
-    """Write ``batch`` (a WriteBatch, or a StridedBatch through ``write_strided``) with
-    notification ``tag``, wait for it, check the bytes on the receiver."""
-    strided = isinstance(batch, StridedBatch)
-    tr = (peer.write_strided if strided else peer.write)(batch, notify=tag)
-    tr.wait(timeout=60)
-    assert tr.status() is TransferStatus.DONE
-    _check_landed(remote, src, dst_rids, batch.expand() if strided else batch, buf_bytes, tag)
-
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (64, False), (1, True), (16, True)])
 def test_two_processes_kv_rows_exact(remote, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _local_pair(remote, 2 * LAYERS, buf_bytes)
+    t, peer, src, dst_rids = local_pair(remote, 2 * LAYERS, buf_bytes)
     try:
         rng = np.random.default_rng(page_size + 100 * head_slice)
-        batch = _kv_batch(sorted(src), dst_rids, page_size, head_slice, rng)
-        _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, f"kv {page_size} {head_slice}".encode())
+        batch = kv_batch(sorted(src), dst_rids, page_size, head_slice, rng)
+        write_landed(remote, peer, src, dst_rids, batch, buf_bytes, f"kv {page_size} {head_slice}".encode())
     finally:
         t.close()
 
@@ -388,7 +352,7 @@ def test_two_processes_kv_rows_exact(remote, page_size, head_slice):
 def test_two_processes_unaligned_rows(remote, unit):
     """Rows at odd (or only 8-byte aligned) offsets and lengths take the slower paths."""
     buf_bytes = 1 << 16
-    t, peer, src, dst_rids = _local_pair(remote, 3, buf_bytes)
+    t, peer, src, dst_rids = local_pair(remote, 3, buf_bytes)
     try:
         rng = np.random.default_rng(unit)
         n, slot = 40, 1000
@@ -400,9 +364,9 @@ def test_two_processes_unaligned_rows(remote, unit):
             idx = np.flatnonzero(dr == r)
             do[idx] = rng.permutation(buf_bytes // slot - 1)[: idx.size] * slot + (5 if unit == 1 else 8)
         batch = WriteBatch.of(np.asarray(sorted(src))[rng.integers(0, 3, n)], so, np.asarray(dst_rids)[dr], do, length)
-        assert kern.choose_path(peer.row_table(batch)).value == unit
+        assert kern.choose_path(peer.tables.row_table(batch)).value == unit
         peer.write(batch, notify=b"unaligned %d" % unit).wait(timeout=60)
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"unaligned %d" % unit)
+        check_landed(remote, src, dst_rids, batch, buf_bytes, b"unaligned %d" % unit)
     finally:
         t.close()
 
@@ -412,11 +376,11 @@ def test_two_processes_unaligned_rows(remote, unit):
 def test_two_processes_ctypes_ipc_api(remote):
     """The libcudart fallback exports and opens handles as cuda-python does."""
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, NvlinkConfig(ipc_api="ctypes"))
+    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, NvlinkConfig(ipc_api="ctypes"))
     try:
-        batch = _kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(7))
+        batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(7))
         peer.write(batch, notify=b"ctypes").wait(timeout=60)
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"ctypes")
+        check_landed(remote, src, dst_rids, batch, buf_bytes, b"ctypes")
     finally:
         t.close()
 
@@ -424,7 +388,7 @@ def test_two_processes_ctypes_ipc_api(remote):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_out_of_bounds_batch_is_refused_before_launch(remote):
-    t, peer, src, dst_rids = _local_pair(remote, 1, 4096)
+    t, peer, src, dst_rids = local_pair(remote, 1, 4096)
     try:
         with pytest.raises(ValueError, match="is outside region"):
             peer.write(WriteBatch.of([sorted(src)[0]], [0], [dst_rids[0]], [4000], [200]))
@@ -434,13 +398,60 @@ def test_out_of_bounds_batch_is_refused_before_launch(remote):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
+def test_prepared_write_posts_again_and_again_until_released(remote):
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes)
+    try:
+        batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(9))
+        with peer.prepare(batch, engine=NvlinkEngine.KERNEL) as job:
+            assert job.engine is NvlinkEngine.KERNEL and job.nbytes == batch.nbytes
+            for i in range(3):  # each post writes the whole batch again
+                remote.fill(dst_rids, 0x5A)
+                tr = job.post(notify=b"prepared %d" % i)
+                tr.wait(timeout=60)
+                assert tr.status() is TransferStatus.DONE
+                check_landed(remote, src, dst_rids, batch, buf_bytes, b"prepared %d" % i, sender=t.name)
+        assert job.released
+        with pytest.raises(ValueError, match="was released"):
+            job.post()
+        with pytest.raises(TypeError, match="engine must be an NvlinkEngine"):
+            peer.prepare(batch, engine="kernel")
+        with pytest.raises(ValueError, match="is outside region"):
+            peer.prepare(WriteBatch.of([sorted(src)[0]], [0], [dst_rids[0]], [buf_bytes - 8], [16]))
+    finally:
+        t.close()
+    with pytest.raises(TransportClosed):
+        job.post()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_receiver_tells_two_writing_transports_apart(remote):
+    """Two nvlink transports of this process write into one receiver: each notification
+    reaches it from the transport that posted it."""
+    buf_bytes = SLOTS * TOKEN
+    pairs = [local_pair(remote, 2, buf_bytes) for _ in range(2)]
+    try:
+        assert pairs[0][0].name != pairs[1][0].name
+        for i, (t, peer, src, dst_rids) in enumerate(pairs * 2):
+            batch = kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(i))
+            remote.fill(dst_rids, 0x5A)
+            peer.write(batch, notify=b"from %d" % i).wait(timeout=60)
+            check_landed(remote, src, dst_rids, batch, buf_bytes, b"from %d" % i, sender=t.name)
+    finally:
+        for t, *_ in pairs:
+            t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
 def test_dead_peer_does_not_hang_the_writer():
-    from kvtransfer.benchmarks.nvlink import RemoteBuffers
+    from transport.remote import RemoteBuffers
 
     victim = RemoteBuffers(device=1)
     t = None
     try:
-        t, peer, src, dst_rids = _local_pair(victim, 2, 1 << 20, NvlinkConfig(peer_timeout_s=2.0))
+        t, peer, src, dst_rids = local_pair(victim, 2, 1 << 20, NvlinkConfig(peer_timeout_s=2.0))
         batch = WriteBatch.of(sorted(src), [0, 4096], dst_rids, [0, 4096], [4096, 4096])
         peer.write(batch, notify=b"alive").wait(timeout=30)
         victim.proc.kill()
@@ -475,33 +486,19 @@ class _Event:
 
 @pytest.fixture
 def cpu_peer():
-    """An NvlinkPeer's progress state (FIFO, lock, outbox to a real inbox) without CUDA."""
-    from collections import deque
-
-    from transport.nvlink import NvlinkPeer
-
+    """A peer's pending queue (FIFO, lock, outbox to a real inbox) without CUDA."""
     inbox = _Inbox()
-    peer = NvlinkPeer.__new__(NvlinkPeer)
-    peer._config = NvlinkConfig(transfer_timeout_s=0.2, peer_timeout_s=1.0)
-    peer.name = "cpu-peer"
-    peer._lock = threading.RLock()
-    peer._pending = deque()
-    peer._graveyard = []
-    peer._outbox = _Outbox(inbox.name, 1.0)
-    yield peer, inbox
-    peer._outbox.close()
+    queue = PendingQueue("cpu-peer", _Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)
+    yield queue, inbox
+    queue.outbox.close()
     inbox.close()
 
 
-def _submit(peer, notify, event=None):
-    from transport.nvlink import NvlinkTransfer
-
-    t = NvlinkTransfer(peer, event or _Event(), notify)
-    peer._pending.append(t)
-    return t
+def _submit(queue, notify, event=None):
+    return queue.track(NvlinkTransfer(queue, event or _Event(), notify))
 
 
-def _drain(inbox, want: int, timeout: float = 2.0) -> list[bytes]:
+def _drain(inbox, want: int, timeout: float = 2.0) -> list[Notification]:
     got, deadline = [], time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
         got += inbox.poll()
@@ -516,7 +513,7 @@ def test_notification_only_after_the_event_and_in_order(cpu_peer):
     assert _drain(inbox, 1, timeout=0.1) == []
     t1._event.fired = True
     assert t2.status() is TransferStatus.DONE and t1.status() is TransferStatus.DONE
-    assert _drain(inbox, 2) == [b"one", b"two"]
+    assert _drain(inbox, 2) == [Notification("cpu-writer", b"one"), Notification("cpu-writer", b"two")]
     t1.wait(timeout=1)
 
 
@@ -534,23 +531,21 @@ def test_abort_fails_the_transfer_and_suppresses_its_notification(cpu_peer):
 def test_failed_transfers_hold_their_tables_until_the_copy_ends(cpu_peer):
     """An aborted or timed-out copy may still be reading its tables on the GPU: they are
     released only once its event completes (or errors), not at the failure."""
-    from transport.nvlink import NvlinkTransfer
-
     peer, _ = cpu_peer
     tables = [object(), object()]
     running, broken = _Event(), _Event()
     for event in (running, broken):
         t = NvlinkTransfer(peer, event, None, keep=tuple(tables))
-        peer._pending.append(t)
+        peer.track(t)
         t.abort()
         assert t.status() is TransferStatus.FAILED and t._keep == ()
-    assert [k for _, k in peer._graveyard] == [tuple(tables)] * 2
+    assert [k for _, k in peer.buried] == [tuple(tables)] * 2
     broken.error = RuntimeError("illegal memory access")
-    peer._advance()
-    assert [e for e, _ in peer._graveyard] == [running]
+    peer.advance()
+    assert [e for e, _ in peer.buried] == [running]
     running.fired = True
-    peer._advance()
-    assert peer._graveyard == []
+    peer.advance()
+    assert peer.buried == []
 
 
 def test_copy_that_never_completes_fails_after_the_timeout(cpu_peer):

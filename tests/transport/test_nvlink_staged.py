@@ -3,23 +3,21 @@
 import numpy as np
 import pytest
 
-from tests.transport._interpret import assert_interpreted_ok
-
-from transport import nvlink_kernel as kern
-from transport import nvlink_staged as staged
-from transport.base import StridedBatch, TransferStatus, WriteBatch
-
-from tests.transport.test_nvlink import (  # noqa: F401  (the fixture is used by name)
+from tests.transport._support import (
     LAYERS,
     SLOTS,
     TOKEN,
-    _check_landed,
-    _kv_batch,
-    _local_pair,
-    _write_landed,
-    remote,
+    assert_interpreted_ok,
+    check_landed,
+    kv_batch,
+    kv_strided,
+    local_pair,
+    write_landed,
 )
-from tests.transport.test_strided import _kv_strided
+from transport.base import StridedBatch, TransferStatus, WriteBatch
+from transport.nvlink import NvlinkConfig, NvlinkEngine
+from transport.nvlink import kernel as kern
+from transport.nvlink import staged
 
 
 def _check_chunks(bounds, offsets_of, starts, max_len, n):
@@ -85,8 +83,6 @@ def test_empty_batches_have_one_bound():
 
 
 def test_staged_config_and_engine_reject_bad_values():
-    from transport.nvlink import NvlinkConfig, NvlinkPeer
-
     with pytest.raises(ValueError, match="buffers must be an int >= 2, got 1"):
         staged.StagedConfig(buffers=1)
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 65536, got 4096"):
@@ -97,11 +93,9 @@ def test_staged_config_and_engine_reject_bad_values():
         staged.StagedConfig(enabled="yes")
     with pytest.raises(TypeError, match="staged must be a StagedConfig, got dict"):
         NvlinkConfig(staged={})
-    peer = object.__new__(NvlinkPeer)
-    peer.engine = "staged"
-    assert peer.engine == "staged"
-    with pytest.raises(ValueError, match=r"engine must be one of \('auto', 'kernel', 'staged'\), got 'fast'"):
-        peer.engine = "fast"
+    assert NvlinkConfig(engine=NvlinkEngine.STAGED).engine is NvlinkEngine.STAGED
+    with pytest.raises(TypeError, match=r"engine must be an NvlinkEngine \(AUTO, KERNEL, STAGED\), got 'fast'"):
+        NvlinkConfig(engine="fast")
 
 
 def test_staged_tables_carry_prefix_offsets():
@@ -122,7 +116,7 @@ def test_staged_tables_carry_prefix_offsets():
 
 _INTERPRET_SCRIPT = r"""
 import numpy as np, torch
-from transport import nvlink_kernel as kern, nvlink_staged as staged
+from transport.nvlink import kernel as kern, staged
 from transport.base import StridedBatch
 rng = np.random.default_rng(5)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
@@ -211,27 +205,24 @@ SMALL = staged.StagedConfig(chunk_bytes=1 << 18, edge_bytes=1 << 16)
 
 
 def _staged_pair(remote, num_bufs, buf_bytes):
-    from transport.nvlink import NvlinkConfig
-
-    t, peer, src, dst_rids = _local_pair(remote, num_bufs, buf_bytes, NvlinkConfig(staged=SMALL))
-    peer.engine = "staged"
-    return t, peer, src, dst_rids
+    return local_pair(remote, num_bufs, buf_bytes, NvlinkConfig(staged=SMALL, engine=NvlinkEngine.STAGED))
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (64, False), (1, True)])
-def test_two_processes_staged_rows_exact(remote, page_size, head_slice):  # noqa: F811
+def test_two_processes_staged_rows_exact(remote, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
     try:
-        batch = _kv_batch(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(page_size))
+        batch = kv_batch(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(page_size))
         tag = f"staged {page_size} {head_slice}".encode()
+        with peer.prepare(batch) as job:
+            assert job.engine is NvlinkEngine.STAGED, peer.staged_error  # it really goes staged
         tr = peer.write(batch, notify=tag)
         tr.wait(timeout=60)
         assert tr.status() is TransferStatus.DONE and peer.staged_error is None
-        assert peer._dst_base_staged is not None  # it really went staged
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
 
@@ -239,12 +230,12 @@ def test_two_processes_staged_rows_exact(remote, page_size, head_slice):  # noqa
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, True)])
-def test_two_processes_staged_strided_exact(remote, page_size, head_slice):  # noqa: F811
+def test_two_processes_staged_strided_exact(remote, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
     try:
-        b = _kv_strided(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(3))
-        _write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"staged strided {page_size} {head_slice}".encode())
+        b = kv_strided(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(3))
+        write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"staged strided {page_size} {head_slice}".encode())
         assert peer.staged_error is None
     finally:
         t.close()
@@ -252,7 +243,7 @@ def test_two_processes_staged_strided_exact(remote, page_size, head_slice):  # n
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):  # noqa: F811
+def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):
     """Eight writes in flight reuse the staging buffers (events order them); rows at odd
     offsets and lengths take the byte path through the stage."""
     buf_bytes = 1 << 17
@@ -272,8 +263,8 @@ def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):  # noqa:
         for tr in trs:
             tr.wait(timeout=60)
         for i in range(7):
-            assert remote.call("wait_notify", b"odd %d" % i, 60.0)
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, b"odd 7")
+            assert remote.wait_notify(b"odd %d" % i, 60.0) == t.name
+        check_landed(remote, src, dst_rids, batch, buf_bytes, b"odd 7")
     finally:
         t.close()
 
@@ -282,53 +273,54 @@ def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):  # noqa:
 @pytest.mark.multigpu
 @pytest.mark.parametrize("enabled, min_bytes, min_row_bytes, staged_used", [
     (True, 1 << 40, 0, False), (False, 0, 0, False), (True, 0, 1 << 30, False), (True, 0, TOKEN, True)])
-def test_auto_engine_follows_the_config(remote, enabled, min_bytes, min_row_bytes, staged_used):  # noqa: F811
-    from transport.nvlink import NvlinkConfig
-
+def test_auto_engine_follows_the_config(remote, enabled, min_bytes, min_row_bytes, staged_used):
     buf_bytes = SLOTS * TOKEN
     config = NvlinkConfig(staged=staged.StagedConfig(enabled=enabled, min_bytes=min_bytes, min_row_bytes=min_row_bytes,
                                                      chunk_bytes=1 << 18))
-    t, peer, src, dst_rids = _local_pair(remote, 4, buf_bytes, config)
+    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, config)
     try:
-        assert peer.engine == "auto"
-        batch = _kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(2))
+        assert config.engine is NvlinkEngine.AUTO
+        batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(2))
         tag = f"auto {enabled} {min_bytes} {min_row_bytes}".encode()
-        peer.write(batch, notify=tag).wait(timeout=60)
-        assert (peer._dst_base_staged is not None) == staged_used  # mapped for the staged engine only if used
-        _check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        with peer.prepare(batch) as job:
+            assert (job.engine is NvlinkEngine.STAGED) == staged_used
+            job.post(notify=tag).wait(timeout=60)
+        with peer.prepare(batch, engine=NvlinkEngine.KERNEL) as job:  # a per-write override
+            assert job.engine is NvlinkEngine.KERNEL
+        check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):  # noqa: F811
+def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):
     """A launch that fails mid-pipeline raises from write() (after what was queued has run),
     releases the lane, and the next write lands byte for byte."""
-    import dataclasses
-
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
     try:
-        batch = _kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(5))
+        batch = kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(5))
         prepare, launches = peer.prepare, []
 
-        def failing_prepare(b, checked=False):
-            job = prepare(b, checked)
+        def failing_prepare(b, engine=None, **kwargs):
+            job = prepare(b, engine, **kwargs)
+            real = job.launch
 
-            def launch(*args, **kwargs):
+            def launch(*args, **kw):
                 launches.append(args[1])
                 if len(launches) == 3:
                     raise RuntimeError("injected launch failure")
-                job.launch(*args, **kwargs)
+                real(*args, **kw)
 
-            return dataclasses.replace(job, launch=launch)
+            job.launch = launch
+            return job
 
         peer.prepare = failing_prepare
         with pytest.raises(RuntimeError, match="injected launch failure"):
             peer.write(batch)
         del peer.prepare  # back to the class's method
-        assert not peer._owner._lanes[peer._peer_gpu]._lock.locked()
-        _write_landed(remote, peer, src, dst_rids, batch, buf_bytes, b"after a failed enqueue")
+        assert not peer._owner._lanes[peer._route.peer_gpu]._lock.locked()
+        write_landed(remote, peer, src, dst_rids, batch, buf_bytes, b"after a failed enqueue")
     finally:
         t.close()

@@ -9,22 +9,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.transport._interpret import assert_interpreted_ok
-
+from tests.transport._support import (
+    LAYERS,
+    SLOTS,
+    TOKEN,
+    Receiver,
+    assert_interpreted_ok,
+    assert_same,
+    check_landed,
+    entries,
+    kv_strided,
+    local_pair,
+    write_landed,
+)
 from transport.base import Region, StridedBatch, TransferStatus, WriteBatch
 
 PAIR_NAMES = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
-
-
-def _entries(b: StridedBatch):
-    """Reference: the flat entries, by two plain loops (pair-major)."""
-    out = []
-    for p in range(b.num_pairs):
-        for s in range(b.num_slots):
-            out.append((int(b.src_region[p]), int(b.src_offset[p] + b.src_slot[s] * b.src_stride[p]),
-                        int(b.dst_region[p]), int(b.dst_offset[p] + b.dst_slot[s] * b.dst_stride[p]),
-                        int(b.length[p])))
-    return out
 
 
 def _random_batch(rng, num_pairs=6, num_slots=9, regions=3):
@@ -46,9 +46,9 @@ def test_expand_matches_the_reference_loop(seed):
     assert isinstance(flat, WriteBatch)
     got = list(zip(*(a.tolist() for a in (flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset,
                                           flat.length))))
-    assert got == _entries(b)
+    assert got == entries(b)
     assert len(b) == len(flat) == b.num_pairs * b.num_slots
-    assert b.nbytes == flat.nbytes == sum(e[4] for e in _entries(b))
+    assert b.nbytes == flat.nbytes == sum(e[4] for e in entries(b))
     for arr in (*flat.__dict__.values(),):
         assert arr.dtype == np.int64
 
@@ -85,7 +85,7 @@ def test_of_rejects_bad_arrays(change, exc, match):
 
 def _reference_bounds(b: StridedBatch, local, remote):
     """The first flat entry outside its regions, by a loop (None: all inside)."""
-    for src_r, src_o, dst_r, dst_o, n in _entries(b):
+    for src_r, src_o, dst_r, dst_o, n in entries(b):
         for table, r, o in ((local, src_r, src_o), (remote, dst_r, dst_o)):
             if r not in table or o + n > table[r].length:
                 return (r, o, n)
@@ -126,7 +126,7 @@ def test_check_bounds_names_the_pair_and_its_furthest_slot():
 
 _INTERPRET_SCRIPT = r"""
 import numpy as np, torch
-from transport import nvlink_kernel as kern
+from transport.nvlink import kernel as kern
 from transport.base import StridedBatch
 rng = np.random.default_rng(5)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
@@ -179,7 +179,7 @@ def test_strided_kernel_under_triton_interpreter():
 def test_strided_table_and_its_checks():
     import torch
 
-    from transport import nvlink_kernel as kern
+    from transport.nvlink import kernel as kern
 
     b = StridedBatch.of([1, 0], [8, 16], [64, 32], [0, 1], [0, 4], [128, 16], [16, 8], [3, 1, 2], [0, 2, 5])
     src_base, dst_base = np.array([1000, 2000]), np.array([5000, 7000])
@@ -217,7 +217,6 @@ def test_default_write_strided_through_nixl_loopback():
     except ImportError as exc:
         pytest.skip(f"NIXL is not installed: {exc}")
     from tests.transport import _nixl_peer
-    from tests.transport.test_nixl import Receiver, assert_same
     from transport.nixl import NixlConfig, NixlTransport
 
     dst_sizes = [1 << 16, 1 << 15]
@@ -237,7 +236,7 @@ def test_default_write_strided_through_nixl_loopback():
             tr.wait(60)
             assert tr.status() is TransferStatus.DONE
             want = [np.zeros(n, np.uint8) for n in dst_sizes]
-            for sr, so, dr, do, n in _entries(b):
+            for sr, so, dr, do, n in entries(b):
                 want[dr][do:do + n] = srcs[sids.index(sr)][so:so + n]
             (got_note, _), = rx.wait_notes(1)
             assert got_note == note
@@ -251,62 +250,30 @@ def test_default_write_strided_through_nixl_loopback():
 
 # -- two processes on two GPUs: the NVLink strided kernel ---------------------------------------------
 
-from tests.transport.test_nvlink import (  # noqa: E402  (GPU helpers; the fixture by name)
-    HEADS,
-    HEAD_DIM,
-    LAYERS,
-    SLOTS,
-    TOKEN,
-    _check_landed,
-    _local_pair,
-    _write_landed,
-    remote,  # noqa: F401
-)
-
-
-def _kv_strided(src_rids, dst_rids, page_size, head_slice, rng, tokens=64) -> StridedBatch:
-    """K and V of LAYERS layers as pairs x slots, a slot per page. Whole pages: a pair per
-    buffer. Head slices: a pair per (buffer, token in page, head h) copying head h of the
-    token into head 7 - h of the destination token."""
-    src_rids, dst_rids = np.asarray(src_rids), np.asarray(dst_rids)
-    pages = SLOTS // page_size
-    k = max(1, min(tokens // page_size, pages - 1))
-    slots = (rng.choice(np.arange(1, pages), k, replace=False), rng.choice(np.arange(1, pages), k, replace=False))
-    page = page_size * TOKEN
-    if not head_slice:
-        return StridedBatch.of(src_rids, 0, page, dst_rids, 0, page, page, *slots)
-    hb = HEAD_DIM * 2
-    tok, h = np.meshgrid(np.arange(page_size), np.arange(HEADS), indexing="ij")  # [page_size, HEADS]
-    so = (tok * TOKEN + h * hb).ravel()
-    do = (tok * TOKEN + (HEADS - 1 - h) * hb).ravel()
-    return StridedBatch.of(np.repeat(src_rids, so.size), np.tile(so, src_rids.size), page,
-                           np.repeat(dst_rids, do.size), np.tile(do, dst_rids.size), page, hb, *slots)
-
-
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (1, True), (16, True)])
-def test_two_processes_strided_write_exact(remote, page_size, head_slice):  # noqa: F811
+def test_two_processes_strided_write_exact(remote, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _local_pair(remote, 2 * LAYERS, buf_bytes)
+    t, peer, src, dst_rids = local_pair(remote, 2 * LAYERS, buf_bytes)
     try:
         rng = np.random.default_rng(page_size + 100 * head_slice)
-        b = _kv_strided(sorted(src), dst_rids, page_size, head_slice, rng)
-        _write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"strided {page_size} {head_slice}".encode())
+        b = kv_strided(sorted(src), dst_rids, page_size, head_slice, rng)
+        write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"strided {page_size} {head_slice}".encode())
     finally:
         t.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_two_processes_strided_unaligned_and_out_of_bounds(remote):  # noqa: F811
+def test_two_processes_strided_unaligned_and_out_of_bounds(remote):
     buf_bytes = 1 << 16
-    t, peer, src, dst_rids = _local_pair(remote, 3, buf_bytes)
+    t, peer, src, dst_rids = local_pair(remote, 3, buf_bytes)
     try:
         b = StridedBatch.of(sorted(src), [3, 5, 0], [1001, 997, 1000], dst_rids, [1, 7, 2], [1003, 1003, 1003],
                             [333, 500, 1], np.arange(40) * 1, np.arange(40)[::-1])
         peer.write_strided(b, notify=b"strided odd").wait(timeout=60)
-        _check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"strided odd")
+        check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"strided odd")
         with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range .* is outside region"):
             peer.write_strided(StridedBatch.of(sorted(src)[0], 0, 16, dst_rids[0], 0, 4096, 16, [0], [16]))
     finally:

@@ -1,4 +1,4 @@
-"""transport.triton_launch: the direct relaunch of jitted kernels.
+"""transport.nvlink.launch: the direct relaunch of jitted kernels.
 
 CPU: the integer types and launch keys against Triton's own specialization. GPU: relaunched
 kernels compute what the JIT computes, a key change (an int past 32 bits) compiles a new
@@ -11,8 +11,8 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from transport import triton_launch  # noqa: E402
-from transport.triton_launch import Relauncher  # noqa: E402
+from transport.nvlink import launch as triton_launch  # noqa: E402
+from transport.nvlink.launch import Relauncher  # noqa: E402
 
 
 def _add_body(x_ptr, out_ptr, n, shift, BLOCK: tl.constexpr):

@@ -50,7 +50,7 @@ every slot share the alignment of the pair's address and stride.
 
 Staged copies (gather / scatter through a staging buffer)
 ---------------------------------------------------------
-The same two kernels also serve the staged engine (:mod:`transport.nvlink_staged`), which moves
+The same two kernels also serve the staged engine (:mod:`transport.nvlink.staged`), which moves
 a large batch as contiguous chunks: *gather* copies rows ``[begin, end)`` from their sources
 into a staging buffer, back to back, and *scatter* copies them from a staging buffer to their
 destinations. A row's place in the staging stream is its byte offset ``off(r)`` among all rows
@@ -74,7 +74,7 @@ from typing import Optional
 
 import numpy as np
 
-from transport.triton_launch import Relauncher
+from transport.nvlink.launch import Relauncher
 
 try:  # triton is a Linux x86-64 dependency; the pure parts below work without it.
     import triton
@@ -385,14 +385,14 @@ def _scatter_strided_body(
 
 
 _KERNELS: dict = {}
-_INTS = {  # the integer parameters of each kernel, all unspecialized (transport.triton_launch)
+_INTS = {  # the integer parameters of each kernel, all unspecialized (transport.nvlink.launch)
     "_scatter_rows_body": ["n_rows", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
     "_scatter_strided_body": ["n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
 }
 
 
 def _kernel(interpret: bool, body=None):
-    """The kernel: a :class:`~transport.triton_launch.Relauncher` of the jitted body, or
+    """The kernel: a :class:`~transport.nvlink.launch.Relauncher` of the jitted body, or
     Triton's interpreter for CPU tensors (tests)."""
     if triton is None:
         raise RuntimeError("the NVLink copy kernel needs triton (pip install triton); it is not installed")
@@ -453,7 +453,7 @@ def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: i
     the module doc) on ``stream``. CPU tensors run in Triton's interpreter. ``checked``:
     the caller already ran :func:`check_row_table` on this table (per-chunk launches).
     ``stream``: a torch stream of ``device`` (default: the current one); ``device`` must be
-    current in CUDA (the launch takes :mod:`transport.triton_launch`'s direct path)."""
+    current in CUDA (the launch takes :mod:`transport.nvlink.launch`'s direct path)."""
     if not checked:
         check_row_table(rows, device, staged=stage is not None)
     n = int(rows.shape[1])

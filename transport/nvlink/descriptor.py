@@ -1,7 +1,7 @@
 """The nvlink backend's export: what a peer needs to map our regions and find our GPU.
 
 An export is :func:`transport.base.pack_descriptor` of the backend ``nvlink`` with, besides the
-region table: ``name``, ``host`` (:func:`transport.mailbox.host_id`), ``pid``, ``mailbox`` (the
+region table: ``name``, ``host`` (:func:`transport.nvlink.mailbox.host_id`), ``pid``, ``mailbox`` (the
 notification socket's name), ``ipc`` (``[region id, 64-byte CUDA IPC handle, offset in the
 allocation, allocation bytes]`` per region) and, optionally, ``gpu_uuid``: the UUID of the GPU
 holding the regions, by which the peer finds that GPU among its own ordinals (the staged engine
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from transport import cuda_ipc
+from transport.nvlink.ipc import IPC_HANDLE_BYTES
 from transport.base import PeerDescriptorError, Region, unpack_descriptor
 
 __all__ = ["BACKEND", "gpu_uuid", "local_ordinal", "parse_descriptor"]
@@ -57,12 +57,12 @@ def parse_descriptor(peer_bytes) -> tuple[dict, dict[int, Region], dict[int, tup
     for item in body["ipc"]:
         ok = (
             isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
-            and isinstance(item[1], bytes) and len(item[1]) == cuda_ipc.IPC_HANDLE_BYTES
+            and isinstance(item[1], bytes) and len(item[1]) == IPC_HANDLE_BYTES
             and isinstance(item[2], int) and isinstance(item[3], int) and item[2] >= 0 and item[3] > 0
         )
         if not ok:
             raise PeerDescriptorError(
-                f"ipc entry must be [region id, {cuda_ipc.IPC_HANDLE_BYTES}-byte handle, offset >= 0, "
+                f"ipc entry must be [region id, {IPC_HANDLE_BYTES}-byte handle, offset >= 0, "
                 f"allocation size > 0], got {item!r:.80}"
             )
         ipc[item[0]] = (item[1], item[2], item[3])

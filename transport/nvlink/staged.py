@@ -2,20 +2,17 @@
 
 Why
 ---
-Copies issued by a GPU's multiprocessors into a peer GPU stop at 92-94 % of what the copy
-engine moves over the same NVLinks, whatever issues them. Measured on two H200s (NV18), rows
-of 2 KiB at random places, 2 GB per copy, against ``cudaMemcpyPeerAsync`` of the same bytes in
-the same run (396 GB/s): 16-byte stores from the writer 92.6-92.8 %, Hopper TMA bulk copies
-(``cp.async.bulk`` through shared memory, 2-8 stages, 1-8 blocks per SM) 91.6-92.8 %, loads
-issued by the reader's GPU 93.8 %, both at once 94.2 %. The copy engine itself pays about a
-microsecond per copy: ``cudaMemcpyBatchAsync`` moved 2 KiB rows at 1.9 GB/s, 32 KiB at 33 and
-128 KiB at 131. So the rows are packed first and the packed bytes cross the link in big copies.
+Copies issued by a GPU's multiprocessors into a peer GPU stop a few percent short of what the
+copy engine moves over the same NVLinks, whatever issues them (stores from the writer, TMA bulk
+copies, loads from the reader); the copy engine, in turn, pays about a microsecond per copy, so
+it cannot move small rows itself. So the rows are packed first and the packed bytes cross the
+link in big copies. (Figures: bench/RESULTS.md, "Staged engine: why and when".)
 
 How
 ---
 The batch is cut into chunks of whole rows. For each chunk:
 
-1. *gather* (the row kernel of :mod:`transport.nvlink_kernel`, on the local GPU, the writer's
+1. *gather* (the row kernel of :mod:`transport.nvlink.kernel`, on the local GPU, the writer's
    copy stream): the chunk's rows, back to back, into local staging buffer ``k``;
 2. *copy* (``cudaMemcpyAsync`` on a second local stream, i.e. the copy engine): local staging
    buffer ``k`` into peer staging buffer ``k``, one contiguous copy at the link's rate;
@@ -31,43 +28,32 @@ which is why chunks start at ``edge_bytes`` (16 MiB), double up to ``chunk_bytes
 and halve again at the end (:func:`chunk_starts`). Completion is one event on the peer-GPU
 stream after the last scatter.
 
-The host must stay ahead of the copy engine (128 MiB take 340 us on the link). Torch's stream
-contexts and events and Triton's ``kernel[grid]`` cost about 130 us per chunk on an H200
-host, so :class:`StagedLane` enqueues with raw CUDA calls and relaunches the kernels directly
-(:mod:`transport.triton_launch`): about 46 us per chunk.
+The host must stay ahead of the copy engine, which moves a 128 MiB chunk in a few hundred
+microseconds. Torch's stream contexts and events and Triton's ``kernel[grid]`` cost about that
+much host time per chunk, so :class:`StagedLane` enqueues with raw CUDA calls and relaunches the
+kernels directly (:mod:`transport.nvlink.launch`), at a third of it.
 
 A row's place in the staging stream is its offset among all rows of the batch
-(:mod:`transport.nvlink_kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
+(:mod:`transport.nvlink.kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
 cut the batch at the last row that starts at or before each chunk start, so a chunk holds less
 than its share plus one row.
 
-Costs and when "auto" takes it
-------------------------------
+Costs, and when AUTO takes it
+-------------------------------
 - This process creates a CUDA context on the peer GPU (some hundred MB there) and holds
   ``buffers`` staging buffers of ``chunk_bytes`` on each of the two GPUs (defaults: 2 x 128 MiB
   each), per pair of GPUs, shared by every peer on that GPU. ``StagedConfig(enabled=False)``
-  keeps a deployment on the direct kernel when that memory matters more than the last 4 %.
+  keeps a deployment on the direct kernel when that memory matters more than the last few
+  percent.
 - The peer's IPC handles are opened a second time, under the peer GPU: a mapping opened under
   one GPU faults when another GPU's kernels use it, and opening one handle under both GPUs
   works (both seen on two H200s).
-- Each write costs more host time before the GPU starts (chunk cuts, a table on each GPU,
-  about 0.3 ms more than the direct kernel): end to end it beats the direct kernel from about
-  1.3 GB on (1280 MiB: 81.0 % vs 80.7 %; 5 GiB: 90-93 % vs 88-90 %), hence ``min_bytes`` 2 GiB.
-- Short rows gather and scatter slowly (256 B head slices: 87-90 % against the direct
-  kernel's 93 %), hence ``min_row_bytes``.
+- Each write costs more host time before the GPU starts (chunk cuts, a table on each GPU):
+  end to end it beats the direct kernel only for large batches, hence ``min_bytes`` 2 GiB.
+- Short rows gather and scatter slowly (256 B head slices stay faster on the direct kernel),
+  hence ``min_row_bytes``.
 
-Measured (2026-11-29, two H200s, NV18, two processes, ``kvtransfer bench nvlink``: 80 layers x
-K,V x 16,384 tokens, the pipeline alone on CUDA events with its tables resident, beside the
-same run's peer copy of the same bytes, 392.4-396.1 GB/s)
-------------------------------------------------------------------------------------------
-    page 1 (2 KiB rows, 5 GiB)      386.3 GB/s = 98.1 %   (direct kernel 368.9 = 93.6 %)
-    page 16 (32 KiB rows, 5 GiB)    385.7 GB/s = 97.4 %   (direct kernel 369.9 = 93.4 %)
-    page 64 (128 KiB rows, 5 GiB)   385.2 GB/s = 97.6 %   (direct kernel 369.4 = 93.6 %)
-    head slice (256 B, 640 MiB)     353.4 GB/s = 90.1 %   (direct kernel 363.7 = 92.7 %)
-
-``write_strided().wait()`` end to end: 92.5 / 90.4 / 93.2 % (direct kernel 88.8 / 90.5 / 90.8 %).
-An earlier run: 96.8 / 97.5 / 96.2 %, head slice 86.9 %.
-Before the raw enqueue and the ramped chunks the same pipeline reached 91.6 %, host-bound.
+Measured throughput of both engines: ``kvtransfer bench nvlink`` (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -78,8 +64,8 @@ from typing import Callable
 
 import numpy as np
 
-from transport import cuda_ipc
-from transport.nvlink_kernel import Stage, StageMode
+from transport.nvlink import ipc
+from transport.nvlink.kernel import Stage, StageMode
 
 __all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_offsets"]
 
@@ -88,11 +74,11 @@ __all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_
 class StagedConfig:
     """Settings of the staged engine (module doc).
 
-    enabled: engine "auto" uses it for batches of ``min_bytes`` and more whose rows average
-        ``min_row_bytes`` or more; engine "staged" always does.
+    enabled: ``NvlinkEngine.AUTO`` uses it for batches of ``min_bytes`` and more whose rows
+        average ``min_row_bytes`` or more; ``NvlinkEngine.STAGED`` always does.
     min_bytes: batches of at least this many bytes go staged (smaller ones fill and drain the
         pipeline for too long: the direct kernel is faster there).
-    min_row_bytes: average bytes per row for "auto" (short rows, such as 256 B head slices,
+    min_row_bytes: average bytes per row for AUTO (short rows, such as 256 B head slices,
         gather and scatter slowly: the direct kernel is faster there).
     chunk_bytes: bytes per copy-engine copy in the middle of a batch (rows longer than this go
         direct); also the size of each staging buffer.
@@ -120,7 +106,7 @@ class StagedConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
 
     def wants(self, total: int, rows: int) -> bool:
-        """Whether engine "auto" stages a batch of ``rows`` rows and ``total`` bytes."""
+        """Whether ``NvlinkEngine.AUTO`` stages a batch of ``rows`` rows and ``total`` bytes."""
         return self.enabled and total >= self.min_bytes and total >= self.min_row_bytes * rows
 
 
@@ -181,11 +167,9 @@ class StagedLane:
     GPU; shared by every peer on that GPU, one pipeline at a time (a lock).
 
     The pipeline is enqueued with raw CUDA calls (``cudaSetDevice``, ``cudaEventRecord``,
-    ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` through :mod:`transport.cuda_ipc`) and kernels
-    relaunched without Triton's JIT (:mod:`transport.triton_launch`): about 46 us of host time per
-    chunk (2.0 ms for the 44 chunks of 5 GiB), against 340 us of copy-engine time for 128 MiB
-    (torch's stream contexts and events and ``kernel[grid]`` cost 130 us; measured 2026-11-29
-    on an H200 host)."""
+    ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` through :mod:`transport.nvlink.ipc`) and kernels
+    relaunched without Triton's JIT (:mod:`transport.nvlink.launch`), so that the host enqueues a
+    chunk faster than the copy engine moves it (bench/RESULTS.md)."""
 
     def __init__(self, api, local: int, peer: int, config: StagedConfig):
         import torch
@@ -195,11 +179,11 @@ class StagedLane:
         self._copy = torch.cuda.Stream(device=local)
         self.scatter_stream = torch.cuda.Stream(device=peer)
         n = config.buffers
-        with cuda_ipc.on_device(api, local):
+        with ipc.on_device(api, local):
             api.enable_peer_access(peer)  # the copy engine writes the peer's staging buffers
             self._gathered = [api.event_create() for _ in range(n)]  # recorded on the gather stream
             self._copied = [api.event_create() for _ in range(n)]  # recorded on the copy stream
-        with cuda_ipc.on_device(api, peer):
+        with ipc.on_device(api, peer):
             self._scattered = [api.event_create() for _ in range(n)]  # recorded on the scatter stream
         self._bufs: list = []  # [(local staging tensor, peer staging tensor)]
         self._next = 0
@@ -237,7 +221,7 @@ class StagedLane:
         with self._lock:
             self._ensure(int(sizes.max()) if sizes.size else 0)
             bufs = [(mine.data_ptr(), theirs.data_ptr()) for mine, theirs in self._bufs]
-            with cuda_ipc.on_device(api, self.local, torch_too=False):
+            with ipc.on_device(api, self.local, torch_too=False):
                 for k in range(sizes.size):
                     a, b, origin, nbytes = int(bounds[k]), int(bounds[k + 1]), int(bound_offsets[k]), int(sizes[k])
                     slot = self._next % len(bufs)
@@ -268,14 +252,14 @@ class StagedLane:
         self.synchronize()
         self._bufs = []
         for device, events in ((self.local, self._gathered + self._copied), (self.peer, self._scattered)):
-            with cuda_ipc.on_device(self._api, device):
+            with ipc.on_device(self._api, device):
                 for event in events:
                     self._api.event_destroy(event)
         self._gathered, self._copied, self._scattered = [], [], []
 
 
 def open_lane(api, local: int, peer: int, config: StagedConfig) -> StagedLane:
-    """A lane, or :class:`cuda_ipc.CudaIpcError` when the two GPUs cannot reach each other."""
+    """A lane, or :class:`ipc.CudaIpcError` when the two GPUs cannot reach each other."""
     if local == peer:
-        raise cuda_ipc.CudaIpcError(f"the staged engine copies between two GPUs, got cuda:{local} twice")
+        raise ipc.CudaIpcError(f"the staged engine copies between two GPUs, got cuda:{local} twice")
     return StagedLane(api, local, peer, config)

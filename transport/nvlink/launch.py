@@ -2,10 +2,9 @@
 
 Why
 ---
-``kernel[grid](...)`` costs about 25 us of host time (Triton 3.6, H200 host, measured
-2026-11-29): it asks torch for the current device and stream, binds and specializes every
-argument, looks the compiled kernel up and only then calls the launcher (about 8 us). The
-staged engine launches two kernels per chunk of a pipeline, so that overhead decides whether the
+``kernel[grid](...)`` costs several times the launcher's own host time (bench/RESULTS.md): it
+asks torch for the current device and stream, binds and specializes every argument, looks the
+compiled kernel up and only then calls the launcher. The staged engine launches two kernels per chunk of a pipeline, so that overhead decides whether the
 host keeps ahead of the copy engine.
 
 How

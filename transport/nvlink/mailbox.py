@@ -1,9 +1,12 @@
 """The NVLink engine's notification channel (the "mailbox"), one Unix socket per transport.
 
 Each transport listens on a Unix stream socket in Linux's abstract namespace (nothing on
-disk); each peer keeps one connected socket to it. A notification is one frame: a 4-byte
-big-endian length, then the payload. The receiver never writes to its connections, so a
-readable socket on the writer's side means end-of-file: the peer process is gone.
+disk); each peer keeps one connected socket to it. A frame is a 4-byte big-endian length, then
+that many bytes. The first frame on a connection is the sender's name (UTF-8, the ``name`` of
+the writing transport's export); every later frame is one notification payload, which the
+receiver returns as a :class:`~transport.base.Notification` from that sender. The receiver
+never writes to its connections, so a readable socket on the writer's side means end-of-file:
+the peer process is gone.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import socket
 import struct
 import uuid
 
-from transport.base import TransportError
+from transport.base import Notification, TransportError
 
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
 
@@ -44,19 +47,20 @@ class Inbox:
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._sock.setblocking(False)
-        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes]
+        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes, sender name or None]
 
-    def poll(self) -> list[bytes]:
+    def poll(self) -> list[Notification]:
+        """Whole notifications received since the last call, per connection in sending order."""
         while True:
             try:
                 conn, _ = self._sock.accept()
             except BlockingIOError:
                 break
             conn.setblocking(False)
-            self._conns.append([conn, bytearray()])
-        out: list[bytes] = []
+            self._conns.append([conn, bytearray(), None])
+        out: list[Notification] = []
         for entry in list(self._conns):
-            conn, buf = entry
+            conn, buf = entry[0], entry[1]
             closed = False
             while True:
                 try:
@@ -74,24 +78,28 @@ class Inbox:
                 (n,) = _FRAME.unpack_from(buf)
                 if len(buf) < _FRAME.size + n:
                     break
-                out.append(bytes(buf[_FRAME.size : _FRAME.size + n]))
+                frame = bytes(buf[_FRAME.size : _FRAME.size + n])
                 del buf[: _FRAME.size + n]
+                if entry[2] is None:  # the connection's first frame names its sender
+                    entry[2] = frame.decode("utf-8", errors="replace")
+                else:
+                    out.append(Notification(entry[2], frame))
             if closed:
                 conn.close()
                 self._conns.remove(entry)
         return out
 
     def close(self) -> None:
-        for conn, _ in self._conns:
+        for conn, *_ in self._conns:
             conn.close()
         self._conns.clear()
         self._sock.close()
 
 
 class Outbox:
-    """The writing end: one connected socket to a peer's inbox."""
+    """The writing end: one connected socket to a peer's inbox, introduced as ``sender``."""
 
-    def __init__(self, name: str, timeout_s: float):
+    def __init__(self, name: str, timeout_s: float, sender: str):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         try:
@@ -102,6 +110,11 @@ class Outbox:
                 f"cannot reach the peer's notification socket {name!r} ({exc}); "
                 "is it on this host and in this network namespace?"
             ) from None
+        try:
+            self.send(sender.encode("utf-8"))
+        except OSError as exc:
+            self._sock.close()
+            raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our name: {exc}") from None
 
     def alive(self) -> bool:
         """False once the peer closed its end (the peer never writes, so readable = EOF)."""

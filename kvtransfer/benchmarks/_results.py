@@ -1,0 +1,102 @@
+"""``kvtransfer bench NAME --record``: run a benchmark and write its section of bench/RESULTS.md.
+
+The section ``## kvtransfer bench NAME`` is replaced (or appended) with the machine, the date,
+the command line and everything the benchmark printed to stdout, in a ``text`` block. A run
+that fails (a non-zero exit, an exception) records nothing. Other sections stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = ["RESULTS_PATH", "machine", "run_recorded", "write_section"]
+
+RESULTS_PATH = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
+
+
+def machine() -> str:
+    """One line: GPUs (when torch sees CUDA), CPU model and cores, torch and triton versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    parts = [f"{cpu} ({os.cpu_count()} cores)"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            parts.insert(0, ", ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names)))
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    return ", ".join(parts)
+
+
+def section(name: str, argv: list[str], output: str, when: Optional[datetime.datetime] = None) -> str:
+    """The text of benchmark ``name``'s section, heading included."""
+    when = when or datetime.datetime.now(datetime.timezone.utc)
+    command = shlex.join(["kvtransfer", "bench", name, *argv])
+    return (f"## kvtransfer bench {name}\n\n- machine: {machine()}\n- date: {when:%Y-%m-%d %H:%M} UTC\n"
+            f"- command: `{command}`\n\n```text\n{output.rstrip()}\n```\n")
+
+
+def write_section(path: Path, heading: str, text: str) -> None:
+    """Replace the section that starts with the line ``heading`` (up to the next ``## `` line)
+    by ``text``, or append ``text`` when there is none."""
+    old = path.read_text() if path.exists() else ""
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == heading), None)
+    if start is None:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        tail = "".join(lines[end:])
+        new = "".join(lines[:start]) + text + ("\n" + tail if tail else "")
+    path.write_text(new)
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self._streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self._streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self._streams:
+            s.flush()
+
+
+def run_recorded(name: str, main: Callable[[list[str]], Optional[int]], argv: list[str],
+                 path: Optional[Path] = None) -> int:
+    """Run ``main(argv)`` with its stdout shown and kept; on success write its section to
+    ``path`` (default :data:`RESULTS_PATH`)."""
+    path = RESULTS_PATH if path is None else path
+    kept = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
+        rc = int(main(argv) or 0)
+    if rc != 0:
+        print(f"kvtransfer bench {name}: exit status {rc}, nothing recorded in {path}", file=sys.stderr)
+        return rc
+    write_section(path, f"## kvtransfer bench {name}", section(name, argv, kept.getvalue()))
+    print(f"kvtransfer bench {name}: recorded in {path}", file=sys.stderr)
+    return rc

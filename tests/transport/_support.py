@@ -1,0 +1,231 @@
+"""Helpers shared by the transport tests (fixtures are in conftest.py).
+
+- :func:`assert_interpreted_ok`: run a script under Triton's interpreter in a fresh Python;
+- :class:`Receiver`: the NIXL loopback receiver process (``_nixl_peer.serve``) and its pipe;
+- byte references: :func:`assert_same`, :func:`entries`;
+- the two-GPU helpers: KV-shaped batches (:func:`kv_batch`, :func:`kv_strided`), a local
+  nvlink transport connected to a :class:`~transport.remote.RemoteBuffers`
+  (:func:`local_pair`) and the check that a write landed (:func:`write_landed`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.transport import _nixl_peer
+from transport.base import StridedBatch, TransferStatus, WriteBatch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# -- Triton's interpreter ------------------------------------------------------------------------
+
+
+def run_interpreted(script: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``script`` under Triton's interpreter, from the repository root; stdout and stderr as text."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# Triton <= 3.6's interpreter under NumPy 2 cannot bound range() by a tensor (int() of a
+# 1-element array); Triton 3.9 can. A script that meets it cannot say anything about the kernel.
+_INTERPRETER_LIMIT = "only 0-dimensional arrays can be converted"
+
+
+def assert_interpreted_ok(script: str, marker: str) -> None:
+    """Run ``script`` under the interpreter and require ``marker`` in its output; skip when this
+    Triton's interpreter cannot run the kernel's loop at all."""
+    out = run_interpreted(script)
+    if _INTERPRETER_LIMIT in out.stderr:
+        pytest.skip("this Triton's interpreter cannot bound range() by a tensor under this NumPy (fixed in 3.9)")
+    assert marker in out.stdout, out.stdout + out.stderr
+
+
+# -- byte references --------------------------------------------------------------------------------
+
+
+def assert_same(got, want, what):
+    if not np.array_equal(got, want):
+        bad = np.flatnonzero(got != want)
+        raise AssertionError(f"{what}: {bad.size} bytes differ, first at {bad[0]} (got {got[bad[0]]}, want {want[bad[0]]})")
+
+
+def entries(b: StridedBatch) -> list[tuple]:
+    """Reference: a strided batch's flat entries, by two plain loops (pair-major)."""
+    out = []
+    for p in range(b.num_pairs):
+        for s in range(b.num_slots):
+            out.append((int(b.src_region[p]), int(b.src_offset[p] + b.src_slot[s] * b.src_stride[p]),
+                        int(b.dst_region[p]), int(b.dst_offset[p] + b.dst_slot[s] * b.dst_stride[p]),
+                        int(b.length[p])))
+    return out
+
+
+# -- the NIXL receiver process ------------------------------------------------------------------------
+
+
+class Receiver:
+    """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
+    ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
+
+    def __init__(self, sizes, env=None, cuda_device=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_nixl_peer.serve, args=(child, list(sizes)), kwargs={"env": env, "cuda_device": cuda_device}
+        )
+        self.proc.start()
+        child.close()
+        self.notes: list[tuple[bytes, str]] = []
+        self.senders: list[str] = []
+        self.export = self._expect("ready", 60.0)[1]
+
+    def _take(self, msg) -> bool:
+        if msg[0] != "notif":
+            return False
+        self.senders.append(msg[1])
+        self.notes.append((msg[2], msg[3]))
+        return True
+
+    def _expect(self, kind, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.conn.poll(0.05):
+                msg = self.conn.recv()
+                if self._take(msg):
+                    continue
+                if msg[0] != kind:
+                    raise AssertionError(f"expected {kind!r} from the receiver, got {msg[0]!r}")
+                return msg
+            if not self.proc.is_alive():
+                raise AssertionError(f"receiver exited with code {self.proc.exitcode}")
+        raise AssertionError(f"no {kind!r} from the receiver within {timeout} s")
+
+    def wait_notes(self, count, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while len(self.notes) < count and time.monotonic() < deadline:
+            if self.conn.poll(0.05):
+                self._take(self.conn.recv())
+        assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
+        return self.notes
+
+    def dump(self, region) -> np.ndarray:
+        self.conn.send(("dump", region))
+        return np.frombuffer(self._expect("dump", 30.0)[1], dtype=np.uint8)
+
+    def deregister(self, region) -> bytes:
+        self.conn.send(("deregister", region))
+        return self._expect("export", 30.0)[1]
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
+                self.conn.send(("quit",))
+                self._expect("bye", 10.0)
+            except (AssertionError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+# -- two processes on two GPUs ------------------------------------------------------------------------
+
+HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256
+TOKEN = HEADS * HEAD_DIM * 2  # bytes of one bf16 token row
+
+
+def local_pair(remote, num_bufs, buf_bytes, config=None):
+    """A transport on cuda:0 with random source buffers, connected to fresh remote buffers."""
+    import torch
+
+    from transport.nvlink import NvlinkTransport
+
+    torch.cuda.set_device(0)
+    t = NvlinkTransport(config)
+    src = {}
+    for _ in range(num_bufs):
+        buf = torch.randint(0, 256, (buf_bytes,), dtype=torch.uint8, device="cuda:0")
+        src[t.register_tensor(buf)] = buf
+    dst_rids = remote.alloc([buf_bytes] * num_bufs, 0x5A)
+    peer = t.connect(remote.export()["nvlink"])
+    return t, peer, src, dst_rids
+
+
+def check_landed(remote, src, dst_rids, batch, buf_bytes, tag, sender=None):
+    """Notification first (from ``sender`` when given), then every byte of every destination
+    buffer against a reference."""
+    got_sender = remote.wait_notify(tag, 60.0)
+    assert got_sender is not None, "notification did not arrive"
+    assert sender is None or got_sender == sender, f"notification from {got_sender!r}, expected {sender!r}"
+    got = dict(zip(dst_rids, remote.fetch(dst_rids)))
+    want = {r: np.full(buf_bytes, 0x5A, dtype=np.uint8) for r in dst_rids}
+    host = {r: b.cpu().numpy() for r, b in src.items()}
+    for sr, so, dr, do, n in zip(batch.src_region, batch.src_offset, batch.dst_region, batch.dst_offset, batch.length):
+        want[dr][do:do + n] = host[sr][so:so + n]
+    for r in dst_rids:
+        np.testing.assert_array_equal(got[r], want[r], err_msg=f"destination region {r}")
+
+
+def kv_batch(src_rids, dst_rids, page_size, head_slice, rng, tokens=64):
+    """Rows for the K and V buffers of LAYERS layers: whole pages, or one head per token
+    (head h -> head 7 - h, so no two rows are adjacent on both sides)."""
+    src_rids, dst_rids = np.asarray(src_rids), np.asarray(dst_rids)
+    if head_slice:
+        s = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
+        d = rng.choice(np.arange(1, SLOTS), tokens, replace=False)
+        h = np.arange(HEADS)
+        so = (s[:, None] * TOKEN + h[None, :] * HEAD_DIM * 2).ravel()
+        do = (d[:, None] * TOKEN + (HEADS - 1 - h)[None, :] * HEAD_DIM * 2).ravel()
+        row = HEAD_DIM * 2
+    else:
+        pages = SLOTS // page_size
+        k = max(1, min(tokens // page_size, pages - 1))
+        so = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
+        do = rng.choice(np.arange(1, pages), k, replace=False) * page_size * TOKEN
+        row = page_size * TOKEN
+    m = so.size
+    return WriteBatch.of(
+        np.repeat(src_rids, m), np.tile(so, src_rids.size), np.repeat(dst_rids, m), np.tile(do, dst_rids.size),
+        np.full(m * src_rids.size, row),
+    )
+
+
+def kv_strided(src_rids, dst_rids, page_size, head_slice, rng, tokens=64) -> StridedBatch:
+    """K and V of LAYERS layers as pairs x slots, a slot per page. Whole pages: a pair per
+    buffer. Head slices: a pair per (buffer, token in page, head h) copying head h of the
+    token into head 7 - h of the destination token."""
+    src_rids, dst_rids = np.asarray(src_rids), np.asarray(dst_rids)
+    pages = SLOTS // page_size
+    k = max(1, min(tokens // page_size, pages - 1))
+    slots = (rng.choice(np.arange(1, pages), k, replace=False), rng.choice(np.arange(1, pages), k, replace=False))
+    page = page_size * TOKEN
+    if not head_slice:
+        return StridedBatch.of(src_rids, 0, page, dst_rids, 0, page, page, *slots)
+    hb = HEAD_DIM * 2
+    tok, h = np.meshgrid(np.arange(page_size), np.arange(HEADS), indexing="ij")  # [page_size, HEADS]
+    so = (tok * TOKEN + h * hb).ravel()
+    do = (tok * TOKEN + (HEADS - 1 - h) * hb).ravel()
+    return StridedBatch.of(np.repeat(src_rids, so.size), np.tile(so, src_rids.size), page,
+                           np.repeat(dst_rids, do.size), np.tile(do, dst_rids.size), page, hb, *slots)
+
+
+def write_landed(remote, peer, src, dst_rids, batch, buf_bytes, tag: bytes) -> None:
+    """Write ``batch`` (a WriteBatch, or a StridedBatch through ``write_strided``) with
+    notification ``tag``, wait for it, check the bytes on the receiver."""
+    strided = isinstance(batch, StridedBatch)
+    tr = (peer.write_strided if strided else peer.write)(batch, notify=tag)
+    tr.wait(timeout=60)
+    assert tr.status() is TransferStatus.DONE
+    check_landed(remote, src, dst_rids, batch.expand() if strided else batch, buf_bytes, tag)

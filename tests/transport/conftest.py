@@ -1,0 +1,51 @@
+"""Fixtures shared by the transport tests (helpers: ``_support.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.transport._support import Receiver
+
+
+@pytest.fixture(scope="module")
+def remote():
+    """A receiver process on cuda:1 with nvlink-registered buffers (GPU tests only)."""
+    from transport.remote import RemoteBuffers
+
+    r = RemoteBuffers(device=1)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def receiver():
+    """A factory of NIXL receiver processes (:class:`Receiver`), stopped at teardown."""
+    started = []
+
+    def start(sizes, env=None, cuda_device=None):
+        r = Receiver(sizes, env, cuda_device)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture
+def writer(monkeypatch):
+    """A factory of writing NIXL transports, closed at teardown; ``env`` overrides UCX variables."""
+    from transport.nixl import NixlConfig, NixlTransport
+
+    made = []
+
+    def make(env=None, **config):
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        t = NixlTransport(NixlConfig(**config))
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()

@@ -1,0 +1,79 @@
+"""Settings of the nvlink backend: :class:`NvlinkConfig`, the engine choice, its refusal."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from transport.base import TransportError
+from transport.nvlink.ipc import API_CHOICES
+from transport.nvlink.kernel import KernelConfig
+from transport.nvlink.staged import StagedConfig
+
+__all__ = ["NvlinkConfig", "NvlinkEngine", "NvlinkUnsupported"]
+
+
+class NvlinkUnsupported(TransportError):
+    """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
+
+
+class NvlinkEngine(enum.Enum):
+    """Which engine a write takes.
+
+    AUTO: the staged engine for large batches of long rows (``StagedConfig.wants``), else the kernel.
+    KERNEL: always the direct push kernel.
+    STAGED: the staged engine whenever it can run (a second GPU it can reach, rows no longer
+        than a chunk), whatever the batch's size and ``StagedConfig.enabled``; else the kernel.
+    """
+
+    AUTO = "auto"
+    KERNEL = "kernel"
+    STAGED = "staged"
+
+
+@dataclass(frozen=True)
+class NvlinkConfig:
+    """Settings of one :class:`~transport.nvlink.NvlinkTransport`.
+
+    peer_timeout_s: bound on sending one notification (a peer that stops reading fails the
+        transfer after this long).
+    transfer_timeout_s: a copy whose completion event has not fired by then is FAILED.
+    ipc_api: "auto" (cuda-python, else ctypes on libcudart), "cuda-python" or "ctypes".
+    engine: the engine writes take (:class:`NvlinkEngine`); a prepared write may override it.
+    kernel: launch shape of the copy kernel.
+    staged: the staged engine for large batches (:mod:`transport.nvlink.staged`).
+    wait_current_stream: the copy stream waits for the caller's current stream first.
+    max_notify_bytes: largest notification payload.
+    """
+
+    peer_timeout_s: float = 10.0
+    transfer_timeout_s: float = 60.0
+    ipc_api: str = "auto"
+    engine: NvlinkEngine = NvlinkEngine.AUTO
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    staged: StagedConfig = field(default_factory=StagedConfig)
+    wait_current_stream: bool = True
+    max_notify_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("peer_timeout_s", "transfer_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if self.ipc_api not in API_CHOICES:
+            raise ValueError(f"ipc_api must be one of {API_CHOICES}, got {self.ipc_api!r}")
+        check_engine(self.engine)
+        if not isinstance(self.kernel, KernelConfig):
+            raise TypeError(f"kernel must be a KernelConfig, got {type(self.kernel).__name__}")
+        if not isinstance(self.staged, StagedConfig):
+            raise TypeError(f"staged must be a StagedConfig, got {type(self.staged).__name__}")
+        if not isinstance(self.max_notify_bytes, int) or not 0 < self.max_notify_bytes < 1 << 31:
+            raise ValueError(f"max_notify_bytes must be an int in (0, 2**31), got {self.max_notify_bytes!r}")
+
+
+def check_engine(engine) -> NvlinkEngine:
+    """``engine`` if it is an :class:`NvlinkEngine`, else ``TypeError`` naming the choices."""
+    if not isinstance(engine, NvlinkEngine):
+        raise TypeError(f"engine must be an NvlinkEngine ({', '.join(e.name for e in NvlinkEngine)}), "
+                        f"got {engine!r}")
+    return engine

@@ -1,0 +1,114 @@
+"""A peer's FIFO of pending transfers and the tables of failed ones (deferred cleanup).
+
+Transfers settle in posting order, so notifications reach the peer in the order their writes
+were posted: a finished copy waits for the ones before it. Settling a transfer: query its
+event; on completion check the peer is alive, send the notification (a socket send bounded
+by ``peer_timeout_s``) and mark it DONE. A copy whose event has not completed after
+``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
+the GPU, reading its tables: they are *buried* with its event and released only once that
+event has completed (or errored).
+
+Both the caller's thread (``Transfer.status()``/``wait()``) and the transport's progress
+thread (:mod:`transport.nvlink.progress`) call :meth:`PendingQueue.advance`; both take
+:attr:`PendingQueue.lock`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from transport.base import TransferStatus
+from transport.nvlink.mailbox import Outbox
+from transport.nvlink.transfer import NvlinkTransfer
+
+__all__ = ["PendingQueue"]
+
+
+class PendingQueue:
+    """Pending transfers of one peer, settled in order; notifications go out through ``outbox``."""
+
+    def __init__(self, name: str, outbox: Optional[Outbox], transfer_timeout_s: float):
+        self.name = name  # the peer's, for messages
+        self.outbox = outbox
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lock = threading.RLock()
+        self._pending: deque[NvlinkTransfer] = deque()
+        self._graveyard: list = []  # [(event, tables)] of failed transfers whose copy may still run
+
+    def track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
+        with self.lock:
+            self._pending.append(transfer)
+        return transfer
+
+    def bury(self, event, keep: tuple) -> None:
+        """Hold ``keep`` until ``event`` completes (a failed or aborted transfer's tables)."""
+        if keep and event is not None:
+            with self.lock:
+                self._graveyard.append((event, keep))
+
+    @property
+    def buried(self) -> list:
+        """``[(event, tables)]`` still held for copies that may be running."""
+        return list(self._graveyard)
+
+    def _dig(self) -> None:
+        """Release the tables of failed transfers whose copy has finished (or errored)."""
+        def running(event) -> bool:
+            try:
+                return not event.query()
+            except Exception:  # a CUDA error: nothing will run any more
+                return False
+
+        self._graveyard = [(e, k) for e, k in self._graveyard if running(e)]
+
+    def advance(self) -> bool:
+        """Move the FIFO forward; True while some transfers remain pending."""
+        with self.lock:
+            if self._graveyard:
+                self._dig()
+            while self._pending:
+                t = self._pending[0]
+                if t._status is TransferStatus.PENDING and not self._settle(t):
+                    return True
+                self._pending.popleft()
+            return False
+
+    def _settle(self, t: NvlinkTransfer) -> bool:
+        """Settle ``t`` if its copy finished or timed out; False while it is still running."""
+        try:
+            finished = t._event.query()
+        except Exception as exc:  # a CUDA error surfaces here (illegal address, ...)
+            t._fail(f"CUDA error in the copy kernel: {exc}")
+            return True
+        if not finished:
+            if time.monotonic() > t._deadline:
+                t._fail(f"copy did not complete within {self.transfer_timeout_s} s")
+                return True
+            return False
+        if not self.outbox.alive():
+            t._fail(f"peer {self.name!r} lost before the notification could be sent")
+            return True
+        if t._notify is not None:
+            try:
+                self.outbox.send(t._notify)
+            except OSError as exc:
+                t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
+                return True
+        t._done()
+        return True
+
+    def abort_all(self, why: str) -> None:
+        """Fail every pending transfer (the peer closes)."""
+        with self.lock:
+            for t in self._pending:
+                if t._status is TransferStatus.PENDING:
+                    t._fail(why)
+            self._pending.clear()
+
+    def forget_buried(self) -> None:
+        """Drop the buried tables (the caller has waited for every copy)."""
+        with self.lock:
+            self._graveyard.clear()

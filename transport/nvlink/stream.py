@@ -1,0 +1,86 @@
+"""The transport's copy stream on its GPU: table uploads, launches, the completion event.
+
+Every peer of one transport enqueues on the same stream, which first waits for the caller's
+current stream (``wait_current_stream``: KV written by the model is complete before it is
+read). Tables go up by one raw ``cudaMemcpyAsync`` each (torch's stream contexts cost more
+than the copy); a staged write's second table goes to the peer's GPU on the lane's scatter
+stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from transport.nvlink import ipc
+
+if TYPE_CHECKING:
+    from transport.nvlink.job import PreparedWrite
+
+__all__ = ["CopyStream"]
+
+
+class CopyStream:
+    """A torch stream on ``device`` (created at first use) and the enqueue steps of a write."""
+
+    def __init__(self, api, device: int, wait_current_stream: bool):
+        self._api, self.device, self._wait_current = api, device, wait_current_stream
+        self._stream = None
+
+    @property
+    def stream(self):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _table_on(self, host, device: int, stream):
+        """``host`` copied to ``device`` on ``stream``. The pinned ``host`` must outlive the
+        copy: transfers keep it until their event completes, failed ones too (buried)."""
+        import torch
+
+        table = torch.empty(host.shape, dtype=host.dtype, device=torch.device("cuda", device))
+        table.record_stream(stream)  # the allocator reuses it only once the stream is past this point
+        with ipc.on_device(self._api, device, torch_too=False):
+            self._api.memcpy_async(table.data_ptr(), host.data_ptr(), host.numel() * host.element_size(),
+                                   stream.cuda_stream)
+        return table
+
+    def upload(self, job: "PreparedWrite") -> tuple:
+        """The job's pinned table on the local GPU (on this stream) and, staged, on the peer's
+        (on the scatter stream): the tables :meth:`enqueue` reads."""
+        tables = (self._table_on(job.host_table, self.device, self.stream),)
+        if job.lane is not None:
+            tables += (self._table_on(job.host_table, job.lane.peer, job.lane.scatter_stream),)
+        return tables
+
+    def enqueue(self, job: "PreparedWrite", tables: tuple):
+        """Queue the job's copy; return the CUDA event that marks its completion."""
+        import torch
+
+        stream = self.stream
+        if self._wait_current:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        lane, launch = job.lane, job.launch
+        if lane is None:
+            with ipc.on_device(self._api, self.device, torch_too=False):
+                launch(tables[0], self.device, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+        return lane.run(stream, job.bounds, job.offsets,
+                        lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
+                        lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
+
+    def quiesce(self, job: "PreparedWrite") -> None:
+        """Wait for everything queued (after a failed enqueue: part of it may be queued, and
+        nothing may read the tables once they go)."""
+        with contextlib.suppress(Exception):  # a CUDA error here would only repeat the first one
+            self.synchronize()
+            if job.lane is not None:
+                job.lane.synchronize()
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()

@@ -1,0 +1,246 @@
+"""A receiver process holding registered GPU buffers: the far end of two-process GPU checks.
+
+Benchmarks (``kvtransfer bench nvlink``) and the GPU tests write into another process's GPU
+memory through a real transport. :class:`RemoteBuffers` spawns that process on one GPU with a
+transport per backend asked for (every backend registers every buffer, so region ids agree)
+and drives it through a pipe of typed messages: one frozen dataclass per request, answered by
+a :class:`_Reply`. Needs torch and CUDA in the child; nothing here runs on import.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["RemoteBuffers", "checksums", "make_transport"]
+
+
+def make_transport(backend: str, ipc_api: str = "auto"):
+    """A transport of ``backend`` ("nvlink" or "nixl") with default settings."""
+    if backend == "nvlink":
+        from transport.nvlink import NvlinkConfig, NvlinkTransport
+
+        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api))
+    if backend == "nixl":
+        from transport.nixl import NixlTransport
+
+        return NixlTransport()
+    raise ValueError(f"backend must be 'nvlink' or 'nixl', got {backend!r}")
+
+
+def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
+    """Position-weighted checksum of the rows of each region (in order of first appearance).
+
+    ``bufs`` maps region id -> uint8 CUDA tensor. Rows of one region must share one length
+    that divides their offsets (true of page and head-slice rows).
+    """
+    import torch
+
+    _, first = np.unique(region, return_index=True)
+    out = []
+    for rid in region[np.sort(first)]:
+        sel = region == rid
+        off, ln = offset[sel], length[sel]
+        row = int(ln[0])
+        if (ln != row).any() or (off % row).any() or row % 4:
+            raise ValueError(f"region {rid}: checksums need equal rows (4-byte multiple) at multiples of their length")
+        buf = bufs[int(rid)]
+        idx = torch.from_numpy(off // row).to(buf.device)
+        words = buf.view(-1, row)[idx].view(torch.int32).to(torch.int64)  # [rows, row // 4]
+        weights = torch.arange(words.numel(), device=buf.device, dtype=torch.int64) % 65521 + 1
+        out.append(int((words.view(-1) * weights).sum()))
+    return out
+
+
+# -- the messages ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Alloc:
+    sizes: tuple  # bytes of each new buffer
+    fill: int  # its initial byte
+
+
+@dataclass(frozen=True)
+class _Export:
+    pass
+
+
+@dataclass(frozen=True)
+class _Fill:
+    region_ids: tuple
+    fill: int
+
+
+@dataclass(frozen=True)
+class _WaitNotify:
+    payload: bytes
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
+class _Checksum:
+    region: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Exit:
+    pass
+
+
+@dataclass(frozen=True)
+class _Reply:
+    ok: bool
+    value: Any = None  # the answer, or the child's traceback when not ok
+
+
+class _Child:
+    """The receiving process's state: transports, buffers, notifications seen."""
+
+    def __init__(self, device: int, backends: tuple, ipc_api: str):
+        import torch
+
+        self.torch, self.device, self.backends = torch, device, backends
+        torch.cuda.set_device(device)
+        self.transports = {b: make_transport(b, ipc_api) for b in backends}
+        self.bufs: dict = {}  # region id (the same in every transport) -> uint8 tensor
+        self.seen: list = []  # notifications not yet waited for
+
+    def answer(self, msg) -> Any:
+        torch = self.torch
+        if isinstance(msg, _Alloc):
+            rids = []
+            for n in msg.sizes:
+                t = torch.full((n,), msg.fill, dtype=torch.uint8, device=self.device)
+                ids = {tr.register_tensor(t) for tr in self.transports.values()}
+                if len(ids) != 1:
+                    raise RuntimeError(f"backends gave different region ids {ids}")
+                rids.append(ids.pop())
+                self.bufs[rids[-1]] = t
+            return rids
+        if isinstance(msg, _Export):
+            return {b: t.export() for b, t in self.transports.items()}
+        if isinstance(msg, _Fill):
+            for r in msg.region_ids:
+                self.bufs[r].fill_(msg.fill)
+            torch.cuda.synchronize(self.device)
+            return None
+        if isinstance(msg, _WaitNotify):
+            return self.wait_notify(msg.payload, msg.timeout_s)
+        if isinstance(msg, _Fetch):
+            return [self.bufs[r].cpu().numpy() for r in msg.region_ids]
+        if isinstance(msg, _Checksum):
+            return checksums(self.bufs, msg.region, msg.offset, msg.length)
+        raise TypeError(f"unknown request {type(msg).__name__}")
+
+    def wait_notify(self, payload: bytes, timeout_s: float) -> Optional[str]:
+        """The sender of the first notification carrying ``payload`` (None: none in time)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for note in self.seen:
+                if note.payload == payload:
+                    self.seen.remove(note)
+                    return note.sender
+            if time.monotonic() >= deadline:
+                return None
+            for t in self.transports.values():
+                self.seen.extend(t.poll_notifications())
+            time.sleep(1e-4)
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            t.close()
+
+
+def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
+    child = _Child(device, backends, ipc_api)
+    try:
+        while True:
+            msg = conn.recv()
+            if isinstance(msg, _Exit):
+                conn.send(_Reply(True))
+                return
+            try:
+                conn.send(_Reply(True, child.answer(msg)))
+            except Exception:  # report to the driving process, keep serving
+                conn.send(_Reply(False, traceback.format_exc()))
+    finally:
+        child.close()
+
+
+class RemoteBuffers:
+    """A receiver process on GPU ``device`` holding buffers registered with ``backends``."""
+
+    def __init__(self, device: int, backends: tuple = ("nvlink",), ipc_api: str = "auto", timeout_s: float = 120.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._timeout = timeout_s
+        self.proc = ctx.Process(target=_child_main, args=(child, device, tuple(backends), ipc_api), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def alloc(self, sizes, fill: int) -> list[int]:
+        """New buffers of ``sizes`` bytes filled with ``fill``, registered; their region ids."""
+        return self._call(_Alloc(tuple(int(n) for n in sizes), fill))
+
+    def export(self) -> dict:
+        """Each backend's export bytes, by backend name."""
+        return self._call(_Export())
+
+    def fill(self, region_ids, fill: int) -> None:
+        self._call(_Fill(tuple(int(r) for r in region_ids), fill))
+
+    def wait_notify(self, payload: bytes, timeout_s: float) -> Optional[str]:
+        """The sender of a notification carrying ``payload``, once it arrived (None: not within
+        ``timeout_s``)."""
+        return self._call(_WaitNotify(payload, timeout_s))
+
+    def start_wait_notify(self, payload: bytes, timeout_s: float) -> None:
+        """:meth:`wait_notify` without waiting for the answer (collect it with :meth:`result`)."""
+        self._conn.send(_WaitNotify(payload, timeout_s))
+
+    def fetch(self, region_ids) -> list[np.ndarray]:
+        """The bytes of each buffer, copied to this process."""
+        return self._call(_Fetch(tuple(int(r) for r in region_ids)))
+
+    def checksum(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
+        """:func:`checksums` of the rows, computed in the receiver."""
+        return self._call(_Checksum(region, offset, length))
+
+    def _call(self, msg):
+        self._conn.send(msg)
+        return self.result(type(msg).__name__)
+
+    def result(self, what: str = "the request"):
+        """The answer to the request sent last."""
+        if not self._conn.poll(self._timeout):
+            raise TimeoutError(f"receiver did not answer {what} within {self._timeout} s")
+        reply = self._conn.recv()
+        if not reply.ok:
+            raise RuntimeError(f"receiver failed on {what}:\n{reply.value}")
+        return reply.value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._call(_Exit())
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=10)
+        self._conn.close()
