@@ -48,6 +48,7 @@ from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
     DecodeHello,
+    Goodbye,
     Heartbeat,
     HelloAck,
     KVArrived,
@@ -134,6 +135,7 @@ class _PeerState(enum.Enum):
     READY = "ready"
     REFUSED = "refused"  # the hello was refused: error says why
     LOST = "lost"  # no heartbeat answer in time; waiting for a new incarnation
+    GONE = "gone"  # said goodbye and was answered: it can no longer write here
 
 
 @dataclass
@@ -287,6 +289,8 @@ class DecodeKVManager:
                     self._lose(rank, f"prefill rank {rank} restarted")
             elif isinstance(msg, AbortRequest):
                 self._fail(msg.request_id, msg.reason, tell_senders=False)
+            elif isinstance(msg, Goodbye):
+                peer.state = _PeerState.GONE
             elif isinstance(msg, Quiesced):
                 inc = self._incoming.get(msg.request_id)
                 if inc is not None:
@@ -451,8 +455,23 @@ class DecodeKVManager:
                 self._connect(reg)
 
     def _shutdown(self) -> None:
+        """Fail what is in flight, then make every connected prefill rank forget this rank's
+        memory before it is deregistered (Goodbye, answered once none of its writes here is
+        in flight); a rank that does not answer within the heartbeat timeout is lost."""
         for rid in list(self._incoming):
             self._fail(rid, "the decode manager closed", tell_senders=True)
+        waiting = [p for p in self._peers.values() if p.state is _PeerState.READY]
+        for peer in waiting:
+            peer.socket.send(Goodbye(incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
+        deadline = time.monotonic() + self.config.heartbeat_timeout_s
+        while any(p.state is _PeerState.READY for p in waiting) and time.monotonic() < deadline:
+            for peer in waiting:
+                if peer.socket.poll(1, zmq.POLLIN):
+                    self._on_socket(peer)
+            self.transport.poll_notifications()  # keeps NIXL progressing while prefill drains
         for peer in self._peers.values():
+            if peer.state is _PeerState.READY:
+                log.warning("decode rank %d closes without a goodbye from prefill rank %d (lost?)",
+                            self.layout.tp_rank, peer.registration.tp_rank)
             self._loop.remove_socket(peer.socket)
             peer.socket.close()

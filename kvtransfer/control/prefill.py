@@ -47,6 +47,7 @@ from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
     DecodeHello,
+    Goodbye,
     Heartbeat,
     HelloAck,
     KVArrived,
@@ -142,7 +143,7 @@ class _Outgoing:
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
-    inflight: list = field(default_factory=list)  # [(Transfer, staging aux slot or None)]
+    inflight: list = field(default_factory=list)  # [(Transfer, decode key, staging aux slot or None)]
     last_posted: bool = False
 
     @property
@@ -180,6 +181,7 @@ class PrefillKVManager:
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
+        self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
         try:
             BootstrapClient(bootstrap).register(RegisterPrefill(
@@ -307,7 +309,7 @@ class PrefillKVManager:
                 out.writes[key] = seq + 1
                 total = seq + 1 if chunk.last and i == len(writes) - 1 else 0
                 note = KVArrived(request_id=rid, part=part, seq=seq, total=total).to_msgpack()
-                out.inflight.append((write_batch(peer.peer, batch, note), staging))
+                out.inflight.append((write_batch(peer.peer, batch, note), key, staging))
         out.last_posted |= chunk.last
         out.sender.status.advance(KVPoll.Transferring)
 
@@ -337,7 +339,7 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            for transfer, _ in out.inflight:
+            for transfer, _, _ in out.inflight:
                 transfer.abort()
             for key in out.dests:
                 self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
@@ -383,6 +385,11 @@ class PrefillKVManager:
                 self._on_request(key, msg)
             elif isinstance(msg, AbortRequest):
                 self._on_abort(key, msg)
+            elif isinstance(msg, Goodbye):
+                peer = self._decode.pop(key)
+                self._fail_requests_of(key, f"decode rank {key} said goodbye")
+                self._by_identity.pop(identity, None)
+                self._leaving[key] = peer
             else:
                 log.warning("prefill rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
 
@@ -446,6 +453,12 @@ class PrefillKVManager:
                 self._finish(rid, out)
             elif not state.final and now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+        for key, peer in list(self._leaving.items()):
+            if not any(k == key for out in self._outgoing.values() for _, k, _ in out.inflight):
+                del self._leaving[key]
+                self._close_peer(peer)
+                self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
+                                            zmq.NOBLOCK)
         lost = [p for p in self._decode.values() if now - p.last_seen > self.config.heartbeat_timeout_s]
         for peer in lost:
             self._decode.pop(peer.hello.key, None)
@@ -461,10 +474,10 @@ class PrefillKVManager:
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""
         still = []
-        for transfer, staging in out.inflight:
+        for transfer, key, staging in out.inflight:
             status = transfer.status()
             if status is TransferStatus.PENDING:
-                still.append((transfer, staging))
+                still.append((transfer, key, staging))
                 continue
             if staging is not None:
                 self._aux.free(staging)
@@ -493,10 +506,16 @@ class PrefillKVManager:
 
     def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
         log.warning("prefill rank %d: %s", self.layout.tp_rank, reason)
-        for rid, out in list(self._outgoing.items()):
-            if peer.hello.key in out.dests or peer.hello.key in out.expected:
-                self._fail(rid, reason)
+        self._fail_requests_of(peer.hello.key, reason)
         self._by_identity.pop(peer.identity, None)
+        self._close_peer(peer)
+
+    def _fail_requests_of(self, key: tuple, reason: str) -> None:
+        for rid, out in list(self._outgoing.items()):
+            if key in out.dests or key in out.expected:
+                self._fail(rid, reason)
+
+    def _close_peer(self, peer: _DecodePeer) -> None:
         try:
             peer.peer.close()
         except TransportError as exc:
@@ -512,12 +531,10 @@ class PrefillKVManager:
             time.sleep(0.001)
         for rid, out in list(self._outgoing.items()):
             self._finish(rid, out)
-        for peer in list(self._decode.values()):
-            try:
-                peer.peer.close()
-            except TransportError:
-                pass
+        for peer in [*self._decode.values(), *self._leaving.values()]:
+            self._close_peer(peer)
         self._decode.clear()
+        self._leaving.clear()
 
     def _release_memory(self) -> None:
         try:

@@ -13,7 +13,9 @@ Messages (who sends them):
   :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`);
 - decode rank <-> prefill rank: :class:`DecodeHello` (answered by :class:`HelloAck`),
   :class:`TransferRequest` per request, :class:`AbortRequest` either way,
-  :class:`Quiesced` after a failure, :class:`Heartbeat` both ways; :class:`KVArrived` is the payload of a transport
+  :class:`Quiesced` after a failure, :class:`Heartbeat` both ways, :class:`Goodbye`
+  before a decode rank frees its memory (answered by a Goodbye once the prefill rank
+  can no longer write there); :class:`KVArrived` is the payload of a transport
   notification (it arrives after the bytes it announces).
 
 Field types are the annotations: ``int``, ``str``, ``bytes``, ``bool``, ``float``, ``list``
@@ -34,6 +36,7 @@ __all__ = [
     "AbortRequest",
     "DecodeHello",
     "GetTopology",
+    "Goodbye",
     "Heartbeat",
     "HelloAck",
     "KVArrived",
@@ -313,4 +316,15 @@ class Heartbeat(Message):
 
     KIND: ClassVar[str] = "heartbeat"
     seq: int
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """Decode -> prefill before a decode rank deregisters its memory: forget my transport
+    export. The prefill rank fails its requests to this rank, waits until none of its writes
+    to it is in flight, closes its transport peer, and answers with a Goodbye of its own;
+    only then may the decode rank free what the prefill rank could address."""
+
+    KIND: ClassVar[str] = "goodbye"
     incarnation: str
