@@ -15,9 +15,8 @@ A :class:`TensorSpec` describes one exported tensor kind (or one section of it):
 one slot row on this rank and how the full (unsharded) row is cut across TP ranks:
 
 - ``REPLICATED``: every rank holds the whole row (MLA latent KV, NSA index_k).
-- ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``; with TP ``T <= H`` rank ``r``
-  holds heads ``[r*H/T, (r+1)*H/T)``, with ``T > H`` (heads replicated) rank ``r`` holds head
-  ``r // (T // H)``. FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
+- ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``, cut by :func:`shard_units`
+  (the one TP sharding rule). FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
 - ``GROUPS``: the row is sub-blocks (Mamba conv ``[x | B | C]`` or ``[q | k | v]`` channels,
   each channel ``(K-1) * itemsize`` bytes; the temporal state is one block of heads). Each
   sub-block is cut on its own, by whole units (a channel, or a Mamba2 group of ``state``
@@ -47,7 +46,9 @@ __all__ = [
     "ShardKind",
     "StateKind",
     "TensorSpec",
+    "UnitShard",
     "dtype_itemsize",
+    "shard_units",
 ]
 
 LAYOUT_VERSION = 1
@@ -93,6 +94,38 @@ def dtype_itemsize(name: str) -> int:
     return _ITEMSIZE[key]
 
 
+@dataclass(frozen=True)
+class UnitShard:
+    """The units (heads, channels, groups) one TP rank holds: ``[first, first + count)``, the
+    same on ``replicas`` consecutive ranks (a block of ranks starting at a multiple of it)."""
+
+    first: int
+    count: int
+    replicas: int
+
+    @property
+    def units(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def shard_units(units: int, tp_rank: int, tp_size: int) -> UnitShard:
+    """The TP sharding rule, for every sharded thing (KV heads, Mamba channels and groups).
+
+    With TP ``T <= units`` rank ``r`` holds units ``[r*n/T, (r+1)*n/T)``; with ``T > units``
+    the units are replicated and rank ``r`` holds unit ``r // (T // units)``. ``units`` and
+    ``T`` must divide one another (ValueError otherwise).
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if units % tp_size and tp_size % units:
+        raise ValueError(f"{units} units and TP size {tp_size} must divide one another")
+    if tp_size <= units:  # split: each rank its own range
+        per = units // tp_size
+        return UnitShard(tp_rank * per, per, 1)
+    replicas = tp_size // units  # replicated: consecutive ranks share a unit
+    return UnitShard(tp_rank // replicas, 1, replicas)
+
+
 def _pos_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,12 +137,10 @@ class TensorSpec:
     """One exported tensor kind (repeated per layer), or one section of its pages.
 
     The full (unsharded) row is sub-blocks ``groups = ((units, channels_per_unit), ...)`` of
-    channels of ``unit_bytes``; each sub-block is cut on its own by whole units: with TP
-    ``T <= units`` rank ``r`` holds units ``[r*units/T, (r+1)*units/T)``, with ``T > units``
-    the units are replicated and rank ``r`` holds unit ``r // (T // units)``. HEADS is one
-    sub-block of ``(total_heads, 1)`` (a channel is a head); REPLICATED is ``((1, 1),)``
-    (a channel is the row); a Mamba conv tensor is e.g. ``((intermediate, 1), (n_groups,
-    state), (n_groups, state))``.
+    channels of ``unit_bytes``; each sub-block is cut on its own by whole units, by
+    :func:`shard_units`. HEADS is one sub-block of ``(total_heads, 1)`` (a channel is a
+    head); REPLICATED is ``((1, 1),)`` (a channel is the row); a Mamba conv tensor is e.g.
+    ``((intermediate, 1), (n_groups, state), (n_groups, state))``.
     """
 
     name: str
@@ -128,16 +159,7 @@ class TensorSpec:
 
     def local_channels(self, tp_size: int) -> int:
         """Channels one rank holds at TP ``tp_size`` (raises if a sub-block cannot be cut)."""
-        total = 0
-        for n, c in self.groups:
-            if n % tp_size and tp_size % n:
-                if self.shard is ShardKind.HEADS:
-                    raise LayoutMismatch(
-                        f"{self.name}: total heads {n} and TP size {tp_size} must divide one another")
-                raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
-                                     f"divided by it, got (units, size) groups {_show(self.groups)}")
-            total += max(1, n // tp_size) * c
-        return total
+        return sum(self._shard(n, 0, tp_size).count * c for n, c in self.groups)
 
     def pieces(self, tp_rank: int, tp_size: int) -> list:
         """``[(logical_start, length, physical_start, replicas)]`` in bytes, one per sub-block:
@@ -145,15 +167,25 @@ class TensorSpec:
         block starting at a multiple of it) hold that same piece."""
         u, out, logical, phys = self.unit_bytes, [], 0, 0
         for n, c in self.groups:
-            if tp_size <= n:  # split: units [r*n/T, (r+1)*n/T)
-                held, first, k = n // tp_size, tp_rank * (n // tp_size), 1
-            else:  # replicated: unit r // (T // n), held by T // n ranks
-                k = tp_size // n
-                held, first = 1, tp_rank // k
-            out.append((logical + first * c * u, held * c * u, phys, k))
+            held = self._shard(n, tp_rank, tp_size)
+            out.append((logical + held.first * c * u, held.count * c * u, phys, held.replicas))
             logical += n * c * u
-            phys += held * c * u
+            phys += held.count * c * u
         return out
+
+    def _shard(self, units: int, tp_rank: int, tp_size: int) -> UnitShard:
+        """:func:`shard_units` of one sub-block; a TP that cannot cut it is a LayoutMismatch
+        naming this tensor."""
+        try:
+            return shard_units(units, tp_rank, tp_size)
+        except ValueError as exc:
+            if not 0 <= tp_rank < tp_size:
+                raise
+            if self.shard is ShardKind.HEADS:
+                raise LayoutMismatch(
+                    f"{self.name}: total heads {units} and TP size {tp_size} must divide one another") from exc
+            raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
+                                 f"divided by it, got (units, size) groups {_show(self.groups)}") from exc
 
     def to_wire(self) -> dict:
         d = asdict(self)

@@ -211,3 +211,17 @@ def test_builder_errors():
     with pytest.raises(ValueError, match=r"layer_ids must be non-empty and distinct, got \[1, 1\]"):
         RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[1, 1], dtype="bfloat16",
                              head_dim=64, num_slots=8)
+
+
+# -- the sharding rule -----------------------------------------------------------------
+def test_shard_units_splits_then_replicates():
+    from kvtransfer.layout import UnitShard, shard_units
+
+    assert [list(shard_units(8, r, 4).units) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {shard_units(8, r, 4).replicas for r in range(4)} == {1}
+    assert [shard_units(2, r, 8) for r in (0, 3, 4, 7)] == [UnitShard(0, 1, 4), UnitShard(0, 1, 4),
+                                                           UnitShard(1, 1, 4), UnitShard(1, 1, 4)]
+    with pytest.raises(ValueError, match="6 units and TP size 4 must divide one another"):
+        shard_units(6, 0, 4)
+    with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 4\), got 4"):
+        shard_units(8, 4, 4)
