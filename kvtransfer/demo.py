@@ -70,12 +70,12 @@ def _torch_dtype(name: str):
 
 
 def local_heads(total_heads: int, tp_rank: int, tp_size: int) -> slice:
-    """Heads of rank ``tp_rank``: a contiguous range, or one replicated head when TP > heads."""
-    if tp_size <= total_heads:
-        per = total_heads // tp_size
-        return slice(tp_rank * per, (tp_rank + 1) * per)
-    head = tp_rank // (tp_size // total_heads)
-    return slice(head, head + 1)
+    """Heads of rank ``tp_rank``, by the one TP sharding rule (``kvtransfer.layout.shard_units``):
+    a contiguous range, or one replicated head when TP > heads."""
+    from kvtransfer.layout import shard_units
+
+    held = shard_units(total_heads, tp_rank, tp_size).units
+    return slice(held.start, held.stop)
 
 
 def reference_kv(cfg: DemoConfig, layer: int, which: int):

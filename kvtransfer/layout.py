@@ -3,9 +3,9 @@
 A :class:`RankLayout` is a frozen, msgpack-able description of one rank's KV pool (and
 optional state pool). It travels in the handshake; the planner (``kvtransfer.plan``) turns
 two of them plus a request's slots into byte ranges. Nothing here imports the pools: build
-a layout with :meth:`RankLayout.from_pools` (duck-typed on the seed's attribute names) or
-with the explicit builders :meth:`RankLayout.attention` / :meth:`RankLayout.with_mamba` /
-:meth:`RankLayout.with_nsa_index`.
+a layout with :meth:`RankLayout.from_pools` (which reads what each pool says it holds, its
+``transfer_layout()``, see ``pools.describe``) or with the explicit builders
+:meth:`RankLayout.attention` / :meth:`RankLayout.with_mamba` / :meth:`RankLayout.with_nsa_index`.
 
 Buffers are numbered as the pools export them. Every export is "tensor-major, then layer":
 buffer ``export_index * num_layers + layer_position`` (MHA ``[K_0..K_{L-1}, V_0..V_{L-1}]``,
@@ -15,9 +15,8 @@ A :class:`TensorSpec` describes one exported tensor kind (or one section of it):
 one slot row on this rank and how the full (unsharded) row is cut across TP ranks:
 
 - ``REPLICATED``: every rank holds the whole row (MLA latent KV, NSA index_k).
-- ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``; with TP ``T <= H`` rank ``r``
-  holds heads ``[r*H/T, (r+1)*H/T)``, with ``T > H`` (heads replicated) rank ``r`` holds head
-  ``r // (T // H)``. FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
+- ``HEADS``: the row is ``total_heads`` heads of ``unit_bytes``, cut by :func:`shard_units`
+  (the one TP sharding rule). FP4 scale rows are heads too (``head_dim // 16`` bytes per head).
 - ``GROUPS``: the row is sub-blocks (Mamba conv ``[x | B | C]`` or ``[q | k | v]`` channels,
   each channel ``(K-1) * itemsize`` bytes; the temporal state is one block of heads). Each
   sub-block is cut on its own, by whole units (a channel, or a Mamba2 group of ``state``
@@ -47,7 +46,9 @@ __all__ = [
     "ShardKind",
     "StateKind",
     "TensorSpec",
+    "UnitShard",
     "dtype_itemsize",
+    "shard_units",
 ]
 
 LAYOUT_VERSION = 1
@@ -93,6 +94,38 @@ def dtype_itemsize(name: str) -> int:
     return _ITEMSIZE[key]
 
 
+@dataclass(frozen=True)
+class UnitShard:
+    """The units (heads, channels, groups) one TP rank holds: ``[first, first + count)``, the
+    same on ``replicas`` consecutive ranks (a block of ranks starting at a multiple of it)."""
+
+    first: int
+    count: int
+    replicas: int
+
+    @property
+    def units(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+def shard_units(units: int, tp_rank: int, tp_size: int) -> UnitShard:
+    """The TP sharding rule, for every sharded thing (KV heads, Mamba channels and groups).
+
+    With TP ``T <= units`` rank ``r`` holds units ``[r*n/T, (r+1)*n/T)``; with ``T > units``
+    the units are replicated and rank ``r`` holds unit ``r // (T // units)``. ``units`` and
+    ``T`` must divide one another (ValueError otherwise).
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if units % tp_size and tp_size % units:
+        raise ValueError(f"{units} units and TP size {tp_size} must divide one another")
+    if tp_size <= units:  # split: each rank its own range
+        per = units // tp_size
+        return UnitShard(tp_rank * per, per, 1)
+    replicas = tp_size // units  # replicated: consecutive ranks share a unit
+    return UnitShard(tp_rank // replicas, 1, replicas)
+
+
 def _pos_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,12 +137,10 @@ class TensorSpec:
     """One exported tensor kind (repeated per layer), or one section of its pages.
 
     The full (unsharded) row is sub-blocks ``groups = ((units, channels_per_unit), ...)`` of
-    channels of ``unit_bytes``; each sub-block is cut on its own by whole units: with TP
-    ``T <= units`` rank ``r`` holds units ``[r*units/T, (r+1)*units/T)``, with ``T > units``
-    the units are replicated and rank ``r`` holds unit ``r // (T // units)``. HEADS is one
-    sub-block of ``(total_heads, 1)`` (a channel is a head); REPLICATED is ``((1, 1),)``
-    (a channel is the row); a Mamba conv tensor is e.g. ``((intermediate, 1), (n_groups,
-    state), (n_groups, state))``.
+    channels of ``unit_bytes``; each sub-block is cut on its own by whole units, by
+    :func:`shard_units`. HEADS is one sub-block of ``(total_heads, 1)`` (a channel is a
+    head); REPLICATED is ``((1, 1),)`` (a channel is the row); a Mamba conv tensor is e.g.
+    ``((intermediate, 1), (n_groups, state), (n_groups, state))``.
     """
 
     name: str
@@ -128,16 +159,7 @@ class TensorSpec:
 
     def local_channels(self, tp_size: int) -> int:
         """Channels one rank holds at TP ``tp_size`` (raises if a sub-block cannot be cut)."""
-        total = 0
-        for n, c in self.groups:
-            if n % tp_size and tp_size % n:
-                if self.shard is ShardKind.HEADS:
-                    raise LayoutMismatch(
-                        f"{self.name}: total heads {n} and TP size {tp_size} must divide one another")
-                raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
-                                     f"divided by it, got (units, size) groups {_show(self.groups)}")
-            total += max(1, n // tp_size) * c
-        return total
+        return sum(self._shard(n, 0, tp_size).count * c for n, c in self.groups)
 
     def pieces(self, tp_rank: int, tp_size: int) -> list:
         """``[(logical_start, length, physical_start, replicas)]`` in bytes, one per sub-block:
@@ -145,15 +167,25 @@ class TensorSpec:
         block starting at a multiple of it) hold that same piece."""
         u, out, logical, phys = self.unit_bytes, [], 0, 0
         for n, c in self.groups:
-            if tp_size <= n:  # split: units [r*n/T, (r+1)*n/T)
-                held, first, k = n // tp_size, tp_rank * (n // tp_size), 1
-            else:  # replicated: unit r // (T // n), held by T // n ranks
-                k = tp_size // n
-                held, first = 1, tp_rank // k
-            out.append((logical + first * c * u, held * c * u, phys, k))
+            held = self._shard(n, tp_rank, tp_size)
+            out.append((logical + held.first * c * u, held.count * c * u, phys, held.replicas))
             logical += n * c * u
-            phys += held * c * u
+            phys += held.count * c * u
         return out
+
+    def _shard(self, units: int, tp_rank: int, tp_size: int) -> UnitShard:
+        """:func:`shard_units` of one sub-block; a TP that cannot cut it is a LayoutMismatch
+        naming this tensor."""
+        try:
+            return shard_units(units, tp_rank, tp_size)
+        except ValueError as exc:
+            if not 0 <= tp_rank < tp_size:
+                raise
+            if self.shard is ShardKind.HEADS:
+                raise LayoutMismatch(
+                    f"{self.name}: total heads {units} and TP size {tp_size} must divide one another") from exc
+            raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
+                                 f"divided by it, got (units, size) groups {_show(self.groups)}") from exc
 
     def to_wire(self) -> dict:
         d = asdict(self)
@@ -285,21 +317,12 @@ class RankLayout:
         t = self.tp_size
         if len(conv_dims) != len(conv_unit_bytes):
             raise ValueError(f"conv_dims and conv_unit_bytes differ in length: {len(conv_dims)} vs {len(conv_unit_bytes)}")
-        if conv_shard_groups is None:
-            per_tensor = [[d * t] for d in conv_dims]
-        elif any(isinstance(g, list) for g in conv_shard_groups):
-            per_tensor = list(conv_shard_groups)
-        else:
-            per_tensor = [list(conv_shard_groups)] * len(conv_dims)
-        if len(per_tensor) != len(conv_dims):
-            raise ValueError(f"conv_shard_groups needs one entry per conv tensor ({len(conv_dims)}), got {len(per_tensor)}")
-        groups = tuple(tuple(_sub_block(e) for e in g) for g in per_tensor)
+        groups = _conv_groups(conv_shard_groups, conv_dims, t)
         specs = []
         for i, (dim, unit, grp) in enumerate(zip(conv_dims, conv_unit_bytes, groups)):
             spec = _spec(f"conv{i}", i, ShardKind.GROUPS, unit, grp, t, 1)
             if spec.row_bytes != dim * unit:
-                raise ValueError(f"conv tensor {i}: conv_shard_groups {_show(grp)} (units, size) give "
-                                 f"{spec.row_bytes // unit} channels per rank at TP {t}, the pool's conv_dim is {dim}")
+                raise ValueError(_conv_mismatch(i, grp, spec.row_bytes // unit, t, dim))
             specs.append(spec)
         specs.append(_spec("temporal", len(conv_dims), ShardKind.GROUPS, temporal_head_bytes,
                            ((temporal_heads * t, 1),), t, 1))
@@ -322,16 +345,19 @@ class RankLayout:
     @classmethod
     def from_pools(cls, kv_pool, state_pool=None, *, tp_rank: int, tp_size: int,
                    total_kv_heads: Optional[int] = None, conv_shard_groups=None) -> "RankLayout":
-        """Describe real pools, read through the seed's attribute names and layout exports.
+        """Describe real pools from what they say they hold (``transfer_layout()``, plain data
+        defined in ``pools.describe``): no guessing, so a new pool kind needs no edit here.
 
-        ``kv_pool``: an MHA / MHA-FP4 / MLA / MLA-FP4 / NSA pool, or a HybridLinearKVPool
-        (its ``full_kv_pool`` is the KV part, its ``mamba_pool`` the state). ``state_pool``: a
-        MambaPool or HybridReqToTokenPool when the state lives there. ``total_kv_heads`` is
-        required when heads are replicated (TP > KV heads); it defaults to ``head_num * tp_size``.
-        Row bytes come from ``item_len // page_size`` and are cross-checked against the
-        attributes: a pool whose export disagrees raises :class:`LayoutMismatch`.
+        ``kv_pool``: any pool whose description has KV buffers (MHA / MHA-FP4 / MLA / MLA-FP4 /
+        NSA, whose index_k is its state; a HybridLinearKVPool brings its Mamba state too).
+        ``state_pool``: a MambaPool or HybridReqToTokenPool when the state lives there (it wins
+        over the kv_pool's). The description is this rank's; what it does not know comes from
+        the caller: ``total_kv_heads`` (required when heads are replicated, TP > KV heads;
+        default ``heads * tp_size``) and ``conv_shard_groups`` (the sub-blocks of the tensors
+        the model cuts, as in :meth:`with_mamba`). The exports are cross-checked against the
+        description: an ``item_len`` or ``data_len`` that disagrees raises :class:`LayoutMismatch`.
         """
-        return _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups)
+        return _from_pools(kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups)
 
     # -- compatibility ---------------------------------------------------------------
     def check_compatible(self, peer: "RankLayout") -> None:
@@ -394,69 +420,108 @@ class RankLayout:
         return cls(**body)
 
 
-def _from_pools(cls, kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups) -> RankLayout:
-    attn = getattr(kv_pool, "full_kv_pool", None)  # HybridLinearKVPool wraps the KV pool
-    attn = kv_pool if attn is None else attn
-    _, lens, items = attn.get_contiguous_buf_infos()
-    num_layers, ps = attn.layer_num, attn.page_size
-    mapping = getattr(kv_pool, "full_attention_layer_id_mapping", None)
-    if mapping:  # hybrid: the global ids of the full-attention layers, in buffer order
-        layer_ids = tuple(sorted(mapping, key=mapping.get))
-    else:
-        start = getattr(attn, "start_layer", 0) or 0
-        layer_ids = tuple(range(start, start + num_layers))
-    dtype = str(attn.dtype).removeprefix("torch.")
-    if hasattr(attn, "kv_lora_rank"):
-        nsa = hasattr(attn, "index_head_dim")
-        kind = PoolKind.NSA if nsa else PoolKind.MLA_FP4 if len(items) == 2 * num_layers else PoolKind.MLA
-        head_dim = getattr(attn, "kv_cache_dim", attn.kv_lora_rank + attn.qk_rope_head_dim)
-        layout = RankLayout.attention(kind, tp_rank=tp_rank, tp_size=tp_size, page_size=ps, layer_ids=layer_ids,
-                                      dtype=dtype, head_dim=head_dim, num_slots=lens[0] // (items[0] // ps))
-    else:
-        kind = PoolKind.MHA_FP4 if len(items) == 4 * num_layers else PoolKind.MHA
-        heads = total_kv_heads if total_kv_heads is not None else attn.head_num * tp_size
-        layout = RankLayout.attention(kind, tp_rank=tp_rank, tp_size=tp_size, page_size=ps, layer_ids=layer_ids,
-                                      dtype=dtype, head_dim=attn.head_dim, v_head_dim=getattr(attn, "v_head_dim", None),
-                                      total_heads=heads, num_slots=lens[0] // (items[0] // ps))
-        if layout.kv_tensors[0].local_channels(tp_size) != attn.head_num:
-            raise LayoutMismatch(f"pool holds {attn.head_num} heads, but {heads} total KV heads at TP {tp_size} "
-                                 f"give {layout.kv_tensors[0].local_channels(tp_size)} per rank (pass total_kv_heads)")
-    _check_items("get_contiguous_buf_infos", layout.kv_tensors, items, len(layer_ids))
-    if kind is PoolKind.NSA:
-        _, slens, sitems = attn.get_state_buf_infos()
-        layout = layout.with_nsa_index(index_head_dim=attn.index_head_dim, num_pages=slens[0] // sitems[0])
-        _check_items("get_state_buf_infos", layout.state_tensors, sitems, len(layer_ids))
-    holder = state_pool if state_pool is not None else (kv_pool if hasattr(kv_pool, "mamba_pool") else None)
-    if holder is not None:
-        exports = getattr(holder, "get_state_buf_infos", None) or holder.get_contiguous_buf_infos
-        _, slens, sitems = exports()
-        dims = list(holder.get_state_dim_per_tensor())
-        mamba = getattr(holder, "mamba_pool", holder)
-        n = mamba.num_mamba_layers
-        ids = getattr(holder, "mamba_map", None) or getattr(mamba, "mamba_layer_ids", None) or range(n)
-        ids = sorted(ids, key=ids.get) if isinstance(ids, dict) else list(ids)
-        if len(sitems) % n or len(dims) != len(sitems) or len(ids) != n:
-            raise LayoutMismatch(f"state export must hold tensors x {n} layers with one dim each, got "
-                                 f"{len(sitems)} items, {len(dims)} dims, {len(ids)} layer ids")
-        kinds = len(sitems) // n
-        firsts = [i * n for i in range(kinds)]
-        layout = layout.with_mamba(
-            layer_ids=ids, num_slots=slens[0] // sitems[0], conv_dims=[dims[i] for i in firsts[:-1]],
-            conv_unit_bytes=[sitems[i] // dims[i] for i in firsts[:-1]], temporal_heads=dims[firsts[-1]],
-            temporal_head_bytes=sitems[firsts[-1]] // dims[firsts[-1]], conv_shard_groups=conv_shard_groups)
-        _check_items("state buffer infos", layout.state_tensors, sitems, n)
+def _described(name: str, pool):
+    describe = getattr(pool, "transfer_layout", None)
+    if not callable(describe):
+        raise TypeError(f"{name} must describe its buffers with transfer_layout() (see pools.describe), "
+                        f"got {type(pool).__name__}")
+    return describe()
+
+
+def _from_pools(kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shard_groups) -> RankLayout:
+    described = _described("kv_pool", kv_pool)
+    kv = described.kv
+    if kv is None:
+        raise TypeError(f"kv_pool must hold KV buffers; {type(kv_pool).__name__}.transfer_layout() describes none")
+    holder, state = kv_pool, described.state
+    if state_pool is not None:
+        holder, state = state_pool, _described("state_pool", state_pool).state
+        if state is None:
+            raise TypeError(f"state_pool must hold state buffers; {type(state_pool).__name__}.transfer_layout() "
+                            f"describes none")
+    kv_specs, _ = _specs_of(kv, tp_size, total_kv_heads, None)
+    total_heads = next((s.groups[0][0] for s in kv_specs if s.shard is ShardKind.HEADS), 1)
+    layout = RankLayout(PoolKind(kv.kind.value), tp_rank, tp_size, kv.page_size, kv.layer_ids, kv.dtype, kv.head_dim,
+                        kv.v_head_dim, total_heads, kv.num_slots, kv_specs)
+    _check_export(kv_pool, kv, kv_specs)
+    if state is not None:
+        state_specs, conv = _specs_of(state, tp_size, None, conv_shard_groups)
+        layout = _replace(layout, state_kind=StateKind(state.kind.value), state_layer_ids=state.layer_ids,
+                          state_page_size=state.page_size, state_num_slots=state.num_slots, state_tensors=state_specs,
+                          state_dims=state.dims, conv_shard_groups=conv)
+        _check_export(holder, state, state_specs)
     return layout
 
 
-def _check_items(export: str, specs, items, num_layers: int) -> None:
-    """Each exported item_len must be the page bytes the spec derives from the attributes."""
+def _specs_of(part, tp_size: int, total_heads: Optional[int], conv_shard_groups):
+    """``(specs, model_groups)``: a described part's TensorSpecs (this rank's rows cut from the
+    unsharded ones) and the sub-blocks of its tensors that the model cuts (Mamba conv)."""
+    model_cut = [t.units for t in part.tensors if t.model_sub_blocks]
+    model_groups = _conv_groups(conv_shard_groups, model_cut, tp_size) if model_cut else ()
+    specs, conv = [], iter(enumerate(model_groups))
+    for t in part.tensors:
+        shard = ShardKind(t.shard.value)
+        if t.model_sub_blocks:
+            i, groups = next(conv)
+        elif shard is ShardKind.REPLICATED:
+            groups = ((1, 1),)
+        elif shard is ShardKind.HEADS:
+            groups = ((total_heads if total_heads is not None else t.units * tp_size, 1),)
+        else:  # one block, split evenly
+            groups = ((t.units * tp_size, 1),)
+        spec = _spec(t.name, t.export_index, shard, t.unit_bytes, groups, tp_size, part.page_size,
+                     (t.section_start, t.page_bytes))
+        if spec.row_bytes != t.row_bytes:
+            held = spec.row_bytes // t.unit_bytes
+            if shard is ShardKind.HEADS:
+                raise LayoutMismatch(f"pool holds {t.units} heads, but {groups[0][0]} total KV heads at TP {tp_size} "
+                                     f"give {held} per rank (pass total_kv_heads)")
+            if t.model_sub_blocks:
+                raise ValueError(_conv_mismatch(i, groups, held, tp_size, t.units))  # the caller's groups
+            raise LayoutMismatch(f"{t.name}: TP {tp_size} gives {held} units per rank, the pool holds {t.units}")
+        specs.append(spec)
+    return tuple(specs), model_groups
+
+
+def _check_export(pool, part, specs) -> None:
+    """The pool's export (``part.export``) must list one buffer per tensor kind and layer, each
+    ``item_len`` the page bytes of the description and each ``data_len`` its pages."""
+    export = part.export.value
+    _, lens, items = getattr(pool, export)()
+    num_layers = len(part.layer_ids)
+    want = len({s.export_index for s in specs}) * num_layers
+    if len(items) != want or len(lens) != want:
+        raise LayoutMismatch(f"{export} must list {want} buffers ({len(specs)} tensor kinds x {num_layers} layers), "
+                             f"got {len(items)} item lengths and {len(lens)} data lengths")
+    pages, rows = divmod(part.num_slots, part.page_size)  # whole pages, then rows of a last partial one
     for spec in specs:
+        size = pages * spec.page_bytes + rows * spec.row_bytes
         for j in range(num_layers):
-            got = items[spec.export_index * num_layers + j]
-            if got != spec.page_bytes:
-                raise LayoutMismatch(f"{export} item_len of buffer {spec.export_index * num_layers + j} "
-                                     f"({spec.name}, layer position {j}) is {got}, the pool's attributes give "
-                                     f"{spec.page_bytes}")
+            b = spec.export_index * num_layers + j
+            if items[b] != spec.page_bytes:
+                raise LayoutMismatch(f"{export} item_len of buffer {b} ({spec.name}, layer position {j}) is "
+                                     f"{items[b]}, the pool's description gives {spec.page_bytes}")
+            if lens[b] != size:
+                raise LayoutMismatch(f"{export} data_len of buffer {b} ({spec.name}, layer position {j}) is "
+                                     f"{lens[b]}, the pool's description gives {size} ({part.num_slots} slots)")
+
+
+def _conv_groups(conv_shard_groups, conv_dims, tp_size: int) -> tuple:
+    """Per conv tensor its unsharded sub-blocks (see :meth:`RankLayout.with_mamba`)."""
+    if conv_shard_groups is None:
+        per_tensor = [[d * tp_size] for d in conv_dims]
+    elif any(isinstance(g, list) for g in conv_shard_groups):
+        per_tensor = list(conv_shard_groups)
+    else:
+        per_tensor = [list(conv_shard_groups)] * len(conv_dims)
+    if len(per_tensor) != len(conv_dims):
+        raise ValueError(f"conv_shard_groups needs one entry per conv tensor ({len(conv_dims)}), got {len(per_tensor)}")
+    return tuple(tuple(_sub_block(e) for e in g) for g in per_tensor)
+
+
+def _conv_mismatch(i: int, groups, held: int, tp_size: int, conv_dim: int) -> str:
+    return (f"conv tensor {i}: conv_shard_groups {_show(groups)} (units, size) give {held} channels per rank at "
+            f"TP {tp_size}, the pool's conv_dim is {conv_dim}")
 
 
 def _sub_block(entry) -> tuple:

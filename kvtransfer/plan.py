@@ -14,7 +14,8 @@ block of ``k``, so decode ranks spread over the replicas. Cases:
 - prefill TP == decode TP: rank ``r`` -> rank ``r``, whole rows.
 - prefill TP < decode TP (MHA): each decode rank takes a head range of one prefill rank's row.
 - prefill TP > decode TP (MHA): a decode row is assembled from several prefill ranks.
-- TP > heads on either side: heads replicated, rank ``r`` holds head ``r // (T // H)``.
+- TP > heads on either side: heads replicated, rank ``r`` holds head ``r // (T // H)``
+  (every cut follows ``kvtransfer.layout.shard_units``, the one sharding rule).
 - MLA / NSA: whole latent rows from one prefill rank (spread as above).
 - Mamba conv state: each sub-block of ``conv_shard_groups`` is cut on its own, so a decode
   row is one piece per sub-block (Mamba2 groups replicated when TP > n_groups are read from
@@ -285,35 +286,44 @@ def senders_for(decode: RankLayout, prefill_tp_size: int) -> list:
 
 
 # -- the buffer-pair table (per pair of layouts; cached) ---------------------------------
+# One row per (tensor kind or section, segment of its row): which export it indexes, then per
+# side where the segment starts in a slot's row and how that side steps through slots and pages.
+_SEGMENT = np.dtype([
+    ("export", _I64),  # export_index of the tensor kind (buffer = export * num_layers + layer)
+    ("src_base", _I64), ("src_row", _I64), ("src_page", _I64),
+    ("dst_base", _I64), ("dst_row", _I64), ("dst_page", _I64),
+    ("length", _I64),
+])
+
+
 @functools.lru_cache(maxsize=512)
 def _pair_table(src: RankLayout, dst: RankLayout, part: BufferSet) -> dict:
+    """The buffer-pair columns of :class:`TransferPlan` (``src_buf`` .. ``length``, ``[B]``
+    each, read-only) for every plan between these two layouts."""
     src.check_compatible(dst)
     if part is BufferSet.KV:
         s_specs, d_specs, num_layers = src.kv_tensors, dst.kv_tensors, len(src.layer_ids)
     else:
         s_specs, d_specs, num_layers = src.state_tensors, dst.state_tensors, len(src.state_layer_ids)
-    s_sec = src.state_kind is StateKind.NSA_INDEX and part is BufferSet.STATE
-    rows = []  # (export_index, spec position, segment...) per row spec; expanded over layers below
-    for pos, (s_spec, d_spec) in enumerate(zip(s_specs, d_specs)):
+    sectioned = src.state_kind is StateKind.NSA_INDEX and part is BufferSet.STATE
+    segments = []  # in (spec position, segment) order
+    for s_spec, d_spec in zip(s_specs, d_specs):
         for s_off, d_off, length in _segments(s_spec, src.tp_rank, src.tp_size, dst.tp_rank, dst.tp_size):
-            rows.append((s_spec.export_index, pos, s_spec.section_start + s_off, s_spec.row_bytes,
-                         s_spec.page_bytes if s_sec else s_spec.row_bytes, d_spec.section_start + d_off,
-                         d_spec.row_bytes, d_spec.page_bytes if s_sec else d_spec.row_bytes, length))
-    if not rows:
-        cols = np.zeros((9, 0), _I64)
-        layer = np.zeros(0, _I64)
-    else:
-        table = np.array(rows, dtype=_I64).T  # [9, specs]
-        layer = np.arange(num_layers, dtype=_I64)
-        # order (export_index, layer, spec position, segment): a buffer's pairs are neighbours
-        cols = np.repeat(table[:, None, :], num_layers, axis=1)  # [9, layers, specs]
-        export = cols[0] * num_layers + layer[:, None]
-        order = np.lexsort((np.arange(export.size), export.ravel()))
-        cols = cols.reshape(9, -1)[:, order]
-        layer = export.ravel()[order]
-    buf = layer  # export_index * num_layers + layer position
-    out = dict(src_buf=buf, src_base=cols[2], src_row=cols[3], src_page=cols[4], dst_buf=buf.copy(),
-               dst_base=cols[5], dst_row=cols[6], dst_page=cols[7], length=cols[8])
+            segments.append((s_spec.export_index,
+                             s_spec.section_start + s_off, s_spec.row_bytes,
+                             s_spec.page_bytes if sectioned else s_spec.row_bytes,
+                             d_spec.section_start + d_off, d_spec.row_bytes,
+                             d_spec.page_bytes if sectioned else d_spec.row_bytes,
+                             length))
+    table = np.array(segments, dtype=_SEGMENT)  # [specs]
+    # every layer: order (export, layer, spec position, segment), so a buffer's pairs are neighbours
+    layer = np.arange(num_layers, dtype=_I64)
+    buf = (table["export"][None, :] * num_layers + layer[:, None]).ravel()  # [layers * specs]
+    order = np.argsort(buf, kind="stable")
+    per_layer = np.broadcast_to(table[None, :], (num_layers, table.size)).ravel()[order]  # [B]
+    out = {"src_buf": buf[order], "dst_buf": buf[order]}
+    for name in _SEGMENT.names[1:]:
+        out[name] = np.ascontiguousarray(per_layer[name])
     for arr in out.values():
         arr.flags.writeable = False
     return out
@@ -427,14 +437,38 @@ def _chain(run_src, run_dst, run_len):
     return run_src[head], run_dst[head], end[tail[head]] - run_src[head]
 
 
-def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps, sectioned=False) -> TransferPlan:
+@dataclass(frozen=True)
+class _Side:
+    """One side's slots: a request's slots lie in ``[slots_lo, slots_hi)`` (below ``slots_lo``
+    is the padding page); ``page_size`` is the page size of the addresses (1 unless pages are
+    split into sections, NSA index_k)."""
+
+    slots_lo: int
+    slots_hi: int
+    page_size: int = 1
+
+    @classmethod
+    def kv(cls, layout: RankLayout) -> "_Side":
+        return cls(layout.page_size, layout.num_slots)
+
+    @classmethod
+    def mamba(cls, layout: RankLayout) -> "_Side":
+        return cls(1, layout.state_num_slots)
+
+    @classmethod
+    def nsa_index(cls, layout: RankLayout) -> "_Side":
+        return cls(layout.state_page_size, layout.state_num_slots, layout.state_page_size)
+
+
+def _build(part: BufferSet, src: RankLayout, dst: RankLayout, src_slots, dst_slots, src_side: _Side,
+           dst_side: _Side, sectioned: bool = False) -> TransferPlan:
     table = _pair_table(src, dst, part)
-    s, s_owned = _slots("src_slots", src_slots, lo[0], src_hi)
-    d, d_owned = _slots("dst_slots", dst_slots, lo[1], dst_hi)
+    s, s_owned = _slots("src_slots", src_slots, src_side.slots_lo, src_side.slots_hi)
+    d, d_owned = _slots("dst_slots", dst_slots, dst_side.slots_lo, dst_side.slots_hi)
     if s.size != d.size:
         raise ValueError(f"src_slots and dst_slots must have equal length, got {s.size} and {d.size}")
-    _check_distinct("dst_slots", d, dst_hi)
-    run_src, run_dst, run_len = _runs(s, d, *ps, sectioned)
+    _check_distinct("dst_slots", d, dst_side.slots_hi)
+    run_src, run_dst, run_len = _runs(s, d, src_side.page_size, dst_side.page_size, sectioned)
     if run_src is s and not s_owned:  # the plan keeps its runs: never the caller's array
         run_src = run_src.copy()
     if run_dst is d and not d_owned:
@@ -442,7 +476,7 @@ def _build(part, src, dst, src_slots, dst_slots, lo, src_hi, dst_hi, ps, section
     for arr in (run_src, run_dst, run_len):
         arr.flags.writeable = False  # plans are frozen, tables included
     return TransferPlan(part, **table, run_src=run_src, run_dst=run_dst, run_len=run_len,
-                        src_page_size=ps[0], dst_page_size=ps[1], sectioned=sectioned)
+                        src_page_size=src_side.page_size, dst_page_size=dst_side.page_size, sectioned=sectioned)
 
 
 def plan_kv_transfer(src: RankLayout, dst: RankLayout, src_slots, dst_slots) -> TransferPlan:
@@ -454,8 +488,7 @@ def plan_kv_transfer(src: RankLayout, dst: RankLayout, src_slots, dst_slots) -> 
     exchange data. Empty plan when the pair exchanges nothing.
     """
     _check_layouts(src, dst)
-    return _build(BufferSet.KV, src, dst, src_slots, dst_slots, (src.page_size, dst.page_size),
-                  src.num_slots, dst.num_slots, (1, 1))
+    return _build(BufferSet.KV, src, dst, src_slots, dst_slots, _Side.kv(src), _Side.kv(dst))
 
 
 def plan_state_transfer(src: RankLayout, dst: RankLayout, src_slot, dst_slot) -> TransferPlan:
@@ -473,10 +506,9 @@ def plan_state_transfer(src: RankLayout, dst: RankLayout, src_slot, dst_slot) ->
         for name, v in (("src_slot", src_slot), ("dst_slot", dst_slot)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
                 raise TypeError(f"{name} of a Mamba state must be an int, got {type(v).__name__}")
-        return _build(BufferSet.STATE, src, dst, [src_slot], [dst_slot], (1, 1), src.state_num_slots,
-                      dst.state_num_slots, (1, 1))
-    return _build(BufferSet.STATE, src, dst, src_slot, dst_slot, (src.state_page_size, dst.state_page_size),
-                  src.state_num_slots, dst.state_num_slots, (src.state_page_size, dst.state_page_size), True)
+        return _build(BufferSet.STATE, src, dst, [src_slot], [dst_slot], _Side.mamba(src), _Side.mamba(dst))
+    return _build(BufferSet.STATE, src, dst, src_slot, dst_slot, _Side.nsa_index(src), _Side.nsa_index(dst),
+                  sectioned=True)
 
 
 def _check_layouts(src, dst) -> None:

@@ -2,10 +2,13 @@
 
 Standalone: imports neither ``transport`` nor ``kvtransfer``. The layout exports
 (``get_contiguous_buf_infos``, ``get_state_buf_infos``, ``get_state_dim_per_tensor``) are the
-contract the rest of the system plans transfers from; each module documents its order.
+contract the rest of the system plans transfers from; each module documents its order. Each pool's
+``transfer_layout()`` says what those buffers hold, as plain data (``pools.describe``).
 """
 
 from pools.allocator import PagedTokenToKVPoolAllocator
+from pools.describe import (Export, KVKind, KVLayout, ShardRule, StateKind, StateLayout, TensorLayout,
+                            TransferLayout)
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
 from pools.hybrid_linear import HybridLinearKVPool
 from pools.kv_cache import KVCache, LayerDoneCounter
@@ -17,11 +20,14 @@ from pools.nsa import NSATokenToKVPool
 from pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
 
 __all__ = [
+    "Export",
     "FP4_BLOCK",
     "HybridLinearKVPool",
     "HybridReqToTokenPool",
     "KVCache",
     "KVCopyTable",
+    "KVKind",
+    "KVLayout",
     "LayerDoneCounter",
     "MHATokenToKVPool",
     "MHATokenToKVPoolFP4",
@@ -36,6 +42,11 @@ __all__ = [
     "NoOpMHATokenToKVPool",
     "PagedTokenToKVPoolAllocator",
     "ReqToTokenPool",
+    "ShardRule",
+    "StateKind",
+    "StateLayout",
+    "TensorLayout",
+    "TransferLayout",
     "build_copy_table",
     "dequantize_fp4",
     "move_kv_cache_native",

@@ -20,11 +20,13 @@ Exports:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from pools._checks import layer_id_of
+from pools.describe import Export, TransferLayout
 from pools.kv_cache import GB, KVCache, LayerDoneCounter
 from pools.mamba import MambaPool
 from pools.mha import MHATokenToKVPool
@@ -131,6 +133,12 @@ class HybridLinearKVPool(KVCache):
     def get_state_dim_per_tensor(self) -> List[int]:
         """The TP-sliced dimension of each :meth:`get_state_buf_infos` entry."""
         return self.mamba_pool.get_state_dim_per_tensor()
+
+    def transfer_layout(self) -> TransferLayout:
+        """The inner pool's KV under the global full-attention layer ids, plus the Mamba pool's
+        state (exported here by ``get_state_buf_infos``)."""
+        kv = replace(self.full_kv_pool.transfer_layout().kv, layer_ids=self.full_attention_layer_ids)
+        return TransferLayout(kv, replace(self.mamba_pool.transfer_layout().state, export=Export.STATE))
 
     def maybe_get_custom_mem_pool(self):
         return None  # custom memory pools are not supported here

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from pools._checks import tensor_bytes
+from pools.describe import Export, KVKind, KVLayout, TransferLayout, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,17 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def get_contiguous_buf_infos(self) -> Tuple[list, list, list]:
         """(data_ptrs, data_lens, item_lens): one entry per per-layer buffer; item = one page."""
+
+    def transfer_layout(self) -> TransferLayout:
+        """What the exported buffers hold, as plain data (``pools.describe``): the input of
+        transfer planning. Every pool that exports buffers for transfer defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its transfer layout")
+
+    def _kv_layout(self, kind: KVKind, tensors, head_dim: int, v_head_dim: int, num_slots: int) -> KVLayout:
+        """This pool's :class:`KVLayout` (layers ``start_layer..end_layer``, exported by
+        ``get_contiguous_buf_infos``)."""
+        return KVLayout(kind, Export.CONTIGUOUS, tuple(range(self.start_layer, self.start_layer + self.layer_num)),
+                        self.page_size, num_slots, dtype_name(self.dtype), head_dim, v_head_dim, tuple(tensors))
 
     def register_layer_transfer_counter(self, layer_transfer_counter: Optional[LayerDoneCounter]) -> None:
         """Register (or, with None, remove) the counter the getters wait on."""

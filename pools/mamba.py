@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from pools._checks import check_indices, check_tensor, tensor_bytes
+from pools.describe import Export, ShardRule, StateKind, StateLayout, TensorLayout, TransferLayout
 
 logger = logging.getLogger(__name__)
 
@@ -382,3 +383,16 @@ class MambaPool:
         """The TP-sliced dimension (shape[2]: conv_dim or num_heads) of each exported entry, in
         :meth:`get_contiguous_buf_infos` order (so both lists have the same length)."""
         return [t.shape[2] for t in self._state_tensors() for _ in range(self.num_mamba_layers)]
+
+    def transfer_layout(self) -> TransferLayout:
+        """State only: per conv tensor its ``conv_dim`` channels of ``(conv_kernel - 1)``
+        elements (sub-blocks such as ``[x | B | C]`` are the model's to say), then the
+        temporal state's ``num_heads`` heads; one page is one request slot."""
+        params = self.cache_params
+        tensors = [TensorLayout(f"conv{i}", i, ShardRule.GROUPS, dim, width * params.conv_dtype.itemsize,
+                                model_sub_blocks=True) for i, (dim, width) in enumerate(params.conv_shapes)]
+        heads, head_dim, state = params.temporal_shape
+        tensors.append(TensorLayout("temporal", len(tensors), ShardRule.GROUPS, heads,
+                                    head_dim * state * params.temporal_dtype.itemsize))
+        return TransferLayout(state=StateLayout(StateKind.MAMBA, Export.CONTIGUOUS, self.mamba_layer_ids, 1,
+                                                self.size + 1, tuple(t.units for t in tensors), tensors))

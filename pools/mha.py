@@ -32,6 +32,7 @@ import torch
 from pools import kv_copy
 from pools._checks import check_indices, check_tensor, layer_id_of
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
+from pools.describe import KVKind, ShardRule, TensorLayout, TransferLayout
 from pools.kv_cache import KVCache, buf_infos, synchronize
 from pools.kv_copy import MoveBackend
 
@@ -135,6 +136,18 @@ class MHATokenToKVPool(KVCache):
     def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
         """(data_ptrs, data_lens, item_lens) in the order ``[K_0..K_{L-1}, V_0..V_{L-1}]``."""
         return buf_infos(self._export_buffers(), self.page_size)
+
+    def transfer_layout(self) -> TransferLayout:
+        """K and V rows are this rank's ``head_num`` heads (FP4 adds the scale rows, heads too)."""
+        return TransferLayout(kv=self._kv_layout(self._transfer_kind, self._transfer_tensors(), self.head_dim,
+                                                 self.v_head_dim, self._rows()))
+
+    _transfer_kind = KVKind.MHA
+
+    def _transfer_tensors(self) -> Tuple[TensorLayout, ...]:
+        isz = self.store_dtype.itemsize
+        return (TensorLayout("k", 0, ShardRule.HEADS, self.head_num, self.head_dim * isz),
+                TensorLayout("v", 1, ShardRule.HEADS, self.head_num, self.v_head_dim * isz))
 
     def maybe_get_custom_mem_pool(self):
         return None  # custom memory pools are not supported here
@@ -357,6 +370,13 @@ class MHATokenToKVPoolFP4(MHATokenToKVPool):
 
     def _layer_groups(self) -> Tuple[List[torch.Tensor], ...]:
         return (self.k_buffer, self.v_buffer, self.k_scale_buffer, self.v_scale_buffer)
+
+    _transfer_kind = KVKind.MHA_FP4
+
+    def _transfer_tensors(self) -> Tuple[TensorLayout, ...]:
+        packed, scales = self.head_dim // 2, self.head_dim // FP4_BLOCK  # bytes per head
+        per_head = (("k", packed), ("v", packed), ("k_scale", scales), ("v_scale", scales))
+        return tuple(TensorLayout(name, i, ShardRule.HEADS, self.head_num, n) for i, (name, n) in enumerate(per_head))
 
     def get_kv_size_bytes(self) -> Tuple[int, int]:
         """(K + K-scale bytes, V + V-scale bytes) over all layers."""

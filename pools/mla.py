@@ -29,6 +29,7 @@ import torch
 
 from pools._checks import check_indices, check_tensor, layer_id_of, tensor_bytes
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
+from pools.describe import KVKind, ShardRule, TensorLayout, TransferLayout
 from pools.kv_cache import KVCache, buf_infos, synchronize
 
 __all__ = ["MLATokenToKVPool", "MLATokenToKVPoolFP4"]
@@ -162,6 +163,16 @@ class MLATokenToKVPool(KVCache):
     def get_contiguous_buf_infos(self) -> Tuple[list, list, list]:
         """``[KV_0 .. KV_{L-1}]``; item_len = one page of rows."""
         return buf_infos(self.kv_buffer, self.page_size)
+
+    def transfer_layout(self) -> TransferLayout:
+        """One latent row per token, the same on every TP rank."""
+        return TransferLayout(kv=self._kv_layout(self._transfer_kind, self._transfer_tensors(), self.kv_cache_dim,
+                                                 self.kv_cache_dim, self.size + self.page_size))
+
+    _transfer_kind = KVKind.MLA
+
+    def _transfer_tensors(self) -> Tuple[TensorLayout, ...]:
+        return (TensorLayout("kv", 0, ShardRule.REPLICATED, 1, self.kv_cache_dim * self.store_dtype.itemsize),)
 
     # -- getters (wait for the layer first) ----------------------------------------------
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -308,6 +319,13 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
     def get_contiguous_buf_infos(self) -> Tuple[list, list, list]:
         """``[KV_0 .. KV_{L-1}, KVscale_0 .. KVscale_{L-1}]``; item_len = one page of rows."""
         return buf_infos(self.kv_buffer + self.kv_scale_buffer, self.page_size)
+
+    _transfer_kind = KVKind.MLA_FP4
+
+    def _transfer_tensors(self) -> Tuple[TensorLayout, ...]:
+        rep = ShardRule.REPLICATED
+        return (TensorLayout("kv", 0, rep, 1, self.kv_cache_dim // 2),
+                TensorLayout("kv_scale", 1, rep, 1, self.kv_cache_dim // FP4_BLOCK))
 
     def _dequant(self, i: int, rows, dim: int) -> torch.Tensor:
         """Dequantize the first ``dim`` elements of rows ``rows`` of layer ``i``: ``[n, 1, dim]``."""

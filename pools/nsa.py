@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from pools._checks import check_indices, check_tensor, layer_id_of, tensor_bytes
+from pools.describe import Export, KVKind, ShardRule, StateKind, StateLayout, TensorLayout, TransferLayout
 from pools.kv_cache import buf_infos
 from pools.mla import MLATokenToKVPool, check_chunks, gather_chunks, rows_of, scatter_chunks
 
@@ -146,6 +147,21 @@ class NSATokenToKVPool(MLATokenToKVPool):
     def get_state_buf_infos(self) -> Tuple[list, list, list]:
         """``[index_k_0 .. index_k_{L-1}]``; item_len = one page of a buffer."""
         return buf_infos(self.index_k_with_scale_buffer, 1)
+
+    _transfer_kind = KVKind.NSA
+
+    def transfer_layout(self) -> TransferLayout:
+        """The MLA rows, plus index_k as state: each page is two sections, ``page_size`` fp8
+        rows of ``index_head_dim`` bytes, then ``page_size`` fp32 scales."""
+        kv = super().transfer_layout().kv
+        rep, ps, page = ShardRule.REPLICATED, self.page_size, self.index_page_bytes
+        scale_bytes = self.index_head_dim // self.quant_block_size * _SCALE_BYTES
+        sections = (TensorLayout("index_k", 0, rep, 1, self.index_head_dim, section_start=0, page_bytes=page),
+                    TensorLayout("index_k_scale", 0, rep, 1, scale_bytes, section_start=self.index_data_bytes,
+                                 page_bytes=page))
+        state = StateLayout(StateKind.NSA_INDEX, Export.STATE, kv.layer_ids, ps, self.num_index_pages * ps,
+                            (self.index_head_dim,), sections)
+        return TransferLayout(kv, state)
 
     # -- packed FP8 rows -----------------------------------------------------------------
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:

@@ -18,10 +18,12 @@ a small dataclass will do):
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import List, Optional, Sequence
 
 import torch
 
+from pools.describe import Export, TransferLayout
 from pools.mamba import MambaPool, MambaSpeculativeState, MambaState, MambaStateParams
 
 logger = logging.getLogger(__name__)
@@ -207,6 +209,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def get_state_dim_per_tensor(self) -> List[int]:
         return self.mamba_pool.get_state_dim_per_tensor()
+
+    def transfer_layout(self) -> TransferLayout:
+        """The Mamba pool's state, exported here by ``get_state_buf_infos``."""
+        return TransferLayout(state=replace(self.mamba_pool.transfer_layout().state, export=Export.STATE))
 
     def get_mamba_ping_pong_other_idx(self, mamba_next_track_idx: int) -> int:
         """The track slot not being written: ``1 - idx`` with two buffers, ``idx`` with one."""

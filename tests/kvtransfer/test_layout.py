@@ -211,3 +211,114 @@ def test_builder_errors():
     with pytest.raises(ValueError, match=r"layer_ids must be non-empty and distinct, got \[1, 1\]"):
         RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[1, 1], dtype="bfloat16",
                              head_dim=64, num_slots=8)
+
+
+# -- the sharding rule -----------------------------------------------------------------
+def test_shard_units_splits_then_replicates():
+    from kvtransfer.layout import UnitShard, shard_units
+
+    assert [list(shard_units(8, r, 4).units) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {shard_units(8, r, 4).replicas for r in range(4)} == {1}
+    assert [shard_units(2, r, 8) for r in (0, 3, 4, 7)] == [UnitShard(0, 1, 4), UnitShard(0, 1, 4),
+                                                           UnitShard(1, 1, 4), UnitShard(1, 1, 4)]
+    with pytest.raises(ValueError, match="6 units and TP size 4 must divide one another"):
+        shard_units(6, 0, 4)
+    with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 4\), got 4"):
+        shard_units(8, 4, 4)
+
+
+# -- from_pools reads each pool's description --------------------------------------------
+def _nsa(dtype=torch.float8_e4m3fn, kv_cache_dim=656):
+    return NSATokenToKVPool(size=128, page_size=64, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64, layer_num=2,
+                            device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=kv_cache_dim)
+
+
+def _hybrid(tp, use_mla=False):
+    kw = dict(use_mla=True, kv_lora_rank=64, qk_rope_head_dim=32) if use_mla else {}
+    return HybridLinearKVPool(size=32, dtype=torch.bfloat16, page_size=1, head_num=max(1, 8 // tp), head_dim=64,
+                              full_attention_layer_ids=[0, 3, 5], enable_kvcache_transpose=False, device="cpu",
+                              mamba_pool=mamba(tp), **kw)
+
+
+def _attention(kind, tp, r, **kw):
+    return RankLayout.attention(kind, tp_rank=r, tp_size=tp, **kw)
+
+
+# (name, tp, pools, from_pools kwargs, the layout the explicit builders give for them)
+ROUND_TRIPS = [
+    ("mha bf16", 2, lambda: (mha(2, 8),), dict(),
+     lambda r: _attention(PoolKind.MHA, 2, r, page_size=16, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+                          total_heads=8, num_slots=112)),
+    ("mha fp8 heads replicated", 8, lambda: (mha(8, 2, dtype=torch.float8_e4m3fn),), dict(total_kv_heads=2),
+     lambda r: _attention(PoolKind.MHA, 8, r, page_size=16, layer_ids=[5, 6], dtype="float8_e4m3fn", head_dim=64,
+                          total_heads=2, num_slots=112)),
+    ("mha fp4", 4, lambda: (mha(4, 8, page_size=1, cls=MHATokenToKVPoolFP4),), dict(),
+     lambda r: _attention(PoolKind.MHA_FP4, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+                          total_heads=8, num_slots=97)),
+    ("mla", 4, lambda: (MLATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=512,
+                                         qk_rope_head_dim=64, layer_num=3, device="cpu", start_layer=2),), dict(),
+     lambda r: _attention(PoolKind.MLA, 4, r, page_size=16, layer_ids=[2, 3, 4], dtype="bfloat16", head_dim=576,
+                          num_slots=80)),
+    ("mla fp4", 2, lambda: (MLATokenToKVPoolFP4(size=64, page_size=16, dtype=torch.float4_e2m1fn_x2, kv_lora_rank=512,
+                                                qk_rope_head_dim=64, layer_num=3, device="cpu"),), dict(),
+     lambda r: _attention(PoolKind.MLA_FP4, 2, r, page_size=16, layer_ids=[0, 1, 2], dtype="float4_e2m1fn_x2",
+                          head_dim=576, num_slots=80)),
+    ("nsa fp8", 2, lambda: (_nsa(),), dict(),
+     lambda r: _attention(PoolKind.NSA, 2, r, page_size=64, layer_ids=[0, 1], dtype="float8_e4m3fn", head_dim=656,
+                          num_slots=192).with_nsa_index(index_head_dim=128, num_pages=_nsa().num_index_pages)),
+    ("hybrid mha + mamba", 2, lambda: (_hybrid(2),), dict(conv_shard_groups=[64, 16, 16]),
+     lambda r: _attention(PoolKind.MHA, 2, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=64,
+                          total_heads=8, num_slots=33).with_mamba(
+         layer_ids=[1, 2], num_slots=5, conv_dims=[48], conv_unit_bytes=[6], temporal_heads=4,
+         temporal_head_bytes=4 * 16 * 4, conv_shard_groups=[64, 16, 16])),
+    ("hybrid mla + mamba", 1, lambda: (_hybrid(1, use_mla=True),), dict(),
+     lambda r: _attention(PoolKind.MLA, 1, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=96,
+                          num_slots=33).with_mamba(
+         layer_ids=[1, 2], num_slots=5, conv_dims=[96], conv_unit_bytes=[6], temporal_heads=8,
+         temporal_head_bytes=4 * 16 * 4)),
+    ("mha + req-to-token mamba2", 4,
+     lambda: (mha(4, 8, page_size=1), HybridReqToTokenPool(size=4, mamba_size=4, mamba_spec_state_size=0,
+                                                            max_context_len=8, cache_params=mamba2(4, 2).cache_params,
+                                                            mamba_layer_ids=[7, 9])),
+     dict(conv_shard_groups=[64, (2, 8), (2, 8)]),
+     lambda r: _attention(PoolKind.MHA, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+                          total_heads=8, num_slots=97).with_mamba(
+         layer_ids=[7, 9], num_slots=5, conv_dims=[32], conv_unit_bytes=[6], temporal_heads=2,
+         temporal_head_bytes=4 * 8 * 4, conv_shard_groups=[64, (2, 8), (2, 8)])),
+]
+
+
+@pytest.mark.parametrize("name,tp,make,kw,built", ROUND_TRIPS, ids=[c[0] for c in ROUND_TRIPS])
+def test_each_pool_description_gives_the_builders_layout(name, tp, make, kw, built):
+    """What the pool says it holds builds the layout the explicit builders give (which the old
+    attribute-guessing from_pools fed): on every rank, and through the wire."""
+    for r in sorted({0, tp - 1}):
+        lay = RankLayout.from_pools(*make(), tp_rank=r, tp_size=tp, **kw)
+        assert lay == built(r)
+        assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
+
+
+def test_export_that_disagrees_with_the_description_raises():
+    pool = mha(2, 8)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    pool.get_contiguous_buf_infos = lambda: (ptrs, lens, items[:-1] + [items[-1] // 2])
+    with pytest.raises(LayoutMismatch, match=r"get_contiguous_buf_infos item_len of buffer 3 \(v, layer position 1\) "
+                                             r"is 4096, the pool's description gives 8192"):
+        RankLayout.from_pools(pool, tp_rank=0, tp_size=2)
+    pool.get_contiguous_buf_infos = lambda: (ptrs[:2], lens[:2], items[:2])
+    with pytest.raises(LayoutMismatch, match="must list 4 buffers"):
+        RankLayout.from_pools(pool, tp_rank=0, tp_size=2)
+    nsa = _nsa()
+    infos = nsa.get_state_buf_infos()
+    nsa.get_state_buf_infos = lambda: (infos[0], [n - 1 for n in infos[1]], infos[2])
+    with pytest.raises(LayoutMismatch, match=r"get_state_buf_infos data_len of buffer 0 \(index_k, layer position 0\)"):
+        RankLayout.from_pools(nsa, tp_rank=0, tp_size=1)
+
+
+def test_from_pools_needs_a_description():
+    with pytest.raises(TypeError, match="kv_pool must describe its buffers with transfer_layout"):
+        RankLayout.from_pools(object(), tp_rank=0, tp_size=1)
+    with pytest.raises(TypeError, match="kv_pool must hold KV buffers; MambaPool"):
+        RankLayout.from_pools(mamba(1), tp_rank=0, tp_size=1)
+    with pytest.raises(TypeError, match="state_pool must hold state buffers; MHATokenToKVPool"):
+        RankLayout.from_pools(mha(1, 8), mha(1, 8), tp_rank=0, tp_size=1)

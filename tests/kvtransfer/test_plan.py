@@ -1,5 +1,5 @@
-"""kvtransfer.plan against the reference of test_plan_reference: every TP mix, page size and
-pool kind; coalescing; exactly-once; mismatches."""
+"""kvtransfer.plan against the reference of tests/kvtransfer/_support.py: every TP mix, page
+size and pool kind; coalescing; exactly-once; mismatches."""
 
 import numpy as np
 import pytest
@@ -13,33 +13,18 @@ from kvtransfer.plan import (
     plan_state_transfer,
     senders_for,
 )
-from tests.kvtransfer.test_plan_reference import Ref, alloc_slots, check_all_pairs
-
-TP = [1, 2, 4, 8]
-HEADS = [1, 2, 4, 8, 16, 32]
-ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float32": 4}
-PAGE_SIZES = [1, 16, 64]
-
-
-def attention_layouts(kind, tp, page_size, num_pages, **kw):
-    return [RankLayout.attention(kind, tp_rank=r, tp_size=tp, page_size=page_size, num_slots=num_pages * page_size,
-                                 **kw) for r in range(tp)]
-
-
-def mha_refs(kind, heads, head_dim, dtype):
-    if kind is PoolKind.MHA_FP4:  # packed K, V, then block-16 scale rows: a head is a range in each
-        return [Ref(heads, head_dim // 2, "heads")] * 2 + [Ref(heads, head_dim // 16, "heads")] * 2
-    return [Ref(heads, head_dim * ITEMSIZE[dtype], "heads")] * 2
-
-
-def run_attention(kind, p, d, refs, rng, n=20, layers=2, src_ps=1, dst_ps=1, mode="random", **kw):
-    pages = lambda ps: -(-n // ps) + 3  # noqa: E731  (request pages + padding + spare)
-    src = attention_layouts(kind, p, src_ps, pages(src_ps), layer_ids=range(3, 3 + layers), **kw)
-    dst = attention_layouts(kind, d, dst_ps, pages(dst_ps), layer_ids=range(3, 3 + layers), **kw)
-    src_slots = alloc_slots(rng, n, src_ps, pages(src_ps), mode)
-    dst_slots = alloc_slots(rng, n, dst_ps, pages(dst_ps), mode)
-    check_all_pairs(src, dst, refs, layers, src_slots, dst_slots, rng)
-    return src, dst
+from tests.kvtransfer._support import (
+    HEADS,
+    TP,
+    case_mamba2_groups_replicated_when_tp_exceeds_them,
+    case_mamba_state,
+    case_mha_every_tp_mix,
+    case_mha_page_sizes_differ,
+    case_mha_v_head_dim_differs,
+    case_mla_replicated,
+    case_nsa_kv_and_index,
+    mamba_layouts,
+)
 
 
 # -- MHA / GQA: every H, P, D; K and V; bf16, FP8 and FP4 ----------------------------------
@@ -47,33 +32,17 @@ def run_attention(kind, p, d, refs, rng, n=20, layers=2, src_ps=1, dst_ps=1, mod
 @pytest.mark.parametrize("p", TP)
 @pytest.mark.parametrize("heads", HEADS)
 def test_mha_every_tp_mix(heads, p, d):
-    rng = np.random.default_rng(heads * 100 + p * 10 + d)
-    i = HEADS.index(heads) + TP.index(p) + TP.index(d)
-    variants = [
-        (PoolKind.MHA, "bfloat16", [64, 128, 256][i % 3]),
-        (PoolKind.MHA, "float8_e4m3fn", [128, 256, 64][i % 3]),  # fp8 stored as uint8
-        (PoolKind.MHA_FP4, "bfloat16", [256, 64, 128][i % 3]),
-    ]
-    for j, (kind, dtype, head_dim) in enumerate(variants):
-        src_ps, dst_ps = PAGE_SIZES[(i + j) % 3], PAGE_SIZES[(i + 2 * j + 1) % 3]
-        run_attention(kind, p, d, mha_refs(kind, heads, head_dim, dtype), rng, src_ps=src_ps, dst_ps=dst_ps,
-                      dtype=dtype, head_dim=head_dim, total_heads=heads)
+    case_mha_every_tp_mix(heads, p, d)
 
 
 @pytest.mark.parametrize("src_ps,dst_ps", [(64, 16), (64, 1), (16, 64), (1, 64), (16, 16)])
 @pytest.mark.parametrize("mode", ["random", "contiguous"])
 def test_mha_page_sizes_differ(src_ps, dst_ps, mode):
-    rng = np.random.default_rng(src_ps * 7 + dst_ps)
-    for p, d in [(2, 4), (4, 2), (1, 1)]:
-        run_attention(PoolKind.MHA, p, d, mha_refs(PoolKind.MHA, 4, 64, "bfloat16"), rng, n=150, src_ps=src_ps,
-                      dst_ps=dst_ps, mode=mode, dtype="bfloat16", head_dim=64, total_heads=4)
+    case_mha_page_sizes_differ(src_ps, dst_ps, mode)
 
 
 def test_mha_v_head_dim_differs():
-    rng = np.random.default_rng(5)
-    refs = [Ref(8, 128 * 2, "heads"), Ref(8, 64 * 2, "heads")]
-    for p, d in [(2, 8), (8, 2), (4, 4)]:
-        run_attention(PoolKind.MHA, p, d, refs, rng, dtype="bfloat16", head_dim=128, v_head_dim=64, total_heads=8)
+    case_mha_v_head_dim_differs()
 
 
 # -- MLA / NSA: replicated latent rows, one prefill rank per decode rank, spread ------------
@@ -81,34 +50,14 @@ def test_mha_v_head_dim_differs():
 @pytest.mark.parametrize("p", TP)
 @pytest.mark.parametrize("kind", [PoolKind.MLA, PoolKind.MLA_FP4])
 def test_mla_replicated(kind, p, d):
-    rng = np.random.default_rng(p * 10 + d)
-    refs = ([Ref(1, 576 * 2, "replicated")] if kind is PoolKind.MLA
-            else [Ref(1, 576 // 2, "replicated"), Ref(1, 576 // 16, "replicated")])
-    src_ps, dst_ps = PAGE_SIZES[p % 3], PAGE_SIZES[d % 3]
-    src, dst = run_attention(kind, p, d, refs, rng, src_ps=src_ps, dst_ps=dst_ps, dtype="bfloat16", head_dim=576)
-    senders = [senders_for(x, p) for x in dst]
-    assert all(len(s) == 1 for s in senders)
-    assert {s[0] for s in senders} == set(range(min(p, d)))  # spread over prefill ranks
+    case_mla_replicated(kind, p, d)
 
 
 @pytest.mark.parametrize("src_ps,dst_ps,mode", [(64, 64, "random"), (64, 16, "random"), (16, 64, "contiguous"),
                                                 (64, 1, "random"), (4, 4, "contiguous")])
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 4), (8, 2)])
 def test_nsa_kv_and_index(p, d, src_ps, dst_ps, mode):
-    rng = np.random.default_rng(src_ps + dst_ps + p)
-    n, layers = 150, 2
-
-    def layouts(tp, ps):
-        pages = -(-n // ps) + 3
-        return [RankLayout.attention(PoolKind.NSA, tp_rank=r, tp_size=tp, page_size=ps, layer_ids=range(layers),
-                                     dtype="float8_e4m3fn", head_dim=656, num_slots=pages * ps)
-                .with_nsa_index(index_head_dim=128, num_pages=pages) for r in range(tp)], pages
-
-    (src, sp), (dst, dp) = layouts(p, src_ps), layouts(d, dst_ps)
-    src_slots, dst_slots = alloc_slots(rng, n, src_ps, sp, mode), alloc_slots(rng, n, dst_ps, dp, mode)
-    check_all_pairs(src, dst, [Ref(1, 656, "replicated")], layers, src_slots, dst_slots, rng)
-    index_refs = [Ref(1, 128, "replicated"), Ref(1, 4, "replicated")]  # fp8 rows, then fp32 scales
-    check_all_pairs(src, dst, index_refs, layers, src_slots, dst_slots, rng, state=True, sectioned=True)
+    case_nsa_kv_and_index(p, d, src_ps, dst_ps, mode)
 
 
 def test_nsa_index_whole_pages_merge_to_one_range():
@@ -125,46 +74,17 @@ def test_nsa_index_whole_pages_merge_to_one_range():
 
 
 # -- Mamba: conv sub-blocks sharded on their own, temporal heads ---------------------------
-def conv_dim(groups, tp):
-    """Channels per rank (the pool's conv_dim) of sub-blocks: ints split, (units, size) by units."""
-    return sum(g // tp if isinstance(g, int) else max(1, g[0] // tp) * g[1] for g in groups)
-
-
-def mamba_layouts(tp, groups, heads=8, num_slots=6):
-    kv = dict(page_size=1, layer_ids=[0, 3], dtype="bfloat16", head_dim=64, total_heads=8, num_slots=16)
-    out = []
-    for r in range(tp):
-        base = RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, **kv)
-        out.append(base.with_mamba(
-            layer_ids=[1, 2, 4], num_slots=num_slots, conv_dims=[conv_dim(g, tp) for g in groups],
-            conv_unit_bytes=[3 * 2] * len(groups), temporal_heads=heads // tp, temporal_head_bytes=16 * 4 * 4,
-            conv_shard_groups=[list(g) for g in groups]))
-    return out
-
-
 @pytest.mark.parametrize("d", TP)
 @pytest.mark.parametrize("p", TP)
 def test_mamba_state(p, d):
-    rng = np.random.default_rng(p * 10 + d)
-    groups = [(64, 16, 16), (32, 32, 8)]  # e.g. [x | B | C] and [q | k | v] sizes, unsharded
-    refs = [Ref(sum(g), 3 * 2, "groups", g) for g in groups] + [Ref(8, 16 * 4 * 4, "groups", (8,))]
-    src, dst = mamba_layouts(p, groups), mamba_layouts(d, groups)
-    src_slot, dst_slot = int(rng.integers(1, 6)), int(rng.integers(1, 6))
-    check_all_pairs(src, dst, refs, 3, src_slot, dst_slot, rng, state=True)
-    check_all_pairs(src, dst, [Ref(8, 128, "heads")] * 2, 2, np.array([3, 4, 9]), np.array([7, 2, 3]), rng)
+    case_mamba_state(p, d)
 
 
 @pytest.mark.parametrize("d", TP)
 @pytest.mark.parametrize("p", TP)
 @pytest.mark.parametrize("n_groups", [1, 2, 8])
 def test_mamba2_groups_replicated_when_tp_exceeds_them(n_groups, p, d):
-    """Mamba2 conv ``[x | B | C]``: B and C are n_groups groups of ``state`` channels; a TP above
-    n_groups replicates them (rank r holds group r // (T // n_groups)), x is split."""
-    rng = np.random.default_rng(n_groups * 100 + p * 10 + d)
-    groups = [(64, (n_groups, 8), (n_groups, 8))]
-    refs = [Ref(64 + 16 * n_groups, 3 * 2, "groups", groups[0]), Ref(8, 16 * 4 * 4, "groups", (8,))]
-    src, dst = mamba_layouts(p, groups), mamba_layouts(d, groups)
-    check_all_pairs(src, dst, refs, 3, 2, 5, rng, state=True)
+    case_mamba2_groups_replicated_when_tp_exceeds_them(n_groups, p, d)
 
 
 def test_conv_groups_sharded_on_their_own_not_as_one_block():

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.plan import PoolKind
-from tests.kvtransfer.test_plan import HEADS, PAGE_SIZES, TP, mha_refs, run_attention
-from tests.kvtransfer.test_plan_reference import Ref
+from tests.kvtransfer._support import HEADS, PAGE_SIZES, TP, Ref, mha_refs, run_attention
 
 
 @settings(max_examples=40, deadline=None)

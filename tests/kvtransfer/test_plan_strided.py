@@ -1,4 +1,5 @@
-"""``TransferPlan.strided()`` (pairs x token slots) on a sweep of test_plan's reference cases.
+"""``TransferPlan.strided()`` (pairs x token slots) on a sweep of the planner's reference cases
+(``tests/kvtransfer/_support.py``, which test_plan runs as built).
 
 Every plan those cases build is routed through :class:`_ViaStrided`: its strided form, as a
 ``transport.base.StridedBatch`` expanded to flat entries, must equal ``flatten()`` as a set of
@@ -12,8 +13,7 @@ import numpy as np
 import pytest
 
 from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer
-from tests.kvtransfer import test_plan as cases
-from tests.kvtransfer import test_plan_reference as reference
+from tests.kvtransfer import _support as support
 from transport.base import StridedBatch
 
 
@@ -63,40 +63,40 @@ class _ViaStrided:
 
 @pytest.fixture(autouse=True)
 def via_strided(monkeypatch):
-    monkeypatch.setattr(reference, "plan_kv_transfer", lambda *a: _ViaStrided(plan_kv_transfer(*a)))
-    monkeypatch.setattr(reference, "plan_state_transfer", lambda *a: _ViaStrided(plan_state_transfer(*a)))
+    monkeypatch.setattr(support, "plan_kv_transfer", lambda *a: _ViaStrided(plan_kv_transfer(*a)))
+    monkeypatch.setattr(support, "plan_state_transfer", lambda *a: _ViaStrided(plan_state_transfer(*a)))
     _ViaStrided.seen.update(strided=0, none=0)
     yield
 
 
-@pytest.mark.parametrize("d", cases.TP)
-@pytest.mark.parametrize("p", cases.TP)
+@pytest.mark.parametrize("d", support.TP)
+@pytest.mark.parametrize("p", support.TP)
 @pytest.mark.parametrize("heads", [1, 8, 32])
 def test_mha_every_tp_mix(heads, p, d):
-    cases.test_mha_every_tp_mix(heads, p, d)
+    support.case_mha_every_tp_mix(heads, p, d)
     assert _ViaStrided.seen["strided"] > 0 and _ViaStrided.seen["none"] == 0
 
 
 @pytest.mark.parametrize("src_ps,dst_ps", [(64, 16), (1, 64), (16, 16)])
 @pytest.mark.parametrize("mode", ["random", "contiguous"])
 def test_mha_page_sizes_differ(src_ps, dst_ps, mode):
-    cases.test_mha_page_sizes_differ(src_ps, dst_ps, mode)
+    support.case_mha_page_sizes_differ(src_ps, dst_ps, mode)
 
 
 def test_mha_v_head_dim_differs():
-    cases.test_mha_v_head_dim_differs()
+    support.case_mha_v_head_dim_differs()
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 8), (8, 2), (4, 4)])
 @pytest.mark.parametrize("kind", [PoolKind.MLA, PoolKind.MLA_FP4])
 def test_mla_replicated(kind, p, d):
-    cases.test_mla_replicated(kind, p, d)
+    support.case_mla_replicated(kind, p, d)
 
 
 @pytest.mark.parametrize("src_ps,dst_ps,mode", [(64, 16, "random"), (64, 1, "random"), (4, 4, "contiguous")])
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 4)])
 def test_nsa_kv_strided_index_pages_not(p, d, src_ps, dst_ps, mode):
-    cases.test_nsa_kv_and_index(p, d, src_ps, dst_ps, mode)
+    support.case_nsa_kv_and_index(p, d, src_ps, dst_ps, mode)
     assert _ViaStrided.seen["strided"] > 0 and _ViaStrided.seen["none"] > 0  # KV strided, index_k pages not
 
 
@@ -107,26 +107,26 @@ def test_nsa_index_with_page_size_one_is_strided():
                                 dtype="float8_e4m3fn", head_dim=656, num_slots=n + 3)
            .with_nsa_index(index_head_dim=128, num_pages=n + 3)]
     rng = np.random.default_rng(4)
-    slots = reference.alloc_slots(rng, n, 1, n + 3), reference.alloc_slots(rng, n, 1, n + 3)
-    reference.check_all_pairs(lay, lay, [reference.Ref(1, 128, "replicated"), reference.Ref(1, 4, "replicated")],
+    slots = support.alloc_slots(rng, n, 1, n + 3), support.alloc_slots(rng, n, 1, n + 3)
+    support.check_all_pairs(lay, lay, [support.Ref(1, 128, "replicated"), support.Ref(1, 4, "replicated")],
                               layers, *slots, rng, state=True, sectioned=True)
     assert _ViaStrided.seen == {"strided": 1, "none": 0}
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 4), (8, 2)])
 def test_mamba_state(p, d):
-    cases.test_mamba_state(p, d)
+    support.case_mamba_state(p, d)
     assert _ViaStrided.seen["none"] == 0
 
 
 @pytest.mark.parametrize("n_groups", [1, 8])
 def test_mamba2_groups(n_groups):
-    cases.test_mamba2_groups_replicated_when_tp_exceeds_them(n_groups, 8, 2)
+    support.case_mamba2_groups_replicated_when_tp_exceeds_them(n_groups, 8, 2)
 
 
 def test_strided_form_is_token_slots_of_the_runs():
     """Contiguous slots: one run per pair in flatten, one slot per token here, same bytes."""
-    lay = cases.attention_layouts(PoolKind.MHA, 1, 16, 8, layer_ids=range(2), dtype="bfloat16", head_dim=64,
+    lay = support.attention_layouts(PoolKind.MHA, 1, 16, 8, layer_ids=range(2), dtype="bfloat16", head_dim=64,
                                   total_heads=4)[0]
     src_slots, dst_slots = np.arange(16, 48), np.arange(64, 96)
     plan = plan_kv_transfer(lay, lay, src_slots, dst_slots)

@@ -7,7 +7,7 @@ from pools.hybrid_linear import HybridLinearKVPool
 from pools.mamba import MambaPool, MambaStateParams
 from pools.mha import MHATokenToKVPool
 from pools.mla import MLATokenToKVPool
-from tests.pools.test_mla import Counter, Layer
+from tests.pools._support import Counter, Layer
 
 SIZE, PAGE, HEADS, HEAD_DIM, RANK, ROPE = 32, 4, 2, 8, 32, 16
 FULL = [1, 3, 5]  # full-attention layers; the others are mamba layers

@@ -9,17 +9,9 @@ import torch
 
 from pools import kv_copy
 from pools.kv_copy import MoveBackend, build_copy_table, move_kv_cache
+from tests.pools._support import reference_move
 
 needs_triton = pytest.mark.skipif(not kv_copy.triton_available(), reason="needs the triton package")
-
-
-def reference_move(buffers, tgt, src):
-    """Expected buffers after rows tgt <- src: read every source from a snapshot."""
-    out = [b.clone() for b in buffers]
-    for o, b in zip(out, buffers):
-        snapshot = b.clone()
-        o[tgt.long()] = snapshot[src.long()]
-    return out
 
 
 def random_buffers(rows, shapes_dtypes, device="cpu", seed=0):

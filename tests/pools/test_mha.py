@@ -8,7 +8,7 @@ import torch
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
 from pools.kv_copy import MoveBackend
 from pools.mha import MHATokenToKVPool, MHATokenToKVPoolFP4, NoOpMHATokenToKVPool
-from tests.pools.test_kv_copy import reference_move
+from tests.pools._support import Counter, reference_move
 
 SIZE, PAGE, HEADS, DIM, LAYERS = 24, 4, 2, 16, 3
 ROWS = SIZE + PAGE
@@ -21,14 +21,6 @@ def mha(dtype=torch.bfloat16, device="cpu", **kw):
 
 def fp4(device="cpu", **kw):
     return MHATokenToKVPoolFP4(SIZE, PAGE, torch.uint8, HEADS, DIM, LAYERS, device, **kw)
-
-
-class Counter:
-    def __init__(self):
-        self.calls = []
-
-    def wait_until(self, layer_id):
-        self.calls.append(layer_id)
 
 
 def rand(n, d=DIM, seed=0, device="cpu"):

@@ -1,31 +1,15 @@
 """MLATokenToKVPool / MLATokenToKVPoolFP4: layout, exports, round trips, CPU copy, bad input."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from pools.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
 from pools.mla import MLATokenToKVPool, MLATokenToKVPoolFP4
+from tests.pools._support import Counter, Layer
 
 SIZE, PAGE, RANK, ROPE, LAYERS = 64, 16, 64, 32, 3
 DIM = RANK + ROPE
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
-
-
-@dataclass
-class Layer:
-    layer_id: int
-
-
-class Counter:
-    """A layer_transfer_counter that records its wait_until calls (shared by the pool tests)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def wait_until(self, layer_id):
-        self.calls.append(layer_id)
 
 
 def make(dtype=torch.bfloat16, device="cpu", start_layer=None, cls=MLATokenToKVPool):

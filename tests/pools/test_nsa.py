@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pools.nsa import NSATokenToKVPool
-from tests.pools.test_mla import Counter
+from tests.pools._support import Counter
 
 SIZE, PAGE, RANK, ROPE, IDX, LAYERS = 128, 64, 128, 64, 128, 2
 PLAIN_DIM = RANK + ROPE

@@ -9,6 +9,7 @@ import torch
 
 from pools.mamba import MambaStateParams
 from pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
+from tests.pools._support import Counter
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LAYERS = (0, 3)
@@ -228,18 +229,6 @@ def test_hybrid_random_sequence():
     assert pool.available_size() == pool.size and pool.mamba_pool.available_size() == pool.mamba_pool.size
     assert not pool.req_index_to_mamba_index_mapping.any()
     assert not pool.req_index_to_mamba_ping_pong_track_buffer_mapping.any()
-
-
-class Counter:
-    """Records waits; raises for a layer that has "not arrived" (so the state is never returned)."""
-
-    def __init__(self, missing=()):
-        self.calls, self.missing = [], set(missing)
-
-    def wait_until(self, layer):
-        self.calls.append(layer)
-        if layer in self.missing:
-            raise TimeoutError(f"layer {layer} not arrived")
 
 
 @pytest.mark.parametrize("start_layer", [None, 2])
