@@ -114,27 +114,21 @@ def reference_kv(request_id: str, layer: int, which: int, tokens: int, heads: in
     return torch.randn(tokens, heads, head_dim, generator=g)
 
 
-def _heads(total: int, tp_rank: int, tp_size: int) -> tuple:
-    """(first head, count) a rank holds; heads replicated when TP exceeds them."""
-    if tp_size <= total:
-        return tp_rank * (total // tp_size), total // tp_size
-    return tp_rank // (tp_size // total), 1
-
-
 class _Rank:
     def __init__(self, spec: RankSpec):
         import numpy as np
 
         from kvtransfer.control.common import ControlConfig
-        from kvtransfer.layout import RankLayout
+        from kvtransfer.layout import RankLayout, shard_units
         from pools.mha import MHATokenToKVPool
         from transport.nixl import NixlTransport
 
         import torch
 
         self.spec = spec
-        first, count = _heads(spec.total_heads, spec.tp_rank, spec.tp_size)
-        self.heads = slice(first, first + count)
+        shard = shard_units(spec.total_heads, spec.tp_rank, spec.tp_size)
+        self.heads = slice(shard.first, shard.first + shard.count)
+        count = shard.count
         size = spec.pages * spec.page_size
         self.pool = MHATokenToKVPool(size=size, page_size=spec.page_size, dtype=torch.float32, head_num=count,
                                      head_dim=spec.head_dim, layer_num=spec.layers, device="cpu")
