@@ -2,7 +2,9 @@
 # One call on a GPU machine (the device tool): the GPU tests of every package, then the GPU
 # benchmarks. Logs go to $OUT (or ./gpu-logs). Usage:
 #   bench/gpu_check.sh tests     # pytest -m gpu over tests/
-#   bench/gpu_check.sh bench     # move_kv, transport --cuda, nvlink benchmarks
+#   bench/gpu_check.sh bench     # move_kv, transport --cuda, nvlink benchmarks, each with --record:
+#                                # their sections of bench/RESULTS.md are rewritten, and the file
+#                                # is copied to $OUT
 # NIXL wheels carried in .whl/ (see README) are installed to /tmp/site first.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +21,10 @@ for what in "${steps[@]}"; do
     case "$what" in
         tests) python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1 ;;
         bench)
-            python3 -m kvtransfer bench move_kv 2>&1 | tee "$OUT/bench_move_kv.log" || rc=1
-            python3 -m kvtransfer bench transport --cuda 2>&1 | tee "$OUT/bench_transport_cuda.log" || rc=1
-            python3 -m kvtransfer bench nvlink 2>&1 | tee "$OUT/bench_nvlink.log" || rc=1 ;;
+            python3 -m kvtransfer bench move_kv --record 2>&1 | tee "$OUT/bench_move_kv.log" || rc=1
+            python3 -m kvtransfer bench transport --record --cuda 2>&1 | tee "$OUT/bench_transport_cuda.log" || rc=1
+            python3 -m kvtransfer bench nvlink --record 2>&1 | tee "$OUT/bench_nvlink.log" || rc=1
+            cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
         *) echo "unknown step $what (tests | bench)" >&2; exit 2 ;;
     esac
 done

@@ -4,6 +4,7 @@ Knows nothing of KV, layers or heads; imports neither ``pools`` nor ``kvtransfer
 """
 
 from transport.base import (
+    Notification,
     PeerDescriptorError,
     Region,
     Transfer,
@@ -16,10 +17,13 @@ from transport.base import (
     StridedBatch,
     WriteBatch,
 )
+from transport.registry import RegionRegistry
 
 __all__ = [
+    "Notification",
     "PeerDescriptorError",
     "Region",
+    "RegionRegistry",
     "StridedBatch",
     "Transfer",
     "TransferFailed",

@@ -444,7 +444,11 @@ class Transfer(abc.ABC):
 
 
 class Peer(abc.ABC):
-    """A connected remote transport: the target of writes."""
+    """A connected remote transport: the target of writes.
+
+    ``name``: the remote transport's :attr:`Transport.name`, from its export (the ``sender``
+    of the notifications it writes here, if it connects back); ``regions``: the remote regions
+    of that export by id, read-only."""
 
     name: str
     regions: Mapping[int, Region]

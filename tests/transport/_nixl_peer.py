@@ -6,9 +6,9 @@ notification it immediately hashes the byte ranges the payload names, so the par
 that the data was already in place when the notification was seen.
 
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
-Messages to the parent: ``("ready", export)``, ``("notif", sender, payload, sha256_hex)``,
-``("dump", bytes)``, ``("export", bytes)``, ``("bye",)``.
-Commands from the parent: ``("dump", region)``, ``("deregister", region)``, ``("quit",)``.
+The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
+:class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Bye`; from the parent
+:class:`Dump`, :class:`Deregister`, :class:`Quit`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,53 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass
 
 import msgpack
 
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
+
+
+@dataclass(frozen=True)
+class Ready:
+    export: bytes  # the receiver's transport export
+
+
+@dataclass(frozen=True)
+class Notified:
+    sender: str
+    payload: bytes
+    digest: str  # sha256 of the ranges the payload names, read when the notification arrived
+
+
+@dataclass(frozen=True)
+class Dumped:
+    data: bytes  # one whole region
+
+
+@dataclass(frozen=True)
+class Exported:
+    export: bytes  # a fresh export (after a deregister)
+
+
+@dataclass(frozen=True)
+class Bye:
+    pass
+
+
+@dataclass(frozen=True)
+class Dump:
+    region: int
+
+
+@dataclass(frozen=True)
+class Deregister:
+    region: int
+
+
+@dataclass(frozen=True)
+class Quit:
+    pass
 
 
 def payload(tag: int, ranges) -> bytes:
@@ -71,21 +114,23 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False) -> Non
     buffers = _Buffers(sizes, cuda_device)
     with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
         ids = buffers.register(transport)
-        conn.send(("ready", transport.export()))
+        conn.send(Ready(transport.export()))
         while True:
             for note in transport.poll_notifications():
                 _, ranges = msgpack.unpackb(note.payload)
                 got = digest(buffers.read(ids.index(r), o, n) for r, o, n in ranges)
-                conn.send(("notif", note.sender, note.payload, got))
+                conn.send(Notified(note.sender, note.payload, got))
             if not conn.poll(0):
                 time.sleep(1e-4)
                 continue
             cmd = conn.recv()
-            if cmd[0] == "quit":
+            if isinstance(cmd, Quit):
                 break
-            if cmd[0] == "dump":
-                conn.send(("dump", buffers.read(ids.index(cmd[1]))))
-            elif cmd[0] == "deregister":
-                transport.deregister(cmd[1])
-                conn.send(("export", transport.export()))
-    conn.send(("bye",))
+            if isinstance(cmd, Dump):
+                conn.send(Dumped(buffers.read(ids.index(cmd.region))))
+            elif isinstance(cmd, Deregister):
+                transport.deregister(cmd.region)
+                conn.send(Exported(transport.export()))
+            else:
+                raise TypeError(f"unknown command {type(cmd).__name__}")
+    conn.send(Bye())

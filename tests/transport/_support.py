@@ -86,28 +86,28 @@ class Receiver:
         child.close()
         self.notes: list[tuple[bytes, str]] = []
         self.senders: list[str] = []
-        self.export = self._expect("ready", 60.0)[1]
+        self.export = self._expect(_nixl_peer.Ready, 60.0).export
 
     def _take(self, msg) -> bool:
-        if msg[0] != "notif":
+        if not isinstance(msg, _nixl_peer.Notified):
             return False
-        self.senders.append(msg[1])
-        self.notes.append((msg[2], msg[3]))
+        self.senders.append(msg.sender)
+        self.notes.append((msg.payload, msg.digest))
         return True
 
-    def _expect(self, kind, timeout):
+    def _expect(self, kind: type, timeout):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.conn.poll(0.05):
                 msg = self.conn.recv()
                 if self._take(msg):
                     continue
-                if msg[0] != kind:
-                    raise AssertionError(f"expected {kind!r} from the receiver, got {msg[0]!r}")
+                if not isinstance(msg, kind):
+                    raise AssertionError(f"expected {kind.__name__} from the receiver, got {msg!r:.80}")
                 return msg
             if not self.proc.is_alive():
                 raise AssertionError(f"receiver exited with code {self.proc.exitcode}")
-        raise AssertionError(f"no {kind!r} from the receiver within {timeout} s")
+        raise AssertionError(f"no {kind.__name__} from the receiver within {timeout} s")
 
     def wait_notes(self, count, timeout=30.0):
         deadline = time.monotonic() + timeout
@@ -118,19 +118,19 @@ class Receiver:
         return self.notes
 
     def dump(self, region) -> np.ndarray:
-        self.conn.send(("dump", region))
-        return np.frombuffer(self._expect("dump", 30.0)[1], dtype=np.uint8)
+        self.conn.send(_nixl_peer.Dump(region))
+        return np.frombuffer(self._expect(_nixl_peer.Dumped, 30.0).data, dtype=np.uint8)
 
     def deregister(self, region) -> bytes:
-        self.conn.send(("deregister", region))
-        return self._expect("export", 30.0)[1]
+        self.conn.send(_nixl_peer.Deregister(region))
+        return self._expect(_nixl_peer.Exported, 30.0).export
 
     def stop(self):
         if self.proc.is_alive():
             try:
                 os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
-                self.conn.send(("quit",))
-                self._expect("bye", 10.0)
+                self.conn.send(_nixl_peer.Quit())
+                self._expect(_nixl_peer.Bye, 10.0)
             except (AssertionError, OSError, EOFError):
                 pass
         self.proc.join(5)

@@ -3,7 +3,8 @@
 It sleeps until a write wakes it, then calls ``advance()`` (which settles finished transfers:
 notification sent, status DONE or FAILED, and returns True while some remain pending) every
 200 us, and sleeps again once nothing is pending. ``Transfer.status()`` and ``wait()`` advance
-the same FIFOs from the caller's thread; both sides take the peer's lock.
+the same FIFOs (:mod:`transport.nvlink.pending`) from the caller's thread; both sides take
+the FIFO's lock.
 """
 
 from __future__ import annotations
