@@ -12,6 +12,7 @@ import datetime
 import io
 import os
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -49,9 +50,15 @@ def machine() -> str:
     return ", ".join(parts)
 
 
+# Library log records interleaved with a benchmark's output (NIXL's "2026-11-30 09:20:49 NIXL INFO ...")
+_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(,\d+)? \S+ +(DEBUG|INFO) ")
+
+
 def section(name: str, argv: list[str], output: str, when: Optional[datetime.datetime] = None) -> str:
-    """The text of benchmark ``name``'s section, heading included."""
+    """The text of benchmark ``name``'s section, heading included (library INFO/DEBUG log
+    records dropped from ``output``)."""
     when = when or datetime.datetime.now(datetime.timezone.utc)
+    output = "".join(line for line in output.splitlines(keepends=True) if not _LOG_RECORD.match(line))
     command = shlex.join(["kvtransfer", "bench", name, *argv])
     return (f"## kvtransfer bench {name}\n\n- machine: {machine()}\n- date: {when:%Y-%m-%d %H:%M} UTC\n"
             f"- command: `{command}`\n\n```text\n{output.rstrip()}\n```\n")
