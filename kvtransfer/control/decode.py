@@ -213,6 +213,12 @@ class DecodeKVManager:
     def num_requests(self) -> int:
         return len(self._receivers)
 
+    def ready_senders(self) -> list:
+        """The prefill ranks this rank reads from whose handshake holds now (a lost rank
+        leaves the list until it is back)."""
+        return self._loop.call(lambda: sorted(r for r, p in self._peers.items() if p.state is _PeerState.READY)) \
+            .result(timeout=10)
+
     def close(self) -> None:
         """Fail what is in flight, close sockets and the thread, deregister (idempotent)."""
         if self._ctx.closed:
@@ -475,3 +481,4 @@ class DecodeKVManager:
                             self.layout.tp_rank, peer.registration.tp_rank)
             self._loop.remove_socket(peer.socket)
             peer.socket.close()
+        self._peers.clear()

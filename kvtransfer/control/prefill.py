@@ -482,7 +482,7 @@ class PrefillKVManager:
             if staging is not None:
                 self._aux.free(staging)
             if status is TransferStatus.FAILED:
-                self._fail(out.sender.request_id, f"write failed: {transfer.error}")
+                self._fail(out.sender.request_id, f"write to decode rank {key} failed: {transfer.error}")
         out.inflight = still
         if out.last_posted and not still:
             out.sender.status.advance(KVPoll.Success)

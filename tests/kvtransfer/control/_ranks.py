@@ -229,8 +229,11 @@ class _Rank:
         if isinstance(cmd, Stats):
             import threading
 
-            return {"free_pages": len(self.free_pages), "requests": self.manager.num_requests,
-                    "threads": threading.active_count()}
+            stats = {"free_pages": len(self.free_pages), "requests": self.manager.num_requests,
+                     "threads": threading.active_count()}
+            if self.spec.role == "decode":
+                stats["ready_senders"] = self.manager.ready_senders()
+            return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def verify(self, request_id: str):

@@ -1,0 +1,132 @@
+"""KV managers when things go wrong, with real rank processes: a prefill rank killed and
+restarted, a decode rank killed (its prefill peer keeps serving another), aborts from prefill,
+layouts that cannot exchange data, and hundreds of requests in flight at once."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvtransfer.control.bootstrap import BootstrapService
+from tests.kvtransfer.control._ranks import (Abort, Prefill, RankProcess, RankSpec, Receive, Released, Stats, Verify,
+                                             Wait)
+
+FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 30.0}
+
+
+@pytest.fixture
+def bootstrap():
+    with BootstrapService() as svc:
+        yield svc.address
+
+
+@pytest.fixture
+def ranks():
+    started = []
+
+    def start(spec: RankSpec) -> RankProcess:
+        rank = RankProcess(spec)
+        started.append(rank)
+        return rank.started()
+
+    yield start
+    for rank in started:
+        rank.close()
+
+
+def prefill_spec(bootstrap, tp_rank, tp_size, **kw):
+    return RankSpec("prefill", tp_rank, tp_size, 16, bootstrap, config=FAST, **kw)
+
+
+def decode_spec(bootstrap, tp_rank=0, tp_size=1, instance="decode-a", **kw):
+    return RankSpec("decode", tp_rank, tp_size, 4, bootstrap, config=FAST, instance=instance, **kw)
+
+
+def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(bootstrap, ranks):
+    prefill = [ranks(prefill_spec(bootstrap, r, 2)) for r in range(2)]
+    decode = ranks(decode_spec(bootstrap))
+    decode.call(Receive("doomed", 40))
+    for p in prefill:
+        p.call(Prefill("doomed", 40, (16, 24), hold_last=True))
+    t0 = time.monotonic()
+    prefill[1].kill()
+    state, reason = decode.call(Wait("doomed", timeout_s=20))
+    assert state == "Failed" and "prefill rank 1 lost" in reason
+    assert time.monotonic() - t0 < 10
+    state, reason = prefill[0].call(Wait("doomed", timeout_s=20))
+    assert state == "Failed" and "prefill rank 1 lost" in reason  # decode told the survivor
+    assert decode.call(Released("doomed")) < 10
+    # a request while rank 1 is down fails at once, naming it
+    decode.call(Receive("while-down", 8))
+    state, reason = decode.call(Wait("while-down", timeout_s=10))
+    assert state == "Failed" and "prefill rank 1" in reason
+    decode.call(Released("while-down"))
+    # restart rank 1: it registers again, decode reconnects by itself
+    prefill[1] = ranks(prefill_spec(bootstrap, 1, 2))
+    deadline = time.monotonic() + 20
+    while decode.call(Stats())["ready_senders"] != [0, 1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode.call(Stats())["ready_senders"] == [0, 1]
+    decode.call(Receive("again", 30))
+    for p in prefill:
+        p.call(Prefill("again", 30, (30,)))
+    assert decode.call(Wait("again")) == ("Success", None)
+    assert decode.call(Verify("again"))[0] == 0
+
+
+def test_a_killed_decode_rank_fails_only_its_own_requests(bootstrap, ranks):
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    doomed = ranks(decode_spec(bootstrap, instance="decode-a"))
+    other = ranks(decode_spec(bootstrap, instance="decode-b"))
+    doomed.call(Receive("to-a", 24))
+    prefill.call(Prefill("to-a", 24, (8, 16), hold_last=True))
+    doomed.kill()
+    state, reason = prefill.call(Wait("to-a", timeout_s=20))
+    # lost to heartbeats, or to the transport first if a write was still to post
+    assert state == "Failed" and "decode rank ('decode-a', 0)" in reason
+    other.call(Receive("to-b", 24))
+    prefill.call(Prefill("to-b", 24, (24,)))
+    assert other.call(Wait("to-b")) == ("Success", None)
+    assert prefill.call(Wait("to-b")) == ("Success", None)
+    assert other.call(Verify("to-b"))[0] == 0
+    assert prefill.call(Stats())["requests"] == 0
+
+
+def test_abort_from_prefill_fails_decode_and_releases(bootstrap, ranks):
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap))
+    decode.call(Receive("p-abort", 20))
+    prefill.call(Prefill("p-abort", 20, (10, 10), hold_last=True))
+    prefill.call(Abort("p-abort", "out of memory"))
+    assert prefill.call(Wait("p-abort")) == ("Failed", "out of memory")
+    state, reason = decode.call(Wait("p-abort"))
+    assert state == "Failed" and "prefill rank 0: out of memory" in reason
+    assert decode.call(Released("p-abort")) < 10
+
+
+def test_layouts_that_cannot_exchange_data_fail_the_handshake_naming_both(bootstrap, ranks):
+    ranks(prefill_spec(bootstrap, 0, 1, head_dim=16))
+    with pytest.raises(RuntimeError, match=r"head_dim: this side 16, peer 32"):
+        ranks(decode_spec(bootstrap, head_dim=32))
+
+
+def test_hundreds_of_requests_in_flight(bootstrap, ranks):
+    prefill = [ranks(prefill_spec(bootstrap, r, 2, pages=400)) for r in range(2)]
+    decode = ranks(decode_spec(bootstrap, pages=1200))
+    rng = np.random.default_rng(3)
+    lengths = {f"many-{i}": int(rng.integers(1, 12)) for i in range(200)}
+    for rid, n in lengths.items():
+        decode.call(Receive(rid, n))
+    for rid, n in lengths.items():
+        for p in prefill:
+            p.call(Prefill(rid, n, (n,), first_token=n))
+    for rid, n in lengths.items():
+        assert decode.call(Wait(rid)) == ("Success", None), rid
+        assert decode.call(Verify(rid)) == (0, n)
+    for p in prefill:
+        for rid in lengths:
+            assert p.call(Wait(rid)) == ("Success", None)
+        assert p.call(Stats())["requests"] == 0
+    assert decode.call(Stats())["requests"] == 0
