@@ -7,6 +7,8 @@ Run by prefill rank 0 of a node (:class:`BootstrapService` on a thread) or on it
 - :class:`~kvtransfer.control.wire.RegisterPrefill` -> ``Registered`` (``error`` empty when
   accepted). A (dp_rank, tp_rank) that registers again replaces its entry (a restarted rank);
   a TP size that contradicts the group's other ranks is refused, naming both.
+- ``UnregisterPrefill`` -> ``Registered``: a rank that shuts down leaves (only the
+  incarnation that registered can remove its entry).
 - ``GetTopology`` -> ``Topology``: the group's registrations so far.
 - ``Ping`` -> ``Pong``: liveness.
 
@@ -41,6 +43,7 @@ from kvtransfer.control.wire import (
     Registered,
     RegisterPrefill,
     Topology,
+    UnregisterPrefill,
     WireError,
     decode,
 )
@@ -130,6 +133,14 @@ class BootstrapService:
     def _answer(self, msg: Message, frame: bytes) -> Message:
         if isinstance(msg, RegisterPrefill):
             return self._register(msg, frame)
+        if isinstance(msg, UnregisterPrefill):
+            with self._lock:
+                group = self._groups.get(msg.dp_rank, {})
+                entry = group.get(msg.tp_rank)
+                if entry is not None and entry[0].incarnation == msg.incarnation:
+                    del group[msg.tp_rank]
+                    log.info("prefill dp %d tp %d unregistered", msg.dp_rank, msg.tp_rank)
+            return Registered(error="")
         if isinstance(msg, GetTopology):
             with self._lock:
                 group = self._groups.get(msg.dp_rank, {})
@@ -227,6 +238,14 @@ class BootstrapClient:
             if reply.error:
                 raise BootstrapError(reply.error)
             return
+
+    def unregister(self, dp_rank: int, tp_rank: int, incarnation: str, timeout_s: float = 1.0) -> None:
+        """Leave the registry (best effort: a service that is gone is no error)."""
+        try:
+            self.request(UnregisterPrefill(dp_rank=dp_rank, tp_rank=tp_rank, incarnation=incarnation), Registered,
+                         timeout_s)
+        except BootstrapTimeout:
+            log.info("bootstrap service at %s did not answer the unregistration", self.address)
 
     def topology(self, dp_rank: int = 0, timeout_s: Optional[float] = None) -> Topology:
         return self.request(GetTopology(dp_rank=dp_rank), Topology, timeout_s)

@@ -2,8 +2,9 @@
 
 One manager per decode rank. At start it registers its pools' buffers and an aux buffer
 with the transport, asks the bootstrap service for the prefill ranks of its DP group, and
-says hello to each prefill rank it reads from (``senders_for``); a refused hello (layouts
-that cannot exchange data) raises :class:`HandshakeError` with the prefill rank's reason.
+says hello to each of them; a refused hello (layouts that cannot exchange data) raises
+:class:`HandshakeError` with the prefill rank's reason. It reads from the ranks
+``senders_for`` names; the others are told of each request too, so that none waits for it.
 
 Per request, the engine reserves the pages, then::
 
@@ -192,9 +193,8 @@ class DecodeKVManager:
         self._by_name: dict = {}  # transport name -> prefill tp rank
         self._last_lookup = 0.0
         self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick)
-        regs = {r.tp_rank: r for r in topo.rank_infos()}
-        for rank in self.senders:
-            self._connect(regs[rank])
+        for reg in topo.rank_infos():  # every prefill rank: those it does not read from are told too
+            self._connect(reg)
         self._loop.start()
         try:
             self._await_handshakes()
@@ -214,8 +214,8 @@ class DecodeKVManager:
         return len(self._receivers)
 
     def ready_senders(self) -> list:
-        """The prefill ranks this rank reads from whose handshake holds now (a lost rank
-        leaves the list until it is back)."""
+        """The prefill ranks whose handshake holds now (a lost rank leaves the list until it
+        is back)."""
         return self._loop.call(lambda: sorted(r for r, p in self._peers.items() if p.state is _PeerState.READY)) \
             .result(timeout=10)
 
@@ -332,11 +332,12 @@ class DecodeKVManager:
         self._ask(inc)
 
     def _ask(self, inc: _Incoming) -> None:
-        """Send the request to every sender once all are ready; fail it if one cannot be."""
+        """Send the request to every prefill rank once the senders are ready (ranks it does
+        not read from learn that they have nothing to write); fail it if a sender cannot be."""
         if inc.asked or inc.request is None or inc.receiver.status.state.final:
             return
         peers = [self._peers[r] for r in self.senders]
-        down = [p for p in peers if p.state in (_PeerState.LOST, _PeerState.REFUSED)]
+        down = [p for p in peers if p.state in (_PeerState.LOST, _PeerState.REFUSED, _PeerState.GONE)]
         if down:
             p = down[0]
             why = p.error or f"prefill rank {p.registration.tp_rank} is {p.state.value}"
@@ -348,7 +349,9 @@ class DecodeKVManager:
             return  # a sender is (re)connecting: asked once it is ready
         dst, prefix, state_slot = inc.request
         rid = inc.receiver.request_id
-        for p in peers:
+        for p in self._peers.values():
+            if p.state is not _PeerState.READY:
+                continue
             p.socket.send(TransferRequest(request_id=rid, instance=self.instance, decode_tp_rank=self.layout.tp_rank,
                                           dst_slots=dst, prefix_tokens=prefix, state_slot=state_slot,
                                           aux_slot=inc.receiver._aux_slot).to_msgpack(), zmq.NOBLOCK)
@@ -379,8 +382,7 @@ class DecodeKVManager:
             return
         log.info("request %s failed on decode rank %d: %s", request_id, self.layout.tp_rank, reason)
         if tell_senders and inc.asked:
-            for r in self.senders:
-                peer = self._peers[r]
+            for peer in self._peers.values():
                 if peer.state is _PeerState.READY:
                     peer.socket.send(AbortRequest(request_id=request_id, reason=reason).to_msgpack(), zmq.NOBLOCK)
         if not inc.asked:
@@ -439,6 +441,8 @@ class DecodeKVManager:
             return
         log.warning("decode rank %d: %s", self.layout.tp_rank, reason)
         peer.state, peer.error, peer.since = _PeerState.LOST, reason, time.monotonic()
+        if rank not in self.senders:
+            return  # none of this rank's requests waits for its bytes
         for rid, inc in list(self._incoming.items()):
             if inc.receiver.status.state.final:
                 inc.quiesced.add(rank)

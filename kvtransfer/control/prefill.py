@@ -25,12 +25,12 @@ manager sends ``Quiesced`` so decode may reuse the pages.
 
 Threads: every transport call and socket operation happens on the manager's one loop
 thread; ``sender()``, ``send()``, ``poll()`` and ``abort()`` may be called from any thread.
-``close()`` fails what is in flight, closes peers, sockets and the thread, and deregisters.
+``close()`` leaves the bootstrap registry, fails what is in flight, closes peers, sockets and
+the thread, and deregisters.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -127,6 +127,7 @@ class _DecodePeer:
     layout: RankLayout
     regions: BufferRegions
     peer: object  # transport Peer
+    reads_from_me: bool  # this rank is one of its senders_for(...)
     writes_aux: bool  # this rank is the lowest of its senders: it writes the aux record
     last_seen: float
 
@@ -138,7 +139,7 @@ class _Outgoing:
     sender: KVSender
     deadline: float
     instance: Optional[str] = None
-    expected: frozenset = frozenset()  # decode keys that will ask
+    expected: frozenset = frozenset()  # decode keys that will ask: every rank of the instance
     dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
@@ -179,12 +180,14 @@ class PrefillKVManager:
         self._outgoing: dict = {}  # request id -> _Outgoing
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
+        self._failed: dict = {}  # request id -> (time, reason): ended Failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
         self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
+        self._bootstrap = BootstrapClient(bootstrap)
         try:
-            BootstrapClient(bootstrap).register(RegisterPrefill(
+            self._bootstrap.register(RegisterPrefill(
                 dp_rank=config.dp_rank, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
                 control_addr=self.control_addr, host=host_id or default_host_id(), backend=transport.backend,
                 transport_export=transport.export(), transport_name=transport.name, layout=layout.to_msgpack(),
@@ -212,6 +215,7 @@ class PrefillKVManager:
         """Fail what is in flight, close peers, sockets and the thread, deregister (idempotent)."""
         if self._router.closed:
             return
+        self._bootstrap.unregister(self.config.dp_rank, self.layout.tp_rank, self.incarnation)
         self._loop.close(final=self._shutdown)
         self._router.close()
         self._ctx.term()
@@ -225,6 +229,7 @@ class PrefillKVManager:
 
     # -- loop thread: requests ----------------------------------------------------------
     def _on_new_sender(self, sender: KVSender) -> None:
+        self._failed.pop(sender.request_id, None)  # an id used again after a failure
         out = _Outgoing(sender, deadline=time.monotonic() + self.config.transfer_timeout_s)
         self._outgoing[sender.request_id] = out
         aborted = self._aborted_early.pop(sender.request_id, None)
@@ -248,7 +253,7 @@ class PrefillKVManager:
             return
         if out.instance is None:
             out.instance = req.instance
-            out.expected = self._readers_of(req.instance)
+            out.expected = self._askers_of(req.instance)
         elif out.instance != req.instance:
             self._fail(out.sender.request_id, f"decode instances {out.instance!r} and {req.instance!r} both asked")
             return
@@ -261,15 +266,11 @@ class PrefillKVManager:
             out.sender.status.advance(KVPoll.WaitingForInput)
             self._flush(out)
 
-    def _readers_of(self, instance: str) -> frozenset:
-        """The decode ranks of ``instance`` that read from this rank (from any one of their
-        layouts: the ranks of a group differ only in ``tp_rank``)."""
+    def _askers_of(self, instance: str) -> frozenset:
+        """Every decode rank of ``instance``: each asks every prefill rank of the group (a
+        rank it does not read from too, so that no prefill rank waits for nothing)."""
         peer = next((p for k, p in self._decode.items() if k[0] == instance), None)
-        if peer is None:
-            return frozenset()
-        me, tp = self.layout.tp_rank, self.layout.tp_size
-        return frozenset((instance, d) for d in range(peer.layout.tp_size)
-                         if me in senders_for(dataclasses.replace(peer.layout, tp_rank=d), tp))
+        return frozenset() if peer is None else frozenset((instance, d) for d in range(peer.layout.tp_size))
 
     def _flush(self, out: _Outgoing) -> None:
         if not out.ready or out.sender.status.state.final:
@@ -287,6 +288,8 @@ class PrefillKVManager:
         for key in sorted(out.dests):
             req, dst_all = out.dests[key]
             peer = self._decode[key]
+            if not peer.reads_from_me:  # it asked so that this rank does not wait; nothing to write
+                continue
             skip = min(chunk.slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
             src = chunk.slots[skip:]
             start = first + skip - req.prefix_tokens
@@ -414,7 +417,8 @@ class PrefillKVManager:
                 error = f"cannot connect to the decode rank's transport: {exc}"
             else:
                 self._decode[hello.key] = _DecodePeer(
-                    hello, identity, layout, regions, peer, writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
+                    hello, identity, layout, regions, peer, reads_from_me=self.layout.tp_rank in readers,
+                    writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
                 self._by_identity[identity] = hello.key
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
@@ -426,6 +430,11 @@ class PrefillKVManager:
         if out is not None:
             self._attach(out, key, req)
         elif req.request_id in self._aborted_early:
+            self._send(key, Quiesced(request_id=req.request_id))
+        elif req.request_id in self._failed:  # it failed before this rank heard from that decode rank
+            reason = self._failed[req.request_id][1]
+            self._send(key, AbortRequest(request_id=req.request_id, reason=f"prefill rank {self.layout.tp_rank}: "
+                                                                           f"{reason}"))
             self._send(key, Quiesced(request_id=req.request_id))
         else:
             self._early.setdefault(req.request_id, []).append((time.monotonic(), key, req))
@@ -467,8 +476,9 @@ class PrefillKVManager:
         horizon = now - self.config.transfer_timeout_s  # ids nobody claimed in that time are forgotten
         for rid in [r for r, asks in self._early.items() if asks[0][0] < horizon]:
             del self._early[rid]
-        for rid in [r for r, (when, _) in self._aborted_early.items() if when < horizon]:
-            del self._aborted_early[rid]
+        for table in (self._aborted_early, self._failed):
+            for rid in [r for r, (when, _) in table.items() if when < horizon]:
+                del table[rid]
         return 0.0005 if busy else min(0.05, self.config.heartbeat_interval_s)
 
     def _advance(self, out: _Outgoing) -> bool:
@@ -493,6 +503,7 @@ class PrefillKVManager:
         if out.sender.status.state is KVPoll.Failed:
             for key in out.dests:
                 self._send(key, Quiesced(request_id=rid))
+            self._failed[rid] = (time.monotonic(), out.sender.failure)
         del self._outgoing[rid]
         self._senders.pop(rid)
 

@@ -8,8 +8,8 @@ log and drop such frames; the socket and the process carry on.
 
 Messages (who sends them):
 
-- bootstrap service: :class:`RegisterPrefill` (prefill rank -> service, answered by
-  :class:`Registered`), :class:`GetTopology` (decode -> service, answered by
+- bootstrap service: :class:`RegisterPrefill` and :class:`UnregisterPrefill` (prefill rank
+  -> service, answered by :class:`Registered`), :class:`GetTopology` (decode -> service, answered by
   :class:`Topology`), :class:`Ping` (anyone -> service, answered by :class:`Pong`);
 - decode rank <-> prefill rank: :class:`DecodeHello` (answered by :class:`HelloAck`),
   :class:`TransferRequest` per request, :class:`AbortRequest` either way,
@@ -48,6 +48,7 @@ __all__ = [
     "Registered",
     "Topology",
     "TransferRequest",
+    "UnregisterPrefill",
     "WireError",
     "decode",
 ]
@@ -173,6 +174,18 @@ class Registered(Message):
 
     KIND: ClassVar[str] = "registered"
     error: str
+
+
+@dataclass(frozen=True)
+class UnregisterPrefill(Message):
+    """A prefill rank that shuts down leaves the registry (answered by ``Registered``); only
+    the incarnation that registered can remove the entry, so a late goodbye of an old process
+    never removes its restarted successor."""
+
+    KIND: ClassVar[str] = "unregister_prefill"
+    dp_rank: int
+    tp_rank: int
+    incarnation: str
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Prefill and decode ranks as real processes for the control-plane tests.
 
-Each rank (``multiprocessing`` "spawn") owns an MHA pool on the CPU, a NIXL transport over
-loopback and its KV manager; the test drives it with typed commands over a pipe and gets a
-:class:`Reply` for each. The KV a prefill rank "computes" for a request is a seeded reference
-(:func:`reference_kv`), so a decode rank can check every landed row on its own.
+Each rank (``multiprocessing`` "spawn") owns its pools on the CPU (:mod:`._pools`: MHA, MLA or
+hybrid Mamba), a NIXL transport over loopback and its KV manager; the test drives it with
+typed commands over a pipe and gets a :class:`Reply` for each. The KV and state a prefill rank
+"computes" for a request are seeded reference rows, so a decode rank checks every landed
+byte on its own.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ class RankSpec:
     tp_size: int
     page_size: int
     bootstrap: str
-    total_heads: int = 4
-    head_dim: int = 16
-    layers: int = 2
+    kind: str = "mha"  # _pools.KINDS
     pages: int = 64
     seed: int = 0
     config: dict = field(default_factory=dict)  # ControlConfig fields
@@ -106,48 +105,34 @@ class Reply:
     error: str = ""
 
 
-def reference_kv(request_id: str, layer: int, which: int, tokens: int, heads: int, head_dim: int):
-    """The 'model' K (which=0) or V (which=1) of one layer of a request: [tokens, heads, head_dim]."""
-    import torch
-
-    g = torch.Generator().manual_seed(zlib.crc32(request_id.encode()) * 7 + layer * 2 + which)
-    return torch.randn(tokens, heads, head_dim, generator=g)
-
-
 class _Rank:
     def __init__(self, spec: RankSpec):
         import numpy as np
 
         from kvtransfer.control.common import ControlConfig
-        from kvtransfer.layout import RankLayout, shard_units
-        from pools.mha import MHATokenToKVPool
+        from tests.kvtransfer.control._pools import PoolKit
         from transport.nixl import NixlTransport
 
-        import torch
-
         self.spec = spec
-        shard = shard_units(spec.total_heads, spec.tp_rank, spec.tp_size)
-        self.heads = slice(shard.first, shard.first + shard.count)
-        count = shard.count
-        size = spec.pages * spec.page_size
-        self.pool = MHATokenToKVPool(size=size, page_size=spec.page_size, dtype=torch.float32, head_num=count,
-                                     head_dim=spec.head_dim, layer_num=spec.layers, device="cpu")
-        self.layout = RankLayout.from_pools(self.pool, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
-                                            total_kv_heads=spec.total_heads)
+        self.kit = PoolKit(spec.kind, spec.tp_rank, spec.tp_size, spec.page_size, spec.pages)
+        self.layout = self.kit.layout
         rng = np.random.default_rng(spec.seed * 1000 + spec.tp_rank * 10 + (spec.role == "decode"))
         self.free_pages = [int(p) for p in rng.permutation(np.arange(1, spec.pages + 1))]
+        self.free_state = list(range(1, 32)) if spec.kind == "hybrid" else []
+        self.state_slot: dict = {}  # request id -> state slot (hybrid)
         self.slots: dict = {}  # request id -> [tokens] slots
         self.transport = NixlTransport()
         config = ControlConfig(**spec.config)
-        infos = self.pool.get_contiguous_buf_infos()
+        infos, state_infos = self.kit.kv_infos, self.kit.state_infos
         if spec.role == "prefill":
             from kvtransfer.control.prefill import PrefillKVManager
 
-            self.manager = PrefillKVManager(self.layout, self.transport, infos, bootstrap=spec.bootstrap, config=config)
+            self.manager = PrefillKVManager(self.layout, self.transport, infos, state_infos,
+                                            bootstrap=spec.bootstrap, config=config)
         else:
             from kvtransfer.control.decode import DecodeKVManager
 
-            self.manager = DecodeKVManager(self.layout, self.transport, infos, bootstrap=spec.bootstrap,
+            self.manager = DecodeKVManager(self.layout, self.transport, infos, state_infos, bootstrap=spec.bootstrap,
                                            instance=spec.instance, config=config)
         self.handles: dict = {}
         self.requests: dict = {}  # decode: request id -> (tokens, prefix)
@@ -162,46 +147,45 @@ class _Rank:
         pages, self.free_pages = self.free_pages[:need], self.free_pages[need:]
         slots = (np.array(pages)[:, None] * ps + np.arange(ps)).reshape(-1)[:tokens]
         self.slots[request_id] = slots
+        if self.free_state:
+            self.state_slot[request_id] = self.free_state.pop(0)
         return slots
 
     def give_back(self, request_id: str) -> None:
         slots = self.slots.pop(request_id)
         ps = self.spec.page_size
         self.free_pages += sorted({int(s) // ps for s in slots})
+        if request_id in self.state_slot:
+            self.free_state.append(self.state_slot.pop(request_id))
 
     def run(self, cmd):
         from kvtransfer.control.common import pack_first_token
         from kvtransfer.control.state import KVPoll
 
         if isinstance(cmd, Prefill):
-            import torch
-
             slots = self.take(cmd.request_id, cmd.tokens)
-            idx = torch.from_numpy(slots)
-            for layer in range(self.spec.layers):
-                k, v = (reference_kv(cmd.request_id, layer, w, cmd.tokens, self.spec.total_heads, self.spec.head_dim)
-                        [:, self.heads] for w in (0, 1))
-                self.pool.set_kv_buffer(layer, idx, k, v)
+            state_slot = self.state_slot.get(cmd.request_id)
+            self.kit.fill(cmd.request_id, slots, state_slot or 0)
             sender = self.handles[cmd.request_id] = self.manager.sender(cmd.request_id)
             start = 0
             for i, n in enumerate(cmd.chunks):
                 last = i == len(cmd.chunks) - 1
                 if last and cmd.hold_last:
-                    self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5))
+                    self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot)
                     break
-                sender.send(slots[start:start + n], last=last,
+                sender.send(slots[start:start + n], last=last, state_slot=state_slot if last else None,
                             aux=pack_first_token(cmd.first_token, -0.5) if last else None)
                 start += n
             return None
         if isinstance(cmd, SendLast):
-            sender, slots, aux = self.held
-            sender.send(slots, last=True, aux=aux)
+            sender, slots, aux, state_slot = self.held
+            sender.send(slots, last=True, aux=aux, state_slot=state_slot)
             return None
         if isinstance(cmd, Receive):
             self.requests[cmd.request_id] = (cmd.tokens, cmd.prefix)
             slots = self.take(cmd.request_id, cmd.tokens - cmd.prefix)
             receiver = self.handles[cmd.request_id] = self.manager.receiver(cmd.request_id)
-            receiver.init(slots, prefix_tokens=cmd.prefix)
+            receiver.init(slots, prefix_tokens=cmd.prefix, state_slot=self.state_slot.get(cmd.request_id))
             return None
         if isinstance(cmd, Wait):
             handle = self.handles[cmd.request_id]
@@ -237,18 +221,10 @@ class _Rank:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def verify(self, request_id: str):
-        import torch
-
         receiver = self.handles.pop(request_id)
-        slots = torch.from_numpy(self.slots[request_id])
         tokens, prefix = self.requests.pop(request_id)
-        bad = 0
-        for layer in range(self.spec.layers):
-            k, v = self.pool.get_kv_buffer(layer)
-            for which, buf in ((0, k), (1, v)):
-                full = reference_kv(request_id, layer, which, tokens, self.spec.total_heads, self.spec.head_dim)
-                want = full[prefix:, self.heads]  # [tokens - prefix, local heads, head_dim]
-                bad += int((buf[slots] != want).flatten(1).any(dim=1).sum())
+        bad = self.kit.mismatches(request_id, self.slots[request_id], tokens, prefix,
+                                  self.state_slot.get(request_id, 0))
         token = receiver.first_token()[0]
         receiver.close()
         self.give_back(request_id)

@@ -141,3 +141,14 @@ def test_the_command_serves_until_terminated():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_that_shuts_down_leaves_but_an_old_goodbye_spares_its_successor(service):
+    client = BootstrapClient(service.address)
+    client.register(register(tp_rank=0, incarnation="old"))
+    client.register(register(tp_rank=0, incarnation="new"))
+    client.unregister(0, 0, "old")  # the old process's late goodbye
+    assert [r.incarnation for r in client.topology(0).rank_infos()] == ["new"]
+    client.unregister(0, 0, "new")
+    assert client.topology(0).ranks == [] and client.topology(0).tp_size == 0
+    client.register(register(tp_rank=0, tp_size=4))  # a new TP size once the group is empty

@@ -107,9 +107,10 @@ def test_abort_from_prefill_fails_decode_and_releases(bootstrap, ranks):
 
 
 def test_layouts_that_cannot_exchange_data_fail_the_handshake_naming_both(bootstrap, ranks):
-    ranks(prefill_spec(bootstrap, 0, 1, head_dim=16))
-    with pytest.raises(RuntimeError, match=r"head_dim: this side 16, peer 32"):
-        ranks(decode_spec(bootstrap, head_dim=32))
+    ranks(prefill_spec(bootstrap, 0, 1, kind="mha"))
+    with pytest.raises(RuntimeError, match=r"HandshakeError.*refused decode rank 0: layouts differ in kind: "
+                                           r"this side mha, peer mla"):
+        ranks(decode_spec(bootstrap, kind="mla"))
 
 
 def test_hundreds_of_requests_in_flight(bootstrap, ranks):
