@@ -133,9 +133,12 @@ def plan_batch(plan: TransferPlan, src: BufferRegions, dst: BufferRegions) -> Un
     form = plan.strided()
     if form is not None:
         s_buf, s_off, s_stride, d_buf, d_off, d_stride, length, s_slot, d_slot = form
-        return StridedBatch.of(_lookup(s_ids, s_buf, "source", plan.buffers), s_off, s_stride,
-                               _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, d_stride, length,
-                               s_slot, d_slot)
+        # A plan's arrays are 1-D int64, non-negative, lengths > 0 (the planner's invariants):
+        # built directly, without StridedBatch.of's re-validation (a fifth of a small request's
+        # host time). The transport still checks the bounds.
+        return StridedBatch(_lookup(s_ids, s_buf, "source", plan.buffers), s_off, s_stride,
+                            _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, d_stride, length,
+                            s_slot, d_slot)
     s_buf, s_off, d_buf, d_off, length = plan.flatten()
     return WriteBatch.of(_lookup(s_ids, s_buf, "source", plan.buffers), s_off,
                          _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, length)

@@ -1,9 +1,9 @@
 """What both KV managers share: their config, the aux records, and the event loop thread.
 
 :class:`ControlConfig` holds every timeout and address (no environment variables).
-:class:`AuxRecords` is a small registered host buffer of fixed-size records: decode reserves
-one per request (the first output token and its logprob land there), prefill stages the
-records it sends. :class:`EventLoop` is a manager's one background thread: it polls the
+:class:`AuxRecords` is a small host buffer of fixed-size records: decode reserves one per
+request; the first output token and its logprob land there from the notification that
+completes the request. :class:`EventLoop` is a manager's one background thread: it polls the
 manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue (every
 transport call happens on it: transports are single-threaded by contract), and calls the
 manager's ``tick`` for timers and in-flight transfers.
@@ -17,6 +17,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -60,7 +61,7 @@ class ControlConfig:
     transfer_timeout_s: float = 120.0  # a request not done by then fails
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 5.0  # a peer silent this long is lost
-    aux_slots: int = 1024  # aux records (decode: one per request in flight; prefill: staging)
+    aux_slots: int = 1024  # decode: aux records, one per request in flight
 
     def __post_init__(self):
         for name in ("bootstrap_timeout_s", "handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
@@ -129,7 +130,8 @@ class EventLoop:
 
     ``handlers`` maps a ZeroMQ socket to the function that drains it; ``tick()`` runs after
     every wake-up and returns how long (seconds) the loop may sleep next (short while
-    transfers are in flight). Jobs run in submission order on the loop thread; ``call``
+    transfers are in flight: a pause under 1 ms sleeps instead of spinning, which on a small
+    machine would take the core the other ranks need). Jobs run in submission order on the loop thread; ``call``
     returns a Future of the job's result."""
 
     def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
@@ -178,6 +180,9 @@ class EventLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         sleep = 0.0
         while not self._stop.is_set():
+            if 0 < sleep < 1e-3:  # ZeroMQ waits in whole ms: a shorter pause sleeps, then looks
+                time.sleep(sleep)
+                sleep = 0.0
             try:
                 ready = dict(poller.poll(int(sleep * 1000)))
             except zmq.ZMQError as exc:

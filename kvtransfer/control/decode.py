@@ -65,6 +65,8 @@ from transport.base import Transport
 
 __all__ = ["DecodeKVManager", "HandshakeError", "KVReceiver"]
 
+BUSY_POLL_S = 2e-4  # the loop's pause while transfers are in flight (polled by status / notifications)
+
 log = logging.getLogger("kvtransfer.control.decode")
 
 
@@ -82,6 +84,7 @@ class KVReceiver:
         self._aux_slot: Optional[int] = None
         self._released = False
         self._inited = False
+        self._has_aux = False
 
     def init(self, dst_slots, *, prefix_tokens: int = 0, state_slot: Optional[int] = None) -> None:
         """Tell every sender where this request's bytes go (see the module docstring)."""
@@ -119,8 +122,9 @@ class KVReceiver:
 
     def first_token(self) -> tuple:
         """``(token_id, logprob)`` from the aux record, once Success."""
-        if self.status.state is not KVPoll.Success or self._aux_slot is None:
-            raise ValueError(f"request {self.request_id!r} has no aux record ({self.status.state.name})")
+        if self.status.state is not KVPoll.Success or not self._has_aux:
+            raise ValueError(f"request {self.request_id!r} has no aux record ({self.status.state.name}, "
+                             f"{'one' if self._has_aux else 'none'} arrived)")
         return unpack_first_token(self._mgr._aux.read(self._aux_slot))
 
     def abort(self, reason: str = "aborted by decode") -> None:
@@ -184,8 +188,7 @@ class DecodeKVManager:
         self.prefill_tp_size = topo.tp_size
         self.senders = senders_for(layout, topo.tp_size)
         self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
-        self._aux = AuxRecords(config.aux_slots)
-        self._aux_region = transport.register(self._aux.ptr, self._aux.nbytes)
+        self._aux = AuxRecords(config.aux_slots)  # plain memory: records arrive on notifications
         self._ctx = zmq.Context()
         self._receivers: RequestTable = RequestTable()
         self._incoming: dict = {}  # request id -> _Incoming
@@ -210,6 +213,11 @@ class DecodeKVManager:
         return receiver
 
     @property
+    def aux_available(self) -> int:
+        """Aux records not in use (all but slot 0 when idle)."""
+        return self._aux.available
+
+    @property
     def num_requests(self) -> int:
         return len(self._receivers)
 
@@ -227,7 +235,6 @@ class DecodeKVManager:
         self._ctx.term()
         try:
             self.regions.deregister(self.transport)
-            self.transport.deregister(self._aux_region)
         except ValueError as exc:  # the transport was closed first
             log.debug("deregistering after close: %s", exc)
 
@@ -256,8 +263,8 @@ class DecodeKVManager:
             instance=self.instance, dp_rank=self.config.dp_rank, tp_rank=self.layout.tp_rank,
             tp_size=self.layout.tp_size, host=self._host, backend=self.transport.backend,
             transport_export=self.transport.export(), transport_name=self.transport.name,
-            layout=self.layout.to_msgpack(), regions=self.regions.to_wire(), aux_region=self._aux_region,
-            aux_record_bytes=self._aux.record_bytes, incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
+            layout=self.layout.to_msgpack(), regions=self.regions.to_wire(),
+            incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
 
     def _await_handshakes(self) -> None:
         deadline = time.monotonic() + self.config.handshake_timeout_s
@@ -353,8 +360,8 @@ class DecodeKVManager:
             if p.state is not _PeerState.READY:
                 continue
             p.socket.send(TransferRequest(request_id=rid, instance=self.instance, decode_tp_rank=self.layout.tp_rank,
-                                          dst_slots=dst, prefix_tokens=prefix, state_slot=state_slot,
-                                          aux_slot=inc.receiver._aux_slot).to_msgpack(), zmq.NOBLOCK)
+                                          dst_slots=dst, prefix_tokens=prefix, state_slot=state_slot)
+                          .to_msgpack(), zmq.NOBLOCK)
         inc.asked = True
         inc.receiver.status.advance(KVPoll.WaitingForInput)
 
@@ -371,6 +378,9 @@ class DecodeKVManager:
         inc.counts[rank] = inc.counts.get(rank, 0) + 1
         if note.total:
             inc.totals[rank] = note.total
+        if note.aux and inc.receiver._aux_slot is not None:
+            self._aux.write(inc.receiver._aux_slot, note.aux)
+            inc.receiver._has_aux = True
         inc.receiver.status.advance(KVPoll.Transferring)
         if all(inc.totals.get(r) is not None and inc.counts.get(r, 0) >= inc.totals[r] for r in self.senders):
             if inc.receiver.status.advance(KVPoll.Success):
@@ -433,7 +443,7 @@ class DecodeKVManager:
                 self._fail(rid, f"not done after {cfg.transfer_timeout_s:g} s (waiting for prefill ranks {waiting})",
                            tell_senders=True)
         busy = any(not i.receiver.status.state.final for i in self._incoming.values())
-        return 0.0005 if busy else min(0.05, cfg.heartbeat_interval_s)
+        return BUSY_POLL_S if busy else min(0.05, cfg.heartbeat_interval_s)
 
     def _lose(self, rank: int, reason: str) -> None:
         peer = self._peers[rank]

@@ -11,7 +11,7 @@ Per request, the engine calls ``sender = manager.sender(request_id)`` and then
 rank's token slots of the chunk's tokens, in order; the last chunk also carries the Mamba
 state slot and the aux record (the first output token, :func:`~kvtransfer.control.common.
 pack_first_token`). Each decode rank of the request sends a ``TransferRequest`` (its
-destination slots, the prefix it already holds, its state and aux slots); chunks queued
+destination slots, the prefix it already holds, its state slot); chunks queued
 before every expected decode rank has asked wait for it. Tokens decode already holds are not
 sent. Every write carries a ``KVArrived`` notification; the last write to each decode rank
 carries the number of writes, so decode knows when it has everything.
@@ -42,7 +42,7 @@ import zmq
 
 from kvtransfer.batches import BufferRegions, plan_batch, write_batch
 from kvtransfer.control.bootstrap import BootstrapClient
-from kvtransfer.control.common import AUX_RECORD_BYTES, AuxRecords, ControlConfig, EventLoop, default_host_id
+from kvtransfer.control.common import AUX_RECORD_BYTES, ControlConfig, EventLoop, default_host_id
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -59,9 +59,11 @@ from kvtransfer.control.wire import (
 )
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, TransferStatus, Transport, TransportError, WriteBatch
+from transport.base import PeerDescriptorError, TransferStatus, Transport, TransportError
 
 __all__ = ["KVSender", "PrefillKVManager"]
+
+BUSY_POLL_S = 2e-4  # the loop's pause while transfers are in flight (polled by status / notifications)
 
 log = logging.getLogger("kvtransfer.control.prefill")
 
@@ -128,7 +130,7 @@ class _DecodePeer:
     regions: BufferRegions
     peer: object  # transport Peer
     reads_from_me: bool  # this rank is one of its senders_for(...)
-    writes_aux: bool  # this rank is the lowest of its senders: it writes the aux record
+    writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
     last_seen: float
 
 
@@ -144,7 +146,7 @@ class _Outgoing:
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
-    inflight: list = field(default_factory=list)  # [(Transfer, decode key, staging aux slot or None)]
+    inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
     last_posted: bool = False
 
     @property
@@ -163,8 +165,6 @@ class PrefillKVManager:
         self.layout, self.transport, self.config = layout, transport, config
         self.incarnation = uuid.uuid4().hex
         self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
-        self._aux = AuxRecords(config.aux_slots)
-        self._aux_region = transport.register(self._aux.ptr, self._aux.nbytes)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -298,41 +298,32 @@ class PrefillKVManager:
                 raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                                  f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
             writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), self.regions,
-                                        peer.regions), None)]
+                                        peer.regions))]
             if self.layout.state_kind is StateKind.NSA_INDEX:
                 writes.append(("state", plan_batch(plan_state_transfer(self.layout, peer.layout, src, dst),
-                                                   self.regions, peer.regions), None))
+                                                   self.regions, peer.regions)))
             if chunk.last:
                 if out.tokens_sent != req.prefix_tokens + dst_all.size:
                     raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
                                      f"{req.prefix_tokens} held + {dst_all.size} sent")
-                writes += self._last_writes(peer, req, chunk)
-            for i, (part, batch, staging) in enumerate(writes):
+                writes += self._state_writes(peer, req, chunk)
+            for i, (part, batch) in enumerate(writes):
                 seq = out.writes.get(key, 0)
                 out.writes[key] = seq + 1
-                total = seq + 1 if chunk.last and i == len(writes) - 1 else 0
-                note = KVArrived(request_id=rid, part=part, seq=seq, total=total).to_msgpack()
-                out.inflight.append((write_batch(peer.peer, batch, note), key, staging))
+                final = chunk.last and i == len(writes) - 1
+                aux = chunk.aux if final and peer.writes_aux and chunk.aux is not None else b""
+                note = KVArrived(request_id=rid, part=part, seq=seq, total=seq + 1 if final else 0,
+                                 aux=bytes(aux)).to_msgpack()
+                out.inflight.append((write_batch(peer.peer, batch, note), key))
         out.last_posted |= chunk.last
         out.sender.status.advance(KVPoll.Transferring)
 
-    def _last_writes(self, peer: _DecodePeer, req: TransferRequest, chunk: _Chunk) -> list:
-        """The state and aux writes that go with the last chunk to one decode rank."""
-        writes = []
-        if self.layout.state_kind is StateKind.MAMBA and req.state_slot > 0:
-            plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
-            if not plan.empty:
-                writes.append(("state", plan_batch(plan, self.regions, peer.regions), None))
-        if chunk.aux is not None and req.aux_slot > 0 and peer.writes_aux and peer.hello.aux_region >= 0:
-            slot = self._aux.alloc()
-            if slot is None:
-                raise ValueError(f"all {self.config.aux_slots - 1} aux staging records are in flight")
-            self._aux.write(slot, chunk.aux)
-            rb = self._aux.record_bytes
-            batch = WriteBatch.of(self._aux_region, slot * rb, peer.hello.aux_region,
-                                  req.aux_slot * peer.hello.aux_record_bytes, rb)
-            writes.append(("aux", batch, slot))
-        return writes
+    def _state_writes(self, peer: _DecodePeer, req: TransferRequest, chunk: _Chunk) -> list:
+        """The Mamba state write that goes with the last chunk to one decode rank."""
+        if self.layout.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
+            return []
+        plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
+        return [] if plan.empty else [("state", plan_batch(plan, self.regions, peer.regions))]
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
@@ -342,7 +333,7 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            for transfer, _, _ in out.inflight:
+            for transfer, _ in out.inflight:
                 transfer.abort()
             for key in out.dests:
                 self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
@@ -380,7 +371,11 @@ class PrefillKVManager:
                 log.warning("prefill rank %d dropped %s from a decode rank without a hello", self.layout.tp_rank,
                             msg.KIND)
                 continue
-            self._decode[key].last_seen = time.monotonic()
+            peer = self._decode.get(key)
+            if peer is None:  # said goodbye or was dropped meanwhile
+                log.debug("prefill rank %d dropped %s from a departed decode rank", self.layout.tp_rank, msg.KIND)
+                continue
+            peer.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
                 self._router.send_multipart([identity, Heartbeat(seq=msg.seq, incarnation=self.incarnation)
                                              .to_msgpack()], zmq.NOBLOCK)
@@ -389,7 +384,7 @@ class PrefillKVManager:
             elif isinstance(msg, AbortRequest):
                 self._on_abort(key, msg)
             elif isinstance(msg, Goodbye):
-                peer = self._decode.pop(key)
+                self._decode.pop(key)
                 self._fail_requests_of(key, f"decode rank {key} said goodbye")
                 self._by_identity.pop(identity, None)
                 self._leaving[key] = peer
@@ -463,7 +458,7 @@ class PrefillKVManager:
             elif not state.final and now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
         for key, peer in list(self._leaving.items()):
-            if not any(k == key for out in self._outgoing.values() for _, k, _ in out.inflight):
+            if not any(k == key for out in self._outgoing.values() for _, k in out.inflight):
                 del self._leaving[key]
                 self._close_peer(peer)
                 self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
@@ -479,18 +474,16 @@ class PrefillKVManager:
         for table in (self._aborted_early, self._failed):
             for rid in [r for r, (when, _) in table.items() if when < horizon]:
                 del table[rid]
-        return 0.0005 if busy else min(0.05, self.config.heartbeat_interval_s)
+        return BUSY_POLL_S if busy else min(0.05, self.config.heartbeat_interval_s)
 
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""
         still = []
-        for transfer, key, staging in out.inflight:
+        for transfer, key in out.inflight:
             status = transfer.status()
             if status is TransferStatus.PENDING:
-                still.append((transfer, key, staging))
+                still.append((transfer, key))
                 continue
-            if staging is not None:
-                self._aux.free(staging)
             if status is TransferStatus.FAILED:
                 self._fail(out.sender.request_id, f"write to decode rank {key} failed: {transfer.error}")
         out.inflight = still
@@ -550,6 +543,5 @@ class PrefillKVManager:
     def _release_memory(self) -> None:
         try:
             self.regions.deregister(self.transport)
-            self.transport.deregister(self._aux_region)
         except (ValueError, TransportError) as exc:  # the transport was closed first
             log.debug("deregistering after close: %s", exc)

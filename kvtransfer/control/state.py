@@ -3,7 +3,8 @@
 A request's status only moves forward through ``Bootstrapping -> WaitingForInput ->
 Transferring -> Success``; ``Failed`` may replace any state that is not final and then stays
 (it "wins" over progress reported later, from any thread). ``Success`` and ``Failed`` are
-final. The reason of a failure is kept and readable. :class:`RequestTable` holds the live
+final. The reason of a failure is kept and readable, and ``times`` holds when each state was
+entered (``time.monotonic()``: one clock for every process of a host), for latency metrics. :class:`RequestTable` holds the live
 requests of one manager and refuses a request id while it is in use.
 
 Thread safety: a manager's background thread advances and fails requests while the owner
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from typing import Generic, Iterator, Optional, TypeVar
 
 __all__ = ["DuplicateRequest", "KVPoll", "RequestStatus", "RequestTable"]
@@ -45,6 +47,7 @@ class RequestStatus:
         self._state = KVPoll.Bootstrapping
         self._reason: Optional[str] = None
         self._lock = threading.Lock()
+        self.times = {KVPoll.Bootstrapping: time.monotonic()}  # state -> time.monotonic() it was entered
 
     @property
     def state(self) -> KVPoll:
@@ -64,6 +67,7 @@ class RequestStatus:
             if self._state.final or to <= self._state:
                 return False
             self._state = to
+            self.times[to] = time.monotonic()
             return True
 
     def fail(self, reason: str) -> bool:
@@ -74,6 +78,7 @@ class RequestStatus:
             if self._state.final:
                 return False
             self._state, self._reason = KVPoll.Failed, reason
+            self.times[KVPoll.Failed] = time.monotonic()
             return True
 
     def __repr__(self) -> str:

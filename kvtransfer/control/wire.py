@@ -251,8 +251,6 @@ class DecodeHello(Message):
     transport_name: str
     layout: bytes  # RankLayout.to_msgpack()
     regions: dict  # BufferRegions.to_wire() of the KV / state buffers
-    aux_region: int  # region id of the aux records (-1: none)
-    aux_record_bytes: int
     incarnation: str
 
     @property
@@ -275,32 +273,35 @@ class TransferRequest(Message):
     """Decode -> prefill, per request: where this decode rank wants the request's bytes.
 
     ``dst_slots`` are int64 token slots (little endian) for the tokens after the first
-    ``prefix_tokens`` (which decode already holds); ``state_slot`` / ``aux_slot`` are -1
-    when the model has no state / the request wants no aux record."""
+    ``prefix_tokens`` (which decode already holds); ``state_slot`` is -1 when the model has
+    no state."""
 
     KIND: ClassVar[str] = "transfer_request"
     request_id: str
-    instance: str  # the decode node; every decode rank of it that reads from this prefill rank sends one
+    instance: str  # the decode node; every decode rank of it sends one to every prefill rank
     decode_tp_rank: int
     dst_slots: bytes
     prefix_tokens: int
     state_slot: int
-    aux_slot: int
 
 
 @dataclass(frozen=True)
 class KVArrived(Message):
     """The notification payload of one write (prefill -> decode, through the transport, after
     its bytes): write number ``seq`` of one prefill rank for ``request_id`` to this decode rank
-    has landed; ``part`` is ``"kv"`` (a chunk), ``"state"`` or ``"aux"``. The sender's last
-    write carries ``total``, the number of writes it made for the request (0 on the others):
-    the receiver is done with a sender once it has counted ``total`` of them, in any order."""
+    has landed; ``part`` is ``"kv"`` (a chunk) or ``"state"``. The sender's last write carries
+    ``total``, the number of writes it made for the request (0 on the others): the receiver is
+    done with a sender once it has counted ``total`` of them, in any order. The aux record
+    (the first output token and its logprob) rides on the last notification of the one
+    sender that writes it (``aux``; empty elsewhere): a notification arrives after its bytes,
+    so the record needs no write of its own."""
 
     KIND: ClassVar[str] = "kv_arrived"
     request_id: str
     part: str
     seq: int
     total: int
+    aux: bytes
 
 
 @dataclass(frozen=True)

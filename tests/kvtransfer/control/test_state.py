@@ -17,6 +17,9 @@ def test_status_moves_forward_only():
     assert st.state is KVPoll.Transferring
     assert st.advance(KVPoll.Success) and st.state.final
     assert not st.fail("late failure") and st.state is KVPoll.Success
+    t = st.times
+    assert set(t) == {KVPoll.Bootstrapping, KVPoll.Transferring, KVPoll.Success}
+    assert t[KVPoll.Bootstrapping] <= t[KVPoll.Transferring] <= t[KVPoll.Success]
 
 
 def test_failed_wins_and_keeps_the_first_reason():

@@ -69,12 +69,11 @@ def test_decode_prefill_messages_round_trip():
                                          TransferRequest)
 
     msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h", backend="nixl", transport_export=b"x",
-                        transport_name="d0", layout=b"l", regions={"kv": [1], "state": []}, aux_region=-1,
-                        aux_record_bytes=0, incarnation="i"),
+                        transport_name="d0", layout=b"l", regions={"kv": [1], "state": []}, incarnation="i"),
             HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p"),
-            TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7), prefix_tokens=0,
-                            state_slot=-1, aux_slot=3),
-            KVArrived(request_id="r", part="kv", seq=0, total=1), AbortRequest(request_id="r", reason="client"),
+            TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7),
+                            prefix_tokens=0, state_slot=-1),
+            KVArrived(request_id="r", part="kv", seq=0, total=1, aux=b"\x07" * 16), AbortRequest(request_id="r", reason="client"),
             Quiesced(request_id="r"),
             Heartbeat(seq=1, incarnation="p")]
     for msg in msgs:
