@@ -6,10 +6,11 @@ router, which hands both the same request ids in batches (typed messages) and co
 outcome and the state times of each request (``RequestStatus.times``: ``time.monotonic``, one
 clock for every process of the host).
 
-- **latency**: requests one at a time. Per request: decode's ask -> Success (from
-  ``WaitingForInput`` to ``Success`` on decode), and the bytes' own time on prefill (first
-  write posted -> every write done). The control overhead is the first minus the second:
-  the ask reaching prefill, the plan, the posting, the notification and its polling.
+- **latency**: requests one at a time. Per request: decode's receiver created -> Success
+  (its ``Bootstrapping`` and ``Success`` times: the engine's view), and the bytes' own time on
+  prefill (first write posted -> every write done). The control overhead is the first minus
+  the second: the ask reaching prefill, the plan, the posting, the notification and its
+  polling.
 - **load**: ``--inflight`` requests in flight at once (1,000 by default), requests/s and the
   latency percentiles.
 - **soak**: ``--soak`` requests, every ``--abort-every``-th aborted by decode right after it
@@ -281,7 +282,7 @@ def _latencies(out: dict, ids: list) -> tuple:
         d, p = out["decode"].times[rid], out["prefill"].times[rid]
         if "Success" not in d or "Success" not in p:
             continue
-        t = (d["Success"] - d["WaitingForInput"]) * 1e3
+        t = (d["Success"] - d["Bootstrapping"]) * 1e3
         w = (p["Success"] - p["Transferring"]) * 1e3
         total.append(t)
         wire.append(w)
@@ -296,7 +297,7 @@ def _steps(out: dict, ids: list) -> dict:
         d, p = out["decode"].times[rid], out["prefill"].times[rid]
         if "Success" not in d or "Success" not in p:
             continue
-        steps["  ask reaches prefill"].append((p["WaitingForInput"] - d["WaitingForInput"]) * 1e3)
+        steps["  ask reaches prefill"].append((p["WaitingForInput"] - d["Bootstrapping"]) * 1e3)
         steps["  plan and post"].append((p["Transferring"] - p["WaitingForInput"]) * 1e3)
         steps["  notification seen"].append((d["Success"] - p["Success"]) * 1e3)
     return steps
@@ -358,7 +359,7 @@ def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) 
             outs[role].times.update(got[role].times)
     total, wire, overhead = _latencies(outs, ids)
     print(f"latency, {len(total)} of {len(ids)} requests one at a time:")
-    print(_line("decode ask -> Success", total))
+    print(_line("decode receiver -> Success", total))
     print(_line("prefill writes (the bytes)", wire))
     print(_line("control overhead", overhead))
     for name, values in _steps(outs, ids).items():
@@ -399,7 +400,6 @@ def _soak(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) ->
     ranks["prefill"].reply("start-up")
     ranks["decode"].send(Drain())
     first = {"decode": ranks["decode"].reply("outcomes")}
-    prefill_before = _census(ranks["prefill"])
     deadline = time.monotonic() + 30
     states = {}
     while time.monotonic() < deadline:  # requests fail until decode has reconnected: count them
@@ -408,6 +408,7 @@ def _soak(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) ->
         states[probe] = got["decode"].states[probe]
         if states[probe] == "Success":
             break
+    prefill_before = _census(ranks["prefill"])  # the new process, once connected to decode
     second = _run(ranks, ids[half:], tokens[half:], aborts[half:], 64)
     wall = time.monotonic() - t0
     after = {role: _census(rank) for role, rank in ranks.items()}

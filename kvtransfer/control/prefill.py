@@ -206,6 +206,10 @@ class PrefillKVManager:
         self._loop.call(self._on_new_sender, sender)
         return sender
 
+    def decode_peers(self) -> list:
+        """The decode ranks connected now, as (instance, tp_rank)."""
+        return self._loop.call(lambda: sorted(self._decode)).result(timeout=10)
+
     @property
     def num_requests(self) -> int:
         """Requests not yet ended and released."""

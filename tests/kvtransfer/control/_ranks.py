@@ -217,6 +217,8 @@ class _Rank:
                      "threads": threading.active_count()}
             if self.spec.role == "decode":
                 stats["ready_senders"] = self.manager.ready_senders()
+            else:
+                stats["decode_peers"] = self.manager.decode_peers()
             return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
 

@@ -131,3 +131,32 @@ def test_hundreds_of_requests_in_flight(bootstrap, ranks):
             assert p.call(Wait(rid)) == ("Success", None)
         assert p.call(Stats())["requests"] == 0
     assert decode.call(Stats())["requests"] == 0
+
+
+def test_the_transfer_timeout_fails_a_request_whose_last_chunk_never_comes(bootstrap, ranks):
+    config = {**FAST, "transfer_timeout_s": 1.5}
+    prefill = ranks(prefill_spec(bootstrap, 0, 1, config=config))
+    decode = ranks(decode_spec(bootstrap, config=config))
+    decode.call(Receive("stuck", 20))
+    prefill.call(Prefill("stuck", 20, (10, 10), hold_last=True))
+    state, reason = decode.call(Wait("stuck", timeout_s=20))
+    assert state == "Failed" and "not done after 1.5 s (waiting for prefill ranks [0])" in reason
+    assert prefill.call(Wait("stuck", timeout_s=20))[0] == "Failed"
+    assert decode.call(Released("stuck")) < 10
+
+
+def test_a_closing_decode_rank_says_goodbye_before_freeing_its_memory(bootstrap, ranks):
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    leaving = ranks(decode_spec(bootstrap, instance="leaving"))
+    staying = ranks(decode_spec(bootstrap, instance="staying"))
+    assert prefill.call(Stats())["decode_peers"] == [("leaving", 0), ("staying", 0)]
+    leaving.call(Receive("half", 20))
+    prefill.call(Prefill("half", 20, (10, 10), hold_last=True))
+    leaving.close()  # its manager closes: goodbye, answered once no write to it is in flight
+    state, reason = prefill.call(Wait("half", timeout_s=20))
+    assert state == "Failed" and ("said goodbye" in reason or "decode manager closed" in reason)
+    assert prefill.call(Stats())["decode_peers"] == [("staying", 0)]
+    staying.call(Receive("fine", 12))
+    prefill.call(Prefill("fine", 12, (12,)))
+    assert staying.call(Wait("fine")) == ("Success", None)
+    assert staying.call(Verify("fine"))[0] == 0
