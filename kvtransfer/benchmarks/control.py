@@ -82,6 +82,11 @@ class Counts:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """Decode: reply the prefill ranks connected now (``DecodeKVManager.ready_senders``)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -175,12 +180,14 @@ class _RankWorker:
             time.sleep(0.0005)
 
     def drain(self) -> Outcomes:
+        """Wait until every issued request has ended and the manager has forgotten it."""
         deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while self.live and time.monotonic() < deadline:
+        while (self.live or self.manager.num_requests) and time.monotonic() < deadline:
             self.reap(block=False)
             time.sleep(0.001)
-        if self.live:
-            raise TimeoutError(f"{self.args.role}: {len(self.live)} requests still open after {REPLY_TIMEOUT_S} s")
+        if self.live or self.manager.num_requests:
+            raise TimeoutError(f"{self.args.role}: {len(self.live)} requests still open, {self.manager.num_requests} "
+                               f"tracked, after {REPLY_TIMEOUT_S} s")
         done, self.done = self.done, {}
         return Outcomes({rid: h.poll().name for rid, h in done.items()},
                         {rid: {s.name: t for s, t in h.status.times.items()} for rid, h in done.items()})
@@ -205,6 +212,8 @@ def _rank_main(args: RankArgs, conn) -> None:
                 conn.send(worker.drain())
             elif isinstance(msg, Census):
                 conn.send(worker.counts())
+            elif isinstance(msg, Ready):
+                conn.send(worker.manager.ready_senders())
     except Exception as exc:
         conn.send(Failed(args.role, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -395,19 +404,19 @@ def _soak(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) ->
     time.sleep(0.05)
     # the restart, with requests in flight: the old process closes its manager (failing what
     # it still holds) and exits; a new one registers; decode reconnects by itself
+    t_restart = time.monotonic()
     ranks["prefill"].stop()
     ranks["prefill"] = _Rank(RankArgs("prefill", bootstrap, pages, page_size))
     ranks["prefill"].reply("start-up")
     ranks["decode"].send(Drain())
     first = {"decode": ranks["decode"].reply("outcomes")}
     deadline = time.monotonic() + 30
-    states = {}
-    while time.monotonic() < deadline:  # requests fail until decode has reconnected: count them
-        probe = f"soak-reconnect-{len(states)}"
-        got = _run(ranks, [probe], [1], [False], 1)
-        states[probe] = got["decode"].states[probe]
-        if states[probe] == "Success":
+    while time.monotonic() < deadline:  # decode finds the new process by itself
+        ranks["decode"].send(Ready())
+        if ranks["decode"].reply("ready ranks") == [0]:
             break
+        time.sleep(0.05)
+    reconnect = time.monotonic() - t_restart
     prefill_before = _census(ranks["prefill"])  # the new process, once connected to decode
     second = _run(ranks, ids[half:], tokens[half:], aborts[half:], 64)
     wall = time.monotonic() - t0
@@ -417,8 +426,8 @@ def _soak(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) ->
     failed = [rid for rid, s in decode_states.items() if s == "Failed"]
     expected_failed = sum(aborts)
     print(f"soak, {len(ids):,} requests ({expected_failed:,} aborted by decode), prefill restarted after "
-          f"{half:,}: {ok_count:,} succeeded, {len(failed):,} failed, in {wall:.1f} s; "
-          f"{len(states) - 1} probe requests failed while decode reconnected")
+          f"{half:,}: {ok_count:,} succeeded, {len(failed):,} failed, in {wall:.1f} s; decode was connected to "
+          f"the new process {reconnect:.1f} s after the old one began to close")
     leaks = {}
     for role, b in (("decode", before["decode"]), ("prefill", prefill_before)):
         a = after[role]

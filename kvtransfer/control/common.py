@@ -25,13 +25,64 @@ from typing import Callable, Optional
 import numpy as np
 import zmq
 
-__all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "default_host_id", "pack_first_token",
-           "unpack_first_token"]
+__all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "Endpoints", "default_host_id",
+           "pack_first_token", "pick_backend", "unpack_first_token"]
 
 log = logging.getLogger("kvtransfer.control")
 
 AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
 _FIRST_TOKEN = struct.Struct("<qd")
+
+
+class Endpoints:
+    """A rank's transports by backend and, for each, its pools' buffers registered there.
+
+    ``transports``: one Transport or several of distinct backends (``nixl`` for anything,
+    ``nvlink`` beside it for CUDA pools of one host). Registration of every buffer with every
+    transport happens here, at start; :meth:`release` deregisters (idempotent)."""
+
+    def __init__(self, transports, kv_infos, state_infos=None, device: Optional[int] = None):
+        from kvtransfer.batches import BufferRegions
+        from transport.base import Transport
+
+        items = [transports] if isinstance(transports, Transport) else list(transports)
+        if not items or not all(isinstance(t, Transport) for t in items):
+            raise TypeError(f"transports must be a Transport or a non-empty list of them, got {transports!r}")
+        self.transports: dict = {}
+        for t in items:
+            if t.backend in self.transports:
+                raise ValueError(f"two transports of backend {t.backend!r}")
+            self.transports[t.backend] = t
+        self.regions: dict = {}  # backend -> BufferRegions
+        try:
+            for backend, t in self.transports.items():
+                self.regions[backend] = BufferRegions.register(t, kv_infos, state_infos, device)
+        except BaseException:
+            self.release()
+            raise
+
+    def wire(self) -> list:
+        """``Endpoint.to_wire()`` of each transport, for a registration or a hello."""
+        from kvtransfer.control.wire import Endpoint
+
+        return [Endpoint(b, t.name, t.export(), self.regions[b].to_wire()).to_wire()
+                for b, t in self.transports.items()]
+
+    def release(self) -> None:
+        for backend, regions in list(self.regions.items()):
+            try:
+                regions.deregister(self.transports[backend])
+            except ValueError as exc:  # the transport was closed first
+                log.debug("deregistering from %s after close: %s", backend, exc)
+            del self.regions[backend]
+
+
+def pick_backend(mine: dict, theirs: dict, same_host: bool) -> list:
+    """The backends two ranks share, best first: ``nvlink`` when both offer it on one host,
+    then ``nixl``, then any other."""
+    common = [b for b in mine if b in theirs]
+    order = {"nvlink": 0 if same_host else 9, "nixl": 1}
+    return sorted((b for b in common if b != "nvlink" or same_host), key=lambda b: order.get(b, 5))
 
 
 def default_host_id() -> str:

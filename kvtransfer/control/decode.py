@@ -1,9 +1,10 @@
 """The decode side of the control plane: :class:`DecodeKVManager` and :class:`KVReceiver`.
 
-One manager per decode rank. At start it registers its pools' buffers and an aux buffer
-with the transport, asks the bootstrap service for the prefill ranks of its DP group, and
-says hello to each of them; a refused hello (layouts that cannot exchange data) raises
-:class:`HandshakeError` with the prefill rank's reason. It reads from the ranks
+One manager per decode rank. At start it registers its pools' buffers with its transports
+(``nixl``; ``nvlink`` beside it for CUDA pools: each prefill rank picks one), asks the
+bootstrap service for the prefill ranks of its DP group, and says hello to each of them; a
+refused hello (layouts that cannot exchange data) raises :class:`HandshakeError` with the
+prefill rank's reason. It reads from the ranks
 ``senders_for`` names; the others are told of each request too, so that none waits for it.
 
 Per request, the engine reserves the pages, then::
@@ -42,9 +43,9 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from kvtransfer.batches import BufferRegions
 from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
-from kvtransfer.control.common import AuxRecords, ControlConfig, EventLoop, default_host_id, unpack_first_token
+from kvtransfer.control.common import (AuxRecords, ControlConfig, Endpoints, EventLoop, default_host_id,
+                                      unpack_first_token)
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -58,10 +59,10 @@ from kvtransfer.control.wire import (
     TransferRequest,
     WireError,
     decode,
+    endpoints_of,
 )
 from kvtransfer.layout import RankLayout, StateKind
 from kvtransfer.plan import senders_for
-from transport.base import Transport
 
 __all__ = ["DecodeKVManager", "HandshakeError", "KVReceiver"]
 
@@ -174,12 +175,12 @@ class _Incoming:
 class DecodeKVManager:
     """The KV manager of one decode rank (see the module docstring)."""
 
-    def __init__(self, layout: RankLayout, transport: Transport, kv_infos, state_infos=None, *, bootstrap: str,
+    def __init__(self, layout: RankLayout, transports, kv_infos, state_infos=None, *, bootstrap: str,
                  instance: Optional[str] = None, config: ControlConfig = ControlConfig(),
                  device: Optional[int] = None, host_id: Optional[str] = None):
         if not isinstance(layout, RankLayout):
             raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
-        self.layout, self.transport, self.config = layout, transport, config
+        self.layout, self.config = layout, config
         self.instance = instance or f"decode-{uuid.uuid4().hex[:12]}"
         self.incarnation = uuid.uuid4().hex
         self._host = host_id or default_host_id()
@@ -187,7 +188,7 @@ class DecodeKVManager:
         topo = self._bootstrap.wait_for_topology(config.dp_rank, deadline_s=config.bootstrap_timeout_s)
         self.prefill_tp_size = topo.tp_size
         self.senders = senders_for(layout, topo.tp_size)
-        self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
+        self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._aux = AuxRecords(config.aux_slots)  # plain memory: records arrive on notifications
         self._ctx = zmq.Context()
         self._receivers: RequestTable = RequestTable()
@@ -195,6 +196,7 @@ class DecodeKVManager:
         self._peers: dict = {}  # prefill tp rank -> _PrefillPeer
         self._by_name: dict = {}  # transport name -> prefill tp rank
         self._last_lookup = 0.0
+        self._closing = False  # set by close(): a Goodbye then answers ours
         self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick)
         for reg in topo.rank_infos():  # every prefill rank: those it does not read from are told too
             self._connect(reg)
@@ -233,10 +235,7 @@ class DecodeKVManager:
             return
         self._loop.close(final=self._shutdown)
         self._ctx.term()
-        try:
-            self.regions.deregister(self.transport)
-        except ValueError as exc:  # the transport was closed first
-            log.debug("deregistering after close: %s", exc)
+        self.endpoints.release()
 
     def __enter__(self):
         return self
@@ -257,14 +256,13 @@ class DecodeKVManager:
         now = time.monotonic()
         peer = _PrefillPeer(reg, sock, _PeerState.CONNECTING, since=now, last_seen=now)
         self._peers[reg.tp_rank] = peer
-        self._by_name[reg.transport_name] = reg.tp_rank
+        for ep in endpoints_of(reg).values():
+            self._by_name[ep.name] = reg.tp_rank
         self._loop.add_socket(sock, lambda: self._on_socket(peer))
         sock.send(DecodeHello(
             instance=self.instance, dp_rank=self.config.dp_rank, tp_rank=self.layout.tp_rank,
-            tp_size=self.layout.tp_size, host=self._host, backend=self.transport.backend,
-            transport_export=self.transport.export(), transport_name=self.transport.name,
-            layout=self.layout.to_msgpack(), regions=self.regions.to_wire(),
-            incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
+            tp_size=self.layout.tp_size, host=self._host, endpoints=self.endpoints.wire(),
+            layout=self.layout.to_msgpack(), incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
 
     def _await_handshakes(self) -> None:
         deadline = time.monotonic() + self.config.handshake_timeout_s
@@ -303,7 +301,10 @@ class DecodeKVManager:
             elif isinstance(msg, AbortRequest):
                 self._fail(msg.request_id, msg.reason, tell_senders=False)
             elif isinstance(msg, Goodbye):
-                peer.state = _PeerState.GONE
+                if self._closing:  # the answer to ours: it can no longer write here
+                    peer.state = _PeerState.GONE
+                else:  # the prefill rank is closing: lost until a new incarnation registers
+                    self._lose(rank, f"prefill rank {rank} closed")
             elif isinstance(msg, Quiesced):
                 inc = self._incoming.get(msg.request_id)
                 if inc is not None:
@@ -348,7 +349,7 @@ class DecodeKVManager:
         if down:
             p = down[0]
             why = p.error or f"prefill rank {p.registration.tp_rank} is {p.state.value}"
-            self._fail(inc.receiver.request_id, why, tell_senders=False)
+            self._fail(inc.receiver.request_id, why, tell_senders=True)  # the ranks that are up drop it too
             inc.quiesced.update(self.senders)  # nothing was asked: nothing can land
             self._maybe_release(inc)
             return
@@ -391,7 +392,7 @@ class DecodeKVManager:
         if inc is None or not inc.receiver.status.fail(reason):
             return
         log.info("request %s failed on decode rank %d: %s", request_id, self.layout.tp_rank, reason)
-        if tell_senders and inc.asked:
+        if tell_senders:  # asked or not: a prefill rank may hold a sender for it already
             for peer in self._peers.values():
                 if peer.state is _PeerState.READY:
                     peer.socket.send(AbortRequest(request_id=request_id, reason=reason).to_msgpack(), zmq.NOBLOCK)
@@ -419,8 +420,9 @@ class DecodeKVManager:
 
     # -- timers, heartbeats, notifications ---------------------------------------------------
     def _tick(self) -> float:
-        for note in self.transport.poll_notifications():
-            self._on_arrived(note.sender, note.payload)
+        for transport in self.endpoints.transports.values():
+            for note in transport.poll_notifications():
+                self._on_arrived(note.sender, note.payload)
         now = time.monotonic()
         cfg = self.config
         for rank, peer in self._peers.items():
@@ -478,6 +480,7 @@ class DecodeKVManager:
         """Fail what is in flight, then make every connected prefill rank forget this rank's
         memory before it is deregistered (Goodbye, answered once none of its writes here is
         in flight); a rank that does not answer within the heartbeat timeout is lost."""
+        self._closing = True
         for rid in list(self._incoming):
             self._fail(rid, "the decode manager closed", tell_senders=True)
         waiting = [p for p in self._peers.values() if p.state is _PeerState.READY]
@@ -488,7 +491,8 @@ class DecodeKVManager:
             for peer in waiting:
                 if peer.socket.poll(1, zmq.POLLIN):
                     self._on_socket(peer)
-            self.transport.poll_notifications()  # keeps NIXL progressing while prefill drains
+            for transport in self.endpoints.transports.values():  # keeps NIXL progressing while prefill drains
+                transport.poll_notifications()
         for peer in self._peers.values():
             if peer.state is _PeerState.READY:
                 log.warning("decode rank %d closes without a goodbye from prefill rank %d (lost?)",

@@ -1,10 +1,12 @@
 """The prefill side of the control plane: :class:`PrefillKVManager` and :class:`KVSender`.
 
-One manager per prefill rank. At start it registers its pools' buffers with the transport,
-binds its control socket (a ZeroMQ ROUTER), and registers with the bootstrap service. Decode
-ranks then introduce themselves (``DecodeHello``: layout, transport export, buffer map); the
-manager checks the layouts (a mismatch is refused, naming the field and both values) and
-connects its transport to theirs.
+One manager per prefill rank. At start it registers its pools' buffers with its transports
+(``nixl``, and ``nvlink`` beside it for CUDA pools), binds its control socket (a ZeroMQ
+ROUTER), and registers with the bootstrap service. Decode ranks then introduce themselves
+(``DecodeHello``: layout, one endpoint per transport: export and buffer map); the manager
+checks the layouts (a mismatch is refused, naming the field and both values) and connects
+over the best transport both sides have: ``nvlink`` when both offer it on one host and CUDA
+IPC works, else ``nixl``.
 
 Per request, the engine calls ``sender = manager.sender(request_id)`` and then
 ``sender.send(slots, last=...)`` once per chunk of a chunked prefill: ``slots`` are this
@@ -42,7 +44,8 @@ import zmq
 
 from kvtransfer.batches import BufferRegions, plan_batch, write_batch
 from kvtransfer.control.bootstrap import BootstrapClient
-from kvtransfer.control.common import AUX_RECORD_BYTES, ControlConfig, EventLoop, default_host_id
+from kvtransfer.control.common import (AUX_RECORD_BYTES, ControlConfig, Endpoints, EventLoop, default_host_id,
+                                      pick_backend)
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -56,10 +59,11 @@ from kvtransfer.control.wire import (
     TransferRequest,
     WireError,
     decode,
+    endpoints_of,
 )
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, TransferStatus, Transport, TransportError
+from transport.base import PeerDescriptorError, TransferStatus, TransportError
 
 __all__ = ["KVSender", "PrefillKVManager"]
 
@@ -127,7 +131,9 @@ class _DecodePeer:
     hello: DecodeHello
     identity: bytes
     layout: RankLayout
-    regions: BufferRegions
+    backend: str  # the transport this pair writes through
+    src_regions: BufferRegions  # this rank's buffers on that transport
+    regions: BufferRegions  # the decode rank's buffers on that transport
     peer: object  # transport Peer
     reads_from_me: bool  # this rank is one of its senders_for(...)
     writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
@@ -157,14 +163,15 @@ class _Outgoing:
 class PrefillKVManager:
     """The KV manager of one prefill rank (see the module docstring)."""
 
-    def __init__(self, layout: RankLayout, transport: Transport, kv_infos, state_infos=None, *,
+    def __init__(self, layout: RankLayout, transports, kv_infos, state_infos=None, *,
                  bootstrap: str, config: ControlConfig = ControlConfig(), device: Optional[int] = None,
                  host_id: Optional[str] = None):
         if not isinstance(layout, RankLayout):
             raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
-        self.layout, self.transport, self.config = layout, transport, config
+        self.layout, self.config = layout, config
         self.incarnation = uuid.uuid4().hex
-        self.regions = BufferRegions.register(transport, kv_infos, state_infos, device)
+        self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
+        self._host = host_id or default_host_id()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -173,7 +180,7 @@ class PrefillKVManager:
             if config.port:
                 self._router.bind(f"tcp://{config.host}:{port}")
         except zmq.ZMQError as exc:
-            self._release_memory()
+            self.endpoints.release()
             raise OSError(f"prefill rank {layout.tp_rank}: cannot bind tcp://{config.host}:{config.port}: {exc}") from None
         self.control_addr = f"tcp://{config.host}:{port}"
         self._senders: RequestTable = RequestTable()
@@ -189,13 +196,12 @@ class PrefillKVManager:
         try:
             self._bootstrap.register(RegisterPrefill(
                 dp_rank=config.dp_rank, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
-                control_addr=self.control_addr, host=host_id or default_host_id(), backend=transport.backend,
-                transport_export=transport.export(), transport_name=transport.name, layout=layout.to_msgpack(),
-                regions=self.regions.to_wire(), incarnation=self.incarnation), deadline_s=config.bootstrap_timeout_s)
+                control_addr=self.control_addr, host=self._host, endpoints=self.endpoints.wire(),
+                layout=layout.to_msgpack(), incarnation=self.incarnation), deadline_s=config.bootstrap_timeout_s)
         except BaseException:
             self._router.close()
             self._ctx.term()
-            self._release_memory()
+            self.endpoints.release()
             raise
         self._loop.start()
 
@@ -210,6 +216,10 @@ class PrefillKVManager:
         """The decode ranks connected now, as (instance, tp_rank)."""
         return self._loop.call(lambda: sorted(self._decode)).result(timeout=10)
 
+    def decode_backends(self) -> dict:
+        """``{(instance, tp_rank): backend}``: the transport each connected decode rank gets."""
+        return self._loop.call(lambda: {k: p.backend for k, p in self._decode.items()}).result(timeout=10)
+
     @property
     def num_requests(self) -> int:
         """Requests not yet ended and released."""
@@ -223,7 +233,7 @@ class PrefillKVManager:
         self._loop.close(final=self._shutdown)
         self._router.close()
         self._ctx.term()
-        self._release_memory()
+        self.endpoints.release()
 
     def __enter__(self):
         return self
@@ -301,11 +311,11 @@ class PrefillKVManager:
             if dst.size != src.size:
                 raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                                  f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), self.regions,
+            writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), peer.src_regions,
                                         peer.regions))]
             if self.layout.state_kind is StateKind.NSA_INDEX:
                 writes.append(("state", plan_batch(plan_state_transfer(self.layout, peer.layout, src, dst),
-                                                   self.regions, peer.regions)))
+                                                   peer.src_regions, peer.regions)))
             if chunk.last:
                 if out.tokens_sent != req.prefix_tokens + dst_all.size:
                     raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
@@ -327,7 +337,7 @@ class PrefillKVManager:
         if self.layout.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
             return []
         plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
-        return [] if plan.empty else [("state", plan_batch(plan, self.regions, peer.regions))]
+        return [] if plan.empty else [("state", plan_batch(plan, peer.src_regions, peer.regions))]
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
@@ -398,11 +408,9 @@ class PrefillKVManager:
     def _on_hello(self, identity: bytes, hello: DecodeHello) -> None:
         error = ""
         try:
-            if hello.backend != self.transport.backend:
-                raise LayoutMismatch(f"transports differ: this side {self.transport.backend!r}, peer {hello.backend!r}")
             layout = RankLayout.from_msgpack(hello.layout)
             self.layout.check_compatible(layout)
-            regions = BufferRegions.from_wire(hello.regions)
+            theirs = endpoints_of(hello)
             readers = senders_for(layout, self.layout.tp_size)
         except (LayoutMismatch, ValueError, TypeError) as exc:
             error = str(exc)
@@ -410,19 +418,39 @@ class PrefillKVManager:
             old = self._decode.pop(hello.key, None)
             if old is not None:  # the decode rank restarted: its old requests cannot finish
                 self._drop_peer(old, f"decode rank {hello.key} said hello again (restarted)")
-            try:
-                peer = self.transport.connect(hello.transport_export)
-            except (PeerDescriptorError, TransportError) as exc:
-                error = f"cannot connect to the decode rank's transport: {exc}"
+            connected = self._connect(hello, theirs)
+            if isinstance(connected, str):
+                error = connected
             else:
+                backend, peer, regions = connected
                 self._decode[hello.key] = _DecodePeer(
-                    hello, identity, layout, regions, peer, reads_from_me=self.layout.tp_rank in readers,
+                    hello, identity, layout, backend, self.endpoints.regions[backend], regions, peer,
+                    reads_from_me=self.layout.tp_rank in readers,
                     writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
                 self._by_identity[identity] = hello.key
+                log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
         self._router.send_multipart([identity, HelloAck(error=error, incarnation=self.incarnation).to_msgpack()],
                                     zmq.NOBLOCK)
+
+    def _connect(self, hello: DecodeHello, theirs: dict):
+        """``(backend, transport Peer, the decode rank's BufferRegions)`` over the best shared
+        transport that connects, else why none did (a str)."""
+        mine = self.endpoints.transports
+        candidates = pick_backend(mine, theirs, same_host=hello.host == self._host)
+        if not candidates:
+            return f"no transport in common: this side {sorted(mine)}, peer {sorted(theirs)}"
+        failures = []
+        for backend in candidates:
+            try:
+                regions = BufferRegions.from_wire(theirs[backend].regions)
+                return backend, mine[backend].connect(theirs[backend].export), regions
+            except (PeerDescriptorError, TransportError, ValueError) as exc:
+                failures.append(f"{backend}: {exc}")
+                log.info("prefill rank %d: %s to decode rank %s unusable: %s", self.layout.tp_rank, backend,
+                         hello.key, exc)
+        return "cannot connect to the decode rank's transport (" + "; ".join(failures) + ")"
 
     def _on_request(self, key: tuple, req: TransferRequest) -> None:
         out = self._outgoing.get(req.request_id)
@@ -539,13 +567,9 @@ class PrefillKVManager:
             time.sleep(0.001)
         for rid, out in list(self._outgoing.items()):
             self._finish(rid, out)
+        for key in list(self._decode):  # decode ranks stop asking a closed rank at once
+            self._send(key, Goodbye(incarnation=self.incarnation))
         for peer in [*self._decode.values(), *self._leaving.values()]:
             self._close_peer(peer)
         self._decode.clear()
         self._leaving.clear()
-
-    def _release_memory(self) -> None:
-        try:
-            self.regions.deregister(self.transport)
-        except (ValueError, TransportError) as exc:  # the transport was closed first
-            log.debug("deregistering after close: %s", exc)

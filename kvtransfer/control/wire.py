@@ -35,6 +35,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AbortRequest",
     "DecodeHello",
+    "Endpoint",
     "GetTopology",
     "Goodbye",
     "Heartbeat",
@@ -51,6 +52,7 @@ __all__ = [
     "UnregisterPrefill",
     "WireError",
     "decode",
+    "endpoints_of",
 ]
 
 PROTOCOL_VERSION = 1
@@ -136,6 +138,46 @@ def decode(data) -> Message:
         raise WireError(f"{cls.KIND}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """One transport of a rank as its peers see it: the backend, the name its notifications
+    carry, its export, and the map of the rank's pool buffers to its region ids
+    (``BufferRegions.to_wire()``). A rank may offer several (``nixl``, and ``nvlink`` for
+    CUDA memory); each pair of ranks picks one."""
+
+    backend: str
+    name: str
+    export: bytes
+    regions: dict
+
+    def to_wire(self) -> dict:
+        return {"backend": self.backend, "name": self.name, "export": self.export, "regions": self.regions}
+
+    @classmethod
+    def from_wire(cls, item) -> "Endpoint":
+        want = {"backend": str, "name": str, "export": bytes, "regions": dict}
+        if not isinstance(item, dict) or set(item) != set(want):
+            got = sorted(item) if isinstance(item, dict) else type(item).__name__
+            raise WireError(f"an endpoint must be a map with keys {sorted(want)}, got {got}")
+        for key, typ in want.items():
+            if not isinstance(item[key], typ):
+                raise WireError(f"endpoint.{key} must be {typ.__name__}, got {type(item[key]).__name__}")
+        return cls(**item)
+
+
+def endpoints_of(msg) -> dict:
+    """``{backend: Endpoint}`` of a message's ``endpoints`` (at least one, backends distinct)."""
+    out = {}
+    for item in msg.endpoints:
+        ep = Endpoint.from_wire(item)
+        if ep.backend in out:
+            raise WireError(f"{msg.KIND}: backend {ep.backend!r} listed twice")
+        out[ep.backend] = ep
+    if not out:
+        raise WireError(f"{msg.KIND}: no endpoint")
+    return out
+
+
 # -- bootstrap ---------------------------------------------------------------------------------
 
 
@@ -150,15 +192,13 @@ class RegisterPrefill(Message):
     tp_size: int
     control_addr: str  # where decode ranks reach this rank's control socket (tcp://host:port)
     host: str  # host identity: ranks on one host may use the nvlink transport
-    backend: str  # transport backend name ("nixl", "nvlink")
-    transport_export: bytes  # Transport.export() of this rank
-    transport_name: str  # the name notifications from this rank carry
+    endpoints: list  # Endpoint.to_wire() per transport this rank writes through
     layout: bytes  # RankLayout.to_msgpack()
-    regions: dict  # BufferRegions.to_wire()
     incarnation: str  # changes on every start of the rank: tells a restart from a retry
 
     def __post_init__(self):
         super().__post_init__()
+        endpoints_of(self)
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size or self.dp_rank < 0:
             raise WireError(f"register_prefill: need 0 <= tp_rank < tp_size and dp_rank >= 0, got tp_rank "
                             f"{self.tp_rank}, tp_size {self.tp_size}, dp_rank {self.dp_rank}")
@@ -246,12 +286,13 @@ class DecodeHello(Message):
     tp_rank: int
     tp_size: int
     host: str
-    backend: str
-    transport_export: bytes
-    transport_name: str
+    endpoints: list  # Endpoint.to_wire() per transport this rank receives on
     layout: bytes  # RankLayout.to_msgpack()
-    regions: dict  # BufferRegions.to_wire() of the KV / state buffers
     incarnation: str
+
+    def __post_init__(self):
+        super().__post_init__()
+        endpoints_of(self)
 
     @property
     def key(self) -> tuple:
@@ -338,7 +379,10 @@ class Goodbye(Message):
     """Decode -> prefill before a decode rank deregisters its memory: forget my transport
     export. The prefill rank fails its requests to this rank, waits until none of its writes
     to it is in flight, closes its transport peer, and answers with a Goodbye of its own;
-    only then may the decode rank free what the prefill rank could address."""
+    only then may the decode rank free what the prefill rank could address.
+
+    Prefill -> decode, unasked, when a prefill rank closes: its decode ranks stop sending
+    it requests at once (instead of after the heartbeat timeout) and look for its successor."""
 
     KIND: ClassVar[str] = "goodbye"
     incarnation: str

@@ -219,6 +219,7 @@ class _Rank:
                 stats["ready_senders"] = self.manager.ready_senders()
             else:
                 stats["decode_peers"] = self.manager.decode_peers()
+                stats["backends"] = self.manager.decode_backends()
             return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
 

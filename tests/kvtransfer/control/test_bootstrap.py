@@ -15,7 +15,7 @@ import zmq
 
 from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError, BootstrapService, BootstrapTimeout
 from kvtransfer.control.wire import Ping, Pong, decode
-from tests.kvtransfer.control._support import register
+from tests.kvtransfer.control._support import endpoint, register
 
 
 def free_port() -> int:
@@ -45,10 +45,10 @@ def test_ranks_register_and_decode_sees_the_topology(service):
 
 def test_a_restarted_rank_replaces_its_entry(service):
     client = BootstrapClient(service.address)
-    client.register(register(tp_rank=0, incarnation="first", transport_name="old"))
-    client.register(register(tp_rank=0, incarnation="second", transport_name="new"))
+    client.register(register(tp_rank=0, incarnation="first", endpoints=[endpoint(name="old")]))
+    client.register(register(tp_rank=0, incarnation="second", endpoints=[endpoint(name="new")]))
     (reg,) = client.topology(0).rank_infos()
-    assert (reg.incarnation, reg.transport_name) == ("second", "new")
+    assert (reg.incarnation, reg.endpoints[0]["name"]) == ("second", "new")
 
 
 def test_a_contradicting_tp_size_is_refused_naming_both(service):
@@ -90,7 +90,7 @@ def test_registration_retries_until_a_late_service_comes_up():
     try:
         client.register(register(), deadline_s=20)
         assert time.monotonic() - t0 >= 0.6
-        assert box["svc"].registrations(0)[1].transport_name == "prefill-1"
+        assert box["svc"].registrations(0)[1].endpoints[0]["name"] == "prefill-1"
     finally:
         starter.join()
         box["svc"].close()

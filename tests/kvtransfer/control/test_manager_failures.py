@@ -37,11 +37,11 @@ def ranks():
 
 
 def prefill_spec(bootstrap, tp_rank, tp_size, **kw):
-    return RankSpec("prefill", tp_rank, tp_size, 16, bootstrap, config=FAST, **kw)
+    return RankSpec("prefill", tp_rank, tp_size, 16, bootstrap, **{"config": FAST, **kw})
 
 
 def decode_spec(bootstrap, tp_rank=0, tp_size=1, instance="decode-a", **kw):
-    return RankSpec("decode", tp_rank, tp_size, 4, bootstrap, config=FAST, instance=instance, **kw)
+    return RankSpec("decode", tp_rank, tp_size, 4, bootstrap, instance=instance, **{"config": FAST, **kw})
 
 
 def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(bootstrap, ranks):

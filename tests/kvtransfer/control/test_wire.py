@@ -7,7 +7,7 @@ import pytest
 
 from kvtransfer.control import wire
 from kvtransfer.control.wire import GetTopology, Ping, Registered, Topology, WireError, decode
-from tests.kvtransfer.control._support import register
+from tests.kvtransfer.control._support import endpoint, register
 
 
 def frame(kind, body, v=wire.PROTOCOL_VERSION) -> bytes:
@@ -68,8 +68,8 @@ def test_decode_prefill_messages_round_trip():
     from kvtransfer.control.wire import (AbortRequest, DecodeHello, Heartbeat, HelloAck, KVArrived, Quiesced,
                                          TransferRequest)
 
-    msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h", backend="nixl", transport_export=b"x",
-                        transport_name="d0", layout=b"l", regions={"kv": [1], "state": []}, incarnation="i"),
+    msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h",
+                        endpoints=[endpoint(name="d0"), endpoint("nvlink", "d0-nvlink")], layout=b"l", incarnation="i"),
             HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p"),
             TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7),
                             prefix_tokens=0, state_slot=-1),
@@ -78,3 +78,19 @@ def test_decode_prefill_messages_round_trip():
             Heartbeat(seq=1, incarnation="p")]
     for msg in msgs:
         assert decode(msg.to_msgpack()) == msg
+
+
+@pytest.mark.parametrize("endpoints, match", [
+    ([], "no endpoint"),
+    ([{"backend": "nixl"}], "an endpoint must be a map with keys"),
+    ([{"backend": "nixl", "name": 3, "export": b"", "regions": {}}], "endpoint.name must be str, got int"),
+    (["x"], "an endpoint must be a map"),
+])
+def test_bad_endpoints_are_refused(endpoints, match):
+    with pytest.raises(WireError, match=match):
+        decode(frame("register_prefill", {**register().__dict__, "endpoints": endpoints}))
+
+
+def test_a_backend_listed_twice_is_refused():
+    with pytest.raises(WireError, match="backend 'nixl' listed twice"):
+        register(endpoints=[endpoint(), endpoint(name="other")])
