@@ -37,7 +37,8 @@ def _view(ptr: int, nbytes: int) -> np.ndarray:
 
 
 class PoolKit:
-    def __init__(self, kind: str, tp_rank: int, tp_size: int, page_size: int, pages: int, state_slots: int = 32):
+    def __init__(self, kind: str, tp_rank: int, tp_size: int, page_size: int, pages: int, state_slots: int = 32,
+                 device: int = -1):
         import torch
 
         from kvtransfer.layout import RankLayout
@@ -48,6 +49,10 @@ class PoolKit:
 
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if device >= 0 and kind != "mha":
+            raise ValueError(f"CUDA pools are MHA here, got {kind!r}")
+        self.device = None if device < 0 else device  # CUDA ordinal, None: host memory
+        where = "cpu" if device < 0 else f"cuda:{device}"
         self.kind, self.tp_rank, self.tp_size = kind, tp_rank, tp_size
         size = pages * page_size
         first, count = _split(HEADS, tp_rank, tp_size)
@@ -55,7 +60,7 @@ class PoolKit:
         conv_groups = None
         if kind == "mha":
             self.pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, head_num=count,
-                                         head_dim=HEAD_DIM, layer_num=2, device="cpu")
+                                         head_dim=HEAD_DIM, layer_num=2, device=where)
         elif kind == "mla":
             self.pool = MLATokenToKVPool(size=size, page_size=page_size, dtype=torch.float32, kv_lora_rank=KV_LORA,
                                          qk_rope_head_dim=ROPE, layer_num=2, device="cpu")
@@ -78,10 +83,17 @@ class PoolKit:
 
     # -- bytes --------------------------------------------------------------------------
     def _kv_buffers(self):
-        """``[(view, row bytes, full row bytes, local piece)]`` per exported KV buffer."""
+        """``[(view, row bytes, full row bytes, local piece)]`` per exported KV buffer; a view
+        is ``[rows, row bytes]`` uint8 (numpy on the host, torch on a GPU)."""
         ptrs, lens, items = self.kv_infos
+        if self.device is None:
+            views = [_view(ptr, length).reshape(-1, item // self.page_size)
+                     for ptr, length, item in zip(ptrs, lens, items)]
+        else:  # MHA on a GPU: the pool's own K, then V tensors, in export order
+            views = [t.view(-1).view(__import__("torch").uint8).reshape(t.shape[0], -1)
+                     for t in [*self.pool.k_buffer, *self.pool.v_buffer]]
         out = []
-        for ptr, length, item in zip(ptrs, lens, items):
+        for view, item in zip(views, items):
             row = item // self.page_size
             if self.kind == "mla":
                 full, pieces = row, [(0, row)]
@@ -89,7 +101,7 @@ class PoolKit:
                 hb = HEAD_DIM * ITEM
                 first, count = self.heads
                 full, pieces = HEADS * hb, [(first * hb, count * hb)]
-            out.append((_view(ptr, length), row, full, pieces))
+            out.append((view, row, full, pieces))
         return out
 
     def _state_buffers(self):
@@ -127,7 +139,13 @@ class PoolKit:
         for b, (view, row, full, pieces) in enumerate(self._kv_buffers()):
             rows = self._local(self._full_rows(request_id, "kv", b, slots.size, full), pieces)
             assert rows.shape[1] == row, (rows.shape, row)
-            view.reshape(-1, row)[slots] = rows
+            if self.device is None:
+                view[slots] = rows
+            else:
+                import torch
+
+                view[torch.from_numpy(slots).to(view.device)] = torch.from_numpy(rows).to(view.device)
+                torch.cuda.synchronize(view.device)
         if self.kind == "hybrid":
             for b, (view, item, full, pieces) in enumerate(self._state_buffers()):
                 rows = self._local(self._full_rows(request_id, "state", b, 1, full), pieces)
@@ -139,7 +157,8 @@ class PoolKit:
         bad = 0
         for b, (view, row, full, pieces) in enumerate(self._kv_buffers()):
             want = self._local(self._full_rows(request_id, "kv", b, tokens, full), pieces)[prefix:]
-            bad += int((view.reshape(-1, row)[slots] != want).any(axis=1).sum())
+            got = view[slots] if self.device is None else view.cpu().numpy()[slots]
+            bad += int((got != want).any(axis=1).sum())
         if self.kind == "hybrid":
             for b, (view, item, full, pieces) in enumerate(self._state_buffers()):
                 want = self._local(self._full_rows(request_id, "state", b, 1, full), pieces)[0]

@@ -28,6 +28,8 @@ class RankSpec:
     bootstrap: str
     kind: str = "mha"  # _pools.KINDS
     pages: int = 64
+    device: int = -1  # CUDA ordinal of the pools (-1: host memory)
+    backends: tuple = ("nixl",)  # the rank's transports ("nvlink" needs a CUDA pool)
     seed: int = 0
     config: dict = field(default_factory=dict)  # ControlConfig fields
     instance: Optional[str] = None
@@ -114,26 +116,34 @@ class _Rank:
         from transport.nixl import NixlTransport
 
         self.spec = spec
-        self.kit = PoolKit(spec.kind, spec.tp_rank, spec.tp_size, spec.page_size, spec.pages)
+        self.kit = PoolKit(spec.kind, spec.tp_rank, spec.tp_size, spec.page_size, spec.pages, device=spec.device)
         self.layout = self.kit.layout
         rng = np.random.default_rng(spec.seed * 1000 + spec.tp_rank * 10 + (spec.role == "decode"))
         self.free_pages = [int(p) for p in rng.permutation(np.arange(1, spec.pages + 1))]
         self.free_state = list(range(1, 32)) if spec.kind == "hybrid" else []
         self.state_slot: dict = {}  # request id -> state slot (hybrid)
         self.slots: dict = {}  # request id -> [tokens] slots
-        self.transport = NixlTransport()
+        self.transports = []
+        for backend in spec.backends:
+            if backend == "nixl":
+                self.transports.append(NixlTransport())
+            else:
+                from transport.nvlink import NvlinkTransport
+
+                self.transports.append(NvlinkTransport())
+        device = None if spec.device < 0 else spec.device
         config = ControlConfig(**spec.config)
         infos, state_infos = self.kit.kv_infos, self.kit.state_infos
         if spec.role == "prefill":
             from kvtransfer.control.prefill import PrefillKVManager
 
-            self.manager = PrefillKVManager(self.layout, self.transport, infos, state_infos,
-                                            bootstrap=spec.bootstrap, config=config)
+            self.manager = PrefillKVManager(self.layout, self.transports, infos, state_infos,
+                                            bootstrap=spec.bootstrap, config=config, device=device)
         else:
             from kvtransfer.control.decode import DecodeKVManager
 
-            self.manager = DecodeKVManager(self.layout, self.transport, infos, state_infos, bootstrap=spec.bootstrap,
-                                           instance=spec.instance, config=config)
+            self.manager = DecodeKVManager(self.layout, self.transports, infos, state_infos, bootstrap=spec.bootstrap,
+                                           instance=spec.instance, config=config, device=device)
         self.handles: dict = {}
         self.requests: dict = {}  # decode: request id -> (tokens, prefix)
 
@@ -235,7 +245,8 @@ class _Rank:
 
     def close(self):
         self.manager.close()
-        self.transport.close()
+        for transport in self.transports:
+            transport.close()
 
 
 def rank_main(spec: RankSpec, conn) -> None:

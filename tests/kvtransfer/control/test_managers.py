@@ -113,3 +113,23 @@ def test_request_with_a_held_last_chunk_completes_when_it_comes(group):
     for d in decode:
         assert d.call(Wait("late")) == ("Success", None)
         assert d.call(Verify("late"))[0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("backends, want", [(("nixl", "nvlink"), "nvlink"), (("nixl",), "nixl")])
+def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want):
+    """Prefill on GPU 0, decode on GPU 1, one process each: with nvlink on both sides the pair
+    takes it (else NIXL), and the bytes land either way."""
+    with BootstrapService() as svc:
+        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=FAST, device=0, backends=backends)),
+                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=FAST, device=1, backends=backends,
+                                      instance="gpu"))]
+        try:
+            prefill, decode = [r.started() for r in ranks]
+            assert prefill.call(Stats())["backends"] == {("gpu", 0): want}
+            for i, tokens in enumerate((1, 37, 200)):
+                run_request([prefill], [decode], f"gpu-{i}", tokens, (tokens,) if tokens < 16 else (16, tokens - 16))
+                assert decode.call(Verify(f"gpu-{i}")) == (0, 7)
+        finally:
+            close_all(ranks)
