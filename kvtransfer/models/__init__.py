@@ -1,0 +1,1 @@
+"""Models that read and write the pools (see ``registry`` for what ``generate`` can run)."""
