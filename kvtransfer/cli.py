@@ -1,4 +1,4 @@
-"""The ``kvtransfer`` command: ``demo``, ``bench NAME``, ``layouts``."""
+"""The ``kvtransfer`` command: ``demo``, ``bench NAME``, ``layouts``, ``generate``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="local prefill -> decode demo", add_help=False)
     sub.add_parser("layouts", help="print pool layouts for a few model shapes", add_help=False)
+    sub.add_parser("generate", help="colocated greedy generation with a model (--model, --tp, --prompt)",
+                   add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
     bench.add_argument("name", nargs="?", choices=_bench_names())
     args, rest = parser.parse_known_args(argv)

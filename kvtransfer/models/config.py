@@ -62,7 +62,8 @@ def _positive(cfg, *names: str) -> None:
 def _divides(what: Tuple[Tuple[str, int], ...], tp: int) -> None:
     for name, n in what:
         if n % tp:
-            raise ValueError(f"TP size {tp} does not divide {name}={n}")
+            ok = [t for t in range(1, max(v for _, v in what) + 1) if all(v % t == 0 for _, v in what)][:8]
+            raise ValueError(f"TP size {tp} does not divide {name}={n}; this model allows TP {', '.join(map(str, ok))}")
 
 
 def _check_tp_int(tp) -> None:

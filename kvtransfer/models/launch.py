@@ -13,6 +13,7 @@ A job is a picklable callable (a frozen dataclass at module level) ``job(engine)
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import traceback
@@ -37,8 +38,11 @@ class RankFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class RankOutcome:
+    """What a rank sends back. ``result`` is pickled to bytes by the rank: tensors must not travel
+    as shared-memory handles, which die with the process that made them."""
+
     rank: int
-    result: Any = None
+    result: Optional[bytes] = None
     error: Optional[str] = None  # the rank's traceback, or None on success
 
 
@@ -59,7 +63,7 @@ def _rank_main(rank: int, size: int, port: int, threads: int, spec, ec, job, res
     try:
         tp = init_tp(rank, size, port, ec.device)
         out = run_rank(spec, tp, ec, job)
-        results.put(RankOutcome(rank, result=out if rank == 0 else None))
+        results.put(RankOutcome(rank, result=pickle.dumps(out) if rank == 0 else None))
     except BaseException:
         results.put(RankOutcome(rank, error=traceback.format_exc()))
     finally:
@@ -68,10 +72,13 @@ def _rank_main(rank: int, size: int, port: int, threads: int, spec, ec, job, res
 
 
 def run(spec: ModelSpec, tp_size: int, ec: EngineConfig, job: Callable[[Engine], Any],
-        threads: Optional[int] = None) -> Any:
-    """Rank 0's ``job(engine)`` result (module docstring)."""
+        threads: Optional[int] = None, spawn: Optional[bool] = None) -> Any:
+    """Rank 0's ``job(engine)`` result (module docstring). ``spawn`` forces (True) or avoids
+    (False, TP 1 only) separate processes; by default only TP > 1 spawns."""
     spec.config.check_tp(tp_size)
-    if tp_size == 1:
+    if spawn is False and tp_size > 1:
+        raise ValueError(f"TP {tp_size} needs one process per rank: spawn=False allows TP 1 only")
+    if tp_size == 1 and not spawn:
         return run_rank(spec, TPGroup(), ec, job)
     threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     ctx = tmp.get_context("spawn")
@@ -98,7 +105,7 @@ def run(spec: ModelSpec, tp_size: int, ec: EngineConfig, job: Callable[[Engine],
             if o.error is not None:
                 raise RankFailed(f"rank {o.rank} of {tp_size} failed:\n{o.error}")
             outcomes[o.rank] = o
-        return outcomes[0].result
+        return pickle.loads(outcomes[0].result)
     finally:
         for p in procs:
             p.join(timeout=30)

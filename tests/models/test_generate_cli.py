@@ -1,0 +1,42 @@
+"""``kvtransfer generate``: text for good input; one line on stderr, exit 2, no traceback, for bad."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.models._support import require_smollm2
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "kvtransfer", "generate", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5", "--prompt", "hi"], "unknown model 'gpt-5'; expected one of smollm2-135m"),
+    (["--model", "tiny-mla", "--tp", "3", "--prompt", "hi"], "TP size 3 does not divide the query heads=8; this model allows TP 1, 2, 4"),
+    (["--model", "tiny-hybrid", "--prompt", "x" * 40, "--raw", "--pool-tokens", "32", "--page-size", "4"],
+     "prompt of 40 tokens + 64 new tokens = 104 does not fit the pool of 32 token slots"),
+    (["--model", "tiny-mla", "--prompt", "hi", "--dtype", "int8"], "unknown dtype 'int8'"),
+])
+def test_bad_input_is_one_line(args, message):
+    out = _generate(*args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_smollm2_tp_the_heads_do_not_allow():
+    require_smollm2()
+    out = _generate("--model", "smollm2-135m", "--tp", "2", "--prompt", "hi")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("kvtransfer generate: error: TP size 2 does not divide the query heads=9; "
+                                  "this model allows TP 1, 3")
+
+
+def test_tiny_hybrid_generates_with_tp2():
+    out = _generate("--model", "tiny-hybrid", "--tp", "2", "--prompt", "hi", "--max-tokens", "4", "--stats")
+    assert out.returncode == 0, out.stderr
+    assert "decode 3 tokens" in out.stderr and "tp=2" in out.stderr
