@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-tokens", type=int, default=4096, help="KV pool size in token slots")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
-    ap.add_argument("--stats", action="store_true", help="load time and tokens/s on stderr")
+    ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a short warm-up request)")
     return ap
 
 
@@ -59,7 +59,7 @@ def _generate(args) -> int:
     text = args.prompt if args.raw else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt = tokenizer.encode(text)
     check_request(prompt, args.max_tokens, ec, spec.config)
-    out = launch.run(spec, args.tp, ec, Generate((tuple(prompt),), args.max_tokens, tokenizer.stop_ids))
+    out = launch.run(spec, args.tp, ec, Generate((tuple(prompt),), args.max_tokens, tokenizer.stop_ids, warmup=args.stats))
     print(tokenizer.decode(out.output_ids[0]))
     if args.stats:
         s = out.stats

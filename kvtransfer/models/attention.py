@@ -30,6 +30,21 @@ def causal_mask(prefix: int, n: int, device) -> torch.Tensor:
     return cols <= rows
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` per head: ``q`` ``[heads, n, d]``, ``k`` ``[heads, S, d]``,
+    ``v`` ``[heads, S, dv]``, ``mask`` ``[n, S]`` bool or None -> ``[heads, n, dv]``.
+
+    CUDA uses ``scaled_dot_product_attention``; on the CPU its kernel costs ~5 ms per call for a
+    single decode token (torch 2.13), so the CPU does the three steps itself (softmax in fp32).
+    """
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [heads, n, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor, batch: ForwardBatch,
                     scale: float, v_head_dim: int) -> torch.Tensor:
     """Attention of the batch's new tokens over their requests' cached keys and values.
@@ -49,7 +64,7 @@ def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor,
             v = v.repeat_interleave(heads // v.shape[0], dim=0)
         qi = q[start:stop].transpose(0, 1)  # [heads, n, head_dim]
         mask = None if n == 1 else causal_mask(prefix, n, q.device)
-        o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        o = attend(qi, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [heads, n, v_head_dim]
         out[start:stop] = o.transpose(0, 1)  # o: [heads, n, v_head_dim]
     return out
 

@@ -51,14 +51,6 @@ class TPGroup:
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts, dim=-1)
 
-    def broadcast_object(self, obj):
-        """Rank 0's ``obj`` on every rank (host objects: request lists, stop decisions)."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
 
 def shard(w: torch.Tensor, tp: TPGroup, dim: int = 0) -> torch.Tensor:
     """Rank ``tp.rank``'s contiguous 1/size of ``w`` along ``dim`` (a copy)."""

@@ -39,9 +39,8 @@ def oracle(smollm2_raw):
     return hf_llama_from_gguf(raw, config)
 
 
-def _run(spec, prompt, n, **kw):
-    ec = SMALL if not kw else type(SMALL)(**{**SMALL.__dict__, **kw})
-    return launch.run(spec, 1, ec, Generate((tuple(prompt),), n, record_logits=True))
+def _run(spec, prompt, n):
+    return launch.run(spec, 1, SMALL, Generate((tuple(prompt),), n, record_logits=True))
 
 
 def _oracle_logits(oracle, prompt, output):
