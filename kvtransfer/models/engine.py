@@ -10,7 +10,9 @@ without KV: up to ``chunk_size`` of them, over as many requests as fit, oldest f
 when they finish (their pages, row and Mamba slot go back to the pools).
 
 Memory: a request's KV lives in whole pages of the token pool, taken as its sequence grows;
-``req_to_token[row, p]`` is the slot of its token ``p``. Slot 0 / page 0 is never used.
+``req_to_token[row, p]`` is the slot of its token ``p``. Slot 0 / page 0 is never used. There is
+no preemption, so a request is admitted only when the free pages, less those that running
+requests may still take, cover its whole budget (prompt + ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -191,11 +193,18 @@ class Engine:
             budget -= n
         return chunks
 
+    def _budget_pages(self, req: Request) -> int:
+        """Pages ``req`` may still take before it finishes."""
+        held = 0 if req.slots is None else req.slots.numel() // self.config.page_size
+        return math.ceil((len(req.prompt_ids) + req.max_new_tokens) / self.config.page_size) - held
+
     def _admit(self, req: Request) -> bool:
-        """A row (and Mamba slot) for ``req``; False when the pools are full."""
+        """A row (and Mamba slot) for ``req`` if its whole page budget is free; else False."""
         if len(self.running) >= self.config.max_requests:
             return False
-        if self.pools.allocator.available_size() < self.config.page_size:
+        promised = sum(self._budget_pages(r) for r in self.running)
+        free = self.pools.allocator.available_size() // self.config.page_size
+        if free - promised < self._budget_pages(req):
             return False
         return self.pools.req_to_token.alloc([req]) is not None
 

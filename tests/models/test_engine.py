@@ -81,3 +81,15 @@ def test_too_long_prompt_is_a_value_error():
     eng = _engine(tiny_spec(ModelName.TINY_HYBRID), max_tokens=16)
     with pytest.raises(ValueError, match="does not fit the pool of 16 token slots"):
         eng.add(list(range(14)), 4)
+
+
+def test_admission_waits_for_pages():
+    """A request whose budget the free pages cannot cover waits until another one finishes."""
+    eng = _engine(tiny_spec(ModelName.TINY_MLA), max_tokens=32)  # 8 pages of 4
+    a = eng.add(list(range(12)), 8)  # 20 tokens: 5 pages
+    b = eng.add(list(range(10)), 2)  # 12 tokens: 3 pages, fits beside a
+    c = eng.add(list(range(5)), 3)  # 2 pages: must wait for b
+    eng.step()
+    assert a in eng.running and b in eng.running and list(eng.waiting) == [c]
+    eng.run()
+    assert a.finish is b.finish is c.finish is FinishReason.LENGTH
