@@ -21,10 +21,10 @@ from typing import Dict
 import torch
 
 from kvtransfer.models.attention import gqa_attention
+from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig, LlamaConfig
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.layers import Rotary, rms_norm
 from kvtransfer.models.parallel import TPGroup
 from pools import MHATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool

@@ -13,10 +13,10 @@ from typing import Dict
 import torch
 
 from kvtransfer.models.attention import gqa_attention
+from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig, HybridConfig, LayerKind
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.layers import Rotary, rms_norm
 from kvtransfer.models.mamba2 import Mamba2Mixer, add_seeded_mixer
 from kvtransfer.models.parallel import TPGroup

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from kvtransfer.models.attention import paged_attention
+from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig, MLAConfig
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.layers import Rotary, rms_norm
 from kvtransfer.models.parallel import TPGroup, shard
 from kvtransfer.models.seeded import WeightMaker

@@ -17,15 +17,17 @@ def _spec(request, name):
     return request.getfixturevalue("smollm2")[0] if name is ModelName.SMOLLM2 else tiny_spec(name)
 
 
-def _prompts(name):
-    return byte_prompts("hello gpu", "abc") if name is not ModelName.SMOLLM2 else ((504, 3575, 282, 4649, 314),)
+def _prompts(request, name):
+    if name is ModelName.SMOLLM2:
+        return (tuple(request.getfixturevalue("smollm2")[1].encode("The capital of France is")),)
+    return byte_prompts("hello gpu", "abc")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(ModelName))
 def test_cuda_matches_cpu(request, name):
     spec = _spec(request, name)
-    job = Generate(_prompts(name), NEW, record_logits=True)
+    job = Generate(_prompts(request, name), NEW, record_logits=True)
     cpu = launch.run(spec, 1, SMALL, job)
     gpu = launch.run(spec, 1, engine_config(device="cuda"), job)
     assert gpu.output_ids == cpu.output_ids
@@ -35,9 +37,9 @@ def test_cuda_matches_cpu(request, name):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("name", [ModelName.TINY_MLA, ModelName.TINY_HYBRID])
-def test_cuda_tp2_matches_cpu_tp1(name):
+def test_cuda_tp2_matches_cpu_tp1(request, name):
     spec = tiny_spec(name)
-    job = Generate(_prompts(name), NEW, record_logits=True)
+    job = Generate(_prompts(request, name), NEW, record_logits=True)
     cpu = launch.run(spec, 1, SMALL, job)
     gpu = launch.run(spec, 2, engine_config(device="cuda"), job)
     assert gpu.output_ids == cpu.output_ids

@@ -2,7 +2,6 @@
 all-reduce sums differs), and each rank's pools hold exactly its shard."""
 
 import pytest
-import torch
 
 from kvtransfer.models import launch
 from kvtransfer.models.config import ModelName
