@@ -21,7 +21,7 @@ class ForwardBatch:
     req_pool_indices: Tuple[int, ...]  # [B] rows of req_to_token
     prefix_lens: Tuple[int, ...]  # [B] tokens already in the pools
     extend_lens: Tuple[int, ...]  # [B] new tokens this step
-    mamba_slots: Optional[torch.Tensor] = None  # [B] int64 Mamba pool slots (hybrid models)
+    mamba_slots: Optional[Tuple[int, ...]] = None  # [B] Mamba pool slots (hybrid models), host ints
 
     def __post_init__(self):
         b = len(self.req_pool_indices)
@@ -34,6 +34,8 @@ class ForwardBatch:
         for name in ("input_ids", "positions", "out_cache_loc"):
             if getattr(self, name).shape != (t,):
                 raise ValueError(f"{name} must have shape [{t}], got {list(getattr(self, name).shape)}")
+        if self.mamba_slots is not None and len(self.mamba_slots) != b:
+            raise ValueError(f"mamba_slots must have one entry per request ({b}), got {len(self.mamba_slots)}")
         if any(n <= 0 for n in self.extend_lens):
             raise ValueError(f"every request must extend by >= 1 token, got {list(self.extend_lens)}")
 

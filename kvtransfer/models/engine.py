@@ -128,6 +128,11 @@ class Engine:
         self.model = model
         self.config = config
         self.pools: Pools = model.make_pools(config)
+        # The slots written come from this engine's allocator: skip the per-write range check
+        # (a device sync per layer on CUDA). Pools without the switch always check.
+        kv = getattr(self.pools.kv, "full_kv_pool", self.pools.kv)
+        if hasattr(kv, "check_inputs"):
+            kv.check_inputs = False
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self._next_rid = 0
@@ -234,7 +239,7 @@ class Engine:
             locs.append(self.pools.req_to_token.req_to_token[req.req_pool_idx, start : start + n])
         mamba = None
         if self.pools.mamba_pool is not None:
-            mamba = torch.stack([torch.as_tensor(r.mamba_pool_idx) for r, _ in chunks]).to(device, torch.int64)
+            mamba = tuple(int(r.mamba_pool_idx) for r, _ in chunks)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),

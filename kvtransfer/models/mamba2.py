@@ -102,7 +102,7 @@ class Mamba2Mixer:
         y = torch.empty_like(z)  # [T, inner]
         per_group = self.heads // self.groups
         for i, start, stop in batch.spans():
-            slot = int(batch.mamba_slots[i])
+            slot = batch.mamba_slots[i]
             n = stop - start
             conv_state = state.conv[0][slot]  # [conv_dim, K - 1], a view into the pool
             act = self._conv(xbc[start:stop], conv_state)
