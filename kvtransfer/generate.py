@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from kvtransfer.models.config import DType, EngineConfig, ModelName
 
@@ -50,12 +51,14 @@ def _generate(args) -> int:
     from kvtransfer.models.jobs import Generate
 
     name, dtype, device = ModelName.parse(args.model), DType.parse(args.dtype), _check_device(args.device)
+    start = time.perf_counter()
     registry.load_config(name).check_tp(args.tp)
     if args.device == "cuda" and args.tp > torch.cuda.device_count():
         raise ValueError(f"--tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
     ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=1,
                       chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
     spec, tokenizer = registry.load(name)
+    load_s = time.perf_counter() - start  # the file's metadata, weights and tokenizer
     text = args.prompt if args.raw else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt = tokenizer.encode(text)
     check_request(prompt, args.max_tokens, ec, spec.config)
@@ -63,7 +66,7 @@ def _generate(args) -> int:
     print(tokenizer.decode(out.output_ids[0]))
     if args.stats:
         s = out.stats
-        print(f"[{name.value} tp={args.tp} {dtype.value} {device}] load {spec.load_s:.2f} s; "
+        print(f"[{name.value} tp={args.tp} {dtype.value} {device}] load {load_s:.2f} s; "
               f"prefill {s.prefill_tokens} tokens {s.rate(s.prefill_tokens, s.prefill_s):.1f} tok/s; "
               f"decode {s.decode_tokens} tokens {s.rate(s.decode_tokens, s.decode_s):.1f} tok/s", file=sys.stderr)
     return 0

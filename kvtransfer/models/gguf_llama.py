@@ -15,6 +15,7 @@ order, which the models here (and every serving engine's KV layout) use.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Dict, Tuple
@@ -46,7 +47,10 @@ def smollm2_gguf_path() -> str:
     raise MissingModelFile(f"{GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
 
 
+@functools.lru_cache(maxsize=2)
 def open_gguf(path: str):
+    """The file's ``gguf.GGUFReader`` (read-only memory map), opened once per process: parsing
+    the metadata (49,152 token strings) takes ~6 s here, longer than dequantizing the weights."""
     try:
         import gguf
     except ImportError:

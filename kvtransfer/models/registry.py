@@ -52,7 +52,8 @@ def load_config(name: ModelName) -> AnyConfig:
 
 
 def load(name: ModelName) -> Tuple[ModelSpec, object]:
-    """(spec, tokenizer) of a model."""
+    """(spec, tokenizer) of a model; ``spec.load_s`` counts opening the file (unless
+    :func:`load_config` opened it already), dequantizing and building the tokenizer."""
     start = time.perf_counter()
     if name is ModelName.SMOLLM2:
         from kvtransfer.models import gguf_llama
