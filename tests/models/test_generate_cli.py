@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from tests.models._support import require_smollm2
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess:
@@ -28,12 +27,13 @@ def test_bad_input_is_one_line(args, message):
     assert out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
 
 
-def test_smollm2_tp_the_heads_do_not_allow():
-    require_smollm2()
-    out = _generate("--model", "smollm2-135m", "--tp", "2", "--prompt", "hi")
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("kvtransfer generate: error: TP size 2 does not divide the query heads=9; "
-                                  "this model allows TP 1, 3")
+def test_smollm2_tp_the_heads_do_not_allow(smollm2_raw):
+    """The check generate runs first (in process: the session already opened the file)."""
+    from kvtransfer.models import registry
+    from kvtransfer.models.config import ModelName
+
+    with pytest.raises(ValueError, match=r"^TP size 2 does not divide the query heads=9; this model allows TP 1, 3$"):
+        registry.load_config(ModelName.SMOLLM2).check_tp(2)
 
 
 def test_tiny_hybrid_generates_with_tp2():

@@ -22,7 +22,7 @@ def _compare(spec, tp, prompts):
     return items1, dims1, items, dims
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [4])  # TP 2 splits the same way; the hybrid test runs both
 def test_tiny_mla_tp(tp):
     items1, _, items, _ = _compare(tiny_spec(ModelName.TINY_MLA), tp, byte_prompts("hello there", "abc"))
     assert items == items1  # the latent is replicated: every rank holds whole rows
