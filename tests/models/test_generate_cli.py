@@ -14,17 +14,26 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=env)
 
 
+def test_unknown_model_exits_2_with_one_line():
+    out = _generate("--model", "gpt-5", "--prompt", "hi")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "kvtransfer generate: error: unknown model 'gpt-5'; expected one of smollm2-135m, tiny-mla, tiny-hybrid\n"
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--model", "gpt-5", "--prompt", "hi"], "unknown model 'gpt-5'; expected one of smollm2-135m"),
     (["--model", "tiny-mla", "--tp", "3", "--prompt", "hi"], "TP size 3 does not divide the query heads=8; this model allows TP 1, 2, 4"),
     (["--model", "tiny-hybrid", "--prompt", "x" * 40, "--raw", "--pool-tokens", "32", "--page-size", "4"],
      "prompt of 40 tokens + 64 new tokens = 104 does not fit the pool of 32 token slots"),
     (["--model", "tiny-mla", "--prompt", "hi", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--model", "tiny-mla", "--prompt", "hi", "--tp", "0"], "TP size must be a positive int, got 0"),
 ])
-def test_bad_input_is_one_line(args, message):
-    out = _generate(*args)
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.count("\n") == 1 and message in out.stderr and "Traceback" not in out.stderr
+def test_bad_input_is_one_line(capsys, args, message):
+    """The same main() the command runs, in process (the subprocess path is tested above)."""
+    from kvtransfer import generate
+
+    assert generate.main(args) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and message in out.err and "Traceback" not in out.err
 
 
 def test_smollm2_tp_the_heads_do_not_allow(smollm2_raw):
