@@ -1,4 +1,5 @@
-"""The ``kvtransfer`` command: ``demo``, ``bench NAME [--record]``, ``layouts``, ``bootstrap``.
+"""The ``kvtransfer`` command: ``demo``, ``bench NAME [--record]``, ``layouts``, ``bootstrap``,
+``generate``.
 
 ``kvtransfer bench NAME --record ...`` runs the benchmark and, when it succeeds, rewrites its
 section of bench/RESULTS.md (machine, date, command line, the table it printed).
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="local prefill -> decode demo", add_help=False)
     sub.add_parser("layouts", help="print pool layouts for a few model shapes", add_help=False)
     sub.add_parser("bootstrap", help="run the bootstrap service (prefill ranks register, decode finds them)",
+                   add_help=False)
+    sub.add_parser("generate", help="colocated greedy generation with a model (--model, --tp, --prompt)",
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
     bench.add_argument("name", nargs="?", choices=_bench_names())

@@ -1,0 +1,56 @@
+"""What one forward step runs: a batch of requests, each extending its sequence by some tokens.
+
+Prefill chunks and decode steps are the same thing here: request ``i`` already has
+``prefix_lens[i]`` tokens in the pools and adds ``extend_lens[i]`` (1 for a decode step). The
+new tokens of all requests are concatenated in batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, T = sum(extend_lens)
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: the KV pool slots the new tokens are written to
+    req_pool_indices: Tuple[int, ...]  # [B] rows of req_to_token
+    prefix_lens: Tuple[int, ...]  # [B] tokens already in the pools
+    extend_lens: Tuple[int, ...]  # [B] new tokens this step
+    mamba_slots: Optional[Tuple[int, ...]] = None  # [B] Mamba pool slots (hybrid models), host ints
+
+    def __post_init__(self):
+        b = len(self.req_pool_indices)
+        if len(self.prefix_lens) != b or len(self.extend_lens) != b:
+            raise ValueError(
+                f"req_pool_indices, prefix_lens, extend_lens must have one entry per request, got "
+                f"{b}, {len(self.prefix_lens)}, {len(self.extend_lens)}"
+            )
+        t = sum(self.extend_lens)
+        for name in ("input_ids", "positions", "out_cache_loc"):
+            if getattr(self, name).shape != (t,):
+                raise ValueError(f"{name} must have shape [{t}], got {list(getattr(self, name).shape)}")
+        if self.mamba_slots is not None and len(self.mamba_slots) != b:
+            raise ValueError(f"mamba_slots must have one entry per request ({b}), got {len(self.mamba_slots)}")
+        if any(n <= 0 for n in self.extend_lens):
+            raise ValueError(f"every request must extend by >= 1 token, got {list(self.extend_lens)}")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+    def spans(self):
+        """Per request ``(i, start, stop)`` of its tokens in the flat ``[T]`` arrays."""
+        start = 0
+        for i, n in enumerate(self.extend_lens):
+            yield i, start, start + n
+            start += n
+
+    def last_token_index(self) -> torch.Tensor:
+        """``[B]`` index of each request's last new token in the flat arrays."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,222 @@
+"""Frozen model and engine configs, and the enums the models are chosen by.
+
+A model config holds the *whole* model's shape; :mod:`kvtransfer.models.parallel` divides it
+for one tensor-parallel rank. ``check_tp`` on each config says whether a TP size is possible
+and why not, in one line (the ``generate`` command prints it).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+
+class ModelName(enum.Enum):
+    """The models ``kvtransfer generate --model`` knows."""
+
+    SMOLLM2 = "smollm2-135m"  # the real SmolLM2-135M-Instruct from its GGUF file
+    TINY_MLA = "tiny-mla"  # seeded DeepSeek-style MLA model
+    TINY_HYBRID = "tiny-hybrid"  # seeded full-attention + Mamba2 hybrid
+
+    @classmethod
+    def parse(cls, name: str) -> "ModelName":
+        for m in cls:
+            if m.value == name:
+                return m
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(m.value for m in cls)}")
+
+
+class DType(enum.Enum):
+    """Model dtypes the command line accepts."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return torch.float32 if self is DType.FLOAT32 else torch.bfloat16
+
+    @classmethod
+    def parse(cls, name: str) -> "DType":
+        for d in cls:
+            if d.value == name:
+                return d
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(d.value for d in cls)}")
+
+
+class LayerKind(enum.Enum):
+    ATTENTION = "attention"
+    MAMBA = "mamba"
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{name} must be a positive int, got {v!r}")
+
+
+def _divides(what: Tuple[Tuple[str, int], ...], tp: int) -> None:
+    for name, n in what:
+        if n % tp:
+            ok = [t for t in range(1, max(v for _, v in what) + 1) if all(v % t == 0 for _, v in what)][:8]
+            raise ValueError(f"TP size {tp} does not divide {name}={n}; this model allows TP {', '.join(map(str, ok))}")
+
+
+def _check_tp_int(tp) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
+        raise ValueError(f"TP size must be a positive int, got {tp!r}")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-architecture decoder (SmolLM2's shape is read from its GGUF file)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_context_len: int
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_context_len")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def check_tp(self, tp: int) -> None:
+        """ValueError naming the dimension a TP size cannot split (KV heads are not replicated)."""
+        _check_tp_int(tp)
+        _divides((("the query heads", self.num_heads), ("the KV heads", self.num_kv_heads),
+                  ("the FFN size", self.intermediate_size), ("the vocabulary", self.vocab_size)), tp)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """A DeepSeek-V2-style decoder: multi-head latent attention, dense SwiGLU MLP.
+
+    The cache row per token is ``[kv_lora_rank latent | qk_rope_head_dim rope key]``, the
+    same on every rank (the latent is replicated; query heads are split).
+    """
+
+    vocab_size: int = 272
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 3
+    num_heads: int = 8
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    kv_lora_rank: int = 32
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    max_context_len: int = 1024
+    seed: int = 1234
+
+    def __post_init__(self):
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "max_context_len")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    def check_tp(self, tp: int) -> None:
+        _check_tp_int(tp)
+        _divides((("the query heads", self.num_heads), ("the FFN size", self.intermediate_size),
+                  ("the vocabulary", self.vocab_size)), tp)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Full-attention layers (GQA, half-split rope) mixed with Mamba2 layers.
+
+    ``layer_kinds`` lists ``LayerKind`` per layer. The Mamba2 mixer has ``mamba_heads`` heads of
+    ``mamba_head_dim`` (``intermediate = mamba_heads * mamba_head_dim``), ``n_groups`` groups of
+    B/C of width ``state_size``, and a depthwise causal conv of ``conv_kernel`` over x, B, C.
+    """
+
+    vocab_size: int = 272
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    layer_kinds: Tuple["LayerKind", ...] = ()
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    mamba_heads: int = 8
+    mamba_head_dim: int = 16
+    n_groups: int = 4
+    state_size: int = 16
+    conv_kernel: int = 4
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    max_context_len: int = 1024
+    seed: int = 4321
+
+    def __post_init__(self):
+        if not self.layer_kinds:
+            kinds = (LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MAMBA, LayerKind.ATTENTION)
+            object.__setattr__(self, "layer_kinds", kinds)
+        if not all(isinstance(k, LayerKind) for k in self.layer_kinds):
+            raise TypeError(f"layer_kinds must hold LayerKind values, got {self.layer_kinds!r}")
+        if LayerKind.ATTENTION not in self.layer_kinds or LayerKind.MAMBA not in self.layer_kinds:
+            raise ValueError(f"a hybrid model needs both layer kinds, got {[k.value for k in self.layer_kinds]}")
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                  "head_dim", "mamba_heads", "mamba_head_dim", "n_groups", "state_size", "conv_kernel",
+                  "max_context_len")
+        if self.mamba_heads % self.n_groups:
+            raise ValueError(f"mamba_heads={self.mamba_heads} must be a multiple of n_groups={self.n_groups}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def attention_layers(self) -> Tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k is LayerKind.ATTENTION)
+
+    @property
+    def mamba_layers(self) -> Tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k is LayerKind.MAMBA)
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    def check_tp(self, tp: int) -> None:
+        _check_tp_int(tp)
+        _divides((("the query heads", self.num_heads), ("the KV heads", self.num_kv_heads),
+                  ("the Mamba heads", self.mamba_heads), ("the Mamba groups", self.n_groups),
+                  ("the FFN size", self.intermediate_size), ("the vocabulary", self.vocab_size)), tp)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool sizes and batching limits of one engine (the same on every TP rank).
+
+    ``max_tokens`` token slots of KV (whole pages of ``page_size``), ``max_requests`` rows of
+    ``req_to_token`` (and Mamba slots), ``chunk_size`` prompt tokens per prefill step at most.
+    """
+
+    max_tokens: int = 2048
+    page_size: int = 16
+    max_requests: int = 8
+    chunk_size: int = 512
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self):
+        _positive(self, "max_tokens", "page_size", "max_requests", "chunk_size")
+        if self.max_tokens < self.page_size:
+            raise ValueError(f"max_tokens={self.max_tokens} must hold at least one page of {self.page_size}")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")

@@ -1,0 +1,318 @@
+"""A colocated engine: the pools, a scheduler with chunked prefill and continuous batching,
+greedy sampling.
+
+One engine per TP rank; every rank runs the same schedule (decisions depend only on token ids,
+and the all-gathered logits are the same on every rank), so no scheduling messages are needed.
+
+Per step the engine runs either a **prefill step** (while any request has prompt tokens
+without KV: up to ``chunk_size`` of them, over as many requests as fit, oldest first) or a
+**decode step** over every running request. Requests can be added between steps and leave
+when they finish (their pages, row and Mamba slot go back to the pools).
+
+Memory: a request's KV lives in whole pages of the token pool, taken as its sequence grows;
+``req_to_token[row, p]`` is the slot of its token ``p``. Slot 0 / page 0 is never used. There is
+no preemption, so a request is admitted only when the free pages, less those that running
+requests may still take, cover its whole budget (prompt + ``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, List, Optional, Sequence
+
+import torch
+
+from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.config import EngineConfig
+from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
+from pools.kv_cache import synchronize
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop token was sampled (it is kept in output_ids)
+
+
+@dataclass(frozen=True)
+class Pools:
+    """One rank's pools: request rows, token slots, and the KV (and state) pool."""
+
+    req_to_token: ReqToTokenPool  # HybridReqToTokenPool for hybrid models
+    allocator: PagedTokenToKVPoolAllocator
+    kv: Any  # MHATokenToKVPool, MLATokenToKVPool or HybridLinearKVPool
+
+    @property
+    def mamba_pool(self):
+        return getattr(self.req_to_token, "mamba_pool", None)
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the pools see it (``req_pool_idx``, ``mamba_pool_idx``, ``is_chunked``,
+    ``kv_committed_len`` are the attributes the request pools read and set)."""
+
+    rid: int
+    prompt_ids: List[int]
+    max_new_tokens: int
+    stop_ids: frozenset = frozenset()
+    record_logits: bool = False
+    output_ids: List[int] = field(default_factory=list)
+    logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per sampled token
+    finish: Optional[FinishReason] = None
+    req_pool_idx: Optional[int] = None
+    mamba_pool_idx: Optional[torch.Tensor] = None
+    is_chunked: int = 0
+    kv_committed_len: int = 0  # tokens whose KV / state is in the pools
+    slots: Optional[torch.Tensor] = None  # [num_pages * page_size] int64 slots held
+
+    @property
+    def all_ids(self) -> List[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_committed_len < len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """A request's cached state after prefill, on the host: what a prefill node hands a decode
+    node. ``kv`` is the KV pool's ``get_cpu_copy`` of the committed tokens' slots (for a hybrid
+    pool, its ``(kv, mamba)`` pair)."""
+
+    token_ids: List[int]  # prompt + sampled tokens; the last one has no KV yet
+    prompt_len: int
+    kv: Any
+
+
+def check_request(prompt: Sequence[int], max_new_tokens: int, ec: EngineConfig, model_config) -> None:
+    """ValueError unless a request of ``prompt`` + ``max_new_tokens`` fits an empty engine."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token, got none")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    vocab = model_config.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
+    slots = (ec.max_tokens // ec.page_size) * ec.page_size
+    capacity = min(slots, model_config.max_context_len)
+    need = len(prompt) + max_new_tokens
+    if need > capacity:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens = {need} does not fit the "
+            f"pool of {capacity} token slots (pool size {ec.max_tokens}, context {model_config.max_context_len})"
+        )
+
+
+@dataclass
+class EngineStats:
+    """Tokens and seconds spent in prefill and decode steps."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def rate(self, tokens: int, seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else 0.0
+
+
+class Engine:
+    """Colocated prefill + decode over one rank's pools (module docstring)."""
+
+    def __init__(self, model, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.pools: Pools = model.make_pools(config)
+        # The slots written come from this engine's allocator: skip the per-write range check
+        # (a device sync per layer on CUDA). Pools without the switch always check.
+        kv = getattr(self.pools.kv, "full_kv_pool", self.pools.kv)
+        if hasattr(kv, "check_inputs"):
+            kv.check_inputs = False
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []
+        self._next_rid = 0
+        self.stats = EngineStats()
+
+    # -- requests ----------------------------------------------------------------------
+    def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False) -> Request:
+        """Queue a request; ValueError when it cannot fit the pool even alone."""
+        prompt = [int(t) for t in prompt_ids]
+        check_request(prompt, max_new_tokens, self.config, self.model.config)
+        req = Request(self._next_rid, prompt, max_new_tokens, frozenset(stop_ids), record_logits)
+        self._next_rid += 1
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self) -> List[Request]:
+        """Run one prefill or decode step; returns the requests that finished in it."""
+        chunks = self._schedule_prefill()
+        prefill = bool(chunks)
+        if not chunks:
+            chunks = [(r, 1) for r in self.running]
+        if not chunks:
+            if self.waiting:
+                raise RuntimeError(f"{len(self.waiting)} request(s) wait but the pools cannot admit any")
+            return []
+        start = time.perf_counter()
+        finished = self._forward(chunks)
+        synchronize(self.model.device)
+        seconds, tokens = time.perf_counter() - start, sum(n for _, n in chunks)
+        if prefill:
+            self.stats.prefill_tokens += tokens
+            self.stats.prefill_s += seconds
+        else:
+            self.stats.decode_tokens += tokens
+            self.stats.decode_s += seconds
+        return finished
+
+    def _schedule_prefill(self):
+        budget = self.config.chunk_size
+        chunks = []
+        for req in [r for r in self.running if r.in_prefill]:
+            if budget == 0:
+                break
+            n = min(budget, len(req.prompt_ids) - req.kv_committed_len)
+            chunks.append((req, n))
+            budget -= n
+        while budget and self.waiting:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(budget, len(req.prompt_ids))
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _budget_pages(self, req: Request) -> int:
+        """Pages ``req`` may still take before it finishes."""
+        held = 0 if req.slots is None else req.slots.numel() // self.config.page_size
+        return math.ceil((len(req.prompt_ids) + req.max_new_tokens) / self.config.page_size) - held
+
+    def _admit(self, req: Request) -> bool:
+        """A row (and Mamba slot) for ``req`` if its whole page budget is free; else False."""
+        if len(self.running) >= self.config.max_requests:
+            return False
+        promised = sum(self._budget_pages(r) for r in self.running)
+        free = self.pools.allocator.available_size() // self.config.page_size
+        if free - promised < self._budget_pages(req):
+            return False
+        return self.pools.req_to_token.alloc([req]) is not None
+
+    def _grow(self, req: Request, length: int) -> None:
+        """Make sure ``req`` holds slots for ``length`` tokens (whole pages)."""
+        page = self.config.page_size
+        held = 0 if req.slots is None else req.slots.numel()
+        if length <= held:
+            return
+        new = self.pools.allocator.alloc_pages(math.ceil((length - held) / page))
+        if new is None:
+            raise RuntimeError(
+                f"out of KV pages: request {req.rid} needs {length} token slots, "
+                f"{self.pools.allocator.available_size()} free (no preemption here)"
+            )
+        self.pools.req_to_token.write((req.req_pool_idx, slice(held, held + new.numel())), new.to(torch.int32))
+        req.slots = new if req.slots is None else torch.cat((req.slots, new))
+
+    def _forward(self, chunks) -> List[Request]:
+        device = self.model.device
+        ids, positions, locs = [], [], []
+        for req, n in chunks:
+            start = req.kv_committed_len
+            self._grow(req, start + n)
+            ids.extend(req.all_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            locs.append(self.pools.req_to_token.req_to_token[req.req_pool_idx, start : start + n])
+        mamba = None
+        if self.pools.mamba_pool is not None:
+            mamba = tuple(int(r.mamba_pool_idx) for r, _ in chunks)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            out_cache_loc=torch.cat(locs).to(device, torch.int64),
+            req_pool_indices=tuple(r.req_pool_idx for r, _ in chunks),
+            prefix_lens=tuple(r.kv_committed_len for r, _ in chunks),
+            extend_lens=tuple(n for _, n in chunks),
+            mamba_slots=mamba,
+        )
+        logits = self.model.forward(batch, self.pools)  # [B, vocab] fp32
+        finished = []
+        for (req, n), row in zip(chunks, logits):
+            req.kv_committed_len += n
+            req.is_chunked = int(req.in_prefill)
+            if req.kv_committed_len < len(req.all_ids):
+                continue  # a prefill chunk that is not the last
+            if self._sample(req, row):
+                finished.append(req)
+        for req in finished:
+            self._release(req)
+        return finished
+
+    def _sample(self, req: Request, row: torch.Tensor) -> bool:
+        """Append the greedy token; True when ``req`` is done."""
+        token = int(torch.argmax(row))
+        req.output_ids.append(token)
+        if req.record_logits:
+            req.logits.append(row.cpu())
+        if token in req.stop_ids:
+            req.finish = FinishReason.STOP
+        elif len(req.output_ids) >= req.max_new_tokens:
+            req.finish = FinishReason.LENGTH
+        return req.finish is not None
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        if req.slots is not None:
+            self.pools.allocator.free(req.slots)
+            req.slots = None
+        if isinstance(self.pools.req_to_token, HybridReqToTokenPool):
+            self.pools.req_to_token.free_mamba_cache(req)
+        self.pools.req_to_token.free(req)
+
+    # -- hand-off (what a prefill node sends, what a decode node loads) -----------------
+    def _committed_slots(self, req: Request) -> torch.Tensor:
+        return self.pools.req_to_token.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
+
+    def export_state(self, req: Request) -> RequestState:
+        """Host copy of a running request's KV (and Mamba state) after its prefill."""
+        if req.in_prefill or req not in self.running:
+            raise ValueError(f"request {req.rid} must be running with its prefill done")
+        slots = self._committed_slots(req)
+        if self.pools.mamba_pool is not None:
+            kv = self.pools.kv.get_cpu_copy(slots, torch.as_tensor(req.mamba_pool_idx).reshape(1))
+        else:
+            kv = self.pools.kv.get_cpu_copy(slots)
+        return RequestState(list(req.all_ids), len(req.prompt_ids), kv)
+
+    def import_state(self, state: RequestState, max_new_tokens: int, record_logits=False) -> Request:
+        """Start a running request from an exported state: reserve its row, pages and Mamba
+        slot here, load the cached state, and continue decoding from its last token."""
+        prompt = state.token_ids[: state.prompt_len]
+        req = self.add(prompt, max_new_tokens, record_logits=record_logits)
+        self.waiting.remove(req)
+        if not self._admit(req):
+            raise RuntimeError("no free request row / Mamba slot / page to import the request into")
+        self.running.append(req)
+        req.output_ids = list(state.token_ids[state.prompt_len :])
+        req.kv_committed_len = len(state.token_ids) - 1
+        self._grow(req, req.kv_committed_len)
+        slots = self._committed_slots(req)
+        if self.pools.mamba_pool is not None:
+            self.pools.kv.load_cpu_copy(state.kv, slots, torch.as_tensor(req.mamba_pool_idx).reshape(1))
+        else:
+            self.pools.kv.load_cpu_copy(state.kv, slots)
+        return req

@@ -1,0 +1,67 @@
+"""A Llama-architecture decoder over an MHA pool, tensor parallel (SmolLM2-135M is one).
+
+Weights come in as a dict of full (unsharded) float tensors in Hugging Face's layout
+(``[out_features, in_features]``; Q/K rows in half-split rope order):
+
+    embed [vocab, hidden]        norm [hidden]
+    layers.{i}.attn_norm [hidden]   layers.{i}.ffn_norm [hidden]
+    layers.{i}.q [heads * head_dim, hidden]   .k / .v [kv_heads * head_dim, hidden]
+    layers.{i}.o [hidden, heads * head_dim]
+    layers.{i}.gate / .up [ffn, hidden]       layers.{i}.down [hidden, ffn]
+    lm_head [vocab, hidden]      (absent when the embeddings are tied)
+
+Rank ``r`` of ``t`` keeps query heads ``r*heads/t ..``, KV heads ``r*kv_heads/t ..`` (so its
+pool holds exactly those heads), FFN columns ``r*ffn/t ..`` and vocabulary rows ``r*vocab/t ..``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from kvtransfer.models.attention import gqa_attention
+from kvtransfer.models.base import Decoder, layer_weights
+from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.config import EngineConfig, LlamaConfig
+from kvtransfer.models.engine import Pools
+from kvtransfer.models.layers import Rotary, rms_norm
+from kvtransfer.models.parallel import TPGroup
+from pools import MHATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
+
+
+class LlamaModel(Decoder):
+    """Llama forward over the pools (module docstring); ``forward`` returns fp32 logits."""
+
+    def __init__(self, config: LlamaConfig, weights: Dict[str, torch.Tensor], tp: TPGroup,
+                 dtype: torch.dtype, device):
+        super().__init__(config, weights, tp, dtype, device)
+        self.heads = config.num_heads // tp.size
+        self.kv_heads = config.num_kv_heads // tp.size
+        self.layers = []
+        for i in range(config.num_layers):
+            w = layer_weights(weights, f"layers.{i}.")
+            self.layers.append({**self.mlp_weights(w), **self.qkv_weights(w)})
+        self.rotary = Rotary.build(config.head_dim, config.rope_theta, config.max_context_len, self.device)
+
+    def make_pools(self, ec: EngineConfig) -> Pools:
+        """This rank's pools: its KV heads only."""
+        dev = str(self.device)
+        kv = MHATokenToKVPool(ec.max_tokens, ec.page_size, self.dtype, head_num=self.kv_heads,
+                              head_dim=self.config.head_dim, layer_num=self.config.num_layers, device=dev)
+        return Pools(ReqToTokenPool(ec.max_requests, self.config.max_context_len, device=dev),
+                     PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pools: Pools, all_logits: bool = False) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of each request's last new token (``[T, vocab]`` with
+        ``all_logits``); writes the new tokens' K/V into ``pools.kv`` first."""
+        cfg = self.config
+        h = self.embed[batch.input_ids]  # [T, hidden]
+        r2t = pools.req_to_token.req_to_token
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w["attn_norm"], cfg.rms_eps)
+            h = h + gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
+                                  self.kv_heads, cfg.head_dim, self.tp)
+            h = self.mlp(h, w)
+        return self.logits(h, batch, all_logits)
