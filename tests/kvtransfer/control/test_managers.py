@@ -118,9 +118,10 @@ def test_request_with_a_held_last_chunk_completes_when_it_comes(group):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backends, want", [(("nixl", "nvlink"), "nvlink"), (("nixl",), "nixl")])
-def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want):
+def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, monkeypatch):
     """Prefill on GPU 0, decode on GPU 1, one process each: with nvlink on both sides the pair
     takes it (else NIXL), and the bytes land either way."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")  # NIXL refuses GPUs without a CUDA transport
     with BootstrapService() as svc:
         ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=FAST, device=0, backends=backends)),
                  RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=FAST, device=1, backends=backends,
