@@ -160,3 +160,27 @@ def test_a_closing_decode_rank_says_goodbye_before_freeing_its_memory(bootstrap,
     prefill.call(Prefill("fine", 12, (12,)))
     assert staying.call(Wait("fine")) == ("Success", None)
     assert staying.call(Verify("fine"))[0] == 0
+
+
+def test_junk_on_a_prefill_control_socket_is_dropped_and_the_rank_keeps_serving(bootstrap, ranks):
+    import zmq
+
+    from kvtransfer.control.bootstrap import BootstrapClient
+    from kvtransfer.control.wire import Heartbeat, Ping
+
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap))
+    (reg,) = BootstrapClient(bootstrap).topology(0).rank_infos()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(reg.control_addr)
+    for junk in ([b"\xc1not msgpack"], [Ping(nonce=1).to_msgpack()[:-2]], [b"a", b"b", b"c"],
+                 [Heartbeat(seq=1, incarnation="stranger").to_msgpack()],  # no hello: not answered
+                 [b"\x92\x01\x02"]):
+        sock.send_multipart(junk)
+    assert not sock.poll(300)
+    sock.close()
+    decode.call(Receive("after-junk", 9))
+    prefill.call(Prefill("after-junk", 9, (9,)))
+    assert decode.call(Wait("after-junk")) == ("Success", None)
+    assert decode.call(Verify("after-junk"))[0] == 0
