@@ -386,7 +386,7 @@ def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) 
     total, _, overhead = _latencies(out, ids)
     print(f"load, {args.inflight} requests in flight: {len(total)} succeeded in {wall:.2f} s = "
           f"{len(total) / wall:,.0f} requests/s")
-    print(_line("decode ask -> Success", total))
+    print(_line("decode receiver -> Success", total))
     ok &= len(total) == len(ids)
     if args.soak:
         ok &= _soak(args, rng, ranks, bootstrap, pages, page_size)
