@@ -285,7 +285,7 @@ def _pct(values: list, q: float) -> float:
 
 
 def _latencies(out: dict, ids: list) -> tuple:
-    """Per successful request: decode ask -> Success, prefill's write time, the overhead (ms)."""
+    """Per successful request: decode receiver -> Success, prefill's write time, the overhead (ms)."""
     total, wire, overhead = [], [], []
     for rid in ids:
         d, p = out["decode"].times[rid], out["prefill"].times[rid]
