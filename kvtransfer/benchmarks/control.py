@@ -6,11 +6,12 @@ router, which hands both the same request ids in batches (typed messages) and co
 outcome and the state times of each request (``RequestStatus.times``: ``time.monotonic``, one
 clock for every process of the host).
 
-- **latency**: requests one at a time. Per request: decode's receiver created -> Success
-  (its ``Bootstrapping`` and ``Success`` times: the engine's view), and the bytes' own time on
-  prefill (first write posted -> every write done). The control overhead is the first minus
-  the second: the ask reaching prefill, the plan, the posting, the notification and its
-  polling.
+- **latency**: requests one at a time, decode asking first (it reserves the pages as the
+  request is routed), then prefill's engine handing over the computed KV (``sender.send``):
+  per request, prefill's sender created -> decode Success (what TTFT waits for), and the
+  bytes' own time on prefill (first write posted -> every write done). The control overhead
+  is the first minus the second: the plan, the posting, the notification and its polling.
+  The decode side's own ask path (receiver -> ask sent) is shown beside it.
 - **load**: ``--inflight`` requests in flight at once (1,000 by default), requests/s and the
   latency percentiles.
 - **soak**: ``--soak`` requests, every ``--abort-every``-th aborted by decode right after it
@@ -31,9 +32,12 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvtransfer.control.state import KVPoll
 
 REPLY_TIMEOUT_S = 300.0
+
 
 
 # -- messages between the router (this process) and the ranks ---------------------------------
@@ -48,11 +52,18 @@ class RankArgs:
 
 @dataclass(frozen=True)
 class Issue:
-    """Requests to run: ids, token counts, which decode aborts right after asking."""
+    """Requests to run: ids, token counts, which decode aborts right after asking. With
+    ``ack`` the rank answers :class:`Issued` once its handles are out (decode: asked)."""
 
     ids: tuple
     tokens: tuple
     abort: tuple  # bool per id
+    ack: bool = False
+
+
+@dataclass(frozen=True)
+class Issued:
+    pass
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,9 @@ class _RankWorker:
                 if abort:
                     receiver.abort("aborted by the benchmark")
                 self.live[rid] = receiver
+        if msg.ack and self.args.role == "decode":  # until every ask is out
+            while any(h.poll() < KVPoll.WaitingForInput and not h.poll().final for h in self.live.values()):
+                time.sleep(0.0002)
         self.reap(block=False)
 
     def reap(self, block: bool) -> None:
@@ -208,6 +222,8 @@ def _rank_main(args: RankArgs, conn) -> None:
                 break
             if isinstance(msg, Issue):
                 worker.issue(msg)
+                if msg.ack:
+                    conn.send(Issued())
             elif isinstance(msg, Drain):
                 conn.send(worker.drain())
             elif isinstance(msg, Census):
@@ -285,13 +301,14 @@ def _pct(values: list, q: float) -> float:
 
 
 def _latencies(out: dict, ids: list) -> tuple:
-    """Per successful request: decode receiver -> Success, prefill's write time, the overhead (ms)."""
+    """Per successful request: prefill's sender (the chunk handed over) -> decode Success, prefill's
+    write time, the overhead (ms)."""
     total, wire, overhead = [], [], []
     for rid in ids:
         d, p = out["decode"].times[rid], out["prefill"].times[rid]
         if "Success" not in d or "Success" not in p:
             continue
-        t = (d["Success"] - d["Bootstrapping"]) * 1e3
+        t = (d["Success"] - p["Bootstrapping"]) * 1e3
         w = (p["Success"] - p["Transferring"]) * 1e3
         total.append(t)
         wire.append(w)
@@ -301,14 +318,15 @@ def _latencies(out: dict, ids: list) -> tuple:
 
 def _steps(out: dict, ids: list) -> dict:
     """Where a request's time goes, step by step (ms): both sides' state times on one clock."""
-    steps = {"  ask reaches prefill": [], "  plan and post": [], "  notification seen": []}
+    steps = {"  send -> plan and post": [], "  write done -> decode Success": [],
+             "decode: receiver -> ask out": []}
     for rid in ids:
         d, p = out["decode"].times[rid], out["prefill"].times[rid]
         if "Success" not in d or "Success" not in p:
             continue
-        steps["  ask reaches prefill"].append((p["WaitingForInput"] - d["Bootstrapping"]) * 1e3)
-        steps["  plan and post"].append((p["Transferring"] - p["WaitingForInput"]) * 1e3)
-        steps["  notification seen"].append((d["Success"] - p["Success"]) * 1e3)
+        steps["  send -> plan and post"].append((p["Transferring"] - p["Bootstrapping"]) * 1e3)
+        steps["  write done -> decode Success"].append((d["Success"] - p["Success"]) * 1e3)
+        steps["decode: receiver -> ask out"].append((d["WaitingForInput"] - d["Bootstrapping"]) * 1e3)
     return steps
 
 
@@ -357,18 +375,24 @@ def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) 
     print(f"kvtransfer bench control: 1 prefill rank -> 1 decode rank, MHA 2 layers x K,V, 2 x 64 bf16, "
           f"requests of 1..{args.max_tokens} tokens; NIXL over loopback; ZeroMQ control; {os.cpu_count()} CPUs")
     ok = True
-    # latency: one at a time (a batch of one, drained)
+    # latency: one at a time; decode asks first (it reserves pages as the request is routed),
+    # then prefill's engine hands over the computed KV: what TTFT waits for is send -> Success
     ids = [f"lat-{i}" for i in range(args.latency_requests)]
     tokens = rng.integers(1, args.max_tokens + 1, len(ids)).tolist()
     outs = {"decode": Outcomes({}, {}), "prefill": Outcomes({}, {})}
     for i, rid in enumerate(ids):
-        got = _run(ranks, [rid], [tokens[i]], [False], 1)
-        for role in outs:
-            outs[role].states.update(got[role].states)
-            outs[role].times.update(got[role].times)
+        ranks["decode"].send(Issue((rid,), (tokens[i],), (False,), ack=True))
+        ranks["decode"].reply("ack")
+        time.sleep(0.002)  # the ask reaches prefill and waits there
+        ranks["prefill"].send(Issue((rid,), (tokens[i],), (False,)))
+        for role, rank in ranks.items():
+            rank.send(Drain())
+            got = rank.reply("outcomes")
+            outs[role].states.update(got.states)
+            outs[role].times.update(got.times)
     total, wire, overhead = _latencies(outs, ids)
-    print(f"latency, {len(total)} of {len(ids)} requests one at a time:")
-    print(_line("decode receiver -> Success", total))
+    print(f"latency, {len(total)} of {len(ids)} requests one at a time (decode asked first):")
+    print(_line("prefill send -> decode Success", total))
     print(_line("prefill writes (the bytes)", wire))
     print(_line("control overhead", overhead))
     for name, values in _steps(outs, ids).items():
@@ -383,7 +407,8 @@ def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) 
     t0 = time.monotonic()
     out = _run(ranks, ids, tokens, [False] * len(ids), 250)
     wall = time.monotonic() - t0
-    total, _, overhead = _latencies(out, ids)
+    total = [(out["decode"].times[r]["Success"] - out["decode"].times[r]["Bootstrapping"]) * 1e3
+             for r in ids if out["decode"].states[r] == "Success"]
     print(f"load, {args.inflight} requests in flight: {len(total)} succeeded in {wall:.2f} s = "
           f"{len(total) / wall:,.0f} requests/s")
     print(_line("decode receiver -> Success", total))
