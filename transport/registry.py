@@ -7,7 +7,8 @@ it here (:meth:`RegionRegistry.add`) with that registration as the region's *han
 
 What the contract (:mod:`transport.base`) promises lives here once:
 
-- ids are small ints, dense from 0, never reused while the registry lives;
+- ids are small ints, dense from 0, never reused while the registry lives, below
+  :data:`~transport.base.MAX_REGION_ID`;
 - ``regions`` is a read-only, live view (:attr:`RegionRegistry.view`);
 - an unknown id raises ``ValueError`` naming the live ids;
 - tables derived from the regions (the :class:`~transport.base.RegionSizes` that bounds checks
@@ -20,7 +21,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
-from transport.base import Region, RegionSizes, check_region_args
+from transport.base import MAX_REGION_ID, Region, RegionSizes, TransportError, check_region_args
 
 __all__ = ["RegionRegistry"]
 
@@ -48,6 +49,9 @@ class RegionRegistry:
         """Record a region under the next id (arguments checked again, cheaply)."""
         check_region_args(ptr, length, device)
         rid = self._next_id
+        if rid >= MAX_REGION_ID:  # peers refuse larger ids (they size tables by the largest id)
+            raise TransportError(f"region ids exhausted: {MAX_REGION_ID} registrations in this transport's "
+                                 "lifetime (ids are never reused); use a new transport")
         self._next_id += 1
         self._regions[rid] = Region(rid, ptr, length, device)
         self._handles[rid] = handle
