@@ -496,7 +496,10 @@ class Peer(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Forget this peer (idempotent). Pending transfers are aborted."""
+        """Forget this peer (idempotent). Pending transfers are aborted. A backend may keep
+        its connection to the remote transport for a later ``connect`` to it (NIXL does, see
+        :mod:`transport.nixl`): connect/close cycles to one remote transport must not grow
+        this process's or the remote's resources."""
 
 
 class Transport(abc.ABC):

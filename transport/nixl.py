@@ -39,6 +39,16 @@ Connecting again to a newer export of an already connected agent reloads its met
 place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
 complete. Deregister a region only once no pending transfer uses it.
 
+Connections: ``NixlPeer.close()`` refuses further writes through that peer but keeps the remote
+agent loaded in NIXL, idle, and a later ``connect`` to the same agent reuses its endpoint. NIXL
+cannot release a live peer's endpoint: ``remove_remote_agent`` (``invalidateRemoteMD``) drops
+NIXL's connection, but over tcp each side's UCP worker keeps the endpoint the wire-up created,
+so the socket stays open on both sides (measured: +1 open socket per connect/remove cycle in the
+writer and in the receiver, also when the receiver loads and removes the writer's metadata too)
+until a worker is destroyed (``NixlTransport.close``) or the other process exits. So connections
+are bounded by the distinct live agents a transport has connected to; an agent whose transfer
+failed in the backend (peer lost) is removed from NIXL when its peer closes.
+
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check (within milliseconds of SIGKILL over tcp, bench/RESULTS.md). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
@@ -195,6 +205,7 @@ class NixlTransfer(Transfer):
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
+            self._peer._transport._lost.add(self._peer.name)  # its endpoint is dropped when its peer closes
             self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
             return self._status
         if state == "DONE":
@@ -328,6 +339,8 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})")
         self._registry = RegionRegistry()  # handles: the nixlRegDList of each region
         self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
+        self._idle: set[str] = set()  # remote agents still loaded in NIXL whose peer closed (see _forget_peer)
+        self._lost: set[str] = set()  # remote agents a transfer saw fail in the backend (peer lost)
         self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
         # standalone notification (genNotif) has no completion to wait on, and over tcp it
@@ -398,7 +411,7 @@ class NixlTransport(Transport):
             ) from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
-            if loaded not in self._peers:
+            if loaded not in self._peers and loaded not in self._idle:
                 self._remove_remote(loaded)
             raise PeerDescriptorError(f"peer descriptor names agent {name!r} but its metadata is of {loaded!r}")
         old = self._peers.get(name)
@@ -407,6 +420,7 @@ class NixlTransport(Transport):
             self._retired.add(old)
         peer = NixlPeer(self, name, regions, scratch)
         self._peers[name] = peer
+        self._idle.discard(name)
         return peer
 
     def poll_notifications(self) -> list[Notification]:
@@ -471,7 +485,19 @@ class NixlTransport(Transport):
             pass
 
     def _forget_peer(self, peer: NixlPeer) -> None:
-        """Drop the remote agent when its current peer closes (a retired snapshot leaves it)."""
-        if self._peers.get(peer.name) is peer:
-            del self._peers[peer.name]
+        """The current peer of a remote agent closed (a retired snapshot leaves it alone).
+
+        A lost agent (a transfer failed in the backend) is removed from NIXL. A live one stays
+        loaded, idle, and a later ``connect`` to it reuses its endpoint: NIXL's
+        ``remove_remote_agent`` forgets the metadata but not the UCX connection (over tcp each
+        side's UCP worker keeps the endpoint the wire-up created, one socket per connect on both
+        sides until a worker is destroyed or the peer process exits), so removing and loading
+        again would leak a socket per cycle on both sides."""
+        if self._peers.get(peer.name) is not peer:
+            return
+        del self._peers[peer.name]
+        if peer.name in self._lost:
+            self._lost.discard(peer.name)
             self._remove_remote(peer.name)
+        else:
+            self._idle.add(peer.name)

@@ -421,3 +421,29 @@ def test_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
     assert rx.wait_notes(1)[0] == (note, sha(want))
     for r in range(len(sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_connect_close_cycles_leave_fd_counts_flat(writer, receiver):
+    """A serving process connects and closes peers for days: 500 ``connect`` + ``close``
+    cycles (each with a write) leave the writer's and the receiver's open files as they were."""
+    rx = receiver([4096])
+    t = writer()
+    src, sid = host_region(t, 4096, 40)
+
+    def cycle():
+        peer = t.connect(rx.export)
+        peer.write(wb(sid, 0, 0, 0, 64)).wait(30)
+        peer.close()
+
+    cycle()  # warm: the connection and its lazily opened files
+    rx.dump(0)
+    before = open_fds(os.getpid()), open_fds(rx.proc.pid)
+    for _ in range(500):
+        cycle()
+    rx.dump(0)  # the receiver has run its loop since
+    after = open_fds(os.getpid()), open_fds(rx.proc.pid)
+    assert after == before, f"open files (writer, receiver): {before} before 500 cycles, {after} after"
