@@ -14,7 +14,15 @@ Each process owns one :class:`Transport` (one per backend). The owner
    A region id is a small int, dense from 0, never reused while the transport lives (at most
    :data:`MAX_REGION_ID` registrations per transport: ``TransportError`` past them; a peer's
    export naming a larger id is a :class:`PeerDescriptorError`);
-   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered);
+   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered).
+   ``register`` refuses (``ValueError``) a range that overlaps a live region of the same
+   memory (host or one CUDA device): each byte has one region id, so registering the same
+   buffer twice is a caller's bug, not a second handle. It also refuses pointers in the null
+   page and ranges past the 64-bit address space; it cannot tell a dangling pointer from a
+   live one (the backend's registration may fail on it, ``TransportError``). The memory stays
+   the caller's: keep it alive until ``deregister``. The nixl backend refuses
+   (``TransportError``) to deregister a region that is the source of a transfer still
+   pending: wait for it or abort it first;
    ``transport.regions`` is a read-only view of the live regions by id;
 2. sends ``transport.export()`` (bytes, msgpack-able) to its peer through the control
    plane, and connects to the peer's bytes with ``peer = transport.connect(peer_bytes)``.
@@ -170,6 +178,8 @@ def check_region_args(ptr: int, length: int, device: Optional[int]) -> None:
     """The argument checks every backend's ``register`` shares."""
     if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0:
         raise TypeError(f"ptr must be a positive int address, got {ptr!r}")
+    if ptr < MIN_ADDRESS:
+        raise ValueError(f"ptr {ptr:#x} lies in the first {MIN_ADDRESS} bytes, which no allocation uses")
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ValueError(f"length must be a positive int, got {length!r}")
     if length > MAX_OFFSET or ptr + length > ADDRESS_END:
@@ -186,6 +196,7 @@ def check_region_args(ptr: int, length: int, device: Optional[int]) -> None:
 MAX_REGION_ID = 1 << 20  # ids per transport over its lifetime (ids are never reused)
 MAX_DEVICE = 1 << 16
 MAX_OFFSET = (1 << 63) - 1  # int64
+MIN_ADDRESS = 4096  # the null page: a pointer below it is a bug (an offset, a length), never memory
 ADDRESS_END = 1 << 64
 
 _BATCH_FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "length")

@@ -131,6 +131,18 @@ class NixlConfig:
         return self.peer_loss_timeout_s + nbytes / (self.min_throughput_gbps * 1e9)
 
 
+_LIVE_NAMES: set[str] = set()  # agent names of this process's open transports
+
+
+def _ucx_tls_hint() -> str:
+    """Why an agent may not start: UCX_TLS without tcp (NIXL's UCX backend connects the agent
+    to itself at start, which needs tcp on one host too)."""
+    tls = os.environ.get("UCX_TLS")
+    if tls is None or "tcp" in tls.split(",") or tls.startswith("^") or "all" in tls.split(","):
+        return ""
+    return f" -- UCX_TLS={tls!r} lacks tcp: keep tcp in UCX_TLS, also on one host (e.g. tcp,self,sm)"
+
+
 def _default_agent_name() -> str:
     return f"kvt-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -176,8 +188,9 @@ class _RegionTable:
 class NixlTransfer(Transfer):
     """One NIXL transfer request. Progress and peer-loss detection happen in ``status()``."""
 
-    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float):
+    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float, src_region=None):
         self._peer = peer
+        self._src_region = src_region  # [n] the batch's local region ids (what deregister must not pull)
         self._handle = handle  # nixl_xfer_handle, None once released
         self._status = TransferStatus.PENDING
         self._error: Optional[str] = None
@@ -283,7 +296,7 @@ class NixlPeer(Peer):
                 self, TransferStatus.FAILED, f"peer {self.name!r}: could not post: {type(exc).__name__}: {exc}"
             )
         nbytes = batch.nbytes
-        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes))
+        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes), batch.src_region)
         if state == "DONE":
             t._finish(TransferStatus.DONE)
         elif state != "PROC":
@@ -322,21 +335,31 @@ class NixlTransport(Transport):
             raise TypeError(f"config must be a NixlConfig, got {type(config).__name__}")
         self.config = config
         self.name = config.agent_name or _default_agent_name()
+        self._agent = None
+        if self.name in _LIVE_NAMES:
+            raise TransportError(f"NIXL agent name {self.name!r} is taken by a live NixlTransport of this process; "
+                                 "agent names must be unique (pick another NixlConfig.agent_name, or None)")
         api = load_nixl_api()
-        self._agent = api.nixl_agent(
-            self.name,
-            api.nixl_agent_config(
-                enable_prog_thread=config.progress_thread,
-                enable_listen_thread=False,
-                num_threads=config.num_threads,
-                backends=list(config.backends),
-            ),
-        )
+        try:
+            self._agent = api.nixl_agent(
+                self.name,
+                api.nixl_agent_config(
+                    enable_prog_thread=config.progress_thread,
+                    enable_listen_thread=False,
+                    num_threads=config.num_threads,
+                    backends=list(config.backends),
+                ),
+            )
+        except Exception as exc:
+            raise TransportError(f"NIXL agent {self.name!r} could not start: {type(exc).__name__}: {exc}"
+                                 f"{_ucx_tls_hint()}") from exc
         missing = [b for b in config.backends if b not in self._agent.backends]
         if missing:
             plugins = self._agent.get_plugin_list()
             self._agent = None
-            raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})")
+            raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})"
+                                 f"{_ucx_tls_hint()}")
+        _LIVE_NAMES.add(self.name)
         self._registry = RegionRegistry()  # handles: the nixlRegDList of each region
         self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
         self._idle: set[str] = set()  # remote agents still loaded in NIXL whose peer closed (see _forget_peer)
@@ -356,7 +379,7 @@ class NixlTransport(Transport):
 
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
         agent = self._agent_checked()
-        RegionRegistry.check(ptr, length, device)
+        self._registry.check_free(ptr, length, device)
         mem = "DRAM" if device is None else "VRAM"
         descs = np.array([[ptr, length, 0 if device is None else device]], dtype=np.uint64)  # [1, 3]
         try:
@@ -369,6 +392,14 @@ class NixlTransport(Transport):
 
     def deregister(self, region_id: int) -> None:
         agent = self._agent_checked()
+        self._registry.get(region_id)
+        busy = [t for peer in [*self._retired, *self._peers.values()] for t in list(peer._pending)
+                if t.status() is TransferStatus.PENDING and t._src_region is not None
+                and bool((t._src_region == region_id).any())]
+        if busy:  # UCX would read freed memory and blame the peer (REMOTE_DISCONNECT)
+            peers = sorted({t._peer.name for t in busy})
+            raise TransportError(f"region {region_id} is the source of {len(busy)} transfer(s) still pending "
+                                 f"(to {peers}); wait for or abort them before deregistering it")
         reg = self._registry.remove(region_id)
         agent.deregister_memory(reg, backends=list(self.config.backends))
 
@@ -402,7 +433,10 @@ class NixlTransport(Transport):
         if not isinstance(metadata, bytes) or not metadata:
             raise PeerDescriptorError(f"peer descriptor 'metadata' must be non-empty bytes, got {metadata!r:.60}")
         if name == self.name:
-            raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
+            if metadata == bytes(agent.get_agent_metadata()):
+                raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
+            raise PeerDescriptorError(f"peer agent {name!r} has this transport's name: agent names must be unique "
+                                      "(NixlConfig.agent_name)")
         try:  # NIXL updates an agent it already knows in place: pending writes keep going
             loaded = agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -454,6 +488,7 @@ class NixlTransport(Transport):
                 pass
         self._stuck.clear()
         self._agent = None  # the NIXL agent (and its UCX context, progress thread) goes with it
+        _LIVE_NAMES.discard(self.name)
 
     def __del__(self):
         try:

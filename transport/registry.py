@@ -45,9 +45,21 @@ class RegionRegistry:
         """A read-only copy of a region table (a peer's, from its export)."""
         return MappingProxyType(dict(regions))
 
-    def add(self, ptr: int, length: int, device: Optional[int], handle: Any = None) -> Region:
-        """Record a region under the next id (arguments checked again, cheaply)."""
+    def check_free(self, ptr: int, length: int, device: Optional[int]) -> None:
+        """:meth:`check`, and ``ValueError`` when ``[ptr, ptr + length)`` overlaps a live region
+        of the same memory (host, or the same CUDA device): one byte has one region id, so a
+        region deregistered while another still covers its bytes cannot happen by accident.
+        Backends call it before registering with their own machinery."""
         check_region_args(ptr, length, device)
+        for reg in self._regions.values():
+            if reg.device == device and ptr < reg.ptr + reg.length and reg.ptr < ptr + length:
+                where = "host" if device is None else f"cuda:{device}"
+                raise ValueError(f"[{ptr:#x}, +{length}) on {where} overlaps region {reg.region_id} "
+                                 f"[{reg.ptr:#x}, +{reg.length}); register each byte range once")
+
+    def add(self, ptr: int, length: int, device: Optional[int], handle: Any = None) -> Region:
+        """Record a region under the next id (arguments checked again)."""
+        self.check_free(ptr, length, device)
         rid = self._next_id
         if rid >= MAX_REGION_ID:  # peers refuse larger ids (they size tables by the largest id)
             raise TransportError(f"region ids exhausted: {MAX_REGION_ID} registrations in this transport's "

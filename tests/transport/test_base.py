@@ -146,6 +146,6 @@ def test_region_ids_are_bounded_at_registration():
     reg._next_id = base.MAX_REGION_ID - 1
     assert reg.add(4096, 64, None).region_id == base.MAX_REGION_ID - 1
     with pytest.raises(base.TransportError, match=f"region ids exhausted: {base.MAX_REGION_ID} registrations"):
-        reg.add(4096, 64, None)
+        reg.add(8192, 64, None)
     with pytest.raises(ValueError, match="does not fit a 64-bit address space"):
         reg.add(2**64 - 8, 64, None)

@@ -30,6 +30,7 @@ from transport.base import (  # noqa: E402
     TransferFailed,
     TransferStatus,
     TransportClosed,
+    TransportError,
     WriteBatch,
     pack_descriptor,
 )
@@ -447,3 +448,58 @@ def test_connect_close_cycles_leave_fd_counts_flat(writer, receiver):
     rx.dump(0)  # the receiver has run its loop since
     after = open_fds(os.getpid()), open_fds(rx.proc.pid)
     assert after == before, f"open files (writer, receiver): {before} before 500 cycles, {after} after"
+
+
+# -- registration, deregistration, agent start ------------------------------------------------
+
+
+def test_register_refuses_overlaps_and_impossible_ranges(writer):
+    t = writer()
+    data = np.zeros(8192, np.uint8)
+    rid = t.register(data.ctypes.data, 4096)
+    for ptr, length in ((data.ctypes.data, 4096), (data.ctypes.data + 100, 10), (data.ctypes.data - 10, 20)):
+        with pytest.raises(ValueError, match=rf"overlaps region {rid} .*register each byte range once"):
+            t.register(ptr, length)
+    with pytest.raises(ValueError, match="lies in the first 4096 bytes"):
+        t.register(16, 64)
+    with pytest.raises(ValueError, match="does not fit a 64-bit address space"):
+        t.register(2**64 - 4096, 8192)
+    assert t.register(data.ctypes.data + 4096, 4096) == rid + 1  # the neighbouring range is free
+    assert list(t.regions) == [rid, rid + 1]
+
+
+def test_deregister_of_a_source_in_flight_is_refused(writer, receiver):
+    """A writer that frees its source during a write would see REMOTE_DISCONNECT, blaming the
+    peer: deregistering a region that a pending transfer reads from is refused, named."""
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 16 * MiB, 12)
+    t = peer._transport
+    spare, spare_id = host_region(t, 4096, 13)
+    tr = stalled_write(rx, peer, sid, 16 * MiB, rng)
+    try:
+        with pytest.raises(TransportError, match=rf"region {sid} is the source of 1 transfer\(s\) still pending "
+                                                 rf"\(to \['{peer.name}'\]\); wait for or abort them"):
+            t.deregister(sid)
+        t.deregister(spare_id)  # a region no pending transfer reads is free to go
+        tr.abort()
+        t.deregister(sid)
+    finally:
+        os.kill(rx.proc.pid, signal.SIGCONT)
+
+
+def test_agent_start_errors_say_why(writer):
+    with pytest.raises(TransportError, match="UCX_TLS='self,sm' lacks tcp: keep tcp in UCX_TLS, also on one host"):
+        writer(env={"UCX_TLS": "self,sm"})
+
+
+def test_agent_names_must_be_unique(writer, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    first = writer(agent_name="kvt-test-dup")
+    with pytest.raises(TransportError, match="agent name 'kvt-test-dup' is taken by a live NixlTransport"):
+        NixlTransport(NixlConfig(agent_name="kvt-test-dup"))
+    other = writer()
+    body = msgpack.unpackb(other.export())
+    body["agent"] = first.name
+    with pytest.raises(PeerDescriptorError, match="peer agent 'kvt-test-dup' has this transport's name"):
+        first.connect(msgpack.packb(body))
+    first.close()
+    writer(agent_name="kvt-test-dup")  # free again once closed
