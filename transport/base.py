@@ -73,6 +73,36 @@ Errors
 
 Nothing here hangs: a dead peer surfaces as ``FAILED`` within the backend's bounded
 peer-loss timeout.
+
+What FAILED and abort() guarantee (late bytes)
+----------------------------------------------
+A destination's bytes may be reused for another write only once no byte of an earlier
+write to them can still land:
+
+- ``DONE``: every byte has landed; nothing of the transfer lands later.
+- ``abort()`` returns only once the backend no longer runs the transfer (nixl: NIXL reports
+  the request no longer in progress), so nothing of it lands after ``abort()`` returns. It
+  waits at most until the transfer's peer-loss deadline; a peer that does not progress it by
+  then is *lost* (below). ``Peer.close()`` aborts its pending transfers the same way.
+- ``FAILED`` at the deadline (or from a backend error): the bytes already posted may still
+  land (over tcp they sit in socket buffers until the peer reads them). The transport then
+  treats that remote transport as lost: writes to it fail at once ("lost earlier") until a
+  new ``connect`` to it, which refuses (``TransportError``) while the failed requests are
+  still running in the backend, so no later write of this transport is overtaken by them.
+  The *receiver* must still treat the destination of a failed transfer as written-to until
+  the writer says otherwise or is known dead (the control plane's job).
+
+Deregistering written-to memory (stale exports)
+-----------------------------------------------
+A one-sided write cannot be refused by its target, and UCX's loopback transports do not
+check registrations there: a writer holding an export that names a region writes into that
+memory even after the owner deregistered and freed it (crash or heap corruption in the
+owner). So ``deregister`` is the owner's promise, not a revocation: before it deregisters
+and frees a region, the owner must make every peer that holds an export naming it forget that
+export (``Peer.close()`` there) and wait for their acknowledgement or their loss; or keep the
+memory until then. The control plane does this (a decode rank's ``Goodbye``, answered once no
+write of the prefill rank to it is in flight). The transport cannot enforce it: it does not
+know which remote transports loaded its export.
 """
 
 from __future__ import annotations
@@ -458,7 +488,9 @@ class Transfer(abc.ABC):
 
     @abc.abstractmethod
     def abort(self) -> None:
-        """Cancel if still pending (status becomes FAILED, error 'aborted'); else no-op."""
+        """Cancel if still pending (status becomes FAILED, error starting 'aborted'); else
+        no-op. Returns once no byte of the transfer can still land, or once its peer counts as
+        lost (see "What FAILED and abort() guarantee" in the module docstring)."""
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until DONE; raise TransferFailed on failure, TransferTimeout after ``timeout`` s."""

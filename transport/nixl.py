@@ -49,6 +49,14 @@ until a worker is destroyed (``NixlTransport.close``) or the other process exits
 are bounded by the distinct live agents a transport has connected to; an agent whose transfer
 failed in the backend (peer lost) is removed from NIXL when its peer closes.
 
+Aborts and failures (the contract's "late bytes"): releasing an active NIXL request does not
+stop bytes UCX already has (measured over tcp: ~3.7 MB of an aborted 32 MiB write landed after
+the release returned, once the stopped receiver ran again). So ``abort()`` polls the request
+until NIXL no longer reports it in progress, then releases it; a request that fails at its
+deadline is kept (not released) in a per-agent drain list and the agent is marked lost: writes
+to it fail at once, and ``connect`` to it refuses until the drain list is empty, then tears the
+old endpoint down and loads the agent afresh.
+
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check (within milliseconds of SIGKILL over tcp, bench/RESULTS.md). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
@@ -218,24 +226,61 @@ class NixlTransfer(Transfer):
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-            self._peer._transport._lost.add(self._peer.name)  # its endpoint is dropped when its peer closes
-            self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+            self._lose(f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
             return self._status
         if state == "DONE":
             self._finish(TransferStatus.DONE)
         elif state != "PROC":
             self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: NIXL reported {state}")
         elif time.monotonic() > self._deadline:
-            self._finish(
-                TransferStatus.FAILED,
-                f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
-                "(peer lost or stalled)",
-            )
+            self._lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+                       "(peer lost or stalled)")
         return self._status
 
     def abort(self) -> None:
+        """Cancel if still pending, and return only once no byte of it can still land: NIXL's
+        cancel (releasing an active request) does not stop bytes already handed to UCX (over
+        tcp, megabytes of an aborted write landed after it), so abort waits until NIXL reports
+        the request no longer in progress, at most until the transfer's deadline. A peer that
+        does not progress it by then is lost: see the module docstring."""
+        if self._status is not TransferStatus.PENDING:
+            return
+        agent = self._peer._transport._agent_or_none()
+        if agent is None:
+            self._finish(TransferStatus.FAILED, "transport closed")
+            return
+        sleep = 0.0
+        while True:
+            try:
+                state = agent.check_xfer_state(self._handle)
+            except Exception as exc:
+                self._lose(f"aborted; peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+                return
+            if state != "PROC":
+                break
+            if time.monotonic() > self._deadline:
+                self._lose(f"aborted; peer {self._peer.name!r} did not finish it within {self._deadline_s:.1f} s "
+                           "(peer lost or stalled)")
+                return
+            time.sleep(sleep)
+            sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+        self._finish(TransferStatus.FAILED, "aborted")
+
+    def _cancel(self) -> None:
+        """Fail and release now, without waiting (the transport is closing: its agent goes)."""
         if self._status is TransferStatus.PENDING:
-            self._finish(TransferStatus.FAILED, "aborted")
+            self._finish(TransferStatus.FAILED, "transport closed")
+
+    def _lose(self, error: str) -> None:
+        """FAILED, and the remote agent is lost: this transport refuses further writes to it
+        until a new ``connect`` to it, which waits until NIXL no longer progresses this request
+        (its bytes may still land until then: releasing it does not stop them)."""
+        transport = self._peer._transport
+        transport._lost.setdefault(self._peer.name, error)
+        self._status, self._error = TransferStatus.FAILED, error
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            transport._draining.setdefault(self._peer.name, []).append(handle)
 
     def _finish(self, status: TransferStatus, error: Optional[str] = None) -> None:
         """Enter a terminal state and release the NIXL request (cancelling it if still active)."""
@@ -267,6 +312,10 @@ class NixlPeer(Peer):
         transport = self._transport
         agent = transport._agent_checked()
         batch.check_bounds(transport._table().sizes, self._table.sizes)
+        lost = transport._lost.get(self.name)
+        if lost is not None:  # a later write must not race bytes of a failed one: connect again first
+            return NixlTransfer.finished(self, TransferStatus.FAILED, f"peer {self.name!r} was lost earlier "
+                                         f"(connect to a new export first): {lost}")
         notif = bytes(notify) if notify is not None else b""
         if len(batch) == 0 and not notif:
             return NixlTransfer.finished(self, TransferStatus.DONE)
@@ -306,11 +355,15 @@ class NixlPeer(Peer):
         return t
 
     def close(self) -> None:
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
+        """Pending transfers are aborted (``drain``: waiting as :meth:`NixlTransfer.abort` does)."""
         if self._closed == "closed":
             return
         self._closed = "closed"
         for t in list(self._pending):
-            t.abort()
+            t.abort() if drain else t._cancel()
         self._pending = weakref.WeakSet()
         self._transport._forget_peer(self)
 
@@ -363,7 +416,8 @@ class NixlTransport(Transport):
         self._registry = RegionRegistry()  # handles: the nixlRegDList of each region
         self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
         self._idle: set[str] = set()  # remote agents still loaded in NIXL whose peer closed (see _forget_peer)
-        self._lost: set[str] = set()  # remote agents a transfer saw fail in the backend (peer lost)
+        self._lost: dict[str, str] = {}  # remote agent -> why it is lost (a transfer failed or stalled)
+        self._draining: dict[str, list] = {}  # remote agent -> handles of its failed requests NIXL may still run
         self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
         # standalone notification (genNotif) has no completion to wait on, and over tcp it
@@ -432,6 +486,15 @@ class NixlTransport(Transport):
             raise PeerDescriptorError(f"peer descriptor 'agent' must be a non-empty str, got {name!r:.60}")
         if not isinstance(metadata, bytes) or not metadata:
             raise PeerDescriptorError(f"peer descriptor 'metadata' must be non-empty bytes, got {metadata!r:.60}")
+        if name in self._lost:  # a new connect after a loss: its failed requests are done, then a fresh endpoint
+            left = self._drain(name)
+            if left:
+                raise TransportError(f"peer {name!r} still has {left} failed request(s) in flight (it stalled); "
+                                     "connect again once it progresses or dies")
+            del self._lost[name]
+            if name not in self._peers:
+                self._idle.discard(name)
+            self._remove_remote(name)
         if name == self.name:
             if metadata == bytes(agent.get_agent_metadata()):
                 raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
@@ -471,7 +534,7 @@ class NixlTransport(Transport):
         if self._agent is None:
             return
         for peer in [*self._retired, *self._peers.values()]:
-            peer.close()
+            peer._close(drain=False)  # the agent goes: nothing of it can land after that
         for rid in list(self._registry.view):
             try:
                 self.deregister(rid)
@@ -481,6 +544,8 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(self._scratch_reg, backends=list(self.config.backends))
         except Exception:
             pass
+        self._stuck.extend(h for handles in self._draining.values() for h in handles)
+        self._draining.clear()
         for handle in self._stuck:
             try:
                 handle.release()
@@ -511,6 +576,23 @@ class NixlTransport(Transport):
         except Exception:
             self._stuck.append(handle)
 
+    def _drain(self, name: str) -> int:
+        """Release the failed requests of ``name`` that NIXL no longer progresses; return how
+        many it still does."""
+        left = []
+        for handle in self._draining.pop(name, []):
+            try:
+                busy = self._agent.check_xfer_state(handle) == "PROC"
+            except Exception:  # the peer died: nothing more of it lands
+                busy = False
+            if busy:
+                left.append(handle)
+            else:
+                self._release_handle(handle)
+        if left:
+            self._draining[name] = left
+        return len(left)
+
     def _remove_remote(self, name: str) -> None:
         if self._agent is None:
             return
@@ -531,8 +613,10 @@ class NixlTransport(Transport):
         if self._peers.get(peer.name) is not peer:
             return
         del self._peers[peer.name]
-        if peer.name in self._lost:
-            self._lost.discard(peer.name)
+        if peer.name in self._lost and not self._drain(peer.name):
+            del self._lost[peer.name]
             self._remove_remote(peer.name)
+        elif peer.name in self._lost:
+            self._idle.add(peer.name)  # failed requests still run: the next connect drains first
         else:
             self._idle.add(peer.name)

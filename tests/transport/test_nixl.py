@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
+import threading
 import time
 
 import msgpack
@@ -260,11 +262,19 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
     assert time.monotonic() - start < 1.0 + 16 * MiB / 0.1e9 + 3.0
 
 
+def resumed_later(rx, delay=0.3) -> threading.Timer:
+    """Continue the stopped receiver after ``delay`` s (abort() waits for it meanwhile)."""
+    timer = threading.Timer(delay, os.kill, (rx.proc.pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
 def test_abort_in_flight_then_write_again(writer, receiver):
     rx, src, sid, peer, rng = tcp_pair(writer, receiver, 32 * MiB, 4)
     tr = stalled_write(rx, peer, sid, 32 * MiB, rng)
+    resume = resumed_later(rx)
     tr.abort()
-    os.kill(rx.proc.pid, signal.SIGCONT)
+    resume.join()
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     with pytest.raises(TransferFailed, match="aborted"):
         tr.wait(1)
@@ -503,3 +513,61 @@ def test_agent_names_must_be_unique(writer, monkeypatch):
         first.connect(msgpack.packb(body))
     first.close()
     writer(agent_name="kvt-test-dup")  # free again once closed
+
+
+# -- what abort() and FAILED guarantee ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads", [0, 2, 4])
+def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver, num_threads):
+    """Receiver stopped with a 16 MiB write of 4 KiB ranges in flight; ``abort()`` (the
+    receiver continues while it runs): once abort returns, the destination no longer changes,
+    and a rewrite of the same destination waited DONE is what it holds afterwards."""
+    nbytes = 16 * MiB
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 20 + num_threads, num_threads=num_threads,
+                                       peer_loss_timeout_s=20.0)
+    fresh, fresh_id = host_region(peer._transport, nbytes, 30 + num_threads)
+    tr = stalled_write(rx, peer, sid, nbytes, rng)
+    delay = 0.3
+    resume = resumed_later(rx, delay)
+    start = time.monotonic()
+    tr.abort()
+    waited = time.monotonic() - start
+    resume.join()
+    # while the receiver is stopped, the request cannot be finished: bytes of it would land later
+    assert waited >= delay, f"abort() returned after {waited:.3f} s, before the stopped receiver ran again"
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    at_abort = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte of the aborted write
+    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
+    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
+    time.sleep(0.3)
+    assert_same(rx.dump(0), fresh, "destination after the aborted write and a DONE rewrite")
+
+
+def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):
+    """FAILED at the deadline: bytes of the request may still land, so this transport refuses
+    further writes to that agent (a later write must not be overtaken by them) until a new
+    connect to it, which tears the old endpoint down first."""
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 8 * MiB, 5, peer_loss_timeout_s=0.5)
+    tr = stalled_write(rx, peer, sid, 8 * MiB, rng)
+    with pytest.raises(TransferFailed, match="not done after"):
+        tr.wait(20)
+    later = peer.write(wb(sid, 0, 0, 0, 4096))
+    assert later.status() is TransferStatus.FAILED
+    assert re.search(r"was lost earlier \(connect to a new export first\): .*not done after", later.error)
+    t = peer._transport
+    with pytest.raises(TransportError, match=r"still has 1 failed request\(s\) in flight \(it stalled\)"):
+        t.connect(rx.export)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while True:  # the stalled request finishes once the receiver runs again
+        try:
+            again = t.connect(rx.export)
+            break
+        except TransportError:
+            assert time.monotonic() < deadline, "the failed request never left NIXL"
+            time.sleep(0.05)
+    again.write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    time.sleep(0.3)  # room for a late byte of the failed write
+    assert_same(rx.dump(0)[:4096], src[:4096], "first page after reconnecting")
