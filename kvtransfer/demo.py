@@ -22,7 +22,6 @@ design would issue) and after, plan and transfer times, and GB/s is printed.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -30,6 +29,8 @@ import traceback
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvtransfer._procs import Child
 
 HANDSHAKE_TIMEOUT_S = 120.0
 
@@ -180,7 +181,7 @@ def _decode_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
         conn.send(("verified", bad, stray))
 
 
-def _child(role: str, cfg: DemoConfig, tp_rank: int, conn) -> None:
+def _child(conn, role: str, cfg: DemoConfig, tp_rank: int) -> None:
     try:
         (_prefill_rank if role == "prefill" else _decode_rank)(cfg, tp_rank, conn)
     except BaseException as exc:  # report to the parent, never die silently
@@ -189,10 +190,10 @@ def _child(role: str, cfg: DemoConfig, tp_rank: int, conn) -> None:
         conn.close()
 
 
-def _recv(conn, what: str, proc):
-    if not conn.poll(HANDSHAKE_TIMEOUT_S):
-        raise TimeoutError(f"no {what} within {HANDSHAKE_TIMEOUT_S:.0f} s (process alive: {proc.is_alive()})")
-    msg = conn.recv()
+def _recv(child, what: str):
+    """The next message of ``child`` (a :class:`~kvtransfer._procs.Child`); one that died or
+    did not answer raises ChildFailed naming its rank and how it ended."""
+    msg = child.recv(tuple, what, HANDSHAKE_TIMEOUT_S)
     if msg[0] == "error":
         raise RuntimeError(msg[1])
     return msg
@@ -204,36 +205,28 @@ def run(cfg: DemoConfig) -> int:
 
     cfg.validate()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # children inherit: keep the table readable
-    ctx = mp.get_context("spawn")
-    procs, conns = {}, {}
+    ranks = {}
     for role, tp in (("decode", cfg.decode_tp), ("prefill", cfg.prefill_tp)):
         for r in range(tp):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_child, args=(role, cfg, r, child), name=f"{role}{r}", daemon=True)
-            p.start()
-            child.close()
-            procs[role, r], conns[role, r] = p, parent
+            ranks[role, r] = Child.spawn(_child, (role, cfg, r), name=f"{role} rank {r}")
     try:
         t0 = time.perf_counter()
-        decode = {r: _recv(conns["decode", r], "decode handshake", procs["decode", r]) for r in range(cfg.decode_tp)}
-        prefill = {r: _recv(conns["prefill", r], "prefill handshake", procs["prefill", r]) for r in range(cfg.prefill_tp)}
+        decode = {r: _recv(ranks["decode", r], "its handshake") for r in range(cfg.decode_tp)}
+        prefill = {r: _recv(ranks["prefill", r], "its handshake") for r in range(cfg.prefill_tp)}
         RankLayout.from_msgpack(prefill[0][1]).check_compatible(RankLayout.from_msgpack(decode[0][1]))
         for d, (_, layout_bytes, export, dst_regions, dst_slots) in decode.items():
             senders = senders_for(RankLayout.from_msgpack(layout_bytes), cfg.prefill_tp)
-            conns["decode", d].send(set(senders))
+            ranks["decode", d].send(set(senders))
             for p in senders:
-                conns["prefill", p].send(("write", d, layout_bytes, export, dst_regions, dst_slots))
-        verdicts = {d: _recv(conns["decode", d], "verification", procs["decode", d]) for d in range(cfg.decode_tp)}
+                ranks["prefill", p].send(("write", d, layout_bytes, export, dst_regions, dst_slots))
+        verdicts = {d: _recv(ranks["decode", d], "its verification") for d in range(cfg.decode_tp)}
         for p in range(cfg.prefill_tp):
-            conns["prefill", p].send(("done",))
-        stats = [row for p in range(cfg.prefill_tp) for row in _recv(conns["prefill", p], "stats", procs["prefill", p])[1]]
+            ranks["prefill", p].send(("done",))
+        stats = [row for p in range(cfg.prefill_tp) for row in _recv(ranks["prefill", p], "its stats")[1]]
         wall = time.perf_counter() - t0
     finally:
-        for p in procs.values():
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        for child in ranks.values():
+            child.stop()
     return _report(cfg, stats, verdicts, wall)
 
 

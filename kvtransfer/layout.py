@@ -187,6 +187,27 @@ class TensorSpec:
             raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
                                  f"divided by it, got (units, size) groups {_show(self.groups)}") from exc
 
+    def check_consistent(self, tp_size: int, page_size: int) -> None:
+        """Raise :class:`LayoutMismatch` when the spec contradicts itself at TP ``tp_size``
+        (a decoded peer layout is trusted only after this): ``row_bytes`` must be the rank's
+        channels x ``unit_bytes``, and ``page_size`` rows from ``section_start`` must fit
+        ``page_bytes``."""
+        for name in ("unit_bytes", "page_bytes"):
+            _pos_int(f"{self.name}.{name}", getattr(self, name))
+        if not isinstance(self.section_start, int) or self.section_start < 0:
+            raise LayoutMismatch(f"{self.name}: section_start must be an int >= 0, got {self.section_start!r}")
+        if not self.groups or not all(len(g) == 2 and all(isinstance(x, int) and x > 0 for x in g)
+                                      for g in self.groups):
+            raise LayoutMismatch(f"{self.name}: groups must be (units, channels) pairs of positive ints, "
+                                 f"got {_show(self.groups)}")
+        want = self.local_channels(tp_size) * self.unit_bytes  # raises when this TP cannot cut it
+        if self.row_bytes != want:
+            raise LayoutMismatch(f"{self.name}: row_bytes {self.row_bytes!r} contradicts its groups "
+                                 f"{_show(self.groups)} x unit_bytes {self.unit_bytes} at TP {tp_size} ({want})")
+        if self.section_start + page_size * self.row_bytes > self.page_bytes:
+            raise LayoutMismatch(f"{self.name}: {page_size} rows of {self.row_bytes} B from byte "
+                                 f"{self.section_start} do not fit its page of {self.page_bytes} B")
+
     def to_wire(self) -> dict:
         d = asdict(self)
         d["shard"] = self.shard.value
@@ -249,7 +270,12 @@ class RankLayout:
             raise ValueError(f"layer_ids must be non-empty and distinct, got {list(self.layer_ids)}")
         dtype_itemsize(self.dtype)
         for spec in self.kv_tensors + self.state_tensors:
-            spec.local_channels(self.tp_size)  # raises when this TP cannot cut it
+            if not isinstance(spec, TensorSpec):
+                raise TypeError(f"tensor specs must be TensorSpec, got {type(spec).__name__}")
+        for spec in self.kv_tensors:
+            spec.check_consistent(self.tp_size, self.page_size)
+        for spec in self.state_tensors:
+            spec.check_consistent(self.tp_size, self.state_page_size)
         if self.state_kind is not StateKind.NONE and not (self.state_tensors and self.state_layer_ids):
             raise ValueError(f"state kind {self.state_kind.value} needs state tensors and layer ids")
 
@@ -406,18 +432,25 @@ class RankLayout:
         if not isinstance(msg, dict) or msg.get("version") != LAYOUT_VERSION:
             got = msg.get("version") if isinstance(msg, dict) else type(msg).__name__
             raise LayoutMismatch(f"layout version must be {LAYOUT_VERSION}, got {got!r}")
+        if not isinstance(msg.get("layout"), dict):
+            raise LayoutMismatch(f"layout message must carry a 'layout' map, got {type(msg.get('layout')).__name__}")
         body = dict(msg["layout"])
         expected = {f.name for f in fields(cls)}
         if set(body) != expected:
-            raise LayoutMismatch(f"layout fields must be {sorted(expected)}, got {sorted(body)}")
-        body["kind"] = PoolKind(body["kind"])
-        body["state_kind"] = StateKind(body["state_kind"])
-        for part in ("kv_tensors", "state_tensors"):
-            body[part] = tuple(TensorSpec.from_wire(s) for s in body[part])
-        body["conv_shard_groups"] = tuple(tuple(tuple(p) for p in g) for g in body["conv_shard_groups"])
-        for name in ("layer_ids", "state_layer_ids", "state_dims"):
-            body[name] = tuple(body[name])
-        return cls(**body)
+            raise LayoutMismatch(f"layout fields must be {sorted(expected)}, got {sorted(map(str, body))}")
+        try:  # well-formed msgpack of the wrong shape: a LayoutMismatch, never a KeyError/TypeError
+            body["kind"] = PoolKind(body["kind"])
+            body["state_kind"] = StateKind(body["state_kind"])
+            for part in ("kv_tensors", "state_tensors"):
+                body[part] = tuple(TensorSpec.from_wire(s) for s in body[part])
+            body["conv_shard_groups"] = tuple(tuple(tuple(p) for p in g) for g in body["conv_shard_groups"])
+            for name in ("layer_ids", "state_layer_ids", "state_dims"):
+                body[name] = tuple(body[name])
+            return cls(**body)
+        except LayoutMismatch:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise LayoutMismatch(f"layout message has the wrong shape: {type(exc).__name__}: {exc}") from None
 
 
 def _described(name: str, pool):

@@ -12,6 +12,8 @@ from collections import Counter
 
 import torch
 
+from kvtransfer._args import positive_int
+
 
 def _shapes(page_size: int, tp_size: int):
     from pools import (HybridLinearKVPool, MambaPool, MambaStateParams, MHATokenToKVPool,
@@ -44,8 +46,8 @@ def _describe(infos) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtransfer layouts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--tp-size", type=int, default=1, help="shard heads/state as one rank of this TP")
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--tp-size", type=positive_int, default=1, help="shard heads/state as one rank of this TP")
     args = ap.parse_args(argv)
     print(f"page size {args.page_size}, TP {args.tp_size} (one rank's pools); item = one page (KV) / one slot (state)")
     for name, pool in _shapes(args.page_size, args.tp_size):

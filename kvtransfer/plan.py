@@ -58,6 +58,8 @@ import enum
 import functools
 import threading
 from dataclasses import dataclass, replace
+from typing import Optional
+
 import numpy as np
 
 from kvtransfer.layout import (
@@ -363,11 +365,26 @@ def _scratch(name: str, size: int, dtype, fill=None) -> np.ndarray:
     return out
 
 
-def _check_distinct(name: str, slots: np.ndarray, hi: int) -> None:
-    seen = _scratch("seen", hi, np.bool_, False)
-    seen[slots] = True
-    if np.count_nonzero(seen) != slots.size:
-        raise ValueError(f"{name} must be distinct: {slots.size} slots, {np.count_nonzero(seen)} distinct")
+def _dense(span: int, n: int) -> bool:
+    """Whether a table indexed by slot (``span`` entries) is worth it for ``n`` keys: scratch is
+    sized from the request, never from the pool's slot count (a peer's layout may claim 2**32)."""
+    return span <= max(1 << 16, 16 * n)
+
+
+def _check_distinct(name: str, slots: np.ndarray) -> None:
+    if slots.size < 2:
+        return
+    lo = int(slots.min())
+    span = int(slots.max()) - lo + 1
+    if _dense(span, slots.size):
+        seen = _scratch("seen", span, np.bool_, False)
+        seen[slots - lo] = True
+        distinct = int(np.count_nonzero(seen))
+    else:  # sparse slots: sort instead of a table
+        ordered = np.sort(slots)
+        distinct = 1 + int(np.count_nonzero(ordered[1:] != ordered[:-1]))
+    if distinct != slots.size:
+        raise ValueError(f"{name} must be distinct: {slots.size} slots, {distinct} distinct")
 
 
 def _steps(a: np.ndarray, name: str) -> np.ndarray:
@@ -411,16 +428,14 @@ def _chain(run_src, run_dst, run_len):
         return run_src, run_dst, run_len
     end = np.add(run_src, run_len, out=_scratch("end", r, _I64))
     want = np.add(run_dst, run_len, out=_scratch("want", r, _I64))  # a continuation starts there on dst
-    table = _scratch("table", int(end.max()) + 1, _I64, -1)  # src slot -> dst slot of the run starting there
-    table[run_src] = run_dst
-    found = np.take(table, end, out=_scratch("found", r, _I64))
+    starting = _RunStarts(run_src, int(end.max()))  # src slot -> index of the (last) run starting there
+    found = starting.lookup(end, run_dst)  # [r] dst slot of the run starting at each run's end, else -1
     if not np.equal(found, want, out=_scratch("link", r, np.bool_)).any():
         return run_src, run_dst, run_len
     # rare: some run continues in another one. Link them and follow each chain to its end.
     link = _scratch("link", r, np.bool_)
-    table[run_src] = np.arange(r, dtype=_I64)  # src slot -> run index
     ok = np.flatnonzero(link)
-    succ = table[end[ok]]
+    succ = starting.lookup(end[ok])
     keep = run_dst[succ] == want[ok]  # duplicated src slots: the table may name another run
     keep &= np.bincount(succ, minlength=r)[succ] == 1  # and keep 1-to-1 links only
     ok, succ = ok[keep], succ[keep]
@@ -435,6 +450,38 @@ def _chain(run_src, run_dst, run_len):
         tail = nxt
     head = np.flatnonzero(~has_pred)
     return run_src[head], run_dst[head], end[tail[head]] - run_src[head]
+
+
+class _RunStarts:
+    """Which run starts at a src slot: a scratch table indexed by slot when the slots are dense
+    (sized from the request's own slots), else a sorted search. Where several runs start at
+    one slot (duplicated src slots) the last one wins, as a table assignment would."""
+
+    def __init__(self, run_src: np.ndarray, top: int):
+        self.lo = int(run_src.min())
+        if _dense(top - self.lo + 1, run_src.size):
+            self.table = _scratch("table", top - self.lo + 1, _I64, -1)
+            self.table[run_src - self.lo] = np.arange(run_src.size, dtype=_I64)
+            self.order = None
+        else:
+            self.order = np.argsort(run_src, kind="stable")  # [r]
+            self.keys = run_src[self.order]  # [r] sorted
+
+    def lookup(self, slots: np.ndarray, values: Optional[np.ndarray] = None) -> np.ndarray:
+        """``[n]``: for each slot, the index of the run starting there (or ``values`` of it),
+        ``-1`` where none starts."""
+        if self.order is None:
+            pos = slots - self.lo
+            inside = (pos >= 0) & (pos < self.table.size)
+            idx = np.full(slots.size, -1, dtype=_I64)
+            idx[inside] = self.table[pos[inside]]
+        else:
+            at = np.searchsorted(self.keys, slots, side="right") - 1  # the last key <= slot
+            hit = (at >= 0) & (self.keys[np.maximum(at, 0)] == slots)
+            idx = np.where(hit, self.order[np.maximum(at, 0)], -1)
+        if values is None:
+            return idx
+        return np.where(idx >= 0, values[idx], -1)
 
 
 @dataclass(frozen=True)
@@ -467,7 +514,7 @@ def _build(part: BufferSet, src: RankLayout, dst: RankLayout, src_slots, dst_slo
     d, d_owned = _slots("dst_slots", dst_slots, dst_side.slots_lo, dst_side.slots_hi)
     if s.size != d.size:
         raise ValueError(f"src_slots and dst_slots must have equal length, got {s.size} and {d.size}")
-    _check_distinct("dst_slots", d, dst_side.slots_hi)
+    _check_distinct("dst_slots", d)
     run_src, run_dst, run_len = _runs(s, d, src_side.page_size, dst_side.page_size, sectioned)
     if run_src is s and not s_owned:  # the plan keeps its runs: never the caller's array
         run_src = run_src.copy()

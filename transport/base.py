@@ -11,8 +11,18 @@ Each process owns one :class:`Transport` (one per backend). The owner
        rid = transport.register(ptr, length, device=None)   # host memory
        rid = transport.register(ptr, length, device=0)      # CUDA ordinal 0
 
-   A region id is a small int, dense from 0, never reused while the transport lives;
-   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered);
+   A region id is a small int, dense from 0, never reused while the transport lives (at most
+   :data:`MAX_REGION_ID` registrations per transport: ``TransportError`` past them; a peer's
+   export naming a larger id is a :class:`PeerDescriptorError`);
+   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered).
+   ``register`` refuses (``ValueError``) a range that overlaps a live region of the same
+   memory (host or one CUDA device): each byte has one region id, so registering the same
+   buffer twice is a caller's bug, not a second handle. It also refuses pointers in the null
+   page and ranges past the 64-bit address space; it cannot tell a dangling pointer from a
+   live one (the backend's registration may fail on it, ``TransportError``). The memory stays
+   the caller's: keep it alive until ``deregister``. The nixl backend refuses
+   (``TransportError``) to deregister a region that is the source of a transfer still
+   pending: wait for it or abort it first;
    ``transport.regions`` is a read-only view of the live regions by id;
 2. sends ``transport.export()`` (bytes, msgpack-able) to its peer through the control
    plane, and connects to the peer's bytes with ``peer = transport.connect(peer_bytes)``.
@@ -63,6 +73,36 @@ Errors
 
 Nothing here hangs: a dead peer surfaces as ``FAILED`` within the backend's bounded
 peer-loss timeout.
+
+What FAILED and abort() guarantee (late bytes)
+----------------------------------------------
+A destination's bytes may be reused for another write only once no byte of an earlier
+write to them can still land:
+
+- ``DONE``: every byte has landed; nothing of the transfer lands later.
+- ``abort()`` returns only once the backend no longer runs the transfer (nixl: NIXL reports
+  the request no longer in progress), so nothing of it lands after ``abort()`` returns. It
+  waits at most until the transfer's peer-loss deadline; a peer that does not progress it by
+  then is *lost* (below). ``Peer.close()`` aborts its pending transfers the same way.
+- ``FAILED`` at the deadline (or from a backend error): the bytes already posted may still
+  land (over tcp they sit in socket buffers until the peer reads them). The transport then
+  treats that remote transport as lost: writes to it fail at once ("lost earlier") until a
+  new ``connect`` to it, which refuses (``TransportError``) while the failed requests are
+  still running in the backend, so no later write of this transport is overtaken by them.
+  The *receiver* must still treat the destination of a failed transfer as written-to until
+  the writer says otherwise or is known dead (the control plane's job).
+
+Deregistering written-to memory (stale exports)
+-----------------------------------------------
+A one-sided write cannot be refused by its target, and UCX's loopback transports do not
+check registrations there: a writer holding an export that names a region writes into that
+memory even after the owner deregistered and freed it (crash or heap corruption in the
+owner). So ``deregister`` is the owner's promise, not a revocation: before it deregisters
+and frees a region, the owner must make every peer that holds an export naming it forget that
+export (``Peer.close()`` there) and wait for their acknowledgement or their loss; or keep the
+memory until then. The control plane does this (a decode rank's ``Goodbye``, answered once no
+write of the prefill rank to it is in flight). The transport cannot enforce it: it does not
+know which remote transports loaded its export.
 """
 
 from __future__ import annotations
@@ -154,8 +194,13 @@ class Region:
         if not isinstance(item, (list, tuple)) or len(item) != 4 or not all(isinstance(x, int) for x in item):
             raise PeerDescriptorError(f"region entry must be 4 ints [id, ptr, length, device], got {item!r}")
         rid, ptr, length, device = item
-        if rid < 0 or ptr < 0 or length <= 0 or device < -1:
-            raise PeerDescriptorError(f"region entry out of range: {item!r}")
+        if not 0 <= rid < MAX_REGION_ID or ptr < 0 or length <= 0 or device < -1 or device >= MAX_DEVICE:
+            raise PeerDescriptorError(
+                f"region entry out of range: {item!r} (id in [0, {MAX_REGION_ID}), ptr >= 0, length > 0, "
+                f"device in [-1, {MAX_DEVICE}))"
+            )
+        if ptr + length > ADDRESS_END:
+            raise PeerDescriptorError(f"region entry {item!r} ends past the 64-bit address space")
         return cls(rid, ptr, length, None if device == -1 else device)
 
 
@@ -163,11 +208,26 @@ def check_region_args(ptr: int, length: int, device: Optional[int]) -> None:
     """The argument checks every backend's ``register`` shares."""
     if not isinstance(ptr, int) or isinstance(ptr, bool) or ptr <= 0:
         raise TypeError(f"ptr must be a positive int address, got {ptr!r}")
+    if ptr < MIN_ADDRESS:
+        raise ValueError(f"ptr {ptr:#x} lies in the first {MIN_ADDRESS} bytes, which no allocation uses")
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ValueError(f"length must be a positive int, got {length!r}")
+    if length > MAX_OFFSET or ptr + length > ADDRESS_END:
+        raise ValueError(f"[{ptr:#x}, +{length}) does not fit a 64-bit address space "
+                         f"(length at most {MAX_OFFSET}, end at most {ADDRESS_END:#x})")
     if device is not None and (not isinstance(device, int) or isinstance(device, bool) or device < 0):
         raise ValueError(f"device must be None (host) or a CUDA ordinal >= 0, got {device!r}")
 
+
+# What is read from a peer (exports) or held in int64 arrays is bounded, so that no check can
+# wrap around and no peer's claim makes this side allocate: region ids index dense tables
+# (RegionSizes, a backend's pointer arrays: 8 bytes per id up to the largest id), offsets and
+# lengths are int64.
+MAX_REGION_ID = 1 << 20  # ids per transport over its lifetime (ids are never reused)
+MAX_DEVICE = 1 << 16
+MAX_OFFSET = (1 << 63) - 1  # int64
+MIN_ADDRESS = 4096  # the null page: a pointer below it is a bug (an offset, a length), never memory
+ADDRESS_END = 1 << 64
 
 _BATCH_FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "length")
 
@@ -219,7 +279,12 @@ def _int64_arrays(names, values, what: str) -> list:
         if arr.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+            if arr.dtype != object or not all(isinstance(x, int) and not isinstance(x, bool) for x in arr.flat):
+                raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+            # Python ints past int64 (numpy keeps them as objects): no wrap-around below
+        if arr.size and (arr.dtype == object or arr.dtype == np.uint64) and arr.max() > MAX_OFFSET:
+            i = int(np.argmax(arr > MAX_OFFSET))
+            raise ValueError(f"batch {what} {i}: {name} {int(arr[i])} does not fit int64 (at most {MAX_OFFSET})")
         arrays.append(np.ascontiguousarray(arr, dtype=np.int64))
     n = arrays[0].size
     for name, arr in zip(names, arrays):
@@ -248,11 +313,14 @@ class RegionSizes:
             self.sizes[rid] = reg.length
         self.ids = sorted(table)
 
-    def upto(self, top: int) -> np.ndarray:
-        """Sizes of ids ``0 .. top`` (``-1`` past the known ids)."""
-        if top < self.sizes.size:
-            return self.sizes[: top + 1]
-        return np.concatenate([self.sizes, np.full(top + 1 - self.sizes.size, -1, dtype=np.int64)])
+    def of(self, region: np.ndarray) -> np.ndarray:
+        """``[n]`` sizes of the ids ``region`` (``-1`` for an id not registered, however large)."""
+        if region.size and int(region.max()) < self.sizes.size:
+            return self.sizes[region]
+        known = np.full(region.size, -1, dtype=np.int64)
+        inside = region < self.sizes.size
+        known[inside] = self.sizes[region[inside]]
+        return known
 
 
 def _check_side(region, offset, length, table, side: str, what: str = "entry") -> None:
@@ -261,15 +329,16 @@ def _check_side(region, offset, length, table, side: str, what: str = "entry") -
     lo, top = int(region.min()), int(region.max())
     if not isinstance(table, RegionSizes):
         table = RegionSizes(table)
-    sizes = table.upto(top)  # [top + 1] bytes, -1: unknown or deregistered id
-    ends = offset + length
+    # ``offset + length <= size`` is checked as ``offset <= size - length``: offsets and lengths
+    # are non-negative int64 (lengths >= 1), so the subtraction cannot wrap where the sum could.
     # Fast path (a few reductions, no gather): every id in [lo, top] is registered and the
     # furthest end fits the smallest of them. Plans over equal-sized per-layer buffers
     # always take it; 2.6 M entries check in a few ms instead of tens.
-    smallest = int(sizes[lo:].min())
-    if smallest >= 0 and int(ends.max()) <= smallest:
-        return
-    known = sizes[region]
+    if top < table.sizes.size:
+        smallest = int(table.sizes[lo: top + 1].min())
+        if smallest >= 0 and bool(np.all(offset <= smallest - length)):
+            return
+    known = table.of(region)  # [n] bytes, -1: unknown or deregistered id
     bad = np.flatnonzero(known < 0)
     if bad.size:
         i = int(bad[0])
@@ -277,11 +346,11 @@ def _check_side(region, offset, length, table, side: str, what: str = "entry") -
             f"batch {what} {i}: {side} region {int(region[i])} is not registered "
             f"(known ids: {table.ids[:16]})"
         )
-    over = np.flatnonzero(ends > known)
+    over = np.flatnonzero(offset > known - length)
     if over.size:
         i = int(over[0])
         raise ValueError(
-            f"batch {what} {i}: {side} range [{int(offset[i])}, {int(offset[i] + length[i])}) "
+            f"batch {what} {i}: {side} range [{int(offset[i])}, {int(offset[i]) + int(length[i])}) "
             f"is outside region {int(region[i])} of {int(known[i])} bytes"
         )
 
@@ -419,7 +488,9 @@ class Transfer(abc.ABC):
 
     @abc.abstractmethod
     def abort(self) -> None:
-        """Cancel if still pending (status becomes FAILED, error 'aborted'); else no-op."""
+        """Cancel if still pending (status becomes FAILED, error starting 'aborted'); else
+        no-op. Returns once no byte of the transfer can still land, or once its peer counts as
+        lost (see "What FAILED and abort() guarantee" in the module docstring)."""
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until DONE; raise TransferFailed on failure, TransferTimeout after ``timeout`` s."""
@@ -468,7 +539,10 @@ class Peer(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Forget this peer (idempotent). Pending transfers are aborted."""
+        """Forget this peer (idempotent). Pending transfers are aborted. A backend may keep
+        its connection to the remote transport for a later ``connect`` to it (NIXL does, see
+        :mod:`transport.nixl`): connect/close cycles to one remote transport must not grow
+        this process's or the remote's resources."""
 
 
 class Transport(abc.ABC):

@@ -39,6 +39,24 @@ Connecting again to a newer export of an already connected agent reloads its met
 place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
 complete. Deregister a region only once no pending transfer uses it.
 
+Connections: ``NixlPeer.close()`` refuses further writes through that peer but keeps the remote
+agent loaded in NIXL, idle, and a later ``connect`` to the same agent reuses its endpoint. NIXL
+cannot release a live peer's endpoint: ``remove_remote_agent`` (``invalidateRemoteMD``) drops
+NIXL's connection, but over tcp each side's UCP worker keeps the endpoint the wire-up created,
+so the socket stays open on both sides (measured: +1 open socket per connect/remove cycle in the
+writer and in the receiver, also when the receiver loads and removes the writer's metadata too)
+until a worker is destroyed (``NixlTransport.close``) or the other process exits. So connections
+are bounded by the distinct live agents a transport has connected to; an agent whose transfer
+failed in the backend (peer lost) is removed from NIXL when its peer closes.
+
+Aborts and failures (the contract's "late bytes"): releasing an active NIXL request does not
+stop bytes UCX already has (measured over tcp: ~3.7 MB of an aborted 32 MiB write landed after
+the release returned, once the stopped receiver ran again). So ``abort()`` polls the request
+until NIXL no longer reports it in progress, then releases it; a request that fails at its
+deadline is kept (not released) in a per-agent drain list and the agent is marked lost: writes
+to it fail at once, and ``connect`` to it refuses until the drain list is empty, then tears the
+old endpoint down and loads the agent afresh.
+
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check (within milliseconds of SIGKILL over tcp, bench/RESULTS.md). A peer that is alive but stalled
 (SIGSTOP) leaves the request pending forever, so each transfer carries its own deadline,
@@ -121,6 +139,18 @@ class NixlConfig:
         return self.peer_loss_timeout_s + nbytes / (self.min_throughput_gbps * 1e9)
 
 
+_LIVE_NAMES: set[str] = set()  # agent names of this process's open transports
+
+
+def _ucx_tls_hint() -> str:
+    """Why an agent may not start: UCX_TLS without tcp (NIXL's UCX backend connects the agent
+    to itself at start, which needs tcp on one host too)."""
+    tls = os.environ.get("UCX_TLS")
+    if tls is None or "tcp" in tls.split(",") or tls.startswith("^") or "all" in tls.split(","):
+        return ""
+    return f" -- UCX_TLS={tls!r} lacks tcp: keep tcp in UCX_TLS, also on one host (e.g. tcp,self,sm)"
+
+
 def _default_agent_name() -> str:
     return f"kvt-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -166,8 +196,9 @@ class _RegionTable:
 class NixlTransfer(Transfer):
     """One NIXL transfer request. Progress and peer-loss detection happen in ``status()``."""
 
-    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float):
+    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float, src_region=None):
         self._peer = peer
+        self._src_region = src_region  # [n] the batch's local region ids (what deregister must not pull)
         self._handle = handle  # nixl_xfer_handle, None once released
         self._status = TransferStatus.PENDING
         self._error: Optional[str] = None
@@ -195,23 +226,61 @@ class NixlTransfer(Transfer):
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-            self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+            self._lose(f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
             return self._status
         if state == "DONE":
             self._finish(TransferStatus.DONE)
         elif state != "PROC":
             self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: NIXL reported {state}")
         elif time.monotonic() > self._deadline:
-            self._finish(
-                TransferStatus.FAILED,
-                f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
-                "(peer lost or stalled)",
-            )
+            self._lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+                       "(peer lost or stalled)")
         return self._status
 
     def abort(self) -> None:
+        """Cancel if still pending, and return only once no byte of it can still land: NIXL's
+        cancel (releasing an active request) does not stop bytes already handed to UCX (over
+        tcp, megabytes of an aborted write landed after it), so abort waits until NIXL reports
+        the request no longer in progress, at most until the transfer's deadline. A peer that
+        does not progress it by then is lost: see the module docstring."""
+        if self._status is not TransferStatus.PENDING:
+            return
+        agent = self._peer._transport._agent_or_none()
+        if agent is None:
+            self._finish(TransferStatus.FAILED, "transport closed")
+            return
+        sleep = 0.0
+        while True:
+            try:
+                state = agent.check_xfer_state(self._handle)
+            except Exception as exc:
+                self._lose(f"aborted; peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+                return
+            if state != "PROC":
+                break
+            if time.monotonic() > self._deadline:
+                self._lose(f"aborted; peer {self._peer.name!r} did not finish it within {self._deadline_s:.1f} s "
+                           "(peer lost or stalled)")
+                return
+            time.sleep(sleep)
+            sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+        self._finish(TransferStatus.FAILED, "aborted")
+
+    def _cancel(self) -> None:
+        """Fail and release now, without waiting (the transport is closing: its agent goes)."""
         if self._status is TransferStatus.PENDING:
-            self._finish(TransferStatus.FAILED, "aborted")
+            self._finish(TransferStatus.FAILED, "transport closed")
+
+    def _lose(self, error: str) -> None:
+        """FAILED, and the remote agent is lost: this transport refuses further writes to it
+        until a new ``connect`` to it, which waits until NIXL no longer progresses this request
+        (its bytes may still land until then: releasing it does not stop them)."""
+        transport = self._peer._transport
+        transport._lost.setdefault(self._peer.name, error)
+        self._status, self._error = TransferStatus.FAILED, error
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            transport._draining.setdefault(self._peer.name, []).append(handle)
 
     def _finish(self, status: TransferStatus, error: Optional[str] = None) -> None:
         """Enter a terminal state and release the NIXL request (cancelling it if still active)."""
@@ -243,6 +312,10 @@ class NixlPeer(Peer):
         transport = self._transport
         agent = transport._agent_checked()
         batch.check_bounds(transport._table().sizes, self._table.sizes)
+        lost = transport._lost.get(self.name)
+        if lost is not None:  # a later write must not race bytes of a failed one: connect again first
+            return NixlTransfer.finished(self, TransferStatus.FAILED, f"peer {self.name!r} was lost earlier "
+                                         f"(connect to a new export first): {lost}")
         notif = bytes(notify) if notify is not None else b""
         if len(batch) == 0 and not notif:
             return NixlTransfer.finished(self, TransferStatus.DONE)
@@ -272,7 +345,7 @@ class NixlPeer(Peer):
                 self, TransferStatus.FAILED, f"peer {self.name!r}: could not post: {type(exc).__name__}: {exc}"
             )
         nbytes = batch.nbytes
-        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes))
+        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes), batch.src_region)
         if state == "DONE":
             t._finish(TransferStatus.DONE)
         elif state != "PROC":
@@ -282,11 +355,15 @@ class NixlPeer(Peer):
         return t
 
     def close(self) -> None:
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
+        """Pending transfers are aborted (``drain``: waiting as :meth:`NixlTransfer.abort` does)."""
         if self._closed == "closed":
             return
         self._closed = "closed"
         for t in list(self._pending):
-            t.abort()
+            t.abort() if drain else t._cancel()
         self._pending = weakref.WeakSet()
         self._transport._forget_peer(self)
 
@@ -311,23 +388,36 @@ class NixlTransport(Transport):
             raise TypeError(f"config must be a NixlConfig, got {type(config).__name__}")
         self.config = config
         self.name = config.agent_name or _default_agent_name()
+        self._agent = None
+        if self.name in _LIVE_NAMES:
+            raise TransportError(f"NIXL agent name {self.name!r} is taken by a live NixlTransport of this process; "
+                                 "agent names must be unique (pick another NixlConfig.agent_name, or None)")
         api = load_nixl_api()
-        self._agent = api.nixl_agent(
-            self.name,
-            api.nixl_agent_config(
-                enable_prog_thread=config.progress_thread,
-                enable_listen_thread=False,
-                num_threads=config.num_threads,
-                backends=list(config.backends),
-            ),
-        )
+        try:
+            self._agent = api.nixl_agent(
+                self.name,
+                api.nixl_agent_config(
+                    enable_prog_thread=config.progress_thread,
+                    enable_listen_thread=False,
+                    num_threads=config.num_threads,
+                    backends=list(config.backends),
+                ),
+            )
+        except Exception as exc:
+            raise TransportError(f"NIXL agent {self.name!r} could not start: {type(exc).__name__}: {exc}"
+                                 f"{_ucx_tls_hint()}") from exc
         missing = [b for b in config.backends if b not in self._agent.backends]
         if missing:
             plugins = self._agent.get_plugin_list()
             self._agent = None
-            raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})")
+            raise TransportError(f"NIXL backends {missing} could not be created (plugins found: {plugins})"
+                                 f"{_ucx_tls_hint()}")
+        _LIVE_NAMES.add(self.name)
         self._registry = RegionRegistry()  # handles: the nixlRegDList of each region
         self._peers: dict[str, NixlPeer] = {}  # the current peer per remote agent name
+        self._idle: set[str] = set()  # remote agents still loaded in NIXL whose peer closed (see _forget_peer)
+        self._lost: dict[str, str] = {}  # remote agent -> why it is lost (a transfer failed or stalled)
+        self._draining: dict[str, list] = {}  # remote agent -> handles of its failed requests NIXL may still run
         self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
         # standalone notification (genNotif) has no completion to wait on, and over tcp it
@@ -343,7 +433,7 @@ class NixlTransport(Transport):
 
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
         agent = self._agent_checked()
-        RegionRegistry.check(ptr, length, device)
+        self._registry.check_free(ptr, length, device)
         mem = "DRAM" if device is None else "VRAM"
         descs = np.array([[ptr, length, 0 if device is None else device]], dtype=np.uint64)  # [1, 3]
         try:
@@ -356,6 +446,14 @@ class NixlTransport(Transport):
 
     def deregister(self, region_id: int) -> None:
         agent = self._agent_checked()
+        self._registry.get(region_id)
+        busy = [t for peer in [*self._retired, *self._peers.values()] for t in list(peer._pending)
+                if t.status() is TransferStatus.PENDING and t._src_region is not None
+                and bool((t._src_region == region_id).any())]
+        if busy:  # UCX would read freed memory and blame the peer (REMOTE_DISCONNECT)
+            peers = sorted({t._peer.name for t in busy})
+            raise TransportError(f"region {region_id} is the source of {len(busy)} transfer(s) still pending "
+                                 f"(to {peers}); wait for or abort them before deregistering it")
         reg = self._registry.remove(region_id)
         agent.deregister_memory(reg, backends=list(self.config.backends))
 
@@ -388,8 +486,20 @@ class NixlTransport(Transport):
             raise PeerDescriptorError(f"peer descriptor 'agent' must be a non-empty str, got {name!r:.60}")
         if not isinstance(metadata, bytes) or not metadata:
             raise PeerDescriptorError(f"peer descriptor 'metadata' must be non-empty bytes, got {metadata!r:.60}")
+        if name in self._lost:  # a new connect after a loss: its failed requests are done, then a fresh endpoint
+            left = self._drain(name)
+            if left:
+                raise TransportError(f"peer {name!r} still has {left} failed request(s) in flight (it stalled); "
+                                     "connect again once it progresses or dies")
+            del self._lost[name]
+            if name not in self._peers:
+                self._idle.discard(name)
+            self._remove_remote(name)
         if name == self.name:
-            raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
+            if metadata == bytes(agent.get_agent_metadata()):
+                raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
+            raise PeerDescriptorError(f"peer agent {name!r} has this transport's name: agent names must be unique "
+                                      "(NixlConfig.agent_name)")
         try:  # NIXL updates an agent it already knows in place: pending writes keep going
             loaded = agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -398,7 +508,7 @@ class NixlTransport(Transport):
             ) from None
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != name:
-            if loaded not in self._peers:
+            if loaded not in self._peers and loaded not in self._idle:
                 self._remove_remote(loaded)
             raise PeerDescriptorError(f"peer descriptor names agent {name!r} but its metadata is of {loaded!r}")
         old = self._peers.get(name)
@@ -407,6 +517,7 @@ class NixlTransport(Transport):
             self._retired.add(old)
         peer = NixlPeer(self, name, regions, scratch)
         self._peers[name] = peer
+        self._idle.discard(name)
         return peer
 
     def poll_notifications(self) -> list[Notification]:
@@ -423,7 +534,7 @@ class NixlTransport(Transport):
         if self._agent is None:
             return
         for peer in [*self._retired, *self._peers.values()]:
-            peer.close()
+            peer._close(drain=False)  # the agent goes: nothing of it can land after that
         for rid in list(self._registry.view):
             try:
                 self.deregister(rid)
@@ -433,6 +544,8 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(self._scratch_reg, backends=list(self.config.backends))
         except Exception:
             pass
+        self._stuck.extend(h for handles in self._draining.values() for h in handles)
+        self._draining.clear()
         for handle in self._stuck:
             try:
                 handle.release()
@@ -440,6 +553,7 @@ class NixlTransport(Transport):
                 pass
         self._stuck.clear()
         self._agent = None  # the NIXL agent (and its UCX context, progress thread) goes with it
+        _LIVE_NAMES.discard(self.name)
 
     def __del__(self):
         try:
@@ -462,6 +576,23 @@ class NixlTransport(Transport):
         except Exception:
             self._stuck.append(handle)
 
+    def _drain(self, name: str) -> int:
+        """Release the failed requests of ``name`` that NIXL no longer progresses; return how
+        many it still does."""
+        left = []
+        for handle in self._draining.pop(name, []):
+            try:
+                busy = self._agent.check_xfer_state(handle) == "PROC"
+            except Exception:  # the peer died: nothing more of it lands
+                busy = False
+            if busy:
+                left.append(handle)
+            else:
+                self._release_handle(handle)
+        if left:
+            self._draining[name] = left
+        return len(left)
+
     def _remove_remote(self, name: str) -> None:
         if self._agent is None:
             return
@@ -471,7 +602,21 @@ class NixlTransport(Transport):
             pass
 
     def _forget_peer(self, peer: NixlPeer) -> None:
-        """Drop the remote agent when its current peer closes (a retired snapshot leaves it)."""
-        if self._peers.get(peer.name) is peer:
-            del self._peers[peer.name]
+        """The current peer of a remote agent closed (a retired snapshot leaves it alone).
+
+        A lost agent (a transfer failed in the backend) is removed from NIXL. A live one stays
+        loaded, idle, and a later ``connect`` to it reuses its endpoint: NIXL's
+        ``remove_remote_agent`` forgets the metadata but not the UCX connection (over tcp each
+        side's UCP worker keeps the endpoint the wire-up created, one socket per connect on both
+        sides until a worker is destroyed or the peer process exits), so removing and loading
+        again would leak a socket per cycle on both sides."""
+        if self._peers.get(peer.name) is not peer:
+            return
+        del self._peers[peer.name]
+        if peer.name in self._lost and not self._drain(peer.name):
+            del self._lost[peer.name]
             self._remove_remote(peer.name)
+        elif peer.name in self._lost:
+            self._idle.add(peer.name)  # failed requests still run: the next connect drains first
+        else:
+            self._idle.add(peer.name)

@@ -7,7 +7,8 @@ it here (:meth:`RegionRegistry.add`) with that registration as the region's *han
 
 What the contract (:mod:`transport.base`) promises lives here once:
 
-- ids are small ints, dense from 0, never reused while the registry lives;
+- ids are small ints, dense from 0, never reused while the registry lives, below
+  :data:`~transport.base.MAX_REGION_ID`;
 - ``regions`` is a read-only, live view (:attr:`RegionRegistry.view`);
 - an unknown id raises ``ValueError`` naming the live ids;
 - tables derived from the regions (the :class:`~transport.base.RegionSizes` that bounds checks
@@ -20,7 +21,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
-from transport.base import Region, RegionSizes, check_region_args
+from transport.base import MAX_REGION_ID, Region, RegionSizes, TransportError, check_region_args
 
 __all__ = ["RegionRegistry"]
 
@@ -44,10 +45,25 @@ class RegionRegistry:
         """A read-only copy of a region table (a peer's, from its export)."""
         return MappingProxyType(dict(regions))
 
-    def add(self, ptr: int, length: int, device: Optional[int], handle: Any = None) -> Region:
-        """Record a region under the next id (arguments checked again, cheaply)."""
+    def check_free(self, ptr: int, length: int, device: Optional[int]) -> None:
+        """:meth:`check`, and ``ValueError`` when ``[ptr, ptr + length)`` overlaps a live region
+        of the same memory (host, or the same CUDA device): one byte has one region id, so a
+        region deregistered while another still covers its bytes cannot happen by accident.
+        Backends call it before registering with their own machinery."""
         check_region_args(ptr, length, device)
+        for reg in self._regions.values():
+            if reg.device == device and ptr < reg.ptr + reg.length and reg.ptr < ptr + length:
+                where = "host" if device is None else f"cuda:{device}"
+                raise ValueError(f"[{ptr:#x}, +{length}) on {where} overlaps region {reg.region_id} "
+                                 f"[{reg.ptr:#x}, +{reg.length}); register each byte range once")
+
+    def add(self, ptr: int, length: int, device: Optional[int], handle: Any = None) -> Region:
+        """Record a region under the next id (arguments checked again)."""
+        self.check_free(ptr, length, device)
         rid = self._next_id
+        if rid >= MAX_REGION_ID:  # peers refuse larger ids (they size tables by the largest id)
+            raise TransportError(f"region ids exhausted: {MAX_REGION_ID} registrations in this transport's "
+                                 "lifetime (ids are never reused); use a new transport")
         self._next_id += 1
         self._regions[rid] = Region(rid, ptr, length, device)
         self._handles[rid] = handle

@@ -23,19 +23,21 @@ import statistics
 import time
 from typing import Callable, List, Optional
 
+from kvtransfer._args import non_negative_int, positive_int
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtransfer bench move_kv", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=None, help="layers (default 32 on CUDA, 2 on CPU)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=positive_int, default=None, help="layers (default 32 on CUDA, 2 on CPU)")
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--tokens", type=int, default=None, help="rows moved (default 32768 on CUDA, 256 on CPU)")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tokens", type=positive_int, default=None, help="rows moved (default 32768 on CUDA, 256 on CPU)")
+    p.add_argument("--page-size", type=positive_int, default=1)
+    p.add_argument("--iters", type=positive_int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--sweep", action="store_true", help="also time a few tile configurations")
     p.add_argument("--cpu", action="store_true", help="run the CPU variant even when CUDA is present")
     return p.parse_args(argv)

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from kvtransfer._args import positive_int
 from kvtransfer.plan import PoolKind, RankLayout, _pair_table, plan_kv_transfer
 
 
@@ -31,19 +32,21 @@ def _timed(fn, repeat: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kvtransfer bench plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=131072)
-    ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--heads", type=int, default=8, help="total KV heads")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--prefill-tp", type=int, default=2)
-    ap.add_argument("--decode-tp", type=int, default=4)
-    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--tokens", type=positive_int, default=131072)
+    ap.add_argument("--layers", type=positive_int, default=80)
+    ap.add_argument("--heads", type=positive_int, default=8, help="total KV heads")
+    ap.add_argument("--head-dim", type=positive_int, default=128)
+    ap.add_argument("--prefill-tp", type=positive_int, default=2)
+    ap.add_argument("--decode-tp", type=positive_int, default=4)
+    ap.add_argument("--page-size", type=positive_int, default=1)
     ap.add_argument("--slots", choices=("random", "contiguous"), default="random")
-    ap.add_argument("--pool-tokens", type=int, default=None, help="slots per pool (default 2 x tokens)")
-    ap.add_argument("--repeat", type=int, default=20)
-    ap.add_argument("--flatten-repeat", type=int, default=3)
+    ap.add_argument("--pool-tokens", type=positive_int, default=None, help="slots per pool (default 2 x tokens)")
+    ap.add_argument("--repeat", type=positive_int, default=20)
+    ap.add_argument("--flatten-repeat", type=positive_int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.pool_tokens is not None and args.pool_tokens < args.tokens:
+        ap.error(f"--pool-tokens ({args.pool_tokens}) must hold the request's --tokens ({args.tokens})")
 
     pool = 2 * args.tokens if args.pool_tokens is None else args.pool_tokens
     num_slots = pool + args.page_size  # size, plus the padding page

@@ -16,23 +16,64 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvtransfer._args import positive_int
+from kvtransfer._procs import Child, ChildFailed, report_failure
 from transport.base import WriteBatch
 from transport.nixl import NixlConfig, NixlTransport
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HOST_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
 CUDA_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
+READY_TIMEOUT_S = 120.0  # the receiver's start: spawn, imports, UCX, the buffer (CUDA init)
+DIGEST_TIMEOUT_S = 300.0  # a digest of up to --total bytes (a GPU buffer copied to the host)
+
+
+# -- the pipe between this process and the receiver: one frozen dataclass per message ----------
+
+
+@dataclass(frozen=True)
+class Ready:
+    export: bytes  # the receiver's transport export
+
+
+@dataclass(frozen=True)
+class DigestRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class Digest:
+    sha256: str  # of the whole destination buffer
+
+
+@dataclass(frozen=True)
+class Quit:
+    pass
+
+
+@dataclass(frozen=True)
+class Bye:
+    pass
 
 
 def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
     """Own the destination buffer; poll notifications until told to quit."""
+    try:
+        _receive(conn, total, cuda, env, progress_thread)
+    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
+        report_failure(conn, exc)
+        raise SystemExit(1) from None
+
+
+def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
     os.environ.update(env)
     if cuda:
         import torch
@@ -47,16 +88,19 @@ def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) ->
             transport.register_tensor(dst)
         else:
             transport.register(dst.ctypes.data, dst.nbytes)
-        conn.send(transport.export())
+        conn.send(Ready(transport.export()))
         while True:
             if not transport.poll_notifications():
                 time.sleep(2e-5)
             if not conn.poll(0):
                 continue
-            if conn.recv() == "quit":
+            msg = conn.recv()
+            if isinstance(msg, Quit):
                 break
-            conn.send(hashlib.sha256(_host_bytes(dst)).hexdigest())  # "sha": digest of the buffer
-    conn.send("bye")
+            if not isinstance(msg, DigestRequest):
+                raise TypeError(f"receiver: expected DigestRequest or Quit, got {type(msg).__name__}")
+            conn.send(Digest(hashlib.sha256(_host_bytes(dst)).hexdigest()))
+    conn.send(Bye())
 
 
 def _host_bytes(buf) -> memoryview:
@@ -133,13 +177,10 @@ def run(args) -> list[dict]:
     else:
         src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)  # [total] bytes
         src_ptr, device = src.ctypes.data, None
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, total, args.cuda, dict(os.environ), args.progress_thread))
-    proc.start()
+    receiver = Child.spawn(_receiver, (total, args.cuda, dict(os.environ), args.progress_thread), name="receiver")
     rows = []
     try:
-        peer_bytes = conn.recv()
+        peer_bytes = receiver.recv(Ready, "its export", READY_TIMEOUT_S).export
         ours = NixlTransport(NixlConfig(progress_thread=args.progress_thread))
         sid = ours.register(src_ptr, total, device)
         peer = ours.connect(peer_bytes)
@@ -181,8 +222,9 @@ def run(args) -> list[dict]:
             # both paths wrote the same permutation: destination block dst_off[i] holds source block i
             want = np.empty(total, dtype=np.uint8)
             want.reshape(n, block)[dst_off // block] = np.frombuffer(_host_bytes(src), np.uint8).reshape(n, block)
-            conn.send("sha")
-            row["verified"] = conn.recv() == hashlib.sha256(want).hexdigest()
+            receiver.send(DigestRequest())
+            row["verified"] = receiver.recv(Digest, "the destination's digest", DIGEST_TIMEOUT_S).sha256 == \
+                hashlib.sha256(want).hexdigest()
             del want
             if not row["verified"]:
                 raise RuntimeError(f"destination bytes differ from the source permutation ({block} B blocks)")
@@ -202,13 +244,7 @@ def run(args) -> list[dict]:
         bare.close()
         ours.close()
     finally:
-        conn.send("quit")
-        if conn.poll(10):
-            conn.recv()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        receiver.stop(Quit())
     return rows
 
 
@@ -245,19 +281,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total", type=_size, default=GiB, help="bytes per write (default 1G)")
     parser.add_argument("--blocks", type=lambda s: [_size(x) for x in s.split(",")], default=None,
                         help="block sizes, e.g. 256K,16K (default: 256K,16K; with --cuda 16K,256K,4M,64M)")
-    parser.add_argument("--iters", type=int, default=5, help="timed writes per path and block size")
+    parser.add_argument("--iters", type=positive_int, default=5, help="timed writes per path and block size")
     parser.add_argument("--cuda", action="store_true", help="cuda:0 -> cuda:1 (two GPUs)")
     parser.add_argument("--progress-thread", action="store_true", help="run NIXL's progress thread")
     args = parser.parse_args(argv)
     if args.blocks is None:
         args.blocks = [16 * KiB, 256 * KiB, 4 * MiB, 64 * MiB] if args.cuda else [256 * KiB, 16 * KiB]
+    if args.total <= 0:
+        parser.error(f"--total must be a positive size, got {args.total}")
     bad = [b for b in args.blocks if b <= 0 or args.total % b]
-    if bad or args.iters < 1:
-        parser.error(f"block sizes must divide --total ({args.total}) and --iters must be >= 1; got blocks {bad}")
+    if bad:
+        parser.error(f"block sizes must divide --total ({args.total}); got blocks {bad}")
     where = "cuda:0 -> cuda:1" if args.cuda else "host -> host (loopback)"
     print(f"NIXL transport, {where}, {args.total / GiB:.2f} GiB per write, median of {args.iters}, "
           f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)
-    run(args)
+    try:
+        run(args)
+    except ChildFailed as exc:
+        print(f"kvtransfer bench transport failed: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

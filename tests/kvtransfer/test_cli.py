@@ -49,3 +49,64 @@ def test_bench_nvlink_says_it_needs_two_gpus():
     out = _kvt("bench", "nvlink")
     assert out.returncode != 0
     assert "GPU" in out.stdout + out.stderr
+
+
+# -- bad arguments and dead children: one clear line, no traceback, no hang -------------------
+
+
+@pytest.mark.parametrize("command,args,match", [
+    ("kvtransfer.benchmarks.plan", ["--tokens", "-5"], "argument --tokens: must be a positive integer, got -5"),
+    ("kvtransfer.benchmarks.plan", ["--repeat", "0"], "argument --repeat: must be a positive integer, got 0"),
+    ("kvtransfer.benchmarks.plan", ["--pool-tokens", "10", "--tokens", "100"],
+     r"--pool-tokens \(10\) must hold the request's --tokens \(100\)"),
+    ("kvtransfer.layouts", ["--tp-size", "0"], "argument --tp-size: must be a positive integer, got 0"),
+    ("kvtransfer.benchmarks.move_kv", ["--tokens", "-1"], "argument --tokens: must be a positive integer, got -1"),
+    ("kvtransfer.benchmarks.transport", ["--total", "0"], "--total must be a positive size, got 0"),
+    ("kvtransfer.benchmarks.transport", ["--iters", "0"], "argument --iters: must be a positive integer, got 0"),
+])
+def test_bad_arguments_are_one_usage_line(command, args, match, capsys):
+    import importlib
+    import re
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(command).main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(match, err[-1]) and "Traceback" not in "\n".join(err), err
+
+
+def _killed(conn, *args):
+    """A child that dies before it says anything (spawned by reference from this module)."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_bench_transport_names_a_receiver_that_dies_before_its_export(monkeypatch, capsys):
+    from kvtransfer.benchmarks import transport as bench
+
+    monkeypatch.setattr(bench, "_receiver", _killed)
+    monkeypatch.setattr(bench, "READY_TIMEOUT_S", 60.0)
+    assert bench.main(["--total", "1M", "--blocks", "256K", "--iters", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "kvtransfer bench transport failed: receiver died before its export (killed by SIGKILL)"
+
+
+def test_bench_transport_names_a_receiver_that_fails_before_its_export():
+    """``UCX_TLS`` without tcp: the receiver's NIXL agent cannot start; the parent says so."""
+    env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="self,sm", NIXL_LOG_LEVEL="WARN")
+    out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "transport", "--total", "1M", "--blocks",
+                          "256K", "--iters", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("kvtransfer bench transport failed: receiver failed "
+                                                          "before its export:"), out.stderr
+
+
+def test_demo_names_the_rank_that_died(monkeypatch, capsys):
+    from kvtransfer import demo
+
+    spawn = demo.Child.spawn
+    monkeypatch.setattr(demo.Child, "spawn", staticmethod(lambda target, args, name: spawn(_killed, args, name)))
+    assert demo.main(["--prefill-tp", "1", "--decode-tp", "1", "--layers", "1", "--tokens", "16"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvtransfer demo failed: decode rank 0 died before its handshake (killed by SIGKILL)"]

@@ -322,3 +322,52 @@ def test_from_pools_needs_a_description():
         RankLayout.from_pools(mamba(1), tp_rank=0, tp_size=1)
     with pytest.raises(TypeError, match="state_pool must hold state buffers; MHATokenToKVPool"):
         RankLayout.from_pools(mha(1, 8), mha(1, 8), tp_rank=0, tp_size=1)
+
+
+def _wire(**kw):
+    import msgpack
+
+    lay = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=2, page_size=4, layer_ids=[0, 1], dtype="bfloat16",
+                               head_dim=64, total_heads=4, num_slots=64)
+    body = msgpack.unpackb(lay.to_msgpack())
+    return lay, body
+
+
+@pytest.mark.parametrize("change", [
+    lambda b: b.update(layout=[1, 2]),
+    lambda b: b["layout"].update(kv_tensors=[{"name": "k"}]),
+    lambda b: b["layout"].update(kv_tensors=[7]),
+    lambda b: b["layout"].update(kind="no-such-kind"),
+    lambda b: b["layout"].update(layer_ids=5),
+    lambda b: b["layout"]["kv_tensors"][0].update(groups=5),
+    lambda b: b["layout"]["kv_tensors"][0].update(groups=[[4]]),
+    lambda b: b["layout"]["kv_tensors"][0].update(shard="diagonal"),
+    lambda b: b["layout"].update(conv_shard_groups=[3]),
+    lambda b: b["layout"].update(tp_size="2"),
+])
+def test_well_formed_msgpack_of_the_wrong_shape_is_a_layout_mismatch(change):
+    import msgpack
+
+    _, body = _wire()
+    change(body)
+    with pytest.raises(LayoutMismatch, match="wrong shape|must be|layout fields|layout message"):
+        RankLayout.from_msgpack(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("row_bytes", 1, r"k: row_bytes 1 contradicts its groups \[\[4, 1\]\] x unit_bytes 128 at TP 2 \(256\)"),
+    ("unit_bytes", 64, r"row_bytes 256 contradicts its groups .* x unit_bytes 64 at TP 2 \(128\)"),
+    ("groups", [[8, 1]], r"row_bytes 256 contradicts its groups \[\[8, 1\]\] x unit_bytes 128 at TP 2 \(512\)"),
+    ("page_bytes", 512, r"4 rows of 256 B from byte 0 do not fit its page of 512 B"),
+])
+def test_a_decoded_layout_that_contradicts_itself_is_refused(field, value, match):
+    """A peer layout whose row_bytes disagrees with its own unit_bytes/groups would plan
+    every token to wrong offsets: refused when decoded."""
+    import msgpack
+
+    lay, body = _wire()
+    assert lay.kv_tensors[0].row_bytes == 256  # 2 of 4 heads x 64 dims x 2 bytes
+    for spec in body["layout"]["kv_tensors"]:
+        spec[field] = value
+    with pytest.raises(LayoutMismatch, match=match):
+        RankLayout.from_msgpack(msgpack.packb(body))

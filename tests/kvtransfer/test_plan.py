@@ -260,3 +260,51 @@ def test_plan_owns_its_tables():
     assert plan.run_src.tolist() == [9, 3, 40, 7] and plan.run_dst.tolist() == [5, 60, 2, 11]
     with pytest.raises(ValueError, match="read-only"):
         plan.run_len[0] = 5
+
+
+# -- scratch is sized from the request, not from the layout ---------------------------------
+def _scratch_elements() -> int:
+    from kvtransfer import plan as plan_mod
+
+    return max((a.size for a in vars(plan_mod._SCRATCH).values()), default=0)
+
+
+def test_a_huge_slot_count_costs_nothing_for_a_small_request():
+    """A peer's layout claiming num_slots=2**32: a 16-token plan allocates scratch by its own
+    slots (the tables of a dense request, a sort for sparse ones), never by the pool's size."""
+    big = _mha(num_slots=2**32)
+    rng = np.random.default_rng(5)
+    src = rng.choice(np.arange(1, 2**20), 16, replace=False)  # sparse, unordered: the chaining path
+    dst = np.sort(rng.choice(np.arange(2**31, 2**32, 2**20), 16, replace=False))[::-1]
+    dst[1] = dst[0] + 1  # one run continues another out of request order
+    src[1] = src[0] + 1
+    sb, so, db, do, ln = plan_kv_transfer(big, big, src, dst).flatten()
+    row = big.kv_tensors[0].row_bytes
+    rows = {(int(b), int(o) + k, int(p) + k) for b, o, p, n in zip(sb, so, do, ln) for k in range(0, int(n), row)}
+    assert sb.tolist() == db.tolist()
+    assert rows == {(b, int(s) * row, int(d) * row) for b in range(big.num_kv_buffers) for s, d in zip(src, dst)}
+    assert _scratch_elements() <= max(1 << 16, 16 * 16)
+    with pytest.raises(ValueError, match="dst_slots must be distinct: 2 slots, 1 distinct"):
+        plan_kv_transfer(big, big, [1, 2], [2**32 - 1, 2**32 - 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_run_lookup_matches_the_dense_table(seed, monkeypatch):
+    """The sorted-search path of run chaining and the distinct check give the plan the
+    dense table gives, duplicated src slots included."""
+    from kvtransfer import plan as plan_mod
+
+    lay = _mha(num_slots=4096)
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 200))
+    src = rng.integers(1, 4096, n)
+    src[rng.integers(0, n, 3)] = src[0]  # duplicated sources
+    dst = rng.choice(np.arange(1000, 4096), n, replace=False)
+    chunk = rng.integers(0, n)  # a run split in two out of order, on both sides
+    src[chunk:] = np.arange(n - chunk) + 3000 - (n - chunk) - 1
+    dst[chunk:] = np.arange(n - chunk) + 100
+    dense = plan_kv_transfer(lay, lay, np.roll(src, 7), np.roll(dst, 7))
+    monkeypatch.setattr(plan_mod, "_dense", lambda span, n: False)
+    sparse = plan_kv_transfer(lay, lay, np.roll(src, 7), np.roll(dst, 7))
+    for got, want in zip(sparse.flatten(), dense.flatten()):
+        assert got.tolist() == want.tolist()

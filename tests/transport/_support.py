@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from kvtransfer._procs import exit_text
 from tests.transport import _nixl_peer
 from transport.base import StridedBatch, TransferStatus, WriteBatch
 
@@ -105,15 +106,18 @@ class Receiver:
                 if not isinstance(msg, kind):
                     raise AssertionError(f"expected {kind.__name__} from the receiver, got {msg!r:.80}")
                 return msg
-            if not self.proc.is_alive():
-                raise AssertionError(f"receiver exited with code {self.proc.exitcode}")
-        raise AssertionError(f"no {kind.__name__} from the receiver within {timeout} s")
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                raise AssertionError(f"receiver died before its {kind.__name__} ({exit_text(self.proc)})")
+        raise AssertionError(f"no {kind.__name__} from the receiver within {timeout} s ({exit_text(self.proc)})")
 
     def wait_notes(self, count, timeout=30.0):
         deadline = time.monotonic() + timeout
         while len(self.notes) < count and time.monotonic() < deadline:
             if self.conn.poll(0.05):
                 self._take(self.conn.recv())
+            elif not self.proc.is_alive() and not self.conn.poll(0):
+                raise AssertionError(f"receiver died after {len(self.notes)} of {count} notifications "
+                                     f"({exit_text(self.proc)})")
         assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
         return self.notes
 

@@ -4,7 +4,15 @@ import msgpack
 import numpy as np
 import pytest
 
-from transport.base import PeerDescriptorError, Region, RegionSizes, WriteBatch, pack_descriptor, unpack_descriptor
+from transport.base import (
+    PeerDescriptorError,
+    Region,
+    RegionSizes,
+    StridedBatch,
+    WriteBatch,
+    pack_descriptor,
+    unpack_descriptor,
+)
 
 
 def _regions(*lengths):
@@ -61,7 +69,7 @@ def test_bounds_errors_name_entry_and_region():
         WriteBatch.of(7, 0, 0, 0, 1).check_bounds(table, table)
     with pytest.raises(ValueError, match=r"region 7 is not registered \(known ids: \[0, 1\]\)"):
         WriteBatch.of(0, 0, 7, 0, 1).check_bounds(RegionSizes(table), RegionSizes(table))
-    assert RegionSizes({}).upto(2).tolist() == [-1, -1, -1]
+    assert RegionSizes({}).of(np.array([0, 2])).tolist() == [-1, -1]
 
 
 def test_descriptor_envelope_round_trip_and_errors():
@@ -83,3 +91,61 @@ def test_descriptor_envelope_round_trip_and_errors():
         unpack_descriptor(msgpack.packb({"backend": "x", "version": 1, "regions": [[0, 1]]}), "x")
     with pytest.raises(PeerDescriptorError, match="must be bytes"):
         unpack_descriptor("text", "x")
+
+
+# -- no wrap-around, bounded wire values ------------------------------------------------------
+
+
+def test_bounds_check_does_not_wrap_in_int64():
+    """An entry at offset 2**63-1 of length 1 would end at 2**63, which int64 wraps to a
+    negative number below every region's size: it must be refused like any other overflow."""
+    table = _regions(4096)
+    top = 2**63 - 1
+    for side, batch in (("source", WriteBatch.of(0, top, 0, 0, 1)), ("destination", WriteBatch.of(0, 0, 0, top, 1))):
+        for t in (table, RegionSizes(table)):
+            with pytest.raises(ValueError, match=rf"entry 0: {side} .* range \[{top}, {top + 1}\) is outside region 0"):
+                batch.check_bounds(t, t)
+    with pytest.raises(ValueError, match="entry 1: source .* is outside region 0 of 4096 bytes"):
+        WriteBatch.of(0, [0, 8], 0, 0, [8, top]).check_bounds(table, table)
+    strided = StridedBatch.of(0, top, 1, 0, 0, 1, 1, [0], [0])
+    with pytest.raises(ValueError, match=r"pair 0: source .* (outside region 0|overflows)"):
+        strided.check_bounds(table, table)
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, 2**70])
+def test_unsigned_values_past_int64_are_named_not_negative(value):
+    arr = np.array([0, value], dtype=np.uint64) if value < 2**64 else [0, value]
+    with pytest.raises(ValueError, match=rf"entry 1: dst_offset {value} does not fit int64"):
+        WriteBatch.of(0, 0, 0, arr, 1)
+    with pytest.raises(ValueError, match=rf"entry 0: length {value} does not fit int64"):
+        WriteBatch.of(0, 0, 0, 0, np.array([value], dtype=np.uint64) if value < 2**64 else [value])
+
+
+def test_an_unknown_huge_region_id_in_a_batch_allocates_nothing():
+    table = RegionSizes(_regions(4096))
+    with pytest.raises(ValueError, match=r"destination \(peer\) region 1099511627776 is not registered"):
+        WriteBatch.of(0, 0, 2**40, 0, 1).check_bounds(table, table)
+
+
+@pytest.mark.parametrize("entry,match", [
+    ([2**26, 4096, 64, -1], r"out of range.*id in \[0, 1048576\)"),
+    ([0, 4096, 64, 2**40], r"out of range.*device in \[-1, 65536\)"),
+    ([0, 2**64 - 8, 64, -1], "ends past the 64-bit address space"),
+])
+def test_exports_are_bounded(entry, match):
+    """A peer's export cannot make this side allocate a table by a huge region id."""
+    with pytest.raises(PeerDescriptorError, match=match):
+        unpack_descriptor(msgpack.packb({"backend": "x", "version": 1, "regions": [entry]}), "x")
+
+
+def test_region_ids_are_bounded_at_registration():
+    from transport import base
+    from transport.registry import RegionRegistry
+
+    reg = RegionRegistry()
+    reg._next_id = base.MAX_REGION_ID - 1
+    assert reg.add(4096, 64, None).region_id == base.MAX_REGION_ID - 1
+    with pytest.raises(base.TransportError, match=f"region ids exhausted: {base.MAX_REGION_ID} registrations"):
+        reg.add(8192, 64, None)
+    with pytest.raises(ValueError, match="does not fit a 64-bit address space"):
+        reg.add(2**64 - 8, 64, None)

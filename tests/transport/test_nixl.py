@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
+import threading
 import time
 
 import msgpack
@@ -30,6 +32,7 @@ from transport.base import (  # noqa: E402
     TransferFailed,
     TransferStatus,
     TransportClosed,
+    TransportError,
     WriteBatch,
     pack_descriptor,
 )
@@ -259,11 +262,19 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
     assert time.monotonic() - start < 1.0 + 16 * MiB / 0.1e9 + 3.0
 
 
+def resumed_later(rx, delay=0.3) -> threading.Timer:
+    """Continue the stopped receiver after ``delay`` s (abort() waits for it meanwhile)."""
+    timer = threading.Timer(delay, os.kill, (rx.proc.pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
 def test_abort_in_flight_then_write_again(writer, receiver):
     rx, src, sid, peer, rng = tcp_pair(writer, receiver, 32 * MiB, 4)
     tr = stalled_write(rx, peer, sid, 32 * MiB, rng)
+    resume = resumed_later(rx)
     tr.abort()
-    os.kill(rx.proc.pid, signal.SIGCONT)
+    resume.join()
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     with pytest.raises(TransferFailed, match="aborted"):
         tr.wait(1)
@@ -421,3 +432,142 @@ def test_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
     assert rx.wait_notes(1)[0] == (note, sha(want))
     for r in range(len(sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_connect_close_cycles_leave_fd_counts_flat(writer, receiver):
+    """A serving process connects and closes peers for days: 500 ``connect`` + ``close``
+    cycles (each with a write) leave the writer's and the receiver's open files as they were."""
+    rx = receiver([4096])
+    t = writer()
+    src, sid = host_region(t, 4096, 40)
+
+    def cycle():
+        peer = t.connect(rx.export)
+        peer.write(wb(sid, 0, 0, 0, 64)).wait(30)
+        peer.close()
+
+    cycle()  # warm: the connection and its lazily opened files
+    rx.dump(0)
+    before = open_fds(os.getpid()), open_fds(rx.proc.pid)
+    for _ in range(500):
+        cycle()
+    rx.dump(0)  # the receiver has run its loop since
+    after = open_fds(os.getpid()), open_fds(rx.proc.pid)
+    assert after == before, f"open files (writer, receiver): {before} before 500 cycles, {after} after"
+
+
+# -- registration, deregistration, agent start ------------------------------------------------
+
+
+def test_register_refuses_overlaps_and_impossible_ranges(writer):
+    t = writer()
+    data = np.zeros(8192, np.uint8)
+    rid = t.register(data.ctypes.data, 4096)
+    for ptr, length in ((data.ctypes.data, 4096), (data.ctypes.data + 100, 10), (data.ctypes.data - 10, 20)):
+        with pytest.raises(ValueError, match=rf"overlaps region {rid} .*register each byte range once"):
+            t.register(ptr, length)
+    with pytest.raises(ValueError, match="lies in the first 4096 bytes"):
+        t.register(16, 64)
+    with pytest.raises(ValueError, match="does not fit a 64-bit address space"):
+        t.register(2**64 - 4096, 8192)
+    assert t.register(data.ctypes.data + 4096, 4096) == rid + 1  # the neighbouring range is free
+    assert list(t.regions) == [rid, rid + 1]
+
+
+def test_deregister_of_a_source_in_flight_is_refused(writer, receiver):
+    """A writer that frees its source during a write would see REMOTE_DISCONNECT, blaming the
+    peer: deregistering a region that a pending transfer reads from is refused, named."""
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 16 * MiB, 12)
+    t = peer._transport
+    spare, spare_id = host_region(t, 4096, 13)
+    tr = stalled_write(rx, peer, sid, 16 * MiB, rng)
+    try:
+        with pytest.raises(TransportError, match=rf"region {sid} is the source of 1 transfer\(s\) still pending "
+                                                 rf"\(to \['{peer.name}'\]\); wait for or abort them"):
+            t.deregister(sid)
+        t.deregister(spare_id)  # a region no pending transfer reads is free to go
+        tr.abort()
+        t.deregister(sid)
+    finally:
+        os.kill(rx.proc.pid, signal.SIGCONT)
+
+
+def test_agent_start_errors_say_why(writer):
+    with pytest.raises(TransportError, match="UCX_TLS='self,sm' lacks tcp: keep tcp in UCX_TLS, also on one host"):
+        writer(env={"UCX_TLS": "self,sm"})
+
+
+def test_agent_names_must_be_unique(writer, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+    first = writer(agent_name="kvt-test-dup")
+    with pytest.raises(TransportError, match="agent name 'kvt-test-dup' is taken by a live NixlTransport"):
+        NixlTransport(NixlConfig(agent_name="kvt-test-dup"))
+    other = writer()
+    body = msgpack.unpackb(other.export())
+    body["agent"] = first.name
+    with pytest.raises(PeerDescriptorError, match="peer agent 'kvt-test-dup' has this transport's name"):
+        first.connect(msgpack.packb(body))
+    first.close()
+    writer(agent_name="kvt-test-dup")  # free again once closed
+
+
+# -- what abort() and FAILED guarantee ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads", [0, 2, 4])
+def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver, num_threads):
+    """Receiver stopped with a 16 MiB write of 4 KiB ranges in flight; ``abort()`` (the
+    receiver continues while it runs): once abort returns, the destination no longer changes,
+    and a rewrite of the same destination waited DONE is what it holds afterwards."""
+    nbytes = 16 * MiB
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 20 + num_threads, num_threads=num_threads,
+                                       peer_loss_timeout_s=20.0)
+    fresh, fresh_id = host_region(peer._transport, nbytes, 30 + num_threads)
+    tr = stalled_write(rx, peer, sid, nbytes, rng)
+    delay = 0.3
+    resume = resumed_later(rx, delay)
+    start = time.monotonic()
+    tr.abort()
+    waited = time.monotonic() - start
+    resume.join()
+    # while the receiver is stopped, the request cannot be finished: bytes of it would land later
+    assert waited >= delay, f"abort() returned after {waited:.3f} s, before the stopped receiver ran again"
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    at_abort = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte of the aborted write
+    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
+    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
+    time.sleep(0.3)
+    assert_same(rx.dump(0), fresh, "destination after the aborted write and a DONE rewrite")
+
+
+def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):
+    """FAILED at the deadline: bytes of the request may still land, so this transport refuses
+    further writes to that agent (a later write must not be overtaken by them) until a new
+    connect to it, which tears the old endpoint down first."""
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 8 * MiB, 5, peer_loss_timeout_s=0.5)
+    tr = stalled_write(rx, peer, sid, 8 * MiB, rng)
+    with pytest.raises(TransferFailed, match="not done after"):
+        tr.wait(20)
+    later = peer.write(wb(sid, 0, 0, 0, 4096))
+    assert later.status() is TransferStatus.FAILED
+    assert re.search(r"was lost earlier \(connect to a new export first\): .*not done after", later.error)
+    t = peer._transport
+    with pytest.raises(TransportError, match=r"still has 1 failed request\(s\) in flight \(it stalled\)"):
+        t.connect(rx.export)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while True:  # the stalled request finishes once the receiver runs again
+        try:
+            again = t.connect(rx.export)
+            break
+        except TransportError:
+            assert time.monotonic() < deadline, "the failed request never left NIXL"
+            time.sleep(0.05)
+    again.write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    time.sleep(0.3)  # room for a late byte of the failed write
+    assert_same(rx.dump(0)[:4096], src[:4096], "first page after reconnecting")

@@ -78,7 +78,7 @@ class NvlinkTransport(Transport):
     # -- regions --------------------------------------------------------------------------
     def register(self, ptr: int, length: int, device: Optional[int] = None) -> int:
         self._check_open()
-        RegionRegistry.check(ptr, length, device)
+        self._registry.check_free(ptr, length, device)
         if device is None:
             raise NvlinkUnsupported("the nvlink backend moves GPU memory only; register host memory with the nixl backend")
         if self._device is not None and device != self._device:

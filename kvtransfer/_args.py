@@ -1,0 +1,28 @@
+"""Argument types shared by the ``kvtransfer`` commands: a bad value is one usage line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "non_negative_int"]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
