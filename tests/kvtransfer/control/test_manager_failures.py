@@ -36,6 +36,17 @@ def ranks():
         rank.close()
 
 
+def until_state(rank, rid, state, timeout_s=20.0):
+    """Poll a request until it reaches ``state`` (a name), or fail naming where it stands."""
+    deadline = time.monotonic() + timeout_s
+    got = None
+    while time.monotonic() < deadline:
+        got = rank.call(Wait(rid, timeout_s=0.05))[0]
+        if got == state:
+            return
+    raise AssertionError(f"{rank.name}: request {rid} is {got}, not {state}, after {timeout_s} s")
+
+
 def prefill_spec(bootstrap, tp_rank, tp_size, **kw):
     return RankSpec("prefill", tp_rank, tp_size, 16, bootstrap, **{"config": FAST, **kw})
 
@@ -82,6 +93,7 @@ def test_a_killed_decode_rank_fails_only_its_own_requests(bootstrap, ranks):
     other = ranks(decode_spec(bootstrap, instance="decode-b"))
     doomed.call(Receive("to-a", 24))
     prefill.call(Prefill("to-a", 24, (8, 16), hold_last=True))
+    until_state(prefill, "to-a", "Transferring")  # the ask arrived and the first chunk went
     doomed.kill()
     state, reason = prefill.call(Wait("to-a", timeout_s=20))
     # lost to heartbeats, or to the transport first if a write was still to post
@@ -152,6 +164,7 @@ def test_a_closing_decode_rank_says_goodbye_before_freeing_its_memory(bootstrap,
     assert prefill.call(Stats())["decode_peers"] == [("leaving", 0), ("staying", 0)]
     leaving.call(Receive("half", 20))
     prefill.call(Prefill("half", 20, (10, 10), hold_last=True))
+    until_state(prefill, "half", "Transferring")
     leaving.close()  # its manager closes: goodbye, answered once no write to it is in flight
     state, reason = prefill.call(Wait("half", timeout_s=20))
     assert state == "Failed" and ("said goodbye" in reason or "decode manager closed" in reason)
