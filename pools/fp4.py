@@ -27,12 +27,13 @@ last dimension. All arithmetic is fp32 (bf16 and fp16 inputs are widened exactly
   output dtype: exact in fp32 and bf16 (two significant bits, exponents within range), exact in
   fp16 while the value lies in fp16's range.
 
-fp32 rounding: SGLang's quantizer runs under ``torch.compile`` (fp32 inside the fused kernel), and
-so does this one: ``amax / 6``, ``log2`` and ``ceil`` are fp32 operations. Where a block's amax
-lies within about ``2**-21`` (relative) above ``6 * 2**k``, the fp32 ``log2`` rounds to ``k`` and
-the block keeps ``E = k``; its largest elements then land a hair above 6 and get code 7 (6).
-A GPU's ``log2f`` may differ from the CPU's by an ulp in that sliver; elsewhere the bytes are
-identical.
+fp32 rounding: SGLang's quantizer is ``torch.compile``d, and the generated kernels compute bf16 /
+fp16 pointwise math in fp32; this one computes ``amax / 6``, ``log2`` and ``ceil`` in fp32 too.
+Where a block's amax lies a sliver above ``6 * 2**k`` (relative ``< 2**-18``, narrower for small
+``|k|``), the fp32 ``log2`` rounds to exactly ``k`` and the block keeps ``E = k``; its largest
+elements land a hair above 6 and get code 7 (6). A GPU's ``log2`` may differ from the CPU's by
+an ulp inside that sliver; elsewhere the bytes are identical. (SGLang run eagerly on bf16 input
+would round ``log2`` to bf16 and pick the smaller exponent in a much wider sliver.)
 
 Error bound (tested on random data in ``tests/pools/test_fp4.py``)
 -------------------------------------------------------------------
@@ -44,9 +45,10 @@ Proof: ``q = |x| / S <= 6``. The e2m1 grid has spacing 0.5 on ``[0, 2]``, 1 on `
 2 on ``[4, 6]``, so rounding to the nearest grid point (either way on a tie) errs by at most
 half a spacing: ``0.25 S`` when ``q <= 2``; ``0.5 S <= |x| / 4`` when ``2 < q <= 4`` (as
 ``|x| > 2 S``); ``S <= |x| / 4`` when ``4 < q <= 6`` (as ``|x| > 4 S``). The same cases give the
-plain ``|x - deq| <= S``. The fp32 case above clamps ``q`` a relative ``~2**-21`` above 6 to 6;
-the test allows a relative slack of ``2**-20``. Power-of-two scales cost accuracy against
-finer (e4m3) scales: a block's ``amax / S`` lies in ``(3, 6]``, not always near 6.
+plain ``|x - deq| <= S``. In the fp32 sliver above, ``q`` exceeds 6 by a relative ``< 2**-18``
+and is rounded to 6, erring by far less than ``|x| / 4``; the test allows a relative slack of
+``2**-20`` for fp32 rounding. Power-of-two scales cost accuracy against finer (e4m3) scales: a
+block's ``amax / S`` lies in ``(3, 6]``, not always near 6.
 
 Non-finite inputs are not checked (a data-dependent check would synchronise the device): their
 codes are unspecified.

@@ -5,7 +5,8 @@ KV rows are those of :class:`pools.mla.MLATokenToKVPool`. With ``dtype=torch.flo
 FP8 format (uint8 bytes)::
 
     row = [kv_lora_rank fp8 e4m3 nope | kv_lora_rank // 128 fp32 scales | qk_rope_head_dim bf16 rope]
-    # nope tile t (128 elements) = fp8[t] * scale[t], scale = tile amax / 448 (1.0 for a zero tile)
+    # nope tile t (128 elements) = fp8[t] * scale[t], scale = tile amax / 448 (1.0 for a zero tile,
+    # where SGLang stores NaN codes: pools/DEPARTURES.md)
     # fp8[t] = e4m3_rne(clamp(x * (1 / scale), -448, 448)), all in fp32 (SGLang's quantize_k_cache)
     # kv_cache_dim = kv_lora_rank + kv_lora_rank // 128 * 4 + qk_rope_head_dim * 2  (656 for 512/64)
 
