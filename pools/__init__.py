@@ -4,6 +4,9 @@ Standalone: imports neither ``transport`` nor ``kvtransfer``. The layout exports
 (``get_contiguous_buf_infos``, ``get_state_buf_infos``, ``get_state_dim_per_tensor``) are the
 contract the rest of the system plans transfers from; each module documents its order. Each pool's
 ``transfer_layout()`` says what those buffers hold, as plain data (``pools.describe``).
+
+The pools follow the seed (SGLang's ``mem_cache/memory_pool.py``); every place they depart from
+it, and why, is listed in ``pools/DEPARTURES.md``.
 """
 
 from pools.allocator import PagedTokenToKVPoolAllocator

@@ -8,7 +8,7 @@ padding slot that dummy writes of padded tokens land in):
   ``[rows, head_num, v_head_dim]`` of ``store_dtype`` (uint8 for FP8 dtypes, else ``dtype``).
 - FP4: ``k_buffer[l]``/``v_buffer[l]`` ``[rows, head_num, head_dim // 2]`` uint8 (packed
   e2m1, see ``pools.fp4``), ``k_scale_buffer[l]``/``v_scale_buffer[l]``
-  ``[rows, head_num * head_dim // 16]`` uint8 (float8_e4m3fn block scales).
+  ``[rows, head_num * head_dim // 16]`` uint8 (UE8M0 block scales: exponent + 127).
 
 Export order of ``get_contiguous_buf_infos`` (the planner's contract, ``item_len`` = one
 page = ``page_size`` rows of that buffer):
@@ -332,7 +332,7 @@ class NoOpMHATokenToKVPool(MHATokenToKVPool):
 
 
 class MHATokenToKVPoolFP4(MHATokenToKVPool):
-    """FP4 KV: packed e2m1 K/V plus block-16 float8_e4m3fn scales (module docstring).
+    """FP4 KV: packed e2m1 K/V plus block-16 UE8M0 scales, SGLang's format (module docstring).
 
     ``dtype`` names the cache type (e.g. ``torch.float4_e2m1fn_x2``); storage is always
     uint8. ``head_dim`` must be a multiple of 16 (so each head's values are whole bytes of

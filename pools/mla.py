@@ -12,7 +12,7 @@ The "key" is the whole row; the "value" is a view of its nope part.
 Export order (``get_contiguous_buf_infos``): ``[KV_0 .. KV_{L-1}]``, ``item_len`` = row bytes *
 page_size.
 
-:class:`MLATokenToKVPoolFP4` stores the row as packed e2m1 (``pools.fp4``) plus one e4m3 scale
+:class:`MLATokenToKVPoolFP4` stores the row as packed e2m1 (``pools.fp4``) plus one UE8M0 scale
 byte per 16 elements::
 
     kv_buffer[l]        # [size + page_size, 1, kv_cache_dim // 2] uint8
@@ -275,14 +275,14 @@ class MLATokenToKVPool(KVCache):
 
 
 class MLATokenToKVPoolFP4(MLATokenToKVPool):
-    """MLA pool whose rows are stored as FP4 (e2m1, 16-element blocks with e4m3 scales, see
+    """MLA pool whose rows are stored as FP4 (e2m1, 16-element blocks with UE8M0 scales, see
     ``pools.fp4``); the constructor is :class:`MLATokenToKVPool`'s (``dtype`` names the cache
     format, conventionally ``torch.float4_e2m1fn_x2``; storage is always uint8).
 
     Layout per layer::
 
         kv_buffer[l]        # [size + page_size, 1, kv_cache_dim // 2] uint8, element 2i low nibble
-        kv_scale_buffer[l]  # [size + page_size, kv_cache_dim // 16] uint8 (e4m3 bit patterns)
+        kv_scale_buffer[l]  # [size + page_size, kv_cache_dim // 16] uint8 (UE8M0: exponent + 127)
 
     ``kv_lora_rank`` must be a multiple of 16 (so the nope part is whole blocks: its bytes are
     ``[: kv_lora_rank // 2]`` of the packed row and ``[: kv_lora_rank // 16]`` of the scale row)

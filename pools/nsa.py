@@ -5,7 +5,9 @@ KV rows are those of :class:`pools.mla.MLATokenToKVPool`. With ``dtype=torch.flo
 FP8 format (uint8 bytes)::
 
     row = [kv_lora_rank fp8 e4m3 nope | kv_lora_rank // 128 fp32 scales | qk_rope_head_dim bf16 rope]
-    # nope tile t (128 elements) = fp8[t] * scale[t], scale = tile amax / 448 (1.0 for a zero tile)
+    # nope tile t (128 elements) = fp8[t] * scale[t], scale = tile amax / 448 (1.0 for a zero tile,
+    # where SGLang stores NaN codes: pools/DEPARTURES.md)
+    # fp8[t] = e4m3_rne(clamp(x * (1 / scale), -448, 448)), all in fp32 (SGLang's quantize_k_cache)
     # kv_cache_dim = kv_lora_rank + kv_lora_rank // 128 * 4 + qk_rope_head_dim * 2  (656 for 512/64)
 
 Indexer keys (one head of ``index_head_dim`` = 128 per token, fp8 e4m3 data and one fp32 scale
@@ -50,7 +52,10 @@ def quantize_nsa_k(nope: torch.Tensor, rope: torch.Tensor, tile: int = 128) -> t
     tiles = nope.float().unflatten(-1, (r // tile, tile))  # [..., r // tile, tile]
     amax = tiles.abs().amax(dim=-1, keepdim=True)  # [..., r // tile, 1]
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    data = (tiles / scale).to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)  # [..., r]
+    # As SGLang's kernel: multiply by the fp32 reciprocal (not a division: the two differ by one
+    # e4m3 step on ~0.03% of codes) and clamp to +-448 before the round-to-nearest-even cast.
+    q = (tiles * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # [..., r // tile, tile]
+    data = q.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)  # [..., r]
     scale_bytes = scale.squeeze(-1).contiguous().view(torch.uint8)  # [..., r // tile * 4]
     rope_bytes = rope.to(torch.bfloat16).contiguous().view(torch.uint8)  # [..., rope * 2]
     return torch.cat([data, scale_bytes, rope_bytes], dim=-1)

@@ -145,13 +145,38 @@ def test_packed_fp8_rows():
     amax = nope[:, 0].abs().amax(-1)
     assert torch.allclose(scale[:2], amax[:2] / 448) and scale[2] == 1.0
     assert torch.equal(row[:, RANK + 4 :], rope[:, 0].bfloat16().view(torch.uint8))
-    ref_fp8 = (nope[:, 0] / scale[:, None]).to(torch.float8_e4m3fn)  # torch-cast reference
+    # torch-cast reference, SGLang's order: times the fp32 reciprocal, clamped to +-448
+    ref_fp8 = (nope[:, 0] * (1.0 / scale[:, None])).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(row[:, :RANK], ref_fp8.view(torch.uint8))
     got_nope, got_rope = pool.get_mla_kv_buffer(1, loc, torch.float32)
     assert torch.equal(got_nope[:, 0], ref_fp8.float() * scale[:, None])
     assert torch.equal(got_rope, rope.bfloat16().float())
     err = (got_nope - nope).abs()
     assert bool((err <= nope.abs() / 16 + scale.view(3, 1, 1) * 2**-9).all())  # e4m3: 3 mantissa bits
+
+
+def test_packed_fp8_nope_multiplies_by_the_reciprocal():
+    """Pinned bytes where x / scale and x * (1 / scale) round to different e4m3 codes.
+
+    Tile amax 13: scale = fp32(13 / 448) = 0.029017856 (bytes db b6 ed 3c), 1 / scale = 34.46154.
+    13 * 34.46154 = 448.00003 -> clamped to 448 = 0x7e. 4.875 * 34.46154 = 168.00002 -> 176 = 0x73
+    (4.875 / scale is exactly 168, an e4m3 tie between 160 and 176 that rounds to even: 160 = 0x72).
+    9.75 -> 336.00003 -> 352 = 0x7b (divided: the tie 336 -> 320 = 0x7a). -4.875 -> 0x80 | 0x73.
+    """
+    pool = make(torch.float8_e4m3fn, PACKED_DIM)
+    nope = torch.zeros(1, 1, RANK)
+    nope[0, 0, :4] = torch.tensor([13.0, 4.875, 9.75, -4.875])
+    pool.set_mla_kv_buffer(0, torch.tensor([70]), nope, torch.zeros(1, 1, ROPE))
+    row = pool.kv_buffer[0][70, 0]  # [PACKED_DIM] uint8
+    assert row[:4].tolist() == [0x7E, 0x73, 0x7B, 0xF3] and not row[4:RANK].any()
+    assert row[RANK : RANK + 4].tolist() == [0xDB, 0xB6, 0xED, 0x3C]
+    # The same from the formulas in numpy fp32, and the division really differs here.
+    scale = np.float32(13) / np.float32(448)
+    assert list(scale.tobytes()) == [0xDB, 0xB6, 0xED, 0x3C]
+    x = np.array([13.0, 4.875, 9.75, -4.875], dtype=np.float32)
+    e4m3 = lambda a: torch.from_numpy(np.clip(a, -448, 448)).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    assert e4m3(x * (np.float32(1) / scale)) == row[:4].tolist()
+    assert e4m3(x / scale) == [0x7E, 0x72, 0x7A, 0xF2]
 
 
 # -- CPU copy ------------------------------------------------------------------------------
