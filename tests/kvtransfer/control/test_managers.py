@@ -122,9 +122,12 @@ def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, m
     """Prefill on GPU 0, decode on GPU 1, one process each: with nvlink on both sides the pair
     takes it (else NIXL), and the bytes land either way."""
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")  # NIXL refuses GPUs without a CUDA transport
+    # The default heartbeat timeout: on a cold Triton cache the first NVLink write compiles its
+    # kernel on the prefill loop thread (seconds), and heartbeats wait for it.
+    config = {**FAST, "heartbeat_timeout_s": 15.0}
     with BootstrapService() as svc:
-        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=FAST, device=0, backends=backends)),
-                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=FAST, device=1, backends=backends,
+        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=config, device=0, backends=backends)),
+                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=config, device=1, backends=backends,
                                       instance="gpu"))]
         try:
             prefill, decode = [r.started() for r in ranks]
