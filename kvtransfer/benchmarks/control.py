@@ -47,7 +47,7 @@ class RankArgs:
     bootstrap: str
     pages: int
     page_size: int
-    heartbeat_timeout_s: float = 2.0
+    heartbeat_timeout_s: float = 5.0  # ControlConfig's default: a loaded 2-core machine stalls loops for seconds
 
 
 @dataclass(frozen=True)
