@@ -25,15 +25,14 @@ clock for every process of the host).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
+from kvtransfer._procs import Child, report_failure
 from kvtransfer.control.state import KVPoll
 
 REPLY_TIMEOUT_S = 300.0
@@ -94,18 +93,17 @@ class Counts:
 
 @dataclass(frozen=True)
 class Ready:
-    """Decode: reply the prefill ranks connected now (``DecodeKVManager.ready_senders``)."""
+    """Decode: reply :class:`ReadyRanks`, the prefill ranks connected now."""
+
+
+@dataclass(frozen=True)
+class ReadyRanks:
+    ranks: tuple  # DecodeKVManager.ready_senders()
 
 
 @dataclass(frozen=True)
 class Stop:
     pass
-
-
-@dataclass(frozen=True)
-class Failed:
-    where: str
-    error: str
 
 
 def _fds() -> int:
@@ -211,7 +209,7 @@ class _RankWorker:
         self.transport.close()
 
 
-def _rank_main(args: RankArgs, conn) -> None:
+def _rank_main(conn, args: RankArgs) -> None:
     worker = None
     try:
         worker = _RankWorker(args)
@@ -229,55 +227,22 @@ def _rank_main(args: RankArgs, conn) -> None:
             elif isinstance(msg, Census):
                 conn.send(worker.counts())
             elif isinstance(msg, Ready):
-                conn.send(worker.manager.ready_senders())
+                conn.send(ReadyRanks(tuple(worker.manager.ready_senders())))
     except Exception as exc:
-        conn.send(Failed(args.role, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        report_failure(conn, exc)
     finally:
         if worker is not None:
             worker.close()
         conn.close()
 
 
-class _Rank:
-    def __init__(self, args: RankArgs):
-        ctx = mp.get_context("spawn")
-        self.name = f"{args.role} rank"
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_rank_main, args=(args, child), name=self.name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def reply(self, what: str):
-        if not self.conn.poll(REPLY_TIMEOUT_S):
-            raise TimeoutError(f"{self.name}: no {what} within {REPLY_TIMEOUT_S:.0f} s (exit code {self.proc.exitcode})")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"{self.name} died (exit code {self.proc.exitcode}) before its {what}") from None
-        if isinstance(msg, Failed):
-            raise RuntimeError(f"{self.name} failed: {msg.error}")
-        return msg
-
-    def send(self, msg) -> None:
-        self.conn.send(msg)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(Stop())
-            except OSError:
-                pass
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(10)
-        self.conn.close()
+def _start(args: RankArgs) -> Child:
+    return Child.spawn(_rank_main, (args,), name=f"{args.role} rank")
 
 
-def _census(rank: "_Rank") -> Counts:
+def _census(rank: Child) -> Counts:
     rank.send(Census())
-    return rank.reply("census")
+    return rank.recv(Counts, "census", REPLY_TIMEOUT_S)
 
 
 def _issue(ranks: dict, ids: list, tokens: list, aborts: list, batch: int) -> None:
@@ -292,7 +257,7 @@ def _run(ranks: dict, ids: list, tokens: list, aborts: list, batch: int) -> dict
     _issue(ranks, ids, tokens, aborts, batch)
     for rank in ranks.values():
         rank.send(Drain())
-    return {role: rank.reply("outcomes") for role, rank in ranks.items()}
+    return {role: rank.recv(Outcomes, "outcomes", REPLY_TIMEOUT_S) for role, rank in ranks.items()}
 
 
 def _pct(values: list, q: float) -> float:
@@ -360,15 +325,15 @@ def main(argv=None) -> int:
     with BootstrapService() as svc:
         ranks = {}
         try:
-            ranks["prefill"] = _Rank(RankArgs("prefill", svc.address, pages, page_size))
-            ranks["decode"] = _Rank(RankArgs("decode", svc.address, pages, page_size))
-            ranks["prefill"].reply("start-up")
-            ranks["decode"].reply("start-up")
+            ranks["prefill"] = _start(RankArgs("prefill", svc.address, pages, page_size))
+            ranks["decode"] = _start(RankArgs("decode", svc.address, pages, page_size))
+            for rank in ranks.values():
+                rank.recv(Counts, "start-up", REPLY_TIMEOUT_S)
             return _phases(args, rng, ranks, svc.address, pages, page_size)
         finally:
             for role in ("decode", "prefill"):  # decode says goodbye while prefill still answers
                 if role in ranks:
-                    ranks[role].stop()
+                    ranks[role].stop(Stop(), timeout=30)
 
 
 def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) -> int:
@@ -382,12 +347,12 @@ def _phases(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) 
     outs = {"decode": Outcomes({}, {}), "prefill": Outcomes({}, {})}
     for i, rid in enumerate(ids):
         ranks["decode"].send(Issue((rid,), (tokens[i],), (False,), ack=True))
-        ranks["decode"].reply("ack")
+        ranks["decode"].recv(Issued, "ack", REPLY_TIMEOUT_S)
         time.sleep(0.002)  # the ask reaches prefill and waits there
         ranks["prefill"].send(Issue((rid,), (tokens[i],), (False,)))
         for role, rank in ranks.items():
             rank.send(Drain())
-            got = rank.reply("outcomes")
+            got = rank.recv(Outcomes, "outcomes", REPLY_TIMEOUT_S)
             outs[role].states.update(got.states)
             outs[role].times.update(got.times)
     total, wire, overhead = _latencies(outs, ids)
@@ -430,15 +395,15 @@ def _soak(args, rng, ranks: dict, bootstrap: str, pages: int, page_size: int) ->
     # the restart, with requests in flight: the old process closes its manager (failing what
     # it still holds) and exits; a new one registers; decode reconnects by itself
     t_restart = time.monotonic()
-    ranks["prefill"].stop()
-    ranks["prefill"] = _Rank(RankArgs("prefill", bootstrap, pages, page_size))
-    ranks["prefill"].reply("start-up")
+    ranks["prefill"].stop(Stop(), timeout=30)
+    ranks["prefill"] = _start(RankArgs("prefill", bootstrap, pages, page_size))
+    ranks["prefill"].recv(Counts, "start-up", REPLY_TIMEOUT_S)
     ranks["decode"].send(Drain())
-    first = {"decode": ranks["decode"].reply("outcomes")}
+    first = {"decode": ranks["decode"].recv(Outcomes, "outcomes", REPLY_TIMEOUT_S)}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # decode finds the new process by itself
         ranks["decode"].send(Ready())
-        if ranks["decode"].reply("ready ranks") == [0]:
+        if ranks["decode"].recv(ReadyRanks, "ready ranks", REPLY_TIMEOUT_S).ranks == (0,):
             break
         time.sleep(0.05)
     reconnect = time.monotonic() - t_restart

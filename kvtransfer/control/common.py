@@ -25,11 +25,16 @@ from typing import Callable, Optional
 import numpy as np
 import zmq
 
+from kvtransfer.batches import BufferRegions
+from kvtransfer.control.wire import Endpoint
+from transport.base import Transport
+
 __all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "Endpoints", "default_host_id",
            "pack_first_token", "pick_backend", "unpack_first_token"]
 
 log = logging.getLogger("kvtransfer.control")
 
+BUSY_POLL_S = 2e-4  # a manager loop's pause while transfers are in flight
 AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
 _FIRST_TOKEN = struct.Struct("<qd")
 
@@ -42,9 +47,6 @@ class Endpoints:
     transport happens here, at start; :meth:`release` deregisters (idempotent)."""
 
     def __init__(self, transports, kv_infos, state_infos=None, device: Optional[int] = None):
-        from kvtransfer.batches import BufferRegions
-        from transport.base import Transport
-
         items = [transports] if isinstance(transports, Transport) else list(transports)
         if not items or not all(isinstance(t, Transport) for t in items):
             raise TypeError(f"transports must be a Transport or a non-empty list of them, got {transports!r}")
@@ -63,8 +65,6 @@ class Endpoints:
 
     def wire(self) -> list:
         """``Endpoint.to_wire()`` of each transport, for a registration or a hello."""
-        from kvtransfer.control.wire import Endpoint
-
         return [Endpoint(b, t.name, t.export(), self.regions[b].to_wire()).to_wire()
                 for b, t in self.transports.items()]
 
@@ -114,6 +114,11 @@ class ControlConfig:
     heartbeat_timeout_s: float = 5.0  # a peer silent this long is lost
     aux_slots: int = 1024  # decode: aux records, one per request in flight
 
+    def loop_pause(self, busy: bool) -> float:
+        """How long a manager's loop may pause: briefly while transfers are in flight (their
+        status and notifications are polled), else until the next heartbeat is due."""
+        return BUSY_POLL_S if busy else min(0.05, self.heartbeat_interval_s)
+
     def __post_init__(self):
         for name in ("bootstrap_timeout_s", "handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
                      "heartbeat_timeout_s"):
@@ -139,14 +144,6 @@ class AuxRecords:
         self.buffer = np.zeros(num_slots * record_bytes, dtype=np.uint8)  # [num_slots * record_bytes]
         self._free = list(range(num_slots - 1, 0, -1))
         self._lock = threading.Lock()
-
-    @property
-    def ptr(self) -> int:
-        return int(self.buffer.ctypes.data)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.nbytes)
 
     @property
     def available(self) -> int:

@@ -66,8 +66,6 @@ from kvtransfer.plan import senders_for
 
 __all__ = ["DecodeKVManager", "HandshakeError", "KVReceiver"]
 
-BUSY_POLL_S = 2e-4  # the loop's pause while transfers are in flight (polled by status / notifications)
-
 log = logging.getLogger("kvtransfer.control.decode")
 
 
@@ -445,7 +443,7 @@ class DecodeKVManager:
                 self._fail(rid, f"not done after {cfg.transfer_timeout_s:g} s (waiting for prefill ranks {waiting})",
                            tell_senders=True)
         busy = any(not i.receiver.status.state.final for i in self._incoming.values())
-        return BUSY_POLL_S if busy else min(0.05, cfg.heartbeat_interval_s)
+        return cfg.loop_pause(busy)
 
     def _lose(self, rank: int, reason: str) -> None:
         peer = self._peers[rank]

@@ -67,8 +67,6 @@ from transport.base import PeerDescriptorError, TransferStatus, TransportError
 
 __all__ = ["KVSender", "PrefillKVManager"]
 
-BUSY_POLL_S = 2e-4  # the loop's pause while transfers are in flight (polled by status / notifications)
-
 log = logging.getLogger("kvtransfer.control.prefill")
 
 
@@ -506,7 +504,7 @@ class PrefillKVManager:
         for table in (self._aborted_early, self._failed):
             for rid in [r for r, (when, _) in table.items() if when < horizon]:
                 del table[rid]
-        return BUSY_POLL_S if busy else min(0.05, self.config.heartbeat_interval_s)
+        return self.config.loop_pause(busy)
 
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""

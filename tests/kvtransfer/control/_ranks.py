@@ -9,12 +9,12 @@ byte on its own.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
-import zlib
 from dataclasses import dataclass, field
 from typing import Optional
+
+from kvtransfer._procs import Child
 
 REPLY_TIMEOUT_S = 120.0
 
@@ -249,7 +249,7 @@ class _Rank:
             transport.close()
 
 
-def rank_main(spec: RankSpec, conn) -> None:
+def rank_main(conn, spec: RankSpec) -> None:
     rank = None
     try:
         rank = _Rank(spec)
@@ -267,7 +267,6 @@ def rank_main(spec: RankSpec, conn) -> None:
     finally:
         if rank is not None:
             rank.close()
-        conn.send(Reply(True, "closed"))
         conn.close()
 
 
@@ -275,13 +274,9 @@ class RankProcess:
     """A rank in its own process; ``call`` sends a command and returns its reply's value."""
 
     def __init__(self, spec: RankSpec):
-        ctx = mp.get_context("spawn")
         self.spec = spec
         self.name = f"{spec.role} rank {spec.tp_rank}"
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main, args=(spec, child), name=self.name, daemon=True)
-        self.proc.start()
-        child.close()
+        self.child = Child.spawn(rank_main, (spec,), name=self.name)
         self.layout = None
 
     def started(self):
@@ -289,35 +284,18 @@ class RankProcess:
         return self
 
     def _reply(self, what: str):
-        if not self.conn.poll(REPLY_TIMEOUT_S):
-            raise TimeoutError(f"{self.name}: no reply to {what} within {REPLY_TIMEOUT_S:.0f} s "
-                               f"(exit code {self.proc.exitcode})")
-        try:
-            reply = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"{self.name} died (exit code {self.proc.exitcode}) before answering {what}") from None
+        reply = self.child.recv(Reply, f"its answer to {what}", REPLY_TIMEOUT_S)
         if not reply.ok:
             raise RuntimeError(f"{self.name}: {what} failed: {reply.error}")
         return reply.value
 
     def call(self, cmd):
-        self.conn.send(cmd)
+        self.child.send(cmd)
         return self._reply(type(cmd).__name__)
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(10)
+        self.child.proc.kill()
+        self.child.proc.join(10)
 
     def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(Quit())
-                self._reply("quit")
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(10)
-        self.conn.close()
+        self.child.stop(Quit(), timeout=10)
