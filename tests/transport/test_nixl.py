@@ -180,9 +180,10 @@ def test_notifications_name_their_sender(writer, receiver):
     rx = receiver([1 * MiB])
     a, b = writer(), writer()
     assert a.name != b.name
-    sends = []
-    for i, t in enumerate((a, b, a, b)):
+    sends, sources = [], []  # sources stay alive: a freed array's bytes may be reallocated
+    for i, t in enumerate((a, b, a, b)):  # while its region is still registered
         src, sid = host_region(t, 4096, 20 + i)
+        sources.append(src)
         note = _nixl_peer.payload(i, [(0, i * 4096, 4096)])
         t.connect(rx.export).write(wb(sid, 0, 0, i * 4096, 4096), notify=note).wait(30)
         sends.append((note, t.name))
