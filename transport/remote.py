@@ -1,10 +1,12 @@
-"""A receiver process holding registered GPU buffers: the far end of two-process GPU checks.
+"""A receiver process holding registered buffers: the far end of two-process checks.
 
-Benchmarks (``kvtransfer bench nvlink``) and the GPU tests write into another process's GPU
-memory through a real transport. :class:`RemoteBuffers` spawns that process on one GPU with a
+Benchmarks (``kvtransfer bench nvlink``, ``kvtransfer bench transfer``) and the GPU tests write
+into another process's memory through a real transport. :class:`RemoteBuffers` spawns that
+process, its buffers on one GPU or in host memory (``device=None``, nixl backends only), with a
 transport per backend asked for (every backend registers every buffer, so region ids agree)
 and drives it through a pipe of typed messages: one frozen dataclass per request, answered by
-a :class:`_Reply`. Needs torch and CUDA in the child; nothing here runs on import.
+a :class:`_Reply`. Needs torch in the child (and CUDA for GPU buffers); nothing here runs on
+import.
 """
 
 from __future__ import annotations
@@ -16,11 +18,36 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["RemoteBuffers", "checksums", "make_transport"]
+__all__ = ["RemoteBuffers", "checksums", "make_transport", "nixl_staged_config"]
+
+BACKENDS = ("nvlink", "nixl", "nixl-staged")
+
+
+def nixl_staged_config():
+    """The ``NixlConfig`` that sends every write through the nixl backend's staged mode (gather
+    into a staging buffer, a few large writes, scatter at the receiver), or None when this build
+    of the backend has no such mode. Recognised, in the style of the nvlink backend's settings:
+    an ``engine`` field taking ``NixlEngine.STAGED``, or a ``staged`` field holding a config
+    with ``enabled`` (and thresholds such as ``min_bytes``, set to 0 so every write stages)."""
+    import dataclasses
+
+    from transport import nixl
+
+    fields = {f.name for f in dataclasses.fields(nixl.NixlConfig)}
+    engine = getattr(getattr(nixl, "NixlEngine", None), "STAGED", None)
+    if "engine" in fields and engine is not None:
+        return nixl.NixlConfig(engine=engine)
+    if "staged" in fields:
+        staged = nixl.NixlConfig().staged
+        if dataclasses.is_dataclass(staged) and "enabled" in {f.name for f in dataclasses.fields(staged)}:
+            force = {f.name: 0 for f in dataclasses.fields(staged) if f.name.startswith("min_")}
+            return nixl.NixlConfig(staged=dataclasses.replace(staged, enabled=True, **force))
+    return None
 
 
 def make_transport(backend: str, ipc_api: str = "auto"):
-    """A transport of ``backend`` ("nvlink" or "nixl") with default settings."""
+    """A transport of ``backend`` with default settings: "nvlink", "nixl", or "nixl-staged"
+    (nixl with :func:`nixl_staged_config`; ``ValueError`` when the backend has no staged mode)."""
     if backend == "nvlink":
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
@@ -29,7 +56,14 @@ def make_transport(backend: str, ipc_api: str = "auto"):
         from transport.nixl import NixlTransport
 
         return NixlTransport()
-    raise ValueError(f"backend must be 'nvlink' or 'nixl', got {backend!r}")
+    if backend == "nixl-staged":
+        from transport.nixl import NixlTransport
+
+        config = nixl_staged_config()
+        if config is None:
+            raise ValueError("this nixl backend has no staged mode")
+        return NixlTransport(config)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
@@ -108,11 +142,13 @@ class _Reply:
 class _Child:
     """The receiving process's state: transports, buffers, notifications seen."""
 
-    def __init__(self, device: int, backends: tuple, ipc_api: str):
+    def __init__(self, device: Optional[int], backends: tuple, ipc_api: str):
         import torch
 
-        self.torch, self.device, self.backends = torch, device, backends
-        torch.cuda.set_device(device)
+        self.torch, self.backends = torch, backends
+        self.device = "cpu" if device is None else device
+        if device is not None:
+            torch.cuda.set_device(device)
         self.transports = {b: make_transport(b, ipc_api) for b in backends}
         self.bufs: dict = {}  # region id (the same in every transport) -> uint8 tensor
         self.seen: list = []  # notifications not yet waited for
@@ -134,7 +170,8 @@ class _Child:
         if isinstance(msg, _Fill):
             for r in msg.region_ids:
                 self.bufs[r].fill_(msg.fill)
-            torch.cuda.synchronize(self.device)
+            if self.device != "cpu":
+                torch.cuda.synchronize(self.device)
             return None
         if isinstance(msg, _WaitNotify):
             return self.wait_notify(msg.payload, msg.timeout_s)
@@ -163,7 +200,7 @@ class _Child:
             t.close()
 
 
-def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
+def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> None:
     child = _Child(device, backends, ipc_api)
     try:
         while True:
@@ -180,9 +217,11 @@ def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
 
 
 class RemoteBuffers:
-    """A receiver process on GPU ``device`` holding buffers registered with ``backends``."""
+    """A receiver process on GPU ``device`` (None: host memory) holding buffers registered with
+    ``backends`` (names of :func:`make_transport`)."""
 
-    def __init__(self, device: int, backends: tuple = ("nvlink",), ipc_api: str = "auto", timeout_s: float = 120.0):
+    def __init__(self, device: Optional[int], backends: tuple = ("nvlink",), ipc_api: str = "auto",
+                 timeout_s: float = 120.0):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")

@@ -1,0 +1,201 @@
+"""The two processes of ``kvtransfer bench transfer`` and the paths it times between them.
+
+A :class:`Rig` is this process (prefill rank 0: the source buffers, one transport per backend)
+and a receiver process (decode rank 0: the destination buffers, registered with the same
+backends; :class:`~transport.remote.RemoteBuffers`), for one :class:`~._cases.Pools`. Memory
+is on GPUs (``src_device`` -> ``dst_device``, the same GPU when there is only one) or in host
+memory (both None; nixl backends only).
+
+Every path writes one case's bytes and is verified before it is timed: the destination is
+reset to a fill byte, the path writes once with a notification, the receiver waits for it,
+and the checksum of every destination buffer (computed in the receiver) must equal the
+checksum of the expected buffer (:meth:`~._cases.Case.expected`, built here from the source).
+Then it is timed end to end: from the batch to the writer seeing every byte landed, with the
+receiver polling its notifications meanwhile (as a decode rank does; UCX needs it to progress).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvtransfer.batches import BufferRegions, write_batch
+from kvtransfer.benchmarks._cases import Case, Pools
+from kvtransfer.benchmarks._report import Timing, time_cuda, time_wall
+from transport.remote import RemoteBuffers, checksums, make_transport
+
+__all__ = ["PathResult", "Rig", "FILL"]
+
+FILL = 0x5A  # the destination's bytes before each verified write
+WAIT_S = 600.0  # one write of up to tens of GiB through the slowest path
+COPY_CHUNK = 1 << 30  # the link baseline copies the case's byte count in pieces of at most this
+CUDA_TLS = "tcp,self,sm,cuda_copy,cuda_ipc"
+
+
+@dataclass
+class PathResult:
+    """One path on one case. ``status``: "ok", "skipped" (``reason`` says why) or "failed"."""
+
+    path: str
+    status: str
+    reason: str = ""
+    nbytes: int = 0
+    entries: int = 0  # ranges the path hands its engine (descriptors for NIXL, rows for NVLink)
+    verified: bool = False
+    timing: Optional[Timing] = None
+    prep: Optional[Timing] = None  # host work before the write: planning, or building descriptors
+    extra: dict = field(default_factory=dict)
+
+
+class Rig:
+    """The writer (this process) and the receiver for one :class:`Pools`; see the module doc."""
+
+    def __init__(self, pools: Pools, backends: tuple, src_device: Optional[int], dst_device: Optional[int],
+                 seed: int):
+        import torch
+
+        self.torch, self.pools, self.backends = torch, pools, backends
+        self.src_device, self.dst_device = src_device, dst_device
+        self.device = torch.device("cpu") if src_device is None else torch.device("cuda", src_device)
+        if src_device is not None:
+            os.environ.setdefault("UCX_TLS", CUDA_TLS)
+            torch.cuda.set_device(self.device)
+        self.remote = RemoteBuffers(dst_device, backends)
+        self.transports = {}
+        try:
+            self._setup(seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, seed: int) -> None:
+        torch, pools = self.torch, self.pools
+        kv, state = pools.sizes("dst")
+        ids = self.remote.alloc(kv + state, FILL)
+        self.dst_ids = np.asarray(ids, dtype=np.int64)
+        self.dst_sizes = np.asarray(kv + state, dtype=np.int64)
+        self.dst = BufferRegions.of(ids[:len(kv)], ids[len(kv):])
+        self.transports = {b: make_transport(b) for b in self.backends}
+        kv, state = pools.sizes("src")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.src_bufs, src_ids = [], []
+        for n in kv + state:
+            t = torch.empty(n, dtype=torch.uint8, device=self.device)  # [n] bytes
+            t.random_(0, 256, generator=gen)
+            rids = {tr.register_tensor(t) for tr in self.transports.values()}
+            if len(rids) != 1:
+                raise RuntimeError(f"backends gave one buffer different region ids {rids}")
+            self.src_bufs.append(t)
+            src_ids.append(rids.pop())
+        self.src = BufferRegions.of(src_ids[:len(kv)], src_ids[len(kv):])
+        exports = self.remote.export()
+        self.peers = {b: self.transports[b].connect(exports[b]) for b in self.backends}
+
+    # -- verification ------------------------------------------------------------------------
+    def expected_checksums(self, case: Case) -> list:
+        """The checksum of every destination buffer as it must be after ``case``'s write."""
+        out = []
+        for i, rid in enumerate(self.dst_ids):
+            want = case.expected(self.src_bufs, FILL, i)
+            out += checksums({int(rid): want}, np.array([rid]), np.array([0]), np.array([want.numel()]))
+        return out
+
+    def _landed(self, expect: list) -> bool:
+        return self.remote.checksum(self.dst_ids, np.zeros_like(self.dst_ids), self.dst_sizes) == expect
+
+    # -- paths -------------------------------------------------------------------------------
+    def run_write(self, name: str, write: Callable[[Optional[bytes]], list], expect: list, repeats: int,
+                  budget_s: float) -> tuple:
+        """Verify, then time, ``write(notify)`` (which starts the path's transfers and returns
+        them). Returns ``(verified, timing or None, reason)``."""
+        self.remote.fill(self.dst_ids, FILL)
+        tag = f"verify {name}".encode()
+        self.remote.start_wait_notify(tag, WAIT_S)
+        for t in write(tag):
+            t.wait(timeout=WAIT_S)
+        sender = self.remote.result("the verified write's notification")
+        if sender is None:
+            return False, None, "its notification never arrived"
+        if not self._landed(expect):
+            return False, None, "the destination differs from the expected bytes"
+        rep = b"timed"
+
+        def once():
+            for t in write(rep):
+                t.wait(timeout=WAIT_S)
+
+        timing = time_wall(once, repeats, budget_s=budget_s, before=lambda: self.remote.start_wait_notify(rep, WAIT_S),
+                           after=lambda: self.remote.result("a timed write's notification"))
+        return True, timing, ""
+
+    def nixl_writer(self, backend: str, batches: list) -> Callable:
+        peer = self.peers[backend]
+
+        def write(notify):
+            return [write_batch(peer, b, notify if i == len(batches) - 1 else None) for i, b in enumerate(batches)]
+
+        return write
+
+    def nvlink_writer(self, engine, batches: list) -> tuple:
+        """A writer through prepared nvlink jobs with ``engine`` (prepared per write, as a
+        request is), and the engine the jobs actually took."""
+        peer = self.peers["nvlink"]
+        with peer.prepare(batches[0], engine=engine) as job:
+            took = job.engine
+
+        def write(notify):
+            jobs = [peer.prepare(b, engine=engine) for b in batches]
+            try:
+                out = [j.post(notify if i == len(jobs) - 1 else None) for i, j in enumerate(jobs)]
+            finally:
+                for j in jobs:
+                    j.release()
+            return out
+
+        return write, took
+
+    def link(self, nbytes: int, repeats: int, budget_s: float) -> tuple:
+        """The link baseline over ``nbytes``: a memcpy in host memory, else torch's copy from the
+        source GPU to the destination GPU (a device-to-device copy when they are one GPU), in
+        pieces of at most ``COPY_CHUNK``. Returns ``(verified, timing)``."""
+        torch = self.torch
+        chunk = min(nbytes, COPY_CHUNK)
+        gen = torch.Generator(device=self.device).manual_seed(7)
+        a = torch.empty(chunk, dtype=torch.uint8, device=self.device).random_(0, 256, generator=gen)
+        if self.src_device is None:
+            b = torch.empty(chunk, dtype=torch.uint8)
+            an, bn = a.numpy(), b.numpy()
+
+            def copy():
+                left = nbytes
+                while left:
+                    n = min(left, chunk)
+                    np.copyto(bn[:n], an[:n])  # one memcpy
+                    left -= n
+
+            copy()
+            return bool(torch.equal(a, b)), time_wall(copy, repeats, budget_s=budget_s)
+        b = torch.empty(chunk, dtype=torch.uint8, device=torch.device("cuda", self.dst_device))
+
+        def copy():
+            left = nbytes
+            while left:
+                n = min(left, chunk)
+                b[:n].copy_(a[:n], non_blocking=True)
+                left -= n
+
+        copy()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(b.device)
+        ok = bool(torch.equal(a.to(b.device), b))
+        return ok, time_cuda(copy, repeats, warmup=1)
+
+    def close(self) -> None:
+        for peer in getattr(self, "peers", {}).values():
+            peer.close()
+        for tr in self.transports.values():
+            tr.close()
+        self.remote.close()
