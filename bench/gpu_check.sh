@@ -5,6 +5,9 @@
 #   bench/gpu_check.sh bench     # move_kv, transport --cuda, nvlink benchmarks, each with --record:
 #                                # their sections of bench/RESULTS.md are rewritten, and the file
 #                                # is copied to $OUT
+#   bench/gpu_check.sh transfer  # bench transfer --record, the Llama-3-70B preset (pages 1 and 16,
+#                                # TP 1:1 and 1:2, 1k-16k tokens, every path): JSON + PNGs in
+#                                # $OUT/transfer, RESULTS.md copied to $OUT (one GPU or two)
 # NIXL wheels carried in .whl/ (see README) are installed to /tmp/site first.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +28,11 @@ for what in "${steps[@]}"; do
             python3 -m kvtransfer bench transport --record --cuda 2>&1 | tee "$OUT/bench_transport_cuda.log" || rc=1
             python3 -m kvtransfer bench nvlink --record 2>&1 | tee "$OUT/bench_nvlink.log" || rc=1
             cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
-        *) echo "unknown step $what (tests | bench)" >&2; exit 2 ;;
+        transfer)
+            python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
+                --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1
+            cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
+        *) echo "unknown step $what (tests | bench | transfer)" >&2; exit 2 ;;
     esac
 done
 exit $rc

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["RemoteBuffers", "checksums", "make_transport", "nixl_staged_config"]
+__all__ = ["RemoteBuffers", "checksums", "digest", "make_transport", "nixl_staged_config"]
 
 BACKENDS = ("nvlink", "nixl", "nixl-staged")
 
@@ -90,6 +90,14 @@ def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.nda
     return out
 
 
+def digest(buf) -> str:
+    """SHA-256 of a uint8 tensor's bytes (a CUDA tensor is copied to the host first): exact,
+    and faster than :func:`checksums` on host memory."""
+    import hashlib
+
+    return hashlib.sha256(memoryview(buf.cpu().numpy())).hexdigest()
+
+
 # -- the messages ----------------------------------------------------------------------------
 
 
@@ -118,6 +126,16 @@ class _WaitNotify:
 
 @dataclass(frozen=True)
 class _Fetch:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
+class _Free:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
+class _Digest:
     region_ids: tuple
 
 
@@ -177,6 +195,14 @@ class _Child:
             return self.wait_notify(msg.payload, msg.timeout_s)
         if isinstance(msg, _Fetch):
             return [self.bufs[r].cpu().numpy() for r in msg.region_ids]
+        if isinstance(msg, _Free):
+            for r in msg.region_ids:
+                for t in self.transports.values():
+                    t.deregister(r)
+                del self.bufs[r]
+            return None
+        if isinstance(msg, _Digest):
+            return [digest(self.bufs[r]) for r in msg.region_ids]
         if isinstance(msg, _Checksum):
             return checksums(self.bufs, msg.region, msg.offset, msg.length)
         raise TypeError(f"unknown request {type(msg).__name__}")
@@ -235,6 +261,11 @@ class RemoteBuffers:
         """New buffers of ``sizes`` bytes filled with ``fill``, registered; their region ids."""
         return self._call(_Alloc(tuple(int(n) for n in sizes), fill))
 
+    def free(self, region_ids) -> None:
+        """Deregister buffers from every backend and drop them. Peers that hold an export naming
+        them must have forgotten it first (``Peer.close()``; see ``transport.base``)."""
+        self._call(_Free(tuple(int(r) for r in region_ids)))
+
     def export(self) -> dict:
         """Each backend's export bytes, by backend name."""
         return self._call(_Export())
@@ -254,6 +285,10 @@ class RemoteBuffers:
     def fetch(self, region_ids) -> list[np.ndarray]:
         """The bytes of each buffer, copied to this process."""
         return self._call(_Fetch(tuple(int(r) for r in region_ids)))
+
+    def digest(self, region_ids) -> list[str]:
+        """:func:`digest` of each whole buffer, computed in the receiver."""
+        return self._call(_Digest(tuple(int(r) for r in region_ids)))
 
     def checksum(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
         """:func:`checksums` of the rows, computed in the receiver."""

@@ -33,6 +33,11 @@ def plots_available() -> bool:
     return True
 
 
+def _short_number(x: float, _pos=None) -> str:
+    """Tick labels: 1024 -> "1k", 131072 -> "128k", 512 -> "512"."""
+    return f"{x / 1024:g}k" if x >= 1024 else f"{x:g}"
+
+
 def line_grid(path: Path, title: str, panels: Sequence[Panel], xlabel: str, ylabel: str, ncols: int = 2,
               logx: bool = True) -> Path:
     """Write ``panels`` as one PNG at ``path``; raises ImportError without matplotlib."""
@@ -40,6 +45,7 @@ def line_grid(path: Path, title: str, panels: Sequence[Panel], xlabel: str, ylab
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ncols = max(1, min(ncols, len(panels)))
     nrows = -(-len(panels) // ncols)
@@ -53,6 +59,8 @@ def line_grid(path: Path, title: str, panels: Sequence[Panel], xlabel: str, ylab
             ax.plot(xs, ys, linestyle="--", color="black", label=name)
         if logx:
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_short_number))
+        ax.set_ylim(bottom=0)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

@@ -12,7 +12,9 @@ spread derived from them), and writes what it measured the same way:
 
 Long runs report progress on stderr (:class:`Progress`), so stdout stays the table that
 ``--record`` keeps in bench/RESULTS.md. A benchmark that plugs in (``transfer`` today, a
-``serve`` load generator later) brings its own cases and figures; nothing here knows of KV.
+``serve`` load generator later: per-request TTFT / inter-token samples as :class:`Timing`,
+``percentile`` for p50/p90/p99, one :class:`~kvtransfer.benchmarks._plots.Panel` per figure)
+brings its own cases and figures; nothing here knows of KV.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ class Timing:
     def max(self) -> float:
         return max(self.samples)
 
+    def percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0..100) of the samples, linear between neighbours (TTFT p99)."""
+        if not 0 <= q <= 100:
+            raise ValueError(f"percentile must be in [0, 100], got {q}")
+        ordered = sorted(self.samples)
+        pos = (len(ordered) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
     @property
     def spread(self) -> float:
         """(max - min) / median: the run-to-run spread as a fraction of the median."""
@@ -72,8 +84,8 @@ class Timing:
         return nbytes / self.median / 1e9
 
     def to_json(self) -> dict:
-        return {"median_s": self.median, "min_s": self.min, "max_s": self.max, "spread": self.spread,
-                "repeats": len(self.samples), "samples_s": list(self.samples)}
+        return {"median_s": self.median, "min_s": self.min, "max_s": self.max, "p90_s": self.percentile(90),
+                "spread": self.spread, "repeats": len(self.samples), "samples_s": list(self.samples)}
 
 
 def time_wall(fn: Callable[[], object], repeats: int, warmup: int = 0, budget_s: Optional[float] = None,

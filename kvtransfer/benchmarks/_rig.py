@@ -2,7 +2,8 @@
 
 A :class:`Rig` is this process (prefill rank 0: the source buffers, one transport per backend)
 and a receiver process (decode rank 0: the destination buffers, registered with the same
-backends; :class:`~transport.remote.RemoteBuffers`), for one :class:`~._cases.Pools`. Memory
+backends; :class:`~transport.remote.RemoteBuffers`), loaded with the buffers of one
+:class:`~._cases.Pools` at a time. Memory
 is on GPUs (``src_device`` -> ``dst_device``, the same GPU when there is only one) or in host
 memory (both None; nixl backends only).
 
@@ -25,7 +26,7 @@ import numpy as np
 from kvtransfer.batches import BufferRegions, write_batch
 from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._report import Timing, time_cuda, time_wall
-from transport.remote import RemoteBuffers, checksums, make_transport
+from transport.remote import RemoteBuffers, checksums, digest, make_transport
 
 __all__ = ["PathResult", "Rig", "FILL"]
 
@@ -51,40 +52,43 @@ class PathResult:
 
 
 class Rig:
-    """The writer (this process) and the receiver for one :class:`Pools`; see the module doc."""
+    """The writer (this process) and the receiver: transports and the receiver process live for
+    the whole run; :meth:`load` gives both sides the buffers of one :class:`Pools` (replacing
+    the previous ones)."""
 
-    def __init__(self, pools: Pools, backends: tuple, src_device: Optional[int], dst_device: Optional[int],
-                 seed: int):
+    def __init__(self, backends: tuple, src_device: Optional[int], dst_device: Optional[int]):
         import torch
 
-        self.torch, self.pools, self.backends = torch, pools, backends
+        self.torch, self.backends = torch, backends
         self.src_device, self.dst_device = src_device, dst_device
         self.device = torch.device("cpu") if src_device is None else torch.device("cuda", src_device)
-        if src_device is not None:
-            os.environ.setdefault("UCX_TLS", CUDA_TLS)
+        if src_device is not None:  # NIXL moves GPU memory through UCX's CUDA transports
+            tls = os.environ.setdefault("UCX_TLS", CUDA_TLS)
+            if "cuda_ipc" not in tls:
+                os.environ["UCX_TLS"] = tls + ",cuda_copy,cuda_ipc"
             torch.cuda.set_device(self.device)
         self.remote = RemoteBuffers(dst_device, backends)
-        self.transports = {}
+        self.transports, self.peers, self.pools = {}, {}, None
         try:
-            self._setup(seed)
+            self.transports = {b: make_transport(b) for b in backends}
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, seed: int) -> None:
-        torch, pools = self.torch, self.pools
+    def load(self, pools: Pools, seed: int) -> None:
+        """Random source buffers and fill-byte destination buffers of ``pools``, registered with
+        every backend on each side, and the peers connected to them."""
+        self.unload()
         kv, state = pools.sizes("dst")
         ids = self.remote.alloc(kv + state, FILL)
+        self.pools = pools
         self.dst_ids = np.asarray(ids, dtype=np.int64)
         self.dst_sizes = np.asarray(kv + state, dtype=np.int64)
         self.dst = BufferRegions.of(ids[:len(kv)], ids[len(kv):])
-        self.transports = {b: make_transport(b) for b in self.backends}
         kv, state = pools.sizes("src")
-        gen = torch.Generator(device=self.device).manual_seed(seed)
         self.src_bufs, src_ids = [], []
-        for n in kv + state:
-            t = torch.empty(n, dtype=torch.uint8, device=self.device)  # [n] bytes
-            t.random_(0, 256, generator=gen)
+        for i, n in enumerate(kv + state):
+            t = self._random(n, seed * 100_003 + i)  # [n] bytes
             rids = {tr.register_tensor(t) for tr in self.transports.values()}
             if len(rids) != 1:
                 raise RuntimeError(f"backends gave one buffer different region ids {rids}")
@@ -94,17 +98,46 @@ class Rig:
         exports = self.remote.export()
         self.peers = {b: self.transports[b].connect(exports[b]) for b in self.backends}
 
+    def unload(self) -> None:
+        """Forget the loaded buffers: peers closed first (nothing names the receiver's buffers
+        any more), then both sides deregister and drop them."""
+        if self.pools is None:
+            return
+        for peer in self.peers.values():
+            peer.close()
+        self.peers = {}
+        for rid in self.src.kv.tolist() + self.src.state.tolist():
+            for tr in self.transports.values():
+                tr.deregister(rid)
+        self.src_bufs = []
+        self.remote.free(self.dst_ids)
+        self.pools = None
+
     # -- verification ------------------------------------------------------------------------
     def expected_checksums(self, case: Case) -> list:
-        """The checksum of every destination buffer as it must be after ``case``'s write."""
+        """The fingerprint of every destination buffer as it must be after ``case``'s write:
+        SHA-256 in host memory, a position-weighted checksum on GPUs (computed where the bytes are)."""
         out = []
         for i, rid in enumerate(self.dst_ids):
             want = case.expected(self.src_bufs, FILL, i)
-            out += checksums({int(rid): want}, np.array([rid]), np.array([0]), np.array([want.numel()]))
+            if self.src_device is None:
+                out.append(digest(want))
+            else:
+                out += checksums({int(rid): want}, np.array([rid]), np.array([0]), np.array([want.numel()]))
         return out
 
     def _landed(self, expect: list) -> bool:
+        if self.src_device is None:
+            return self.remote.digest(self.dst_ids) == expect
         return self.remote.checksum(self.dst_ids, np.zeros_like(self.dst_ids), self.dst_sizes) == expect
+
+    def _random(self, n: int, seed: int):
+        """``n`` random bytes on this side's device (numpy's generator on the host: torch's is slow there)."""
+        torch = self.torch
+        if self.src_device is None:
+            return torch.from_numpy(np.frombuffer(bytearray(np.random.default_rng(seed).bytes(n)), dtype=np.uint8))
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        return torch.empty(n, dtype=torch.uint8, device=self.device).random_(0, 256, generator=gen)
 
     # -- paths -------------------------------------------------------------------------------
     def run_write(self, name: str, write: Callable[[Optional[bytes]], list], expect: list, repeats: int,
@@ -163,8 +196,7 @@ class Rig:
         pieces of at most ``COPY_CHUNK``. Returns ``(verified, timing)``."""
         torch = self.torch
         chunk = min(nbytes, COPY_CHUNK)
-        gen = torch.Generator(device=self.device).manual_seed(7)
-        a = torch.empty(chunk, dtype=torch.uint8, device=self.device).random_(0, 256, generator=gen)
+        a = self._random(chunk, 7)
         if self.src_device is None:
             b = torch.empty(chunk, dtype=torch.uint8)
             an, bn = a.numpy(), b.numpy()
@@ -194,7 +226,7 @@ class Rig:
         return ok, time_cuda(copy, repeats, warmup=1)
 
     def close(self) -> None:
-        for peer in getattr(self, "peers", {}).values():
+        for peer in self.peers.values():
             peer.close()
         for tr in self.transports.values():
             tr.close()

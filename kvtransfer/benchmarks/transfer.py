@@ -341,24 +341,26 @@ def main(argv=None) -> int:
         if bad:
             raise SystemExit(f"kvtransfer bench transfer: prompt lengths {bad} are not whole pages of {page}")
     n_cases = len(shapes) * len(args.tp_pairs) * len(args.page_size_list) * len(args.token_list) * len(slot_orders)
-    progress = Progress(n_cases * len(args.path_list), enabled=not args.no_progress)
+    runnable = [p for p in args.path_list if p not in where.skipped]
+    progress = Progress(n_cases * len(runnable), enabled=not args.no_progress)
     print(f"transfer bench: {', '.join(s.name for s in shapes)}; pair prefill rank 0 -> decode rank 0; "
           f"{'GPU' if where.gpu else 'host memory'}, link = {where.link_name}; median of up to {args.repeats} "
           f"(budget {args.budget_s:g} s per path)", flush=True)
     records = []
     rng = np.random.default_rng(args.seed)
-    for shape in shapes:
-        for p, d in args.tp_pairs:
-            pools = Pools.for_tokens(shape, p, d, max(args.token_list), args.pool_factor)
-            rig = Rig(pools, where.backends, where.src_device, where.dst_device, args.seed)
-            try:
+    rig = Rig(where.backends, where.src_device, where.dst_device)
+    try:
+        for shape in shapes:
+            for p, d in args.tp_pairs:
+                pools = Pools.for_tokens(shape, p, d, max(args.token_list), args.pool_factor)
+                rig.load(pools, args.seed)
                 for page in args.page_size_list:
                     for tokens in args.token_list:
                         for slots in slot_orders:
                             case = Case.make(pools, tokens, page, slots, rng)
                             records.append(_run_case(rig, case, where, args, progress))
-            finally:
-                rig.close()
+    finally:
+        rig.close()
     print(_table(records))
     for path, why in where.skipped.items():
         if path in args.path_list:
