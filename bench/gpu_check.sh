@@ -30,7 +30,7 @@ for what in "${steps[@]}"; do
             cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
         transfer)
             python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
-                --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1
+                --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --budget-s 5 --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1
             cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
         *) echo "unknown step $what (tests | bench | transfer)" >&2; exit 2 ;;
     esac

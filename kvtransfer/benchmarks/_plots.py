@@ -17,12 +17,14 @@ __all__ = ["Panel", "line_grid", "plots_available"]
 
 @dataclass(frozen=True)
 class Panel:
-    """One subplot: ``series`` name -> (xs, ys) drawn as lines with markers; ``references``
-    name -> (xs, ys) drawn dashed in black (a baseline such as the link)."""
+    """One subplot: ``series`` name -> (xs, ys) drawn as lines with markers; ``bands`` name ->
+    (lows, highs) of a series, shaded around it (the spread over repeats); ``references`` name
+    -> (xs, ys) drawn dashed in black (a baseline such as the link)."""
 
     title: str
     series: dict
     references: dict = field(default_factory=dict)
+    bands: dict = field(default_factory=dict)
 
 
 def plots_available() -> bool:
@@ -55,6 +57,8 @@ def line_grid(path: Path, title: str, panels: Sequence[Panel], xlabel: str, ylab
     for ax, panel in zip(axes.flat, panels):
         for name, (xs, ys) in panel.series.items():
             ax.plot(xs, ys, marker="o", label=name, color=colours[name])
+            if name in panel.bands:
+                ax.fill_between(xs, *panel.bands[name], color=colours[name], alpha=0.15, linewidth=0)
         for name, (xs, ys) in panel.references.items():
             ax.plot(xs, ys, linestyle="--", color="black", label=name)
         if logx:

@@ -71,7 +71,7 @@ def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
                 continue
             t = p["time"]
             assert p["verified"] is True and p["bytes"] == rec["plan"]["bytes"]
-            assert 1 <= t["repeats"] == len(t["samples_s"]) <= doc["config"]["repeats"]
+            assert 1 <= t["repeats"] == len(t["samples_s"]) <= 3 * doc["config"]["repeats"]
             assert t["min_s"] <= t["median_s"] <= t["max_s"]
             assert p["gbps"] == pytest.approx(p["bytes"] / t["median_s"] / 1e9)
             assert p["vs_link"] == pytest.approx(link["time"]["median_s"] / t["median_s"])
