@@ -18,6 +18,7 @@ receiver polling its notifications meanwhile (as a decode rank does; UCX needs i
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -90,10 +91,10 @@ class Rig:
         for i, n in enumerate(kv + state):
             t = self._random(n, seed * 100_003 + i)  # [n] bytes
             rids = {tr.register_tensor(t) for tr in self.transports.values()}
-            if len(rids) != 1:
+            if len(rids) > 1:
                 raise RuntimeError(f"backends gave one buffer different region ids {rids}")
             self.src_bufs.append(t)
-            src_ids.append(rids.pop())
+            src_ids.append(rids.pop() if rids else i)  # no backend: only the link runs
         self.src = BufferRegions.of(src_ids[:len(kv)], src_ids[len(kv):])
         exports = self.remote.export()
         self.peers = {b: self.transports[b].connect(exports[b]) for b in self.backends}
@@ -143,17 +144,22 @@ class Rig:
     def run_write(self, name: str, write: Callable[[Optional[bytes]], list], expect: list, repeats: int,
                   budget_s: float) -> tuple:
         """Verify, then time, ``write(notify)`` (which starts the path's transfers and returns
-        them). Returns ``(verified, timing or None, reason)``."""
+        them). A verified write that took ``budget_s`` or longer is the one timed sample.
+        Returns ``(verified, timing or None, reason)``."""
         self.remote.fill(self.dst_ids, FILL)
         tag = f"verify {name}".encode()
         self.remote.start_wait_notify(tag, WAIT_S)
+        t0 = time.perf_counter()
         for t in write(tag):
             t.wait(timeout=WAIT_S)
+        first = time.perf_counter() - t0
         sender = self.remote.result("the verified write's notification")
         if sender is None:
             return False, None, "its notification never arrived"
         if not self._landed(expect):
             return False, None, "the destination differs from the expected bytes"
+        if first >= budget_s:  # a slow path on a long prompt: its verified write is its one sample
+            return True, Timing((first,)), ""
         rep = b"timed"
 
         def once():

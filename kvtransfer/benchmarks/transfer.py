@@ -17,8 +17,11 @@ and on the same buffers, by each path:
                          paths issue them (built from the model's numbers, not from the plan)
 
 Every path is verified before it is timed (the receiver's buffers, whole, against the expected
-bytes built independently of the planner) and then timed end to end over repeats (median and
-spread). Per case: bytes, entries, time, GB/s, the ratio to the link and to the peers' way, and
+bytes built independently of the planner) and then timed end to end over ``--repeats`` (median
+and spread), stopping once a path has used ``--budget-s`` (a path whose verified write alone
+took that long keeps it as its one sample: NIXL at page 1 on a 64k prompt).
+A path that cannot run here is skipped with the reason (host memory: no nvlink; one GPU: no
+staged engine, and the link is a copy within the GPU; no staged mode in this NIXL). Per case: bytes, entries, time, GB/s, the ratio to the link and to the peers' way, and
 the host time before the write (planning, or building the peers' descriptors) beside it.
 
 Output: the table (stdout), ``transfer.json`` (every figure, the machine's description) and
@@ -29,6 +32,7 @@ Output: the table (stdout), ``transfer.json`` (every figure, the machine's descr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -41,11 +45,12 @@ from kvtransfer._args import positive_int
 from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._models import PRESETS
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
-from kvtransfer.benchmarks._report import Progress, document, format_table, time_wall, write_json
+from kvtransfer.benchmarks._report import Progress, document, format_table, machine_line, time_wall, write_json
 from kvtransfer.benchmarks._rig import PathResult, Rig
 
 PATHS = ("link", "nvlink kernel", "nvlink staged", "nixl direct", "nixl staged", "nixl per page")
 PEERS = "nixl per page"
+DEFAULT_OUT = Path("bench/out/transfer")
 QUICK = dict(models="llama3-8b,deepseek-v3,qwen3-next", layers=2, tokens="256,1024", page_sizes="1,16",
              tp="1:1,1:2", repeats=2, budget_s=0.5)
 
@@ -98,7 +103,9 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=10.0, help="stop repeating a path once it took this long")
     ap.add_argument("--pool-factor", type=float, default=1.25, help="pool slots per request token")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("bench/out/transfer"), help="directory of the JSON and PNGs")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory of the JSON and PNGs")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="run nothing: print the table of this transfer.json and draw its PNGs (beside it, or in --out)")
     ap.add_argument("--quick", action="store_true", help="a small run of every model kind (under a minute on a CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -156,23 +163,37 @@ def _where(args) -> Where:
     gpu = args.memory == "gpu" or (args.memory == "auto" and gpus > 0)
     if gpu and gpus == 0:
         raise SystemExit("kvtransfer bench transfer: --memory gpu, but torch sees no CUDA GPU")
-    skipped = {}
-    backends = ["nixl"]
-    if nixl_staged_config() is None:
-        skipped["nixl staged"] = "this nixl backend has no staged mode"
-    else:
-        backends.append("nixl-staged")
+    skipped, backends = {}, []
+    staged = _backend_error("nixl") or ("this nixl backend has no staged mode" if nixl_staged_config() is None else None)
+    for backend, paths, why in (
+        ("nvlink", ("nvlink kernel", "nvlink staged"),
+         _backend_error("nvlink") if gpu else "host memory: the nvlink backend moves GPU memory only"),
+        ("nixl", ("nixl direct", PEERS), _backend_error("nixl")),
+        ("nixl-staged", ("nixl staged",), staged),
+    ):
+        if why is None:
+            backends.append(backend)
+        else:
+            skipped.update({p: why for p in paths})
     if not gpu:
-        for p in ("nvlink kernel", "nvlink staged"):
-            skipped[p] = "host memory: the nvlink backend moves GPU memory only"
         return Where(None, None, tuple(backends), skipped)
     dst = args.dst_device if args.dst_device is not None else (1 if gpus >= 2 else args.src_device)
     if max(args.src_device, dst) >= gpus:
         raise SystemExit(f"kvtransfer bench transfer: cuda:{max(args.src_device, dst)} asked for, {gpus} GPU(s) seen")
     if dst == args.src_device:
-        skipped["nvlink staged"] = "needs 2 GPUs (one GPU here: source and destination share it)"
-    backends.insert(0, "nvlink")
+        skipped.setdefault("nvlink staged", "needs 2 GPUs (one GPU here: source and destination share it)")
     return Where(args.src_device, dst, tuple(backends), skipped)
+
+
+def _backend_error(backend: str) -> Optional[str]:
+    """Why a transport of ``backend`` cannot be made here (None: it can)."""
+    from transport.remote import make_transport
+
+    try:
+        make_transport(backend).close()
+    except Exception as exc:  # ImportError, a CUDA or UCX failure: the paths of that backend are skipped
+        return f"no {backend} transport here: {type(exc).__name__}: {exc}"
+    return None
 
 
 # -- one case ----------------------------------------------------------------------------------
@@ -198,7 +219,10 @@ def _run_case(rig: Rig, case: Case, where: Where, args, progress: Progress) -> d
             res = PathResult(path, "ok" if ok else "failed", "" if ok else "copy differs", plan_bytes, 1, ok, timing,
                              extra={"what": where.link_name})
         else:
-            res = _run_write_path(rig, path, planned, peer_batch, plan_t, peer_t, expect, args)
+            try:
+                res = _run_write_path(rig, path, planned, peer_batch, plan_t, peer_t, expect, args)
+            except Exception as exc:  # one path's failure must not cost the others' figures
+                res = PathResult(path, "failed", f"{type(exc).__name__}: {exc}")
         results.append(res)
         progress.step(f"{case.name}: {path} {_short(res)} in {time.monotonic() - t0:.1f} s")
     return _record(case, plans, plan_bytes, plan_t, results)
@@ -317,16 +341,37 @@ def _write_outputs(args, argv, where: Where, records: list) -> list:
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
               "memory": "gpu" if where.gpu else "host", "src_device": where.src_device,
               "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped}
-    written = [write_json(args.out / "transfer.json", document("transfer", argv, config, records))]
+    doc = document("transfer", argv, config, records)
+    return [write_json(args.out / "transfer.json", doc)] + _write_plots(args.out, doc)
+
+
+def _write_plots(out: Path, doc: dict) -> list:
+    """One PNG per model of the run ``doc`` (as written to transfer.json)."""
     if not plots_available():
-        print("plots: skipped, matplotlib is not installed (pip install 'kvtransfer[bench]')", file=sys.stderr)
-        return written
+        print("plots: skipped, matplotlib is not installed (pip install 'kvtransfer[bench]'; or render them "
+              "elsewhere: kvtransfer bench transfer --from-json transfer.json)", file=sys.stderr)
+        return []
+    records, memory = doc["results"], "GPU" if doc["config"]["memory"] == "gpu" else "host memory"
+    gpus = doc["machine"]["gpus"]
+    where = f"{memory}, {len(gpus)}x {gpus[0]}" if gpus and memory == "GPU" else memory
+    written = []
     for model in dict.fromkeys(r["model"] for r in records):
         slug = model.lower().replace(" ", "-")
-        written.append(line_grid(args.out / f"transfer-{slug}.png", f"kvtransfer bench transfer: {model}, "
-                                 f"{'GPU' if where.gpu else 'host memory'}", _panels(records, model),
-                                 "prompt tokens", "GB/s"))
+        written.append(line_grid(out / f"transfer-{slug}.png", f"kvtransfer bench transfer: {model}, {where}",
+                                 _panels(records, model), "prompt tokens", "GB/s"))
     return written
+
+
+def _from_json(path: Path, out: Optional[Path]) -> int:
+    """Print the table of a finished run's JSON and draw its plots (beside it unless ``out``)."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("benchmark") != "transfer":
+        raise SystemExit(f"kvtransfer bench transfer: {path} is not a transfer benchmark's JSON")
+    print(f"{doc['command']}  ({doc['date']}, {machine_line(doc['machine'])})")
+    print(_table(doc["results"]))
+    for written in _write_plots(Path(path).parent if out is None else out, doc):
+        print(f"wrote {written}", file=sys.stderr)
+    return 0
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -335,6 +380,8 @@ def _write_outputs(args, argv, where: Where, records: list) -> list:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    if args.from_json is not None:
+        return _from_json(args.from_json, None if args.out == DEFAULT_OUT else args.out)
     where = _where(args)
     if args.token_list is None:
         args.token_list = [1024, 4096, 16384, 65536, 131072] if where.gpu else [1024, 2048, 4096]

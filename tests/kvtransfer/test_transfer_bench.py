@@ -55,6 +55,7 @@ def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
     assert doc["benchmark"] == "transfer" and doc["config"]["quick"] is True
     machine = doc["machine"]
     assert machine["cpu_count"] >= 1 and machine["versions"]["numpy"] and "gpus" in machine
+    assert transfer._table(doc["results"]) in table
     models = {r["model"] for r in doc["results"]}
     assert models == {PRESETS[m].name for m in transfer.QUICK["models"].split(",")}
     for rec in doc["results"]:
@@ -77,6 +78,10 @@ def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
             assert p["vs_link"] == pytest.approx(link["time"]["median_s"] / t["median_s"])
             assert p["vs_peers"] == pytest.approx(peers["time"]["median_s"] / t["median_s"])
         assert by_path[transfer.PEERS]["entries"] >= by_path["nixl direct"]["entries"]
+    again = tmp_path / "again"
+    assert transfer.main(["--from-json", str(tmp_path / "transfer.json"), "--out", str(again)]) == 0
+    assert transfer._table(doc["results"]) in capsys.readouterr().out  # the run's table, again
     for model in models:
-        png = tmp_path / f"transfer-{model.lower().replace(' ', '-')}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        for where in (tmp_path, again):
+            png = where / f"transfer-{model.lower().replace(' ', '-')}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
