@@ -185,6 +185,39 @@ def _where(args) -> Where:
     return Where(args.src_device, dst, tuple(backends), skipped)
 
 
+def _fitting(shape, prefill_tp: int, decode_tp: int, args, where: Where) -> tuple:
+    """``(lengths, why)``: the prompt lengths whose pools fit the free memory (on each GPU, or in
+    host memory), and why the others do not."""
+    fits, why = [], ""
+    for tokens in sorted(args.token_list):
+        pools = Pools.for_tokens(shape, prefill_tp, decode_tp, tokens, args.pool_factor)
+        need, free = _memory(pools, where)
+        if any(n > f for n, f in zip(need, free)):
+            why = ("needs " + " / ".join(f"{n / 2**30:.1f}" for n in need) + " GiB, "
+                   + " / ".join(f"{f / 2**30:.1f}" for f in free) + " GiB free")
+            break
+        fits.append(tokens)
+    return [t for t in args.token_list if t in fits], why
+
+
+def _memory(pools: Pools, where: Where) -> tuple:
+    """``(needs, frees)`` in bytes per memory the run uses (two GPUs, one GPU, or the host):
+    both sides' buffers, the link's two 1 GiB pieces, and room for one buffer's checksum
+    temporaries (int64 words: 12 times the buffer) and a margin of 2 GiB."""
+    src, dst = (sum(a + b) for a, b in (pools.sizes("src"), pools.sizes("dst")))
+    big = max(max(a + b) for a, b in (pools.sizes("src"), pools.sizes("dst")))
+    extra = (1 << 30) + 12 * big + (2 << 30)
+    if not where.gpu:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        return (src + dst + 2 * extra,), (avail,)
+    import torch
+
+    if where.src_device == where.dst_device:
+        return (src + dst + 2 * extra,), (torch.cuda.mem_get_info(where.src_device)[0],)
+    return (src + extra, dst + extra), tuple(torch.cuda.mem_get_info(d)[0] for d in (where.src_device, where.dst_device))
+
+
 def _backend_error(backend: str) -> Optional[str]:
     """Why a transport of ``backend`` cannot be made here (None: it can)."""
     from transport.remote import make_transport
@@ -334,13 +367,14 @@ def _panels(records: list, model: str) -> list:
     return panels
 
 
-def _write_outputs(args, argv, where: Where, records: list) -> list:
+def _write_outputs(args, argv, where: Where, records: list, too_big: list) -> list:
     config = {"models": args.model_names, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
               "tokens": args.token_list, "page_sizes": args.page_size_list, "tp_pairs": args.tp_pairs,
               "slots": args.slots, "paths": args.path_list, "repeats": args.repeats, "budget_s": args.budget_s,
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
               "memory": "gpu" if where.gpu else "host", "src_device": where.src_device,
-              "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped}
+              "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped,
+              "skipped_lengths": [{"model": m, "tp": tp, "tokens": t, "reason": why} for m, tp, t, why in too_big]}
     doc = document("transfer", argv, config, records)
     return [write_json(args.out / "transfer.json", doc)] + _write_plots(args.out, doc)
 
@@ -394,19 +428,27 @@ def main(argv=None) -> int:
     n_cases = len(shapes) * len(args.tp_pairs) * len(args.page_size_list) * len(args.token_list) * len(slot_orders)
     runnable = [p for p in args.path_list if p not in where.skipped]
     progress = Progress(n_cases * len(runnable), enabled=not args.no_progress)
+    per_length = len(args.page_size_list) * len(slot_orders) * len(runnable)  # progress steps per prompt length
     print(f"transfer bench: {', '.join(s.name for s in shapes)}; pair prefill rank 0 -> decode rank 0; "
           f"{'GPU' if where.gpu else 'host memory'}, link = {where.link_name}; median of up to {args.repeats} "
           f"(budget {args.budget_s:g} s per path)", flush=True)
     records = []
     rng = np.random.default_rng(args.seed)
     rig = Rig(where.backends, where.src_device, where.dst_device)
+    too_big = []  # (model, TP pair, tokens, why)
     try:
         for shape in shapes:
             for p, d in args.tp_pairs:
-                pools = Pools.for_tokens(shape, p, d, max(args.token_list), args.pool_factor)
+                rig.unload()  # the free memory below is what this group can have
+                fits, why = _fitting(shape, p, d, args, where)
+                too_big += [(shape.name, f"{p}->{d}", t, why) for t in args.token_list if t not in fits]
+                progress.total -= (len(args.token_list) - len(fits)) * per_length
+                if not fits:
+                    continue
+                pools = Pools.for_tokens(shape, p, d, max(fits), args.pool_factor)
                 rig.load(pools, args.seed)
                 for page in args.page_size_list:
-                    for tokens in args.token_list:
+                    for tokens in fits:
                         for slots in slot_orders:
                             case = Case.make(pools, tokens, page, slots, rng)
                             records.append(_run_case(rig, case, where, args, progress))
@@ -420,7 +462,9 @@ def main(argv=None) -> int:
     for path, why in where.skipped.items():
         if path in args.path_list:
             print(f"skipped: {path}: {why}")
-    for out in _write_outputs(args, argv, where, records):
+    for model, tp, tokens, why in too_big:
+        print(f"skipped: {model} TP {tp} {tokens} tokens: {why}")
+    for out in _write_outputs(args, argv, where, records, too_big):
         print(f"wrote {out}", file=sys.stderr)
     failed = [(r["tokens"], p["path"]) for r in records for p in r["paths"] if p["status"] == "failed"]
     if failed:

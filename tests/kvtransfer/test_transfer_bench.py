@@ -24,13 +24,13 @@ def _apply(batches, src: list, dst: list) -> None:
 
 @pytest.mark.parametrize("model", sorted(PRESETS))
 @pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1), (2, 4)])
-@pytest.mark.parametrize("page", [1, 16])
-def test_planner_and_peers_way_write_the_expected_bytes(model, tp, page):
+@pytest.mark.parametrize("page,slots", [(1, "random"), (16, "random"), (16, "contiguous")])
+def test_planner_and_peers_way_write_the_expected_bytes(model, tp, page, slots):
     import torch
 
     shape = PRESETS[model].overridden(layers=2)
     pools = Pools.for_tokens(shape, *tp, max_tokens=64, pool_factor=2.0)
-    case = Case.make(pools, 64, page, "random", np.random.default_rng(sum(tp) + page))
+    case = Case.make(pools, 64, page, slots, np.random.default_rng(sum(tp) + page))
     kv, state = pools.sizes("src")
     rng = np.random.default_rng(1)
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in kv + state]
