@@ -18,36 +18,54 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["RemoteBuffers", "checksums", "digest", "make_transport", "nixl_staged_config"]
+__all__ = ["RemoteBuffers", "checksums", "digest", "make_transport", "nixl_direct_config", "nixl_staged_config"]
 
 BACKENDS = ("nvlink", "nixl", "nixl-staged")
 
 
-def nixl_staged_config():
-    """The ``NixlConfig`` that sends every write through the nixl backend's staged mode (gather
-    into a staging buffer, a few large writes, scatter at the receiver), or None when this build
-    of the backend has no such mode. Recognised, in the style of the nvlink backend's settings:
-    an ``engine`` field taking ``NixlEngine.STAGED``, or a ``staged`` field holding a config
-    with ``enabled`` (and thresholds such as ``min_bytes``, set to 0 so every write stages)."""
+def _nixl_config(staged: bool):
+    """A ``NixlConfig`` with the backend's staged mode on (``staged``) or off, or None when
+    ``staged`` is asked of a build without one. Recognised: a ``staged`` field holding a config
+    with ``enabled`` (thresholds named ``min_*`` set to 1, so any batch may stage), or an
+    ``engine`` field with ``NixlEngine.STAGED`` / ``NixlEngine.DIRECT``."""
     import dataclasses
 
     from transport import nixl
 
     fields = {f.name for f in dataclasses.fields(nixl.NixlConfig)}
-    engine = getattr(getattr(nixl, "NixlEngine", None), "STAGED", None)
-    if "engine" in fields and engine is not None:
-        return nixl.NixlConfig(engine=engine)
     if "staged" in fields:
-        staged = nixl.NixlConfig().staged
-        if dataclasses.is_dataclass(staged) and "enabled" in {f.name for f in dataclasses.fields(staged)}:
-            force = {f.name: 0 for f in dataclasses.fields(staged) if f.name.startswith("min_")}
-            return nixl.NixlConfig(staged=dataclasses.replace(staged, enabled=True, **force))
-    return None
+        cfg = nixl.NixlConfig().staged
+        names = {f.name for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else set()
+        if "enabled" in names:
+            changes = {"enabled": staged}
+            if staged:
+                changes.update({n: 1 for n in names if n.startswith("min_")})
+            return nixl.NixlConfig(staged=dataclasses.replace(cfg, **changes))
+    engines = getattr(nixl, "NixlEngine", None)
+    if "engine" in fields and engines is not None:
+        engine = getattr(engines, "STAGED" if staged else "DIRECT", None)
+        if engine is not None:
+            return nixl.NixlConfig(engine=engine)
+    return None if staged else nixl.NixlConfig()
+
+
+def nixl_staged_config():
+    """The ``NixlConfig`` of the nixl backend with its staged mode on (gather into a staging
+    buffer, a few large writes, scatter at the receiver; the backend still sends a batch of long
+    rows direct), or None when this build of the backend has no staged mode."""
+    return _nixl_config(staged=True)
+
+
+def nixl_direct_config():
+    """The ``NixlConfig`` of the nixl backend writing every batch as its own descriptors (the
+    staged mode, where the backend has one, off)."""
+    return _nixl_config(staged=False)
 
 
 def make_transport(backend: str, ipc_api: str = "auto"):
-    """A transport of ``backend`` with default settings: "nvlink", "nixl", or "nixl-staged"
-    (nixl with :func:`nixl_staged_config`; ``ValueError`` when the backend has no staged mode)."""
+    """A transport of ``backend``: "nvlink" (default settings), "nixl" (:func:`nixl_direct_config`:
+    every range its own descriptor) or "nixl-staged" (:func:`nixl_staged_config`; ``ValueError``
+    when the backend has no staged mode)."""
     if backend == "nvlink":
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
@@ -55,7 +73,7 @@ def make_transport(backend: str, ipc_api: str = "auto"):
     if backend == "nixl":
         from transport.nixl import NixlTransport
 
-        return NixlTransport()
+        return NixlTransport(nixl_direct_config())
     if backend == "nixl-staged":
         from transport.nixl import NixlTransport
 
