@@ -189,7 +189,9 @@ class _Child:
         self.bufs: dict = {}  # region id (the same in every transport) -> uint8 tensor
         self.seen: list = []  # notifications not yet waited for
 
-    def answer(self, msg) -> Any:
+    def answer(self, msg, interrupted=lambda: False) -> Any:
+        """The reply to ``msg``; a wait for a notification also ends (None) once
+        ``interrupted()`` says the next request has come."""
         torch = self.torch
         if isinstance(msg, _Alloc):
             rids = []
@@ -210,7 +212,7 @@ class _Child:
                 torch.cuda.synchronize(self.device)
             return None
         if isinstance(msg, _WaitNotify):
-            return self.wait_notify(msg.payload, msg.timeout_s)
+            return self.wait_notify(msg.payload, msg.timeout_s, interrupted)
         if isinstance(msg, _Fetch):
             return [self.bufs[r].cpu().numpy() for r in msg.region_ids]
         if isinstance(msg, _Free):
@@ -225,15 +227,16 @@ class _Child:
             return checksums(self.bufs, msg.region, msg.offset, msg.length)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
-    def wait_notify(self, payload: bytes, timeout_s: float) -> Optional[str]:
-        """The sender of the first notification carrying ``payload`` (None: none in time)."""
+    def wait_notify(self, payload: bytes, timeout_s: float, interrupted=lambda: False) -> Optional[str]:
+        """The sender of the first notification carrying ``payload`` (None: none in time, or
+        ``interrupted()``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             for note in self.seen:
                 if note.payload == payload:
                     self.seen.remove(note)
                     return note.sender
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or interrupted():
                 return None
             for t in self.transports.values():
                 self.seen.extend(t.poll_notifications())
@@ -253,7 +256,7 @@ def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> N
                 conn.send(_Reply(True))
                 return
             try:
-                conn.send(_Reply(True, child.answer(msg)))
+                conn.send(_Reply(True, child.answer(msg, lambda: conn.poll(0))))
             except Exception:  # report to the driving process, keep serving
                 conn.send(_Reply(False, traceback.format_exc()))
     finally:
@@ -299,6 +302,14 @@ class RemoteBuffers:
     def start_wait_notify(self, payload: bytes, timeout_s: float) -> None:
         """:meth:`wait_notify` without waiting for the answer (collect it with :meth:`result`)."""
         self._conn.send(_WaitNotify(payload, timeout_s))
+
+    def abandon_wait(self) -> Optional[str]:
+        """End a :meth:`start_wait_notify` whose write failed: the next request interrupts the
+        wait; both answers are read, so the pipe is in step again. Returns the wait's answer."""
+        self._conn.send(_Export())
+        sender = self.result("the abandoned wait")
+        self.result("the request that interrupted it")
+        return sender
 
     def fetch(self, region_ids) -> list[np.ndarray]:
         """The bytes of each buffer, copied to this process."""

@@ -17,6 +17,7 @@ receiver polling its notifications meanwhile (as a decode rank does; UCX needs i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Rig:
             torch.cuda.set_device(self.device)
         self.remote = RemoteBuffers(dst_device, backends)
         self.transports, self.peers, self.pools = {}, {}, None
+        self._awaiting = False  # a notification wait of the receiver is outstanding
         try:
             self.transports = {b: make_transport(b) for b in backends}
         except BaseException:
@@ -148,12 +150,13 @@ class Rig:
         Returns ``(verified, timing or None, reason)``."""
         self.remote.fill(self.dst_ids, FILL)
         tag = f"verify {name}".encode()
-        self.remote.start_wait_notify(tag, WAIT_S)
+        self._start_wait(tag)
         t0 = time.perf_counter()
-        for t in write(tag):
-            t.wait(timeout=WAIT_S)
+        with self._waiting():
+            for t in write(tag):
+                t.wait(timeout=WAIT_S)
         first = time.perf_counter() - t0
-        sender = self.remote.result("the verified write's notification")
+        sender = self._end_wait("the verified write's notification")
         if sender is None:
             return False, None, "its notification never arrived"
         if not self._landed(expect):
@@ -166,9 +169,31 @@ class Rig:
             for t in write(rep):
                 t.wait(timeout=WAIT_S)
 
-        timing = time_wall(once, repeats, budget_s=budget_s, before=lambda: self.remote.start_wait_notify(rep, WAIT_S),
-                           after=lambda: self.remote.result("a timed write's notification"))
+        with self._waiting():
+            timing = time_wall(once, repeats, budget_s=budget_s, before=lambda: self._start_wait(rep),
+                               after=lambda: self._end_wait("a timed write's notification"))
         return True, timing, ""
+
+    # The receiver polls (UCX progress; a staged NIXL receiver scatters) while a write runs: it
+    # waits for the write's notification. A write that fails leaves that wait to be abandoned.
+    def _start_wait(self, tag: bytes) -> None:
+        self.remote.start_wait_notify(tag, WAIT_S)
+        self._awaiting = True
+
+    def _end_wait(self, what: str):
+        self._awaiting = False
+        return self.remote.result(what)
+
+    @contextlib.contextmanager
+    def _waiting(self):
+        """On an exception inside, end the receiver's wait so that its pipe is in step again."""
+        try:
+            yield
+        except BaseException:
+            if self._awaiting:
+                self._awaiting = False
+                self.remote.abandon_wait()
+            raise
 
     def nixl_writer(self, backend: str, batches: list) -> Callable:
         peer = self.peers[backend]
