@@ -13,7 +13,8 @@ import pkgutil
 import sys
 
 
-_MODULES = {"bootstrap": "kvtransfer.control.bootstrap"}  # commands whose module is not kvtransfer.<command>
+_MODULES = {"bootstrap": "kvtransfer.control.bootstrap", "serve": "kvtransfer.serve.node",
+            "router": "kvtransfer.serve.router"}  # commands whose module is not kvtransfer.<command>
 
 
 def _bench_names() -> list[str]:
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bootstrap", help="run the bootstrap service (prefill ranks register, decode finds them)",
                    add_help=False)
     sub.add_parser("generate", help="colocated greedy generation with a model (--model, --tp, --prompt)",
+                   add_help=False)
+    sub.add_parser("serve", help="a prefill, decode or colocated node over HTTP (--role, --model, --port)",
+                   add_help=False)
+    sub.add_parser("router", help="the OpenAI-compatible router in front of prefill and decode nodes",
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
     bench.add_argument("name", nargs="?", choices=_bench_names())
