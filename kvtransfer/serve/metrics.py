@@ -27,9 +27,9 @@ class NodeMetrics:
             self.requests.labels(outcome)
         self.prompt_tokens = Counter("kvtransfer_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generated_tokens = Counter("kvtransfer_generated_tokens", "Tokens generated here", registry=r)
-        self.kv_bytes = Counter("kvtransfer_kv_bytes", "KV and state bytes moved (received on decode, sent on "
-                                "prefill)", registry=r)
-        self.transfer_seconds = Histogram("kvtransfer_transfer_seconds", "KV transfer time per request",
+        self.kv_bytes = Counter("kvtransfer_kv_bytes", "KV and state bytes received (decode nodes)", registry=r)
+        self.transfer_seconds = Histogram("kvtransfer_transfer_seconds", "KV transfer time per request (prefill: "
+                                          "handed over -> landed; decode: asked -> all landed)",
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.queue_seconds = Histogram("kvtransfer_queue_seconds", "Arrival until the ranks took the request "
                                        "(pages reserved)", buckets=LATENCY_BUCKETS, registry=r)
@@ -58,7 +58,8 @@ class RouterMetrics:
                                 registry=r)
         self.request_seconds = Histogram("kvtransfer_router_request_seconds", "Arrival until the last byte",
                                          buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram("kvtransfer_router_transfer_seconds", "KV transfer time (decode side)",
+        self.transfer_seconds = Histogram("kvtransfer_router_transfer_seconds",
+                                          "KV transfer time: prefill handed the KV over -> every write landed",
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.nodes_up = Gauge("kvtransfer_router_nodes_up", "Nodes answering, by role", ["role"], registry=r)
 

@@ -407,7 +407,7 @@ def build_app(node: Node):
                 node.metrics.transfer_seconds.observe(first.transfer_s)
                 node.metrics.queue_seconds.observe(first.wait_s)
                 node.metrics.kv_bytes.inc(first.kv_bytes)
-                extra = {"rid": rid, "kv_bytes": first.kv_bytes, "transfer_s": first.transfer_s,
+                extra = {"rid": rid, "kv_bytes": first.kv_bytes, "kv_wait_s": first.transfer_s,
                          "queue_s": first.wait_s, "digests": first.digests}
                 first = None
         except BaseException:

@@ -249,7 +249,7 @@ def build_app(router: Router) -> FastAPI:
             if verify:
                 extra.update(_check_digests(pre.get("digests"), extra.get("digests")))
             extra.pop("digests", None)
-            extra.update(prefill_node=p.url, decode_node=d.url, prefill_transfer_s=pre.get("transfer_s"))
+            extra.update(prefill_node=p.url, decode_node=d.url, transfer_s=pre.get("transfer_s"))
             out["kvtransfer"] = extra
         except _NodeFailed as f:
             return error(f.message, f.status, "client_error" if f.status < 500 else "failed")
@@ -346,11 +346,10 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
                     yield sse(chunk)
                     continue
                 pre = await prefill  # a prefill failure after decode finished still counts
-                extra["prefill_transfer_s"] = pre.get("transfer_s")
                 yield sse("[DONE]")
                 outcome = "ok"
                 router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
-                router.metrics.transfer_seconds.observe(extra.get("transfer_s", 0.0))
+                router.metrics.transfer_seconds.observe(pre.get("transfer_s") or 0.0)
                 return
             raise _NodeFailed(502, f"decode node {node.url} closed the stream before [DONE]")
         except _NodeFailed as f:

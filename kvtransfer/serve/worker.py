@@ -111,6 +111,14 @@ class _Group:
         return out
 
 
+def _ended(handle) -> float:
+    """When a sender / receiver reached its final state (its manager's thread saw it; this
+    loop may notice later, after an engine step)."""
+    from kvtransfer.control.state import KVPoll
+
+    return handle.status.times.get(KVPoll.Success, time.monotonic())
+
+
 class RankWorker:
     """The rank's state and loop (module docstring)."""
 
@@ -369,7 +377,7 @@ class RankWorker:
             digests = None
             if s.verify:
                 digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
-            self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), time.monotonic() - s.sent_at, digests))
+            self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - s.sent_at, digests))
         else:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
         self.engine.release(req)
@@ -387,7 +395,7 @@ class RankWorker:
         kv_bytes = n * sum(t.row_bytes for t in lay.kv_tensors) * len(lay.layer_ids)
         if lay.is_hybrid:
             kv_bytes += sum(t.row_bytes for t in lay.state_tensors) * len(lay.state_layer_ids)
-        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, time.monotonic() - r.asked_at,
+        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, _ended(r.receiver) - r.asked_at,
                                 r.asked_at - r.arrived, digests))
         self._track(rid, req)
         if self.engine.start_decode(req, token, logprob):
