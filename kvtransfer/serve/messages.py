@@ -32,6 +32,7 @@ class NodeSpec:
     bootstrap: str  # prefill: this node's bootstrap service address
     dist_port: int  # torch.distributed rendezvous of the TP group
     threads: int  # torch threads per rank
+    instance: str  # the node's name in the control plane (decode: every rank of the node shares it)
     control: Dict[str, float] = field(default_factory=dict)  # ControlConfig timeouts
 
 
@@ -108,7 +109,8 @@ class KVSent:
     rid: str
     first_token: int
     prompt_tokens: int
-    transfer_s: float  # the last chunk handed to the KV manager -> every write done
+    transfer_s: float  # the first write posted -> every write done
+    wait_s: float  # the KV handed to the KV manager -> the first write posted (decode had not asked yet)
     digests: Optional[Dict[str, str]] = None
 
 

@@ -135,7 +135,7 @@ def resolve(args) -> tuple:
                     device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
                     bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=_free_port("127.0.0.1"),
-                    threads=threads, control=control)
+                    threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
     return spec, config, ec, bootstrap_port
 
 
@@ -401,6 +401,7 @@ def build_app(node: Node):
                 node.finish(rid, True, "ok")
                 return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
                                        "first_token": first.first_token, "transfer_s": first.transfer_s,
+                                       "decode_wait_s": first.wait_s,
                                        "digests": first.digests}}
             extra = None
             if isinstance(first, m.KVReceived):

@@ -249,7 +249,8 @@ def build_app(router: Router) -> FastAPI:
             if verify:
                 extra.update(_check_digests(pre.get("digests"), extra.get("digests")))
             extra.pop("digests", None)
-            extra.update(prefill_node=p.url, decode_node=d.url, transfer_s=pre.get("transfer_s"))
+            extra.update(prefill_node=p.url, decode_node=d.url, transfer_s=pre.get("transfer_s"),
+                         decode_wait_s=pre.get("decode_wait_s"))
             out["kvtransfer"] = extra
         except _NodeFailed as f:
             return error(f.message, f.status, "client_error" if f.status < 500 else "failed")

@@ -292,7 +292,8 @@ class RankWorker:
         error = None
         try:
             mgr = DecodeKVManager(self.layout, self._make_transports(), self.kv_infos, self.state_infos,
-                                  bootstrap=bootstrap, config=self._control_config(), device=self.gpu)
+                                  bootstrap=bootstrap, instance=self.spec.instance, config=self._control_config(),
+                                  device=self.gpu)
         except Exception as exc:  # noqa: BLE001 - any failure to connect fails the request, not the node
             error = f"cannot connect to the prefill node at {bootstrap}: {exc}"
         ok = self.ctl.agree([FAILED if error else OK])[0] == OK
@@ -377,7 +378,11 @@ class RankWorker:
             digests = None
             if s.verify:
                 digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
-            self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - s.sent_at, digests))
+            from kvtransfer.control.state import KVPoll
+
+            posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
+            self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - posted,
+                                posted - s.sent_at, digests))
         else:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
         self.engine.release(req)
