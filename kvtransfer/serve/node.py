@@ -522,9 +522,29 @@ async def _watch(gen, request, poll_s: float = 0.5):
             return
 
 
-def main(argv=None) -> int:
+def http_server(app):
+    """A uvicorn server whose SIGINT / SIGTERM stop it gracefully and then return to the caller
+    (uvicorn itself re-raises the signal after shutdown, which would kill the process before
+    the node stopped its ranks)."""
+    import contextlib
+    import signal
+
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+
+
+def main(argv=None) -> int:
     from kvtransfer.models import registry
 
     args = parser().parse_args(argv)
@@ -544,7 +564,7 @@ def main(argv=None) -> int:
         return 2
     node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout)
     app = build_app(node)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = http_server(app)
 
     def stop_server():
         server.should_exit = True

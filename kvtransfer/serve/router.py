@@ -402,9 +402,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import uvicorn
-
-    from kvtransfer.serve.node import UsageError, _port_socket
+    from kvtransfer.serve.node import UsageError, _port_socket, http_server
 
     args = parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVT_LOG_LEVEL", "INFO"),
@@ -431,7 +429,7 @@ def main(argv=None) -> int:
     app = build_app(router)
     app.router.on_startup.append(startup)
     app.router.on_shutdown.append(router.close)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = http_server(app)
     try:
         server.run(sockets=[sock])
     finally:

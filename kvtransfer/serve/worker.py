@@ -459,7 +459,8 @@ class RankWorker:
 def rank_main(conn, spec: m.NodeSpec, rank: int) -> None:
     """A rank process (``kvtransfer._procs.Child.spawn`` target)."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node stops its ranks; Ctrl-C goes to the node
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the node stops its ranks (Ctrl-C reaches the whole group)
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     logging.basicConfig(level=os.environ.get("KVT_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s {spec.role}[{rank}] %(levelname)s %(name)s: %(message)s")

@@ -39,13 +39,30 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-def group_is_gone(pid: int) -> bool:
-    """No process of the process group ``pid`` is left."""
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def group_members(pgid: int) -> List[int]:
+    """Live (not zombie) processes of the process group ``pgid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            out.append(int(name))
+    return out
+
+
+def group_is_gone(pgid: int, wait_s: float = 10.0) -> bool:
+    """No live process of the process group ``pgid`` is left (waiting up to ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 class Cluster:
