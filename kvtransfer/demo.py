@@ -178,7 +178,7 @@ def _report(args, outcomes: List[Outcome], start: float) -> int:
         print(f"KV moved: {kv_bytes / 2**20:.2f} MiB in {len(transfer_s)} transfers, median "
               f"{transfer_s[len(transfer_s) // 2] * 1e3:.1f} ms; {args.model} prefill TP {args.prefill_tp} (pages of "
               f"{args.prefill_page_size}) -> decode TP {args.decode_tp} (pages of {args.decode_page_size}), "
-              f"{args.dtype} on {args.device}")
+              f"{args.dtype} on {args.device}, transport {args.transport}")
     print(f"done in {time.monotonic() - start:.1f} s")
     return 0 if same == n else 1
 
@@ -193,6 +193,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=positive_int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     ap.add_argument("--max-tokens", type=positive_int, default=24)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"), help="the KV transport")
+    ap.add_argument("--prefill-gpu", type=int, default=0, help="CUDA: prefill rank r on GPU (this + r) %% GPUs")
+    ap.add_argument("--decode-gpu", type=int, default=1, help="CUDA: decode rank r on GPU (this + r) %% GPUs; "
+                    "the colocated node uses the prefill's")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     return ap
@@ -217,7 +221,7 @@ def main(argv=None) -> int:
         return 2
     start = time.monotonic()
     ports = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
-    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
     logdir = tempfile.mkdtemp(prefix="kvtransfer-demo-")
     print(f"kvtransfer demo: {args.model} {args.dtype} on {args.device}; prefill TP {args.prefill_tp} (pages of "
           f"{args.prefill_page_size}) -> decode TP {args.decode_tp} (pages of {args.decode_page_size}), "
@@ -231,12 +235,14 @@ def main(argv=None) -> int:
     try:
         servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                     "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
-                                    "--bootstrap-port", str(ports["bootstrap"])], logdir, ports["prefill"])
+                                    "--bootstrap-port", str(ports["bootstrap"]), "--gpu", str(args.prefill_gpu)],
+                                    logdir, ports["prefill"])
         servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
                                    "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),
-                                   "--gpu", "1"], logdir, ports["decode"])
+                                   "--gpu", str(args.decode_gpu)], logdir, ports["decode"])
         servers["colocated"] = Server("colocated node", ["serve", "--role", "colocated", *common, "--port",
-                                      str(ports["colocated"])], logdir, ports["colocated"])
+                                      str(ports["colocated"]), "--gpu", str(args.prefill_gpu)], logdir,
+                                      ports["colocated"])
         servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
                                    servers["decode"].url, "--port", str(ports["router"]), "--verify-kv",
                                    "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
