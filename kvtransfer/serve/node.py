@@ -39,16 +39,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtransfer._args import positive_int
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
 
 log = logging.getLogger("kvtransfer.serve.node")
 
 ROLES = ("prefill", "decode", "colocated")
 DEFAULT_NEW_TOKENS = 16
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
-
-
-class UsageError(ValueError):
-    """Bad command-line input: one line, exit status 2."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,20 +73,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the ranks may take to start")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank")
     return ap
-
-
-def _port_socket(host: str, port: int, what: str) -> socket.socket:
-    """A bound listening socket, or UsageError naming the port."""
-    if not 0 < port < 65536:
-        raise UsageError(f"{what} {port} is not a TCP port (1..65535)")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UsageError(f"{what} {host}:{port} is not free: {exc.strerror}") from None
-    return sock
 
 
 def _free_port(host: str) -> int:
@@ -313,7 +296,6 @@ def build_app(node: Node):
     """The FastAPI app of a node."""
     from kvtransfer.models.engine import Sampling, check_request
     from kvtransfer.serve import messages as m
-    from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
     from kvtransfer.serve.openai_api import Shaper, TextStream, error_body, parse_request, sse
 
     app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
@@ -336,13 +318,7 @@ def build_app(node: Node):
                 "bootstrap": spec.bootstrap if spec.role == "prefill" else None,
                 "ranks": [r.layout for r in node.ranks.ready]}
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(node.metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": node.model_name, "object": "model", "owned_by": "kvtransfer"}]}
+    add_metrics_and_models(app, node.metrics, lambda: node.model_name)
 
     async def serve(request: Request, kind: str):
         arrived = time.monotonic()
@@ -522,28 +498,6 @@ async def _watch(gen, request, poll_s: float = 0.5):
             return
 
 
-def http_server(app):
-    """A uvicorn server whose SIGINT / SIGTERM stop it gracefully and then return to the caller
-    (uvicorn itself re-raises the signal after shutdown, which would kill the process before
-    the node stopped its ranks)."""
-    import contextlib
-    import signal
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-
-    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-
-
 def main(argv=None) -> int:
     from kvtransfer.models import registry
 
@@ -553,9 +507,9 @@ def main(argv=None) -> int:
     socks = []
     try:
         spec, config, ec, bootstrap_port = resolve(args)
-        socks.append(_port_socket(args.host, args.port, "port"))
+        socks.append(port_socket(args.host, args.port, "port"))
         if spec.role == "prefill":
-            _port_socket(args.host, bootstrap_port, "bootstrap port").close()
+            port_socket(args.host, bootstrap_port, "bootstrap port").close()
         _, tokenizer = registry.load(registry.parse_name(args.model))
     except (UsageError, RuntimeError) as exc:
         for s in socks:

@@ -36,9 +36,10 @@ from typing import List, Optional
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+from kvtransfer.serve.metrics import RouterMetrics
 from kvtransfer.serve.openai_api import error_body, sse
 
 log = logging.getLogger("kvtransfer.serve.router")
@@ -171,14 +172,18 @@ class Router:
             await self.client.aclose()
 
     # -- one request ---------------------------------------------------------------------
-    async def _prefill(self, node: NodeRef, path: str, body: dict) -> dict:
+    async def post(self, node: NodeRef, path: str, body: dict) -> dict:
+        """A node's JSON answer; _NodeFailed naming the node when it fails or cannot be reached."""
         try:
             resp = await self.client.post(f"{node.url}{path}", json=body)
         except httpx.HTTPError as exc:
             raise _lost(node, exc) from None
         if resp.status_code != 200:
             raise _node_error(node, resp.status_code, resp.content)
-        return resp.json()["kvtransfer"]
+        return resp.json()
+
+    async def prefill_part(self, node: NodeRef, path: str, body: dict) -> dict:
+        return (await self.post(node, path, body))["kvtransfer"]
 
 
 def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:
@@ -207,13 +212,7 @@ def build_app(router: Router) -> FastAPI:
                              "nodes": [{"url": n.url, "role": n.role, "up": n.up, "why_down": n.why_down}
                                        for n in router.nodes]}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(router.metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": router.model, "object": "model", "owned_by": "kvtransfer"}]}
+    add_metrics_and_models(app, router.metrics, lambda: router.model)
 
     async def route(request: Request, path: str):
         start = time.monotonic()
@@ -238,10 +237,10 @@ def build_app(router: Router) -> FastAPI:
         router.metrics.routed.labels(d.url).inc()
         p_body = {**body, "stream": False, "kvtransfer": {"rid": rid, "verify": verify}}
         d_body = {**body, "kvtransfer": {"rid": rid, "bootstrap": p.bootstrap, "verify": verify}}
-        prefill = asyncio.ensure_future(router._prefill(p, path, p_body))
+        prefill = asyncio.ensure_future(router.prefill_part(p, path, p_body))
         if body.get("stream"):
             return await _stream(router, request, path, d, d_body, prefill, verify, start)
-        decode = asyncio.ensure_future(_decode_whole(router, d, path, d_body))
+        decode = asyncio.ensure_future(router.post(d, path, d_body))
         try:
             out = await _both(prefill, decode)
             extra = out.get("kvtransfer") or {}
@@ -269,16 +268,6 @@ def build_app(router: Router) -> FastAPI:
         return await route(request, "/v1/chat/completions")
 
     return app
-
-
-async def _decode_whole(router: Router, node: NodeRef, path: str, body: dict) -> dict:
-    try:
-        resp = await router.client.post(f"{node.url}{path}", json=body)
-    except httpx.HTTPError as exc:
-        raise _lost(node, exc) from None
-    if resp.status_code != 200:
-        raise _node_error(node, resp.status_code, resp.content)
-    return resp.json()
 
 
 async def _both(prefill: asyncio.Future, decode: asyncio.Future) -> dict:
@@ -402,8 +391,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from kvtransfer.serve.node import UsageError, _port_socket, http_server
-
     args = parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
@@ -412,7 +399,7 @@ def main(argv=None) -> int:
         for url in args.prefill + args.decode:
             if not url.startswith(("http://", "https://")):
                 raise UsageError(f"node URL {url!r} must start with http:// or https://")
-        sock = _port_socket(args.host, args.port, "port")
+        sock = port_socket(args.host, args.port, "port")
     except UsageError as exc:
         print(f"kvtransfer router: error: {exc}", file=sys.stderr)
         return 2

@@ -34,10 +34,9 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from kvtransfer._procs import report_failure
