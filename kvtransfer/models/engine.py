@@ -81,6 +81,7 @@ class Request:
     is_chunked: int = 0
     kv_committed_len: int = 0  # tokens whose KV / state is in the pools
     slots: Optional[torch.Tensor] = None  # [num_pages * page_size] int64 slots held
+    admitted_at: Optional[float] = None  # time.monotonic() when it got its row and pages
 
     @property
     def all_ids(self) -> List[int]:
@@ -206,6 +207,7 @@ class Engine:
         req = self._new(prompt_ids, max_new_tokens, stop_ids, False, sampling, False)
         if not self._admit(req):
             return None
+        req.admitted_at = time.monotonic()
         self.reserved.append(req)
         self._grow(req, len(req.prompt_ids))
         return req
@@ -289,6 +291,7 @@ class Engine:
             req = self.waiting[0]
             if not self._admit(req):
                 break
+            req.admitted_at = time.monotonic()
             self.waiting.popleft()
             self.running.append(req)
             n = min(budget, len(req.prompt_ids))

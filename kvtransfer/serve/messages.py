@@ -111,6 +111,8 @@ class KVSent:
     prompt_tokens: int
     transfer_s: float  # the first write posted -> every write done
     wait_s: float  # the KV handed to the KV manager -> the first write posted (decode had not asked yet)
+    queue_s: float  # the command arrived -> the engine admitted the request
+    compute_s: float  # admitted -> its first token sampled (the prompt's forward passes)
     digests: Optional[Dict[str, str]] = None
 
 

@@ -347,7 +347,7 @@ def build_app(node: Node):
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         sampling = Sampling(req.temperature, seed)
         rid = pairing.rid if pairing else uuid.uuid4().hex
-        stop_ids = node.tokenizer.stop_ids
+        stop_ids = frozenset() if req.ignore_eos else node.tokenizer.stop_ids
         if role == "prefill":
             cmd = m.Prefill(rid, tuple(ids), sampling, pairing.verify)
         elif role == "decode":
@@ -377,7 +377,8 @@ def build_app(node: Node):
                 node.finish(rid, True, "ok")
                 return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
                                        "first_token": first.first_token, "transfer_s": first.transfer_s,
-                                       "decode_wait_s": first.wait_s,
+                                       "decode_wait_s": first.wait_s, "queue_s": first.queue_s,
+                                       "compute_s": first.compute_s,
                                        "digests": first.digests}}
             extra = None
             if isinstance(first, m.KVReceived):

@@ -54,6 +54,7 @@ class _Common(BaseModel):
     n: int = 1
     logprobs: Optional[Any] = None
     top_p: float = 1.0
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever is sampled (benchmarks)
     kvtransfer: Optional[Pairing] = None
 
     @field_validator("stop")

@@ -186,6 +186,11 @@ class Router:
         return (await self.post(node, path, body))["kvtransfer"]
 
 
+def _prefill_figures(pre: dict) -> dict:
+    """Where prefill's share of the time to first token went (seconds)."""
+    return {k: pre.get(k) for k in ("queue_s", "compute_s", "decode_wait_s", "transfer_s")}
+
+
 def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:
     """The verification result; raises _NodeFailed when the KV differs."""
     if not prefill or not decode:
@@ -249,7 +254,7 @@ def build_app(router: Router) -> FastAPI:
                 extra.update(_check_digests(pre.get("digests"), extra.get("digests")))
             extra.pop("digests", None)
             extra.update(prefill_node=p.url, decode_node=d.url, transfer_s=pre.get("transfer_s"),
-                         decode_wait_s=pre.get("decode_wait_s"))
+                         prefill=_prefill_figures(pre))
             out["kvtransfer"] = extra
         except _NodeFailed as f:
             return error(f.message, f.status, "client_error" if f.status < 500 else "failed")
@@ -310,7 +315,7 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
         return JSONResponse(error_body(f.message, f.status), status_code=f.status)
 
     async def events():
-        outcome, extra = "failed", {}
+        outcome, extra, last = "failed", {}, {}
         try:
             lines = resp.aiter_lines()
             while True:
@@ -321,7 +326,7 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
                     continue
                 data = line[len("data: "):]
                 if data != "[DONE]":
-                    chunk = json.loads(data)
+                    chunk = last = json.loads(data)
                     if "error" in chunk:
                         yield sse(chunk)
                         yield sse("[DONE]")
@@ -336,6 +341,8 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
                     yield sse(chunk)
                     continue
                 pre = await prefill  # a prefill failure after decode finished still counts
+                yield sse({**{k: last.get(k) for k in ("id", "object", "created", "model")}, "choices": [],
+                           "kvtransfer": {"transfer_s": pre.get("transfer_s"), "prefill": _prefill_figures(pre)}})
                 yield sse("[DONE]")
                 outcome = "ok"
                 router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))

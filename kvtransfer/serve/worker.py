@@ -65,6 +65,7 @@ class _Sending:
     req: object
     sender: object
     verify: bool
+    arrived: float
     sent_at: float = 0.0
 
 
@@ -230,7 +231,8 @@ class RankWorker:
         elif isinstance(cmd, m.Prefill):
             req = self._add(cmd.rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True)
             if req is not None:
-                self.sending[cmd.rid] = _Sending(req, self.prefill_manager.sender(cmd.rid), cmd.verify)
+                self.sending[cmd.rid] = _Sending(req, self.prefill_manager.sender(cmd.rid), cmd.verify,
+                                                 time.monotonic())
         elif isinstance(cmd, m.Decode):
             self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
         elif isinstance(cmd, m.Abort):
@@ -380,8 +382,9 @@ class RankWorker:
             from kvtransfer.control.state import KVPoll
 
             posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
+            admitted = req.admitted_at or s.arrived
             self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - posted,
-                                posted - s.sent_at, digests))
+                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, digests))
         else:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
         self.engine.release(req)
