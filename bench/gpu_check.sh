@@ -5,6 +5,9 @@
 #   bench/gpu_check.sh bench     # move_kv, transport --cuda, nvlink benchmarks, each with --record:
 #                                # their sections of bench/RESULTS.md are rewritten, and the file
 #                                # is copied to $OUT
+#   bench/gpu_check.sh transfer  # bench transfer --record, the Llama-3-70B preset (pages 1 and 16,
+#                                # TP 1:1 and 1:2, 1k-16k tokens, every path): JSON + PNGs in
+#                                # $OUT/transfer, RESULTS.md copied to $OUT (one GPU or two)
 #   bench/gpu_check.sh examples  # examples/*.py: SmolLM2 over NVLink, the hybrid model TP 2 -> 1
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples) are
 # installed to /tmp/site first. SmolLM2's GGUF file travels in parts (a call carries 64 MB):
@@ -41,7 +44,11 @@ for what in "${steps[@]}"; do
             for ex in examples/*.py; do
                 python3 "$ex" 2>&1 | tee "$OUT/example_$(basename "$ex" .py).log" || rc=1
             done ;;
-        *) echo "unknown step $what (tests | bench | examples)" >&2; exit 2 ;;
+        transfer)
+            python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
+                --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --budget-s 5 --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1
+            cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
+        *) echo "unknown step $what (tests | bench | examples | transfer)" >&2; exit 2 ;;
     esac
 done
 exit $rc

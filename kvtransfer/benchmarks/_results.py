@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import os
-import platform
 import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Callable, Optional
+
+from kvtransfer.benchmarks._report import machine_line
 
 __all__ = ["RESULTS_PATH", "machine", "run_recorded", "write_section"]
 
@@ -25,29 +25,7 @@ RESULTS_PATH = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
 
 def machine() -> str:
     """One line: GPUs (when torch sees CUDA), CPU model and cores, torch and triton versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    parts = [f"{cpu} ({os.cpu_count()} cores)"]
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            parts.insert(0, ", ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names)))
-        parts.append(f"torch {torch.__version__}")
-    except ImportError:
-        pass
-    try:
-        import triton
-
-        parts.append(f"triton {triton.__version__}")
-    except ImportError:
-        pass
-    return ", ".join(parts)
+    return machine_line()
 
 
 # Library log records interleaved with a benchmark's output (NIXL's "2026-11-30 09:20:49 NIXL INFO ...")
