@@ -122,7 +122,7 @@ async def _one(client, url: str, work: Work, sample: Sample) -> None:
                 if chunk.get("usage"):
                     sample.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     sample.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0].get("text"):
+                if chunk["choices"]:  # a chunk per token event (its text may be empty: a partial character)
                     now = time.perf_counter() - start
                     if last is None:
                         sample.ttft = now

@@ -430,10 +430,10 @@ def build_app(node: Node):
         async def stream():
             ended_ok = False
             try:
-                yield sse(shaper.chunk("", None, extra))
-                async for delta, finish in events():
-                    if delta or finish:
-                        yield sse(shaper.chunk(delta, finish))
+                first_extra = extra
+                async for delta, finish in events():  # a chunk per token event, its text possibly empty
+                    yield sse(shaper.chunk(delta, finish, first_extra))  # (bytes that end mid-character)
+                    first_extra = None
                     if finish:
                         ended_ok = not text.stopped
                 if req.stream_options and req.stream_options.include_usage:
