@@ -74,6 +74,17 @@ class Decode:
 
 
 @dataclass(frozen=True)
+class Connect:
+    """Decode: connect to the prefill node at ``bootstrap`` now (before its first request)."""
+
+    bootstrap: str
+
+    @property
+    def rid(self) -> str:  # the node waits for the answer under this key
+        return f"connect:{self.bootstrap}"
+
+
+@dataclass(frozen=True)
 class Abort:
     rid: str
     reason: str
@@ -132,6 +143,14 @@ class RequestFailed:
     rid: str
     reason: str
     client_error: bool = False  # the request itself was bad (HTTP 400), not the node
+
+
+@dataclass(frozen=True)
+class Connected:
+    """Decode: the answer to :class:`Connect` (``error`` empty when every rank is connected)."""
+
+    rid: str
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import random
@@ -319,6 +320,33 @@ def build_app(node: Node):
                 "ranks": [r.layout for r in node.ranks.ready]}
 
     add_metrics_and_models(app, node.metrics, lambda: node.model_name)
+
+    @app.post("/kvtransfer/connect")
+    async def connect(request: Request):
+        """Decode: connect to a prefill node's ranks now ({"bootstrap": "tcp://host:port"}), so
+        that its first request does not wait for the handshakes."""
+        try:
+            bootstrap = json.loads(await request.body())["bootstrap"]
+            if not isinstance(bootstrap, str) or not bootstrap.startswith("tcp://"):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return error('the body must be {"bootstrap": "tcp://host:port"}', 400)
+        if node.spec.role != "decode":
+            return error(f"a {node.spec.role} node does not connect to prefill nodes", 400)
+        if node.state != "ready":
+            return error(f"the decode node is {node.state}", 503)
+        cmd = m.Connect(bootstrap)
+        try:
+            q = await node.submit(cmd.rid, cmd)
+        except KeyError:
+            return error(f"already connecting to {bootstrap}", 409)
+        try:
+            answer = await q.get()
+        finally:
+            node.pending.pop(cmd.rid, None)
+        if isinstance(answer, m.RequestFailed) or answer.error:
+            return error(getattr(answer, "error", "") or answer.reason, 502)
+        return {"connected": bootstrap}
 
     async def serve(request: Request, kind: str):
         arrived = time.monotonic()

@@ -97,6 +97,7 @@ class Router:
         self.client: Optional[httpx.AsyncClient] = None
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
         self._watch: Optional[asyncio.Task] = None
+        self._tasks: set = set()  # background connects
 
     @property
     def nodes(self) -> List[NodeRef]:
@@ -114,6 +115,27 @@ class Router:
             raise ConnectionError(f"{node.url} is {info.get('state')}")
         node.info, node.model, node.bootstrap = info, info["model"], info.get("bootstrap")
         node.up, node.why_down = True, ""
+        if node.role == "prefill":  # decode nodes connect now, not on this node's first request
+            for d in self.decode:
+                if d.up:
+                    self._connect_later(d, node)
+        else:
+            for p in self.prefill:
+                if p.up and p.bootstrap:
+                    self._connect_later(node, p)
+
+    def _connect_later(self, decode: NodeRef, prefill: NodeRef) -> None:
+        async def connect():
+            try:
+                resp = await self.client.post(f"{decode.url}/kvtransfer/connect", json={"bootstrap": prefill.bootstrap},
+                                              timeout=120.0)
+                if resp.status_code != 200:
+                    log.warning("decode node %s could not connect to prefill node %s: %s", decode.url, prefill.url,
+                                resp.text[:200])
+            except httpx.HTTPError as exc:
+                log.warning("decode node %s: connect to %s: %s", decode.url, prefill.url, exc)
+        self._tasks.add(task := asyncio.ensure_future(connect()))
+        task.add_done_callback(self._tasks.discard)
 
     async def start(self, timeout_s: float) -> None:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(NODE_TIMEOUT_S, connect=5.0),
@@ -168,6 +190,8 @@ class Router:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self.client is not None:
             await self.client.aclose()
 

@@ -237,6 +237,9 @@ class RankWorker:
             self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
         elif isinstance(cmd, m.Abort):
             self._abort(cmd.rid, cmd.reason)
+        elif isinstance(cmd, m.Connect):
+            _, error = self._manager_for(cmd.bootstrap)
+            self._emit(m.Connected(cmd.rid, error or ""))
         else:
             raise TypeError(f"unknown command {type(cmd).__name__}")
 
