@@ -393,7 +393,9 @@ def build_app(node: Node):
         ended = False
         try:
             first = await _next(q, request)
-            if first is None:  # the client left
+            if first is None:  # the client left (the router cancels a request whose other half failed)
+                ended = True
+                node.finish(rid, False, "aborted")
                 return Response(status_code=499)
             if isinstance(first, m.RequestFailed):
                 ended = True
