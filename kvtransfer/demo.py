@@ -62,23 +62,36 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
 
-    def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is not None:
-                break
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM to its process group): it stops its ranks and exits."""
+        if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
+                pass
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """:meth:`terminate`, wait up to ``wait_s``, then SIGKILL whatever is left of the group."""
+        self.terminate()
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
         try:  # the group's other members (rank processes) too
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait()
         self._log.close()
+
+
+def stop_all(servers) -> None:
+    """Stop servers together: every one is asked first, then each is waited for."""
+    servers = list(servers)
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
 
 
 class DemoFailed(RuntimeError):
@@ -254,6 +267,5 @@ def main(argv=None) -> int:
         print("kvtransfer demo: interrupted; stopping what it started", file=sys.stderr)
         return 130
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())
         signal.signal(signal.SIGTERM, old)

@@ -246,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(args, argv) -> int:
-    from kvtransfer.demo import DemoFailed, Server, _free_port, _wait_ready
+    from kvtransfer.demo import DemoFailed, Server, _free_port, _wait_ready, stop_all
     from kvtransfer.models import registry
 
     servers: List[Server] = []
@@ -289,8 +289,7 @@ async def _main(args, argv) -> int:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
     split = ttft_split(samples["disaggregated"])
     load = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import httpx
 
-from kvtransfer.demo import Server, _free_port
+from kvtransfer.demo import Server, _free_port, stop_all
 
 READY_TIMEOUT_S = 240.0
 
@@ -100,8 +100,7 @@ class Cluster:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def stop(self) -> None:
-        for s in self.servers.values():
-            s.stop()
+        stop_all(self.servers.values())
 
 
 def chat(url: str, content: str, max_tokens: int = 8, **extra) -> httpx.Response:
