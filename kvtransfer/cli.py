@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if "--record" in rest:
             from kvtransfer.benchmarks._results import run_recorded
 
-            return run_recorded(args.name, module.main, [a for a in rest if a != "--record"])
+            argv = [a for a in rest if a != "--record"]
+            title = getattr(module, "record_title", lambda argv: None)(argv)  # a section per variant
+            return run_recorded(args.name, module.main, argv, title=title)
         return int(module.main(rest) or 0)
     module = importlib.import_module(_MODULES.get(args.command, f"kvtransfer.{args.command}"))
     return int(module.main(rest) or 0)
