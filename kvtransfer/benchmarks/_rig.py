@@ -30,12 +30,23 @@ from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._report import Timing, time_cuda, time_wall
 from transport.remote import RemoteBuffers, checksums, digest, make_transport
 
-__all__ = ["PathResult", "Rig", "FILL"]
+__all__ = ["FILL", "PathResult", "Rig", "ucx_env"]
 
 FILL = 0x5A  # the destination's bytes before each verified write
 WAIT_S = 600.0  # one write of up to tens of GiB through the slowest path
 COPY_CHUNK = 1 << 30  # the link baseline copies the case's byte count in pieces of at most this
-CUDA_TLS = "tcp,self,sm,cuda_copy,cuda_ipc"
+HOST_TLS = "tcp,self,sm"
+CUDA_TLS = HOST_TLS + ",cuda_copy,cuda_ipc"
+
+
+def ucx_env(gpu: bool) -> None:
+    """UCX settings of one host's two processes, before any NIXL agent starts (the receiver
+    inherits them): loopback, and UCX's CUDA transports when the buffers are on GPUs. Values
+    already set are kept, except that GPU memory adds ``cuda_copy,cuda_ipc`` to ``UCX_TLS``."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    tls = os.environ.setdefault("UCX_TLS", CUDA_TLS if gpu else HOST_TLS)
+    if gpu and "cuda_ipc" not in tls:
+        os.environ["UCX_TLS"] = tls + ",cuda_copy,cuda_ipc"
 
 
 @dataclass
@@ -64,10 +75,8 @@ class Rig:
         self.torch, self.backends = torch, backends
         self.src_device, self.dst_device = src_device, dst_device
         self.device = torch.device("cpu") if src_device is None else torch.device("cuda", src_device)
-        if src_device is not None:  # NIXL moves GPU memory through UCX's CUDA transports
-            tls = os.environ.setdefault("UCX_TLS", CUDA_TLS)
-            if "cuda_ipc" not in tls:
-                os.environ["UCX_TLS"] = tls + ",cuda_copy,cuda_ipc"
+        ucx_env(gpu=src_device is not None)
+        if src_device is not None:
             torch.cuda.set_device(self.device)
         self.remote = RemoteBuffers(dst_device, backends)
         self.transports, self.peers, self.pools = {}, {}, None

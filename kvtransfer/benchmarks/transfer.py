@@ -46,7 +46,7 @@ from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._models import PRESETS
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
 from kvtransfer.benchmarks._report import Progress, document, format_table, machine_line, time_wall, write_json
-from kvtransfer.benchmarks._rig import PathResult, Rig
+from kvtransfer.benchmarks._rig import PathResult, Rig, ucx_env
 
 PATHS = ("link", "nvlink kernel", "nvlink staged", "nixl direct", "nixl staged", "nixl per page")
 PEERS = "nixl per page"
@@ -163,6 +163,7 @@ def _where(args) -> Where:
     gpu = args.memory == "gpu" or (args.memory == "auto" and gpus > 0)
     if gpu and gpus == 0:
         raise SystemExit("kvtransfer bench transfer: --memory gpu, but torch sees no CUDA GPU")
+    ucx_env(gpu)  # before the first NIXL agent (the probes below)
     skipped, backends = {}, []
     staged = _backend_error("nixl") or ("this nixl backend has no staged mode" if nixl_staged_config() is None else None)
     for backend, paths, why in (
