@@ -111,7 +111,7 @@ def _parse(argv) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
-            if key in ("models", "tokens", "page_sizes", "tp") or getattr(args, key) == ap.get_default(key):
+            if getattr(args, key) == ap.get_default(key):  # flags given beside --quick win
                 setattr(args, key, value)
     try:
         args.model_names = [m.strip() for m in args.models.split(",")]
