@@ -293,9 +293,10 @@ class RankWorker:
             return mgr, None
         from kvtransfer.control.decode import DecodeKVManager
 
-        error = None
+        error, transports = None, []
         try:
-            mgr = DecodeKVManager(self.layout, self._make_transports(), self.kv_infos, self.state_infos,
+            transports = self._make_transports()
+            mgr = DecodeKVManager(self.layout, transports, self.kv_infos, self.state_infos,
                                   bootstrap=bootstrap, instance=self.spec.instance, config=self._control_config(),
                                   device=self.gpu)
         except Exception as exc:  # noqa: BLE001 - any failure to connect fails the request, not the node
@@ -304,8 +305,8 @@ class RankWorker:
         if not ok:
             if mgr is not None:
                 mgr.close()
-                for t in mgr.endpoints.transports.values():
-                    t.close()
+            for t in transports:  # the manager's own, not kept: no agent left behind
+                t.close()
             return None, error or f"cannot connect to the prefill node at {bootstrap}: another rank failed to"
         self.decode_managers[bootstrap] = mgr
         return mgr, None
