@@ -37,6 +37,7 @@ from transport.base import (  # noqa: E402
     pack_descriptor,
 )
 from transport.nixl import NixlConfig, NixlTransport  # noqa: E402
+from transport.nixl_staged import StagedNixlConfig  # noqa: E402
 
 MiB = 1 << 20
 # Over tcp alone a write is asynchronous (with sm, UCX's cma copy finishes inside the post),
@@ -218,10 +219,16 @@ def big_batch(sid, nbytes, block, rng):
     return wb(sid, offs, 0, rng.permutation(offs), block)
 
 
+# The direct path's failure tests: their 4 KiB-block batches would go staged (tests of the
+# staged mode's failures: test_nixl_staged.py).
+DIRECT = StagedNixlConfig(enabled=False)
+
+
 def tcp_pair(writer, receiver, nbytes, seed, **config):
-    """A tcp-only receiver of ``nbytes``, a writer with as much random source, connected and warm."""
+    """A tcp-only receiver of ``nbytes``, a writer with as much random source (direct writes
+    unless ``staged`` says otherwise), connected and warm."""
     rx = receiver([nbytes], env=TCP_ONLY)
-    t = writer(env=TCP_ONLY, **config)
+    t = writer(env=TCP_ONLY, **{"staged": DIRECT, **config})
     src, sid = host_region(t, nbytes, seed)
     peer = t.connect(rx.export)
     rng = np.random.default_rng(seed)
