@@ -638,12 +638,17 @@ class NixlTransport(Transport):
         remote = np.array([[scratch_ptr, 1, 0]], dtype=np.uint64)  # [1, 3]
         return self._post(name, local, "DRAM", remote, "DRAM", notif)
 
-    def _post_slot(self, name: str, local_ptr: int, local_dev: Optional[int], remote_ptr: int,
-                   remote_dev: Optional[int], nbytes: int, notif: bytes) -> tuple:
-        """One contiguous write between staging slots (:mod:`transport.nixl_staged.sender`)."""
-        local = np.array([[local_ptr, nbytes, local_dev or 0]], dtype=np.uint64)  # [1, 3]
-        remote = np.array([[remote_ptr, nbytes, remote_dev or 0]], dtype=np.uint64)  # [1, 3]
-        return self._post(name, local, "DRAM" if local_dev is None else "VRAM", remote,
+    def _post_slot(self, name: str, local: np.ndarray, local_dev: Optional[int], remote: np.ndarray,
+                   remote_dev: Optional[int], notif: bytes) -> tuple:
+        """One write of a staged chunk (:mod:`transport.nixl_staged.sender`): ``[k, 2]`` int64
+        (address, bytes) ranges on each side, on one memory each."""
+        descs = []
+        for ranges, dev in ((local, local_dev), (remote, remote_dev)):
+            out = np.empty((ranges.shape[0], 3), dtype=np.uint64)  # [k, (address, bytes, device)]
+            out[:, :2] = ranges
+            out[:, 2] = dev or 0
+            descs.append(out)
+        return self._post(name, descs[0], "DRAM" if local_dev is None else "VRAM", descs[1],
                           "DRAM" if remote_dev is None else "VRAM", notif)
 
     def _register_raw(self, ptr: int, length: int, device: Optional[int]):

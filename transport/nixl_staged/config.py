@@ -24,6 +24,10 @@ class StagedNixlConfig:
     slot_bytes: bytes of one staging slot: a chunk (header, row table, gathered rows) per
         slot; the rows of a batch are cut into chunks that fit.
     slots: staging slots per lane (>= 2, so that gather, wire and scatter overlap).
+    wire_gather_bytes: host memory: a chunk whose source runs (rows that follow each other in
+        memory and in the chunk) average at least this many bytes is not copied into the
+        staging first: its write carries a descriptor per run (NIXL moves 8 KiB ranges about as
+        fast as this host copies them into staging and writes that: bench/RESULTS.md).
     max_lanes: lanes a receiver keeps (one per sending transport and memory kind); a Hello
         past them is refused and that sender writes direct.
 
@@ -38,13 +42,14 @@ class StagedNixlConfig:
     max_row_bytes: int = 16 << 10
     slot_bytes: int = 4 << 20
     slots: int = 4
+    wire_gather_bytes: int = 8 << 10
     max_lanes: int = 32
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
         for name, low in (("min_rows", 1), ("max_row_bytes", 1), ("slot_bytes", 1 << 16), ("slots", 2),
-                          ("max_lanes", 1)):
+                          ("wire_gather_bytes", 1), ("max_lanes", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")

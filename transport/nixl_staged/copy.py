@@ -31,6 +31,17 @@ from transport.nixl_staged.config import CHUNK_HEADER_BYTES
 __all__ = ["Staging", "HostStaging", "KernelStaging", "make_staging"]
 
 
+def _merged(addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that follow each other in memory (as they do in the staging) merged into one:
+    ``(addr, length)`` of the runs, ``[runs]`` each."""
+    start = np.ones(addr.size, dtype=bool)  # [rows] row i starts a run
+    start[1:] = addr[1:] != addr[:-1] + length[:-1]
+    if start.all():
+        return addr, length
+    first = np.flatnonzero(start)
+    return addr[first], np.add.reduceat(length, first)
+
+
 def _runs(length: np.ndarray) -> np.ndarray:
     """Bounds ``[0, ..., n]`` of the runs of equal length."""
     return np.concatenate(([0], np.flatnonzero(np.diff(length)) + 1, [length.size])).astype(np.int64)
@@ -126,6 +137,7 @@ class HostStaging(Staging):
 
     def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         out = self.buf[k * self.slot_bytes + at:]
+        addr, length = _merged(addr, length)
         bounds = _runs(length)
         with _one_torch_thread():
             self._gather_runs(out, bounds, addr, length)
@@ -146,6 +158,7 @@ class HostStaging(Staging):
 
     def scatter(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         src = self.buf[k * self.slot_bytes + at:]
+        addr, length = _merged(addr, length)
         bounds = _runs(length)
         for a, b in zip(bounds[:-1], bounds[1:]):
             row = int(length[a])

@@ -124,6 +124,9 @@ class StagedTransfer(_Job):
         self.dst_region = pick(batch.dst_region)  # [n]
         self.dst_offset = pick(batch.dst_offset)  # [n]
         self.length = pick(batch.length)  # [n]
+        # [n] row i starts a source run (it does not continue row i - 1 in memory)
+        self.run_start = np.ones(self.length.size, dtype=bool)
+        self.run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
         self.bounds = chunk_bounds(self.length, slot_bytes)  # [num_chunks + 1]
         self.seq = 0
         self.posted = 0  # chunks posted
@@ -188,6 +191,7 @@ class SenderLane:
         self._scratch_ptr = scratch_ptr
         cfg = transport.config.staged
         self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes
+        self._wire_gather_bytes = cfg.wire_gather_bytes
         self.state = LaneState.NEW
         self.error: Optional[str] = None
         self.staging: Optional[Staging] = None
@@ -280,15 +284,28 @@ class SenderLane:
         length = job.length[a:b]
         rows, nbytes = b - a, int(length.sum())
         at = data_start(rows)
-        self.staging.gather(slot, at, job.src_addr[a:b], length)
+        mine, theirs = self.staging.slot_ptr(slot), self.remote_ptr + slot * self.slot_bytes
+        starts = np.flatnonzero(job.run_start[a:b])  # [runs] first row of each source run (row a: always)
+        if starts.size == 0 or starts[0] != 0:
+            starts = np.concatenate(([0], starts))
+        if self.src_device is None and nbytes >= self._wire_gather_bytes * starts.size:
+            # long source runs: the wire gathers them (a descriptor per run), no local copy
+            offs = np.zeros(rows, dtype=np.int64)  # [rows] staging offsets
+            np.cumsum(length[:-1], out=offs[1:])
+            run_bytes = np.diff(np.append(offs[starts], nbytes))  # [runs]
+            local = np.stack([np.append(mine, job.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
+            remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
+        else:
+            self.staging.gather(slot, at, job.src_addr[a:b], length)
+            local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
+            remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
         self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes),
                                 job.dst_offset[a:b], job.dst_region[a:b], length)
         last = job.posted + 1 == job.num_chunks
         note = Chunk(self.id, job.seq, job.posted, slot, last, job._notify if last and job._notify else None)
         try:
-            handle, state = self._t._post_slot(self.name, self.staging.slot_ptr(slot), self.src_device,
-                                               self.remote_ptr + slot * self.slot_bytes, self.dst_device,
-                                               at + nbytes, encode(note))
+            handle, state = self._t._post_slot(self.name, local, self.src_device, remote, self.dst_device,
+                                               encode(note))
         except Exception as exc:
             self._free.appendleft(slot)
             self.lose(f"peer {self.name!r}: could not post chunk {job.posted}: {type(exc).__name__}: {exc}")
@@ -298,7 +315,10 @@ class SenderLane:
         if state not in ("DONE", "PROC"):
             self.lose(f"peer {self.name!r}: NIXL reported {state} when posting chunk {job.posted - 1}")
             return False
-        return True
+        # NIXL sends a write's notification from its progress once the data is flushed: drive
+        # it now, so the receiver scatters this chunk while the next one is gathered
+        self._check_handles()
+        return self.state is LaneState.READY
 
     def _check_handles(self) -> None:
         agent = self._t._agent_checked()
