@@ -77,11 +77,12 @@ class Receiver:
     """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
     ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
 
-    def __init__(self, sizes, env=None, cuda_device=None):
+    def __init__(self, sizes, env=None, cuda_device=None, staged=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_nixl_peer.serve, args=(child, list(sizes)), kwargs={"env": env, "cuda_device": cuda_device}
+            target=_nixl_peer.serve, args=(child, list(sizes)),
+            kwargs={"env": env, "cuda_device": cuda_device, "staged": staged},
         )
         self.proc.start()
         child.close()

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from transport.base import Notification, WriteBatch
+from transport.base import Notification, check_ranges
 from transport.nixl_staged.copy import Staging, make_staging
 from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, Welcome, data_start, encode
 
@@ -95,12 +95,13 @@ class ReceiverLanes:
             if (header.lane, header.seq, header.index) != (msg.lane, msg.seq, msg.index):
                 raise ProtocolError(f"slot {msg.slot} holds chunk {header.index} of write {header.seq} (lane "
                                     f"{header.lane}), the notification names chunk {msg.index} of write {msg.seq}")
-            batch = WriteBatch.of(dst_region, dst_offset, dst_region, dst_offset, length)
-            sizes = self._t._table().sizes
-            batch.check_bounds(sizes, sizes)
+            bad = (length <= 0) | (dst_offset < 0) | (dst_region < 0)  # [rows]
+            if bad.any():
+                raise ProtocolError(f"row {int(np.argmax(bad))}: a negative region or offset, or a length <= 0")
+            table = self._t._table()
+            check_ranges(dst_region, dst_offset, length, table.sizes, "destination (this receiver)")
             if int(length.sum()) != header.nbytes:
                 raise ProtocolError(f"rows of {int(length.sum())} bytes, the header says {header.nbytes}")
-            table = self._t._table()
             dev = table.dev[dst_region]  # [rows]
             want = -1 if lane.device is None else lane.device
             if not (dev == want).all():

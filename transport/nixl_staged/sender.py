@@ -10,8 +10,12 @@ of jobs, the writes to that agent in the order ``write`` was called:
   notification. The slot is free again when the receiver's Credit says it scattered it. The
   transfer is DONE when every chunk is credited (the receiver delivered ``notify`` before it
   sent the last Credit).
-- :class:`DeferredWrite`: a direct write that arrived while a staged one was still posting;
-  it is posted when its turn comes, so one sender's notifications keep their order.
+- :class:`DeferredWrite`: a direct write issued while a staged one is still in the FIFO; it is
+  posted when its turn comes.
+
+A job starts only once the one before it has finished (DONE or FAILED): the receiver has then
+queued the earlier write's notification, so one sender's notifications arrive in the order
+its writes were issued, whichever way each went.
 
 Progress happens in the owner's calls (``status``/``wait``/``abort`` of any job,
 ``poll_notifications``), on the owner's thread, as for direct writes: :meth:`SenderLane.progress`.
@@ -101,6 +105,13 @@ class _Job(Transfer):
     def waiting(self) -> bool:
         """Still needs the lane (queued, or chunks to post)."""
         return self._inner is None and self._status is TransferStatus.PENDING
+
+    @property
+    def finished(self) -> bool:
+        """DONE or FAILED (a deferred write once its NIXL request is)."""
+        if self._inner is not None:
+            return self._inner._status is not TransferStatus.PENDING
+        return self._status is not TransferStatus.PENDING
 
 
 class DeferredWrite(_Job):
@@ -205,8 +216,8 @@ class SenderLane:
 
     @property
     def busy(self) -> bool:
-        """A job is still waiting to post: a new write must queue behind it."""
-        return any(job.waiting for job in self._queue)
+        """A job has not finished: a new write must queue behind it."""
+        return bool(self._queue)
 
     def matches(self, src_device: Optional[int], dst_device: Optional[int]) -> bool:
         return (src_device, dst_device) == (self.src_device, self.dst_device)
@@ -236,7 +247,7 @@ class SenderLane:
         if self.state is LaneState.READY:
             self._post_ready()
         elif self.state is LaneState.REFUSED:
-            while self._queue:
+            while self._queue:  # in order: each posted behind the one before (NIXL keeps them in order)
                 job = self._queue.popleft()
                 if job.waiting:
                     job.go_direct()
@@ -264,20 +275,22 @@ class SenderLane:
         self.state, self.error = LaneState.REFUSED, why
 
     def _post_ready(self) -> None:
+        """Post the head job's chunks into free slots (or a deferred write); the next job
+        starts when the head has finished."""
         while self._queue:
             job = self._queue[0]
-            if not job.waiting:
+            if job.finished:
                 self._queue.popleft()
             elif isinstance(job, DeferredWrite):
-                self._queue.popleft()
-                job.go_direct()
+                if job._inner is None:
+                    job.go_direct()
+                if job._inner.status() is TransferStatus.PENDING:
+                    return
             elif job.has_more and self._free:
                 if not self._post_chunk(job, self._free.popleft()):
                     return
-            elif job.has_more:
-                return  # no free slot: wait for a Credit
             else:
-                self._queue.popleft()  # every chunk posted: the next job may post
+                return  # no free slot, or every chunk posted: wait for Credits
 
     def _post_chunk(self, job: StagedTransfer, slot: int) -> bool:
         a, b = int(job.bounds[job.posted]), int(job.bounds[job.posted + 1])
