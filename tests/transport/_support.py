@@ -145,6 +145,20 @@ class Receiver:
         self.conn.close()
 
 
+def connect_once_drained(transport, export: bytes, timeout: float = 20.0):
+    """``transport.connect(export)``, retried while the lost peer's failed requests still run in
+    NIXL (connect refuses until they are done: they finish once the receiver runs again)."""
+    from transport.base import TransportError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return transport.connect(export)
+        except TransportError:
+            assert time.monotonic() < deadline, "the failed requests never left NIXL"
+            time.sleep(0.05)
+
+
 # -- two processes on two GPUs ------------------------------------------------------------------------
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256

@@ -23,7 +23,7 @@ except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
 from tests.transport import _nixl_peer  # noqa: E402
-from tests.transport._support import assert_interpreted_ok, assert_same  # noqa: E402
+from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained  # noqa: E402
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
 from transport.base import TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
@@ -206,14 +206,7 @@ def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, recei
     with pytest.raises(TransportError, match=r"failed request\(s\) in flight"):
         t.connect(rx.export)
     os.kill(rx.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 20
-    while True:  # the failed chunks' requests finish once the receiver runs again
-        try:
-            again = t.connect(rx.export)
-            break
-        except TransportError:
-            assert time.monotonic() < deadline, "the failed requests never left NIXL"
-            time.sleep(0.05)
+    again = connect_once_drained(t, rx.export)
     n = 8 * MiB // 4096
     offs = np.arange(n, dtype=np.int64) * 4096
     note = _nixl_peer.payload(3, [])
