@@ -22,10 +22,15 @@ try:
 except ImportError as exc:
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 from kvtransfer._procs import Child  # noqa: E402
 from kvtransfer.layout import RankLayout  # noqa: E402
 from kvtransfer.plan import senders_for  # noqa: E402
 from tests.kvtransfer import _host_ranks as hr  # noqa: E402
+from tests.kvtransfer.control._ranks import Prefill, RankProcess, RankSpec, Receive, Verify, Wait  # noqa: E402
 
 REPLY_S = 120.0
 
@@ -129,3 +134,37 @@ def test_a_cut_link_fails_the_transfer_and_the_next_request_succeeds(cluster):
     assert cluster.await_notes(4) == (0, 1)
     assert 3 not in cluster.done and {2, 4} <= set(cluster.done)
     assert cluster.check() == hr.Checked(0, 0), "rows of a done request differ, or bytes landed in unreserved slots"
+
+
+def test_the_control_plane_across_the_hosts(cluster):
+    """The bootstrap service and two prefill ranks (TP 2) on A, a decode rank (TP 1) on B, their
+    KV managers over zmq and NIXL between the veth addresses: two requests land byte for byte."""
+    a, b = cluster.hosts.a, cluster.hosts.b
+    boot = subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-m", "kvtransfer", "bootstrap",
+                             "--host", a.address, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ranks = []
+    try:
+        line = boot.stdout.readline()
+        assert "serving on tcp://" in line, line
+        address = line.rsplit(" ", 1)[1].strip()
+        fast = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 30.0}
+        ranks = [RankProcess(RankSpec(role, r, tp, page, address, config={**fast, "host": host.address},
+                                      instance="decode-two-hosts", netns=host))
+                 for role, tp, page, host in (("prefill", 2, 16, a), ("decode", 1, 4, b)) for r in range(tp)]
+        for r in ranks:
+            r.started()
+        prefill, decode = ranks[:2], ranks[2:]
+        for i, tokens in enumerate((70, 33)):
+            rid = f"hosts-{i}"
+            decode[0].call(Receive(rid, tokens))
+            for p in prefill:
+                p.call(Prefill(rid, tokens, (tokens - 20, 20), first_token=50 + i))
+            for r in ranks:
+                assert r.call(Wait(rid)) == ("Success", None), r.name
+            assert decode[0].call(Verify(rid)) == (0, 50 + i)
+    finally:
+        for r in ranks:
+            r.close()
+        boot.terminate()
+        boot.wait(10)
