@@ -67,16 +67,17 @@ class Bye:
     pass
 
 
-def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
-    """Own the destination buffer; poll notifications until told to quit."""
+def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
+    """Own the destination buffer; poll notifications until told to quit. ``staged``: the
+    receiver's ``StagedNixlConfig`` (the staging lanes it grants), None: the default."""
     try:
-        _receive(conn, total, cuda, env, progress_thread)
+        _receive(conn, total, cuda, env, progress_thread, staged)
     except Exception as exc:  # the parent names it instead of waiting on a dead pipe
         report_failure(conn, exc)
         raise SystemExit(1) from None
 
 
-def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
+def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
     os.environ.update(env)
     if cuda:
         import torch
@@ -86,7 +87,9 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> 
         torch.cuda.synchronize()
     else:
         dst = np.ones(total, dtype=np.uint8)  # [total] bytes, touched so pages exist
-    with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
+    config = NixlConfig(progress_thread=progress_thread) if staged is None else \
+        NixlConfig(progress_thread=progress_thread, staged=staged)
+    with NixlTransport(config) as transport:
         if cuda:
             transport.register_tensor(dst)
         else:
@@ -320,6 +323,8 @@ def _main_kv(args) -> int:
 
     for key, value in (CUDA_ENV if args.cuda else HOST_ENV).items():
         os.environ.setdefault(key, value)
+    if args.cuda and "cuda_ipc" not in os.environ["UCX_TLS"]:
+        os.environ["UCX_TLS"] += ",cuda_copy,cuda_ipc"
     if args.block is None:
         args.block = 64 * MiB if args.cuda else 256 * KiB
     print(f"NIXL staged / direct / blocks, {'cuda:0 -> cuda:1' if args.cuda else 'host -> host (loopback)'}, "

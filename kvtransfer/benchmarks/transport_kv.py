@@ -141,7 +141,7 @@ def run_kv(args, tools) -> list[dict]:
             src_ptr, device, host_src = src.ctypes.data, None, src
             staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 4 * MiB, slots=args.slots)
         total = max(kv.dst_bytes, -(-kv.nbytes // args.block) * args.block)
-        receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread),
+        receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread, staged),
                                name="receiver")
         try:
             peer_bytes = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
@@ -152,14 +152,17 @@ def run_kv(args, tools) -> list[dict]:
                 peer = t.connect(peer_bytes)
                 (dst,) = peer.regions.values()
                 paths[name] = (t, peer, kv.batch(sid, dst.region_id))
-            t, peer, _ = paths["direct"]
             n_blocks = kv.nbytes // args.block
             blocks = np.arange(n_blocks, dtype=np.int64) * args.block  # [n_blocks]
             block_batch = WriteBatch.of(np.full(n_blocks, sid), blocks, np.full(n_blocks, dst.region_id),
                                         np.random.default_rng(2).permutation(blocks), np.full(n_blocks, args.block))
+            paths["blocks"] = (t, peer, block_batch)  # through the direct transport (so are a few large ranges)
             writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
-            writes["blocks"] = lambda: peer.write(block_batch, notify=b"blocks").wait(600)
             _check(kv, host_src, total, writes, block_batch, receiver, tools)
+            staged_t, staged_peer, _ = paths["staged"]
+            lane = staged_t._lanes.get(staged_peer.name)
+            if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
+                raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
             times = {name: [] for name in writes}
             for _ in range(args.iters):  # alternate so all paths see the same background load
                 for name, fn in writes.items():
@@ -172,7 +175,7 @@ def run_kv(args, tools) -> list[dict]:
             rows.append(row)
             print(_format(row, args.block), flush=True)
             for t, _, _ in paths.values():
-                t.close()
+                t.close()  # closing twice is harmless
         finally:
             receiver.stop(tools.Quit())
     return rows

@@ -186,6 +186,8 @@ class KernelStaging(Staging):
 
         at = k * self.slot_bytes
         self.buf[at: at + head.size].copy_(torch.from_numpy(head))
+        if self._torch_device.type == "cuda":  # a pageable copy may still be in flight on return
+            torch.cuda.synchronize(self._torch_device)
 
     def _get(self, k: int, n: int) -> np.ndarray:
         at = k * self.slot_bytes
