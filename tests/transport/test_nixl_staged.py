@@ -83,26 +83,23 @@ def test_staged_rows_land_byte_for_byte_before_their_notification(writer, receiv
 
 def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
     """A direct write and a second staged write issued while a staged one posts its chunks are
-    delivered after it: each notification with its own bytes already in place."""
-    dst_sizes = [8 * MiB]
+    delivered after it, in the order issued, each notification with its bytes in place (one
+    destination region per write: a digest covers its own write's region)."""
+    dst_sizes = [8 * MiB, 1 * MiB, 8 * MiB]
     rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
     rng = np.random.default_rng(2)
-    entries = small_rows(rng, 400, src.size, dst_sizes, lengths=(1024,))
-    first = peer.write(wb(sid, *entries[1:]), notify=_nixl_peer.payload(1, [(0, 0, 8 * MiB)]))
-    direct = peer.write(wb(sid, 0, 0, 7 * MiB, 1 * MiB), notify=_nixl_peer.payload(2, [(0, 0, 8 * MiB)]))
-    assert isinstance(direct, DeferredWrite)
-    second = peer.write(wb(sid, *entries[1:]), notify=_nixl_peer.payload(3, [(0, 0, 8 * MiB)]))
-    for tr in (second, direct, first):
+    first = small_rows(rng, 400, src.size, [8 * MiB], lengths=(1024,))
+    third = small_rows(rng, 400, src.size, [8 * MiB], lengths=(1024,))
+    third = (third[0], third[1], np.full(400, 2), third[3], third[4])
+    notes = [_nixl_peer.payload(i, [(r, 0, dst_sizes[r])]) for i, r in enumerate((0, 1, 2))]
+    transfers = [peer.write(wb(sid, *first[1:]), notify=notes[0]),
+                 peer.write(wb(sid, 3 * MiB, 1, 0, 1 * MiB), notify=notes[1]),
+                 peer.write(wb(sid, *third[1:]), notify=notes[2])]
+    assert [type(tr) for tr in transfers] == [StagedTransfer, DeferredWrite, StagedTransfer]
+    for tr in reversed(transfers):
         tr.wait(60)
-    want = reference([src], dst_sizes, entries)[0]
-    after_direct = want.copy()
-    after_direct[7 * MiB:] = src[:1 * MiB]
-    after_second = after_direct.copy()
-    for _, so, _, do, n in zip(*entries):
-        after_second[do:do + n] = src[so:so + n]
-    notes = rx.wait_notes(3)
-    assert [note[0] for note in notes] == [_nixl_peer.payload(i, [(0, 0, 8 * MiB)]) for i in (1, 2, 3)]
-    assert [d for _, d in notes] == [sha([want]), sha([after_direct]), sha([after_second])]
+    want = reference([src], dst_sizes, first)[0], src[3 * MiB:4 * MiB], reference([src], dst_sizes, third)[2]
+    assert rx.wait_notes(3) == [(note, sha([w])) for note, w in zip(notes, want)]
 
 
 def test_batches_outside_the_rule_go_direct(writer, receiver):
@@ -254,7 +251,7 @@ def test_chunks_fit_their_slots():
 
 
 def test_messages_and_headers_round_trip_and_refuse_garbage():
-    msg = Chunk(3, 7, 1, 2, True, b"note")
+    msg = Chunk(3, 7, 1, 2, 2, b"note")
     assert decode(encode(msg)) == msg and decode(b"owner payload") is None
     with pytest.raises(ProtocolError, match="does not decode"):
         decode(MAGIC + b"\xc1")

@@ -22,8 +22,8 @@ How (one lane per pair of transports, :mod:`~transport.nixl_staged.sender` /
    notification naming the chunk. Slots rotate, so the gather of one chunk, the wire of the
    previous and the receiver's scatter of the one before overlap.
 3. The receiver, in ``poll_notifications()``, checks the chunk's rows against its own
-   registered regions, *scatters* them, answers a Credit (the slot is free) and, for the last
-   chunk, hands the write's notification to its owner -- after the scatter.
+   registered regions, *scatters* them, answers a Credit (the slot is free) and, once every
+   chunk of the write is scattered, hands the write's notification to its owner.
 
 The contract (:mod:`transport.base`) holds: a notification means the bytes are in place;
 ``abort()`` posts nothing more and returns once the receiver answered every chunk posted

@@ -10,9 +10,10 @@ notifications), on the owner's thread:
   larger than this side's ``StagedNixlConfig`` allows, no memory).
 - :class:`~transport.nixl_staged.wire.Chunk`: its slot's header and row table are checked
   (the chunk the notification names, every row inside a registered region of the lane's
-  memory), the rows scattered, a Credit sent; for the last chunk of a write, its ``notify`` is
-  queued for the owner AFTER the scatter, so a notification still means the bytes are in place.
-  A chunk that fails the checks lands nothing and is answered with the error.
+  memory), the rows scattered, a Credit sent; once every chunk of a write is scattered (in
+  whatever order they came), its ``notify`` is queued for the owner, so a notification still
+  means the bytes are in place. A chunk that fails the checks lands nothing and is answered
+  with the error (the write then never notifies).
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ __all__ = ["ReceiverLanes"]
 class _Lane:
     def __init__(self, staging: Staging, reg, device: Optional[int]):
         self.staging, self.reg, self.device = staging, reg, device
+        self.scattered: dict[int, int] = {}  # write seq -> its chunks scattered so far
+        self.held: dict[int, bytes] = {}  # write seq -> its notify, until every chunk is scattered
+
+    def landed(self, msg: Chunk) -> Optional[bytes]:
+        """Count a scattered chunk; the write's notify once all its chunks are (else None)."""
+        if msg.notify:
+            self.held[msg.seq] = bytes(msg.notify)
+        done = self.scattered[msg.seq] = self.scattered.get(msg.seq, 0) + 1
+        if done < msg.chunks:
+            return None
+        del self.scattered[msg.seq]
+        return self.held.pop(msg.seq, None)
 
 
 class ReceiverLanes:
@@ -111,8 +124,9 @@ class ReceiverLanes:
         except (ProtocolError, ValueError, TypeError) as exc:
             self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)))
             return
-        if msg.last and msg.notify:
-            self._t._notes.append(Notification(sender, bytes(msg.notify)))
+        notify = lane.landed(msg)
+        if notify:
+            self._t._notes.append(Notification(sender, notify))
         self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot))
 
     def _drop(self, key) -> None:

@@ -315,7 +315,7 @@ class SenderLane:
         self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes),
                                 job.dst_offset[a:b], job.dst_region[a:b], length)
         last = job.posted + 1 == job.num_chunks
-        note = Chunk(self.id, job.seq, job.posted, slot, last, job._notify if last and job._notify else None)
+        note = Chunk(self.id, job.seq, job.posted, job.num_chunks, slot, job._notify if last and job._notify else None)
         try:
             handle, state = self._t._post_slot(self.name, local, self.src_device, remote, self.dst_device,
                                                encode(note))

@@ -63,13 +63,14 @@ class Welcome:
 @dataclass(frozen=True)
 class Chunk:
     """Sender -> receiver, carried by the chunk's write: slot ``slot`` holds chunk ``index`` of
-    transfer ``seq``; ``last``: scatter, then deliver ``notify`` (if any) to the owner."""
+    the ``chunks`` of write ``seq``; ``notify`` (on the last chunk, if any) goes to the owner
+    once every chunk of the write is scattered (whatever order the chunks arrive in)."""
 
     lane: int
     seq: int
     index: int
+    chunks: int
     slot: int
-    last: bool
     notify: Optional[bytes]
 
 
