@@ -75,9 +75,16 @@ class KvBatch:
                              self.length)
 
     def apply(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """The reference: each row copied by itself."""
-        for so, do, n in zip(self.src_offset.tolist(), self.dst_offset.tolist(), self.length.tolist()):
-            dst[do:do + n] = src[so:so + n]
+        """The reference: the rows copied in plain numpy (rows of one length at multiples of it
+        as one fancy-indexed copy of ``[rows, length]`` views, any other row by itself)."""
+        for n in np.unique(self.length).tolist():
+            sel = self.length == n
+            so, do = self.src_offset[sel], self.dst_offset[sel]
+            if not (so % n).any() and not (do % n).any() and not (src.size % n or dst.size % n):
+                dst.reshape(-1, n)[do // n] = src.reshape(-1, n)[so // n]
+                continue
+            for a, b in zip(so.tolist(), do.tolist()):
+                dst[b:b + n] = src[a:a + n]
 
 
 def _scattered_slots(rng, page: int, tokens: int) -> tuple[np.ndarray, int]:
