@@ -311,6 +311,32 @@ want = np.zeros(8192, np.uint8)
 for so, do, n in zip(src_off, dst_off, length):
     want[do:do + n] = s[so:so + n]
 assert (dst.numpy() == want).all(), "scatter"
+# land(): the header and row table in the slot, checked and turned into the kernel's table here
+from types import SimpleNamespace
+from transport.base import Region, RegionSizes
+from transport.nixl_staged.wire import ChunkHeader, ProtocolError
+pool = torch.zeros(8192, dtype=torch.uint8)
+table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
+                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+staging.write_head(0, ChunkHeader(1, 2, 0, 6, int(length.sum())), dst_off, np.zeros(6, np.int64), length)
+staging.gather(0, at, src.data_ptr() + src_off, length)
+assert staging.land(0, (1, 2, 0), table) == ChunkHeader(1, 2, 0, 6, int(length.sum()))
+assert (pool.numpy() == want).all(), "land"
+try:
+    staging.land(0, (1, 2, 1), table)
+    raise AssertionError("a chunk other than the one named landed")
+except ProtocolError as exc:
+    assert "holds chunk 0 of write 2" in str(exc), exc
+bad = dst_off.copy()
+bad[3] = 8000  # 256 bytes from 8000 leave the 8192-byte region
+staging.write_head(0, ChunkHeader(1, 3, 0, 6, int(length.sum())), bad, np.zeros(6, np.int64), length)
+pool.zero_()
+try:
+    staging.land(0, (1, 3, 0), table)
+    raise AssertionError("a row outside its region landed")
+except ValueError as exc:
+    assert "batch entry 3: destination (this receiver) range [8000, 8256) is outside region 0" in str(exc), exc
+assert not pool.any(), "bytes of a refused chunk landed"
 print("KERNEL STAGING OK")
 """
 

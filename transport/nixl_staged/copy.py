@@ -25,8 +25,9 @@ from typing import Optional
 
 import numpy as np
 
-from transport.nixl_staged.wire import ChunkHeader, data_start
+from transport.base import check_ranges
 from transport.nixl_staged.config import CHUNK_HEADER_BYTES
+from transport.nixl_staged.wire import ChunkHeader, ProtocolError, data_start
 
 __all__ = ["Staging", "HostStaging", "KernelStaging", "make_staging"]
 
@@ -74,6 +75,16 @@ def _one_torch_thread():
         torch.set_num_threads(before)
 
 
+def _where(device: Optional[int]) -> str:
+    return "host" if device is None else f"cuda:{device}"
+
+
+def _check_header(header: ChunkHeader, expect: tuple, k: int) -> None:
+    if (header.lane, header.seq, header.index) != tuple(expect):
+        raise ProtocolError(f"slot {k} holds chunk {header.index} of write {header.seq} (lane {header.lane}), the "
+                            f"notification names chunk {expect[2]} of write {expect[1]} (lane {expect[0]})")
+
+
 class Staging:
     """``slots`` x ``slot_bytes`` of staging memory at :attr:`ptr` (host: ``device`` None)."""
 
@@ -102,6 +113,26 @@ class Staging:
         """Header and row table of the chunk in slot ``k`` (ProtocolError for one that does not fit)."""
         header = ChunkHeader.parse(self._get(k, CHUNK_HEADER_BYTES), self.slot_bytes)
         return header, header.table(self._get(k, data_start(header.rows)))
+
+    def land(self, k: int, expect: tuple, table) -> ChunkHeader:
+        """Check the chunk in slot ``k`` and scatter it (the receiver's step). ``expect``: the
+        (lane, write, chunk) its notification names; ``table``: the receiver's region table
+        (``sizes``, ``ptr``, ``dev`` by region id). Every row must lie inside a registered
+        region on this staging's memory, else :class:`ProtocolError` / ``ValueError`` naming the
+        first bad row, and nothing of the chunk lands."""
+        header, (dst_offset, dst_region, length) = self.read_head(k)
+        _check_header(header, expect, k)
+        bad = (length <= 0) | (dst_offset < 0) | (dst_region < 0)  # [rows]
+        if bad.any():
+            raise ProtocolError(f"row {int(np.argmax(bad))}: a negative region or offset, or a length <= 0")
+        check_ranges(dst_region, dst_offset, length, table.sizes, "destination (this receiver)")
+        if int(length.sum()) != header.nbytes:
+            raise ProtocolError(f"rows of {int(length.sum())} bytes, the header says {header.nbytes}")
+        if not (table.dev[dst_region] == (-1 if self.device is None else self.device)).all():
+            raise ProtocolError(f"a row's region is not on the lane's memory ({_where(self.device)})")
+        addr = table.ptr[dst_region].astype(np.int64) + dst_offset  # [rows] absolute destinations
+        self.scatter(k, data_start(header.rows), addr, length)
+        return header
 
     def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         raise NotImplementedError
@@ -196,7 +227,7 @@ class KernelStaging(Staging):
     def _launch(self, k: int, at: int, addr: np.ndarray, length: np.ndarray, gather: bool) -> None:
         import torch
 
-        from transport.nvlink.kernel import KernelConfig, Stage, StageMode, choose_path, plan_launch, scatter_rows
+        from transport.nvlink.kernel import choose_path
 
         n = int(length.size)
         rows = np.zeros((4, n), dtype=np.int64)  # [4, rows]: source, destination, bytes, staging offset
@@ -205,16 +236,71 @@ class KernelStaging(Staging):
         np.cumsum(length[:-1], out=rows[3, 1:])
         stage_at = self.slot_ptr(k) + at
         path = choose_path(np.concatenate([rows.ravel(), [stage_at]]))
-        plan = plan_launch(n, int(length.max()), path, KernelConfig())
-        table = torch.from_numpy(rows).to(self._torch_device)
-        mode = StageMode.GATHER if gather else StageMode.SCATTER
+        self._run(torch.from_numpy(rows).to(self._torch_device), int(length.max()), path, stage_at, gather)
+
+    def land(self, k: int, expect: tuple, table) -> ChunkHeader:
+        """:meth:`Staging.land` with the rows read, checked and made into the kernel's row table
+        on the device: the host reads the 64-byte header and five scalars, never the rows (a
+        chunk that fails a check goes through the host path, which names the first bad row)."""
+        import torch
+
+        from transport.nvlink.kernel import CopyPath
+
+        header = ChunkHeader.parse(self._get(k, CHUNK_HEADER_BYTES), self.slot_bytes)
+        _check_header(header, expect, k)
+        sizes, ptr, dev = self._region_tables(table)  # [ids] each, on the device
+        if sizes.numel() == 0:
+            return super().land(k, expect, table)
+        n, at = header.rows, k * self.slot_bytes + CHUNK_HEADER_BYTES
+        offset = self.buf[at: at + 8 * n].view(torch.int64)  # [rows]
+        region = self.buf[at + 8 * n: at + 12 * n].view(torch.int32).long()  # [rows]
+        length = self.buf[at + 12 * n: at + 16 * n].view(torch.int32).long()  # [rows]
+        r = region.clamp(0, sizes.numel() - 1)  # [rows] ids to index with (bad ones are refused below)
+        size = sizes[r]
+        bad = (region != r) | (size < 0) | (offset < 0) | (length <= 0) | (offset > size - length)  # [rows]
+        bad |= dev[r] != (-1 if self.device is None else self.device)
+        addr = ptr[r] + offset  # [rows] absolute destinations
+        staged = torch.cumsum(length, 0) - length  # [rows] staging offsets
+        bits = addr | length | staged
+        any_bad, nbytes, longest, odd16, odd8 = torch.stack([
+            bad.any().long(), length.sum(), length.max(), (bits & 15).any().long(), (bits & 7).any().long()]).tolist()
+        if any_bad or nbytes != header.nbytes:  # the host path names the first bad row and raises
+            return super().land(k, expect, table)
+        stage_at = self.slot_ptr(k) + data_start(n)
+        path = (CopyPath.VEC16 if not odd16 and stage_at % 16 == 0 else
+                CopyPath.VEC8 if not odd8 and stage_at % 8 == 0 else CopyPath.BYTES)
+        rows = torch.stack([torch.zeros_like(addr), addr, length, staged])  # [4, rows] on the device
+        self._run(rows, int(longest), path, stage_at, gather=False)
+        return header
+
+    def _region_tables(self, table) -> tuple:
+        """The region table's sizes, pointers and devices as int64 tensors here (cached per table:
+        the transport builds a new one when its regions change)."""
+        import torch
+
+        if getattr(self, "_tables_of", None) is not table:
+            arrays = (table.sizes.sizes, table.ptr.astype(np.int64), table.dev)
+            self._tables = tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self._torch_device)
+                                 for a in arrays)
+            self._tables_of = table
+        return self._tables
+
+    def _run(self, rows, longest: int, path, stage_at: int, gather: bool) -> None:
+        """Launch the row kernel over ``rows`` (``[4, n]`` int64 here) in its gather or scatter
+        mode at staging address ``stage_at``; return once its bytes are in place."""
+        import torch
+
+        from transport.nvlink.kernel import KernelConfig, Stage, StageMode, plan_launch, scatter_rows
+
+        plan = plan_launch(int(rows.shape[1]), longest, path, KernelConfig())
+        stage = Stage(StageMode.GATHER if gather else StageMode.SCATTER, stage_at, 0)
         if self._torch_device.type == "cuda":
             with torch.cuda.device(self._torch_device):
                 stream = torch.cuda.current_stream()
-                scatter_rows(table, plan, self._torch_device, stage=Stage(mode, stage_at, 0), stream=stream)
+                scatter_rows(rows, plan, self._torch_device, stage=stage, stream=stream)
                 stream.synchronize()  # the bytes are in place before NIXL reads them / the notification
         else:
-            scatter_rows(table, plan, "cpu", stage=Stage(mode, stage_at, 0))
+            scatter_rows(rows, plan, "cpu", stage=stage)
 
     def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         self._launch(k, at, addr, length, gather=True)

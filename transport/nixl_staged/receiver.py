@@ -22,9 +22,9 @@ from typing import Optional
 
 import numpy as np
 
-from transport.base import Notification, check_ranges
+from transport.base import Notification
 from transport.nixl_staged.copy import Staging, make_staging
-from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, Welcome, data_start, encode
+from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, Welcome, encode
 
 __all__ = ["ReceiverLanes"]
 
@@ -104,23 +104,7 @@ class ReceiverLanes:
         try:
             if not 0 <= msg.slot < lane.staging.slots:
                 raise ProtocolError(f"slot {msg.slot} of a {lane.staging.slots}-slot lane")
-            header, (dst_offset, dst_region, length) = lane.staging.read_head(msg.slot)
-            if (header.lane, header.seq, header.index) != (msg.lane, msg.seq, msg.index):
-                raise ProtocolError(f"slot {msg.slot} holds chunk {header.index} of write {header.seq} (lane "
-                                    f"{header.lane}), the notification names chunk {msg.index} of write {msg.seq}")
-            bad = (length <= 0) | (dst_offset < 0) | (dst_region < 0)  # [rows]
-            if bad.any():
-                raise ProtocolError(f"row {int(np.argmax(bad))}: a negative region or offset, or a length <= 0")
-            table = self._t._table()
-            check_ranges(dst_region, dst_offset, length, table.sizes, "destination (this receiver)")
-            if int(length.sum()) != header.nbytes:
-                raise ProtocolError(f"rows of {int(length.sum())} bytes, the header says {header.nbytes}")
-            dev = table.dev[dst_region]  # [rows]
-            want = -1 if lane.device is None else lane.device
-            if not (dev == want).all():
-                raise ProtocolError(f"a row's region is not on the lane's memory ({lane.device or 'host'})")
-            addr = table.ptr[dst_region].astype(np.int64) + dst_offset  # [rows] absolute destinations
-            lane.staging.scatter(msg.slot, data_start(header.rows), addr, length)
+            lane.staging.land(msg.slot, (msg.lane, msg.seq, msg.index), self._t._table())
         except (ProtocolError, ValueError, TypeError) as exc:
             self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)))
             return
