@@ -101,11 +101,14 @@ class Staging:
     def slot_ptr(self, k: int) -> int:
         return self.ptr + k * self.slot_bytes
 
-    def _head(self, rows: int) -> np.ndarray:
-        return np.zeros(data_start(rows), dtype=np.uint8)  # [header + table] host bytes
+    def adopt(self, *arrays) -> tuple:
+        """A write's ``[n]`` arrays (sources, destinations, lengths) in the form this staging's
+        copies take (host: as they are); a chunk passes slices of them."""
+        return arrays
 
     def write_head(self, k: int, header: ChunkHeader, dst_offset, dst_region, length) -> None:
-        head = self._head(header.rows)
+        """Header and row table (``[rows]`` each) at the head of slot ``k``."""
+        head = np.zeros(data_start(header.rows), dtype=np.uint8)  # [header + table] host bytes
         header.write(head, dst_offset, dst_region, length)
         self._put(k, head)
 
@@ -216,35 +219,41 @@ class KernelStaging(Staging):
         import torch
 
         at = k * self.slot_bytes
-        self.buf[at: at + head.size].copy_(torch.from_numpy(head))
-        if self._torch_device.type == "cuda":  # a pageable copy may still be in flight on return
-            torch.cuda.synchronize(self._torch_device)
+        self.buf[at: at + head.size].copy_(torch.from_numpy(head))  # write_head waits for it
 
     def _get(self, k: int, n: int) -> np.ndarray:
         at = k * self.slot_bytes
         return self.buf[at: at + n].cpu().numpy()
 
-    def _launch(self, k: int, at: int, addr: np.ndarray, length: np.ndarray, gather: bool) -> None:
+    def adopt(self, *arrays) -> tuple:
+        """``[n]`` int64 arrays of a write (sources, destinations, lengths) as tensors on this
+        device, uploaded once per write: a chunk's tables are then slices of them, built here."""
         import torch
 
-        from transport.nvlink.kernel import choose_path
+        return tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self._torch_device) for a in arrays)
 
-        n = int(length.size)
-        rows = np.zeros((4, n), dtype=np.int64)  # [4, rows]: source, destination, bytes, staging offset
-        rows[0 if gather else 1] = addr
-        rows[2] = length
-        np.cumsum(length[:-1], out=rows[3, 1:])
-        stage_at = self.slot_ptr(k) + at
-        path = choose_path(np.concatenate([rows.ravel(), [stage_at]]))
-        self._run(torch.from_numpy(rows).to(self._torch_device), int(length.max()), path, stage_at, gather)
+    def _tensor(self, a):
+        import torch
+
+        return a if isinstance(a, torch.Tensor) else self.adopt(a)[0]
+
+    def write_head(self, k: int, header: ChunkHeader, dst_offset, dst_region, length) -> None:
+        """The header from the host, the row table copied here from the write's adopted arrays."""
+        import torch
+
+        self._put(k, header.pack())
+        n, at = header.rows, k * self.slot_bytes + CHUNK_HEADER_BYTES
+        self.buf[at: at + 8 * n].view(torch.int64).copy_(self._tensor(dst_offset))
+        self.buf[at + 8 * n: at + 12 * n].view(torch.int32).copy_(self._tensor(dst_region))
+        self.buf[at + 12 * n: at + 16 * n].view(torch.int32).copy_(self._tensor(length))
+        if self._torch_device.type == "cuda":  # in place before NIXL reads the slot
+            torch.cuda.synchronize(self._torch_device)
 
     def land(self, k: int, expect: tuple, table) -> ChunkHeader:
         """:meth:`Staging.land` with the rows read, checked and made into the kernel's row table
-        on the device: the host reads the 64-byte header and five scalars, never the rows (a
+        on the device: the host reads the 64-byte header and a few scalars, never the rows (a
         chunk that fails a check goes through the host path, which names the first bad row)."""
         import torch
-
-        from transport.nvlink.kernel import CopyPath
 
         header = ChunkHeader.parse(self._get(k, CHUNK_HEADER_BYTES), self.slot_bytes)
         _check_header(header, expect, k)
@@ -260,18 +269,38 @@ class KernelStaging(Staging):
         bad = (region != r) | (size < 0) | (offset < 0) | (length <= 0) | (offset > size - length)  # [rows]
         bad |= dev[r] != (-1 if self.device is None else self.device)
         addr = ptr[r] + offset  # [rows] absolute destinations
-        staged = torch.cumsum(length, 0) - length  # [rows] staging offsets
+        if not self._copy(k, data_start(n), addr, length, gather=False,
+                          land_if=lambda: (bad.any().long(), length.sum() - header.nbytes)):
+            return super().land(k, expect, table)  # names the first bad row (or the byte count) and raises
+        return header
+
+    def gather(self, k: int, at: int, addr, length) -> None:
+        self._copy(k, at, self._tensor(addr), self._tensor(length), gather=True)
+
+    def scatter(self, k: int, at: int, addr, length) -> None:
+        self._copy(k, at, self._tensor(addr), self._tensor(length), gather=False)
+
+    def _copy(self, k: int, at: int, addr, length, gather: bool, land_if=None) -> bool:
+        """The row kernel between the rows at ``addr`` (``[n]`` int64 here) and slot ``k`` from
+        ``at``: its row table, copy path and launch shape made here, one host read of the
+        scalars. ``land_if``: more scalars that must all be 0 for the copy to run (else False)."""
+        import torch
+
+        from transport.nvlink.kernel import CopyPath
+
+        staged = torch.cumsum(length, 0) - length  # [n] staging offsets
         bits = addr | length | staged
-        any_bad, nbytes, longest, odd16, odd8 = torch.stack([
-            bad.any().long(), length.sum(), length.max(), (bits & 15).any().long(), (bits & 7).any().long()]).tolist()
-        if any_bad or nbytes != header.nbytes:  # the host path names the first bad row and raises
-            return super().land(k, expect, table)
-        stage_at = self.slot_ptr(k) + data_start(n)
+        scalars = [length.max(), (bits & 15).any().long(), (bits & 7).any().long(), *(land_if() if land_if else ())]
+        longest, odd16, odd8, *refuse = torch.stack(scalars).tolist()
+        if any(refuse):
+            return False
+        stage_at = self.slot_ptr(k) + at
         path = (CopyPath.VEC16 if not odd16 and stage_at % 16 == 0 else
                 CopyPath.VEC8 if not odd8 and stage_at % 8 == 0 else CopyPath.BYTES)
-        rows = torch.stack([torch.zeros_like(addr), addr, length, staged])  # [4, rows] on the device
-        self._run(rows, int(longest), path, stage_at, gather=False)
-        return header
+        zeros = torch.zeros_like(addr)
+        rows = torch.stack([addr, zeros, length, staged] if gather else [zeros, addr, length, staged])  # [4, n]
+        self._run(rows, int(longest), path, stage_at, gather)
+        return True
 
     def _region_tables(self, table) -> tuple:
         """The region table's sizes, pointers and devices as int64 tensors here (cached per table:
@@ -301,12 +330,6 @@ class KernelStaging(Staging):
                 stream.synchronize()  # the bytes are in place before NIXL reads them / the notification
         else:
             scatter_rows(rows, plan, "cpu", stage=stage)
-
-    def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
-        self._launch(k, at, addr, length, gather=True)
-
-    def scatter(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
-        self._launch(k, at, addr, length, gather=False)
 
 
 def make_staging(slots: int, slot_bytes: int, device: Optional[int]) -> Staging:

@@ -135,14 +135,28 @@ class StagedTransfer(_Job):
         self.dst_region = pick(batch.dst_region)  # [n]
         self.dst_offset = pick(batch.dst_offset)  # [n]
         self.length = pick(batch.length)  # [n]
-        # [n] row i starts a source run (it does not continue row i - 1 in memory)
-        self.run_start = np.ones(self.length.size, dtype=bool)
-        self.run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
+        self._run_start: Optional[np.ndarray] = None
+        self._adopted: Optional[tuple] = None
         self.bounds = chunk_bounds(self.length, slot_bytes)  # [num_chunks + 1]
         self.seq = 0
         self.posted = 0  # chunks posted
         self.credited = 0  # chunks the receiver answered
         self.aborting = False
+
+    @property
+    def run_start(self) -> np.ndarray:
+        """``[n]`` row i starts a source run (it does not continue row i - 1 in memory)."""
+        if self._run_start is None:
+            self._run_start = np.ones(self.length.size, dtype=bool)
+            self._run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
+        return self._run_start
+
+    def adopted(self, staging: Staging) -> tuple:
+        """(sources, destination offsets, destination regions, lengths) as ``staging`` copies
+        them (on a GPU: uploaded once per write)."""
+        if self._adopted is None:
+            self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
+        return self._adopted
 
     @property
     def num_chunks(self) -> int:
@@ -298,10 +312,13 @@ class SenderLane:
         rows, nbytes = b - a, int(length.sum())
         at = data_start(rows)
         mine, theirs = self.staging.slot_ptr(slot), self.remote_ptr + slot * self.slot_bytes
-        starts = np.flatnonzero(job.run_start[a:b])  # [runs] first row of each source run (row a: always)
-        if starts.size == 0 or starts[0] != 0:
-            starts = np.concatenate(([0], starts))
-        if self.src_device is None and nbytes >= self._wire_gather_bytes * starts.size:
+        wire = False
+        if self.src_device is None:  # host: rows that follow each other in memory form runs
+            starts = np.flatnonzero(job.run_start[a:b])  # [runs] first row of each run (row a: always)
+            if starts.size == 0 or starts[0] != 0:
+                starts = np.concatenate(([0], starts))
+            wire = nbytes >= self._wire_gather_bytes * starts.size
+        if wire:
             # long source runs: the wire gathers them (a descriptor per run), no local copy
             offs = np.zeros(rows, dtype=np.int64)  # [rows] staging offsets
             np.cumsum(length[:-1], out=offs[1:])
@@ -309,11 +326,13 @@ class SenderLane:
             local = np.stack([np.append(mine, job.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
             remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
         else:
-            self.staging.gather(slot, at, job.src_addr[a:b], length)
+            src, _, _, ln = (x[a:b] for x in job.adopted(self.staging))
+            self.staging.gather(slot, at, src, ln)
             local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
             remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
-        self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes),
-                                job.dst_offset[a:b], job.dst_region[a:b], length)
+        _, dst_offset, dst_region, ln = (x[a:b] for x in job.adopted(self.staging))
+        self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes), dst_offset, dst_region,
+                                ln)
         last = job.posted + 1 == job.num_chunks
         note = Chunk(self.id, job.seq, job.posted, job.num_chunks, slot, job._notify if last and job._notify else None)
         try:

@@ -122,11 +122,16 @@ class ChunkHeader:
     rows: int
     nbytes: int
 
+    def pack(self) -> np.ndarray:
+        """The ``[64]`` uint8 header."""
+        head = np.zeros(CHUNK_HEADER_BYTES, dtype=np.uint8)
+        _HEADER.pack_into(head, 0, _HEADER_MAGIC, self.lane, self.seq, self.index, self.rows, self.nbytes)
+        return head
+
     def write(self, slot: np.ndarray, dst_offset: np.ndarray, dst_region: np.ndarray, length: np.ndarray) -> None:
         """Header and row table into the head of ``slot`` (a ``[slot_bytes]`` uint8 host view)."""
         n = self.rows
-        slot[:CHUNK_HEADER_BYTES] = 0
-        _HEADER.pack_into(slot, 0, _HEADER_MAGIC, self.lane, self.seq, self.index, n, self.nbytes)
+        slot[:CHUNK_HEADER_BYTES] = self.pack()
         at = CHUNK_HEADER_BYTES
         slot[at: at + 8 * n].view(np.int64)[:] = dst_offset
         slot[at + 8 * n: at + 12 * n].view(np.int32)[:] = dst_region
