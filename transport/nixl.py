@@ -16,6 +16,11 @@ uint64 descriptor arrays ``(address, length, device)`` (no Python loop per entry
 only after the request's data is flushed to the target, so a delivered notification means its
 bytes have landed.
 
+Staged writes (:mod:`transport.nixl_staged`, ``NixlConfig.staged``): a batch of many small
+ranges (``StagedNixlConfig.wants``) is gathered into a registered staging lane and written as
+one NIXL write per slot; the receiver scatters it in ``poll_notifications()`` before it hands
+the write's notification over. Every other batch is the one request described here.
+
 Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
 (``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
 write's time on loopback, inside the run-to-run noise of the transfer itself, and only when the
