@@ -28,7 +28,8 @@ from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_
 from transport.base import TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
 from transport.nixl_staged.sender import DeferredWrite, LaneState, StagedTransfer, chunk_bounds  # noqa: E402
-from transport.nixl_staged.wire import MAGIC, Chunk, ChunkHeader, ProtocolError, data_start, decode, encode  # noqa: E402
+from transport.nixl_staged.wire import (  # noqa: E402
+    MAGIC, Chunk, ChunkHeader, ProtocolError, data_start, decode, encode)
 
 MiB = 1 << 20
 SMALL = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64)
@@ -211,6 +212,24 @@ def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, recei
     assert isinstance(fresh, StagedTransfer)  # a new lane (a new Hello on the new endpoint)
     fresh.wait(60)
     assert rx.wait_notes(1)[-1][0] == note
+    assert_same(rx.dump(0), src, "destination after reconnecting")
+
+
+def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline(writer, receiver):
+    """Stopped before the first staged write: the lane never opens, the write FAILS at its
+    deadline; once the receiver runs again a new connect opens a fresh lane."""
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB], src_bytes=4 * MiB, seed=9, env=TCP_ONLY,
+                                        peer_loss_timeout_s=1.0)
+    peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)  # connection up, no lane yet
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    offs = np.arange(1024, dtype=np.int64) * 4096
+    tr = peer.write(wb(sid, offs, 0, offs, 4096))
+    assert isinstance(tr, StagedTransfer) and t._lanes[peer.name].state is LaneState.OPENING
+    with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
+        tr.wait(30)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    again = connect_once_drained(t, rx.export)
+    again.write(wb(sid, offs, 0, offs, 4096)).wait(60)
     assert_same(rx.dump(0), src, "destination after reconnecting")
 
 

@@ -70,7 +70,12 @@ class _Job(Transfer):
         self._status, self._error = TransferStatus.PENDING, None
         self.nbytes = batch.nbytes
         self._deadline_s = peer._transport.config.deadline_s(self.nbytes)
-        self._deadline = time.monotonic() + self._deadline_s
+        self._deadline: Optional[float] = None  # set when it starts (a queued job waits for the one before)
+
+    def start(self) -> None:
+        """It is the lane's head job now: its peer-loss deadline runs from here."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._deadline_s
 
     @property
     def error(self) -> Optional[str]:
@@ -90,7 +95,8 @@ class _Job(Transfer):
             self.lane.progress()
         if self._inner is not None:
             return self._inner.status()
-        if self._status is TransferStatus.PENDING and time.monotonic() > self._deadline:
+        late = self._deadline is not None and time.monotonic() > self._deadline
+        if self._status is TransferStatus.PENDING and late:
             self.lane.lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
                            "(peer lost or stalled)")
         return self._status
@@ -255,6 +261,8 @@ class SenderLane:
         if t._agent_or_none() is None:
             return
         t._pump()
+        if self._queue:
+            self._queue[0].start()  # also while the lane opens: a receiver that never answers fails it
         if self.state is LaneState.NEW:
             self._open()
         self._check_handles()
@@ -293,6 +301,7 @@ class SenderLane:
         starts when the head has finished."""
         while self._queue:
             job = self._queue[0]
+            job.start()
             if job.finished:
                 self._queue.popleft()
             elif isinstance(job, DeferredWrite):
