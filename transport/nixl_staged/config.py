@@ -28,13 +28,15 @@ class StagedNixlConfig:
         memory and in the chunk) average at least this many bytes is not copied into the
         staging first: its write carries a descriptor per run (NIXL moves 8 KiB ranges about as
         fast as this host copies them into staging and writes that: bench/RESULTS.md).
-    max_lanes: lanes a receiver keeps (one per sending transport and memory kind); a Hello
-        past them is refused and that sender writes direct.
+    max_lanes: lanes a receiver keeps (one per sending transport); a Hello past them is refused
+        and that sender writes direct.
 
     Memory: a lane holds ``slots * slot_bytes`` registered bytes on EACH side (defaults:
     4 x 4 MiB = 16 MiB), allocated once, at the first staged write to a peer, on the memory
-    kind of the batch (host, or the CUDA device of its regions); a receiver holds at most
-    ``max_lanes`` lanes (defaults: 16 MiB x 32 = 512 MiB at worst).
+    kind of that write (host, or the CUDA device of its regions). A receiver grants lanes of
+    at most its own ``slots * slot_bytes`` and keeps at most ``max_lanes`` of them (defaults:
+    16 MiB x 32 = 512 MiB at worst); a lane lives until its sender opens a new one (after a
+    loss) or the receiving transport closes.
     """
 
     enabled: bool = True

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
 from transport.base import Notification
 from transport.nixl_staged.copy import Staging, make_staging
 from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, Welcome, encode
