@@ -335,7 +335,7 @@ class NixlPeer(Peer):
         if notif.startswith(staged_wire.MAGIC):
             raise ValueError(f"notify must not start with {staged_wire.MAGIC!r} (reserved for staged writes)")
         lane = transport._lanes.get(self.name)
-        if len(batch) and transport.config.staged.wants(batch.length):
+        if len(batch) and transport.config.staged.wants(batch):
             kinds = self._kinds(batch)
             if kinds is not None and (lane is None or (lane.matches(*kinds) and lane.state is not LaneState.REFUSED)):
                 lane = lane or transport._open_lane(self, *kinds)

@@ -248,9 +248,12 @@ def test_a_killed_receiver_fails_the_staged_write(writer, receiver):
 
 def test_config_rule_and_validation():
     cfg = StagedNixlConfig()
-    assert cfg.wants(np.full(1024, 1024)) and not cfg.wants(np.full(1023, 1024))
-    assert not cfg.wants(np.append(np.full(2000, 256), 32768))
-    assert not StagedNixlConfig(enabled=False).wants(np.full(4096, 256))
+    def rows(length):
+        return WriteBatch.of(0, np.arange(len(length)) * 65536, 0, np.arange(len(length)) * 65536, length)
+
+    assert cfg.wants(rows(np.full(1024, 1024))) and not cfg.wants(rows(np.full(1023, 1024)))
+    assert not cfg.wants(rows(np.append(np.full(2000, 256), 32768)))
+    assert not StagedNixlConfig(enabled=False).wants(rows(np.full(4096, 256)))
     assert cfg.lane_bytes == 16 * MiB
     with pytest.raises(ValueError, match="slots must be an int >= 2, got 1"):
         StagedNixlConfig(slots=1)

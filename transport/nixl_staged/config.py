@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 __all__ = ["StagedNixlConfig", "CHUNK_HEADER_BYTES", "ROW_TABLE_BYTES"]
 
 CHUNK_HEADER_BYTES = 64  # a chunk's header in its staging slot (transport.nixl_staged.wire)
@@ -69,7 +67,9 @@ class StagedNixlConfig:
         """Registered staging bytes of one lane on each side."""
         return self.slots * self.slot_bytes
 
-    def wants(self, length: np.ndarray) -> bool:
-        """Whether a batch whose ranges have these lengths (``[n]`` int64) goes staged: at
-        least ``min_rows`` ranges, none longer than ``max_row_bytes``."""
+    def wants(self, batch) -> bool:
+        """Whether a :class:`~transport.base.WriteBatch` goes staged: at least ``min_rows``
+        ranges, none longer than ``max_row_bytes`` (the transport also needs each side's ranges
+        on one memory)."""
+        length = batch.length  # [n]
         return self.enabled and length.size >= self.min_rows and int(length.max()) <= self.max_row_bytes
