@@ -344,6 +344,9 @@ class NixlPeer(Peer):
                 order = None if same else np.argsort(batch.length, kind="stable")  # equal lengths side by side
                 return self._queued(lane, StagedTransfer(self, batch, notif, src_addr, order, lane.slot_bytes))
         if lane is not None and lane.busy:  # behind a staged write still posting: keep the order
+            if len(batch) and self._kinds(batch) is None:  # the ValueError now, not when its turn comes
+                transport._table().descs(batch.src_region, batch.src_offset, batch.length, "source")
+                self._table.descs(batch.dst_region, batch.dst_offset, batch.length, "destination")
             return self._queued(lane, DeferredWrite(self, batch, notif))
         return self._direct(batch, notif)
 
