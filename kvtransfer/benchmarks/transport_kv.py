@@ -165,7 +165,7 @@ def run_kv(args, tools) -> list[dict]:
                                         np.random.default_rng(2).permutation(blocks), np.full(n_blocks, args.block))
             paths["blocks"] = (t, peer, block_batch)  # through the direct transport (so are a few large ranges)
             writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
-            _check(kv, host_src, total, writes, block_batch, receiver, tools)
+            _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
             staged_t, staged_peer, _ = paths["staged"]
             lane = staged_t._lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
@@ -188,10 +188,11 @@ def run_kv(args, tools) -> list[dict]:
     return rows
 
 
-def _check(kv: KvBatch, host_src: np.ndarray, total: int, writes: dict, block_batch: WriteBatch, receiver,
-           tools) -> None:
-    """Each path once, in turn, the destination's digest against the reference (it starts as ones)."""
-    want = np.ones(total, dtype=np.uint8)  # [total]
+def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dict, block_batch: WriteBatch,
+           receiver, tools) -> None:
+    """Each path once, in turn, the destination's digest against the reference (the receiver's
+    buffer starts as ``fill``: ones on the host, zeros on a GPU)."""
+    want = np.full(total, fill, dtype=np.uint8)  # [total]
     blocks = KvBatch(0, 0, block_batch.src_offset, block_batch.dst_offset, block_batch.length)
     for name, ref in (("staged", kv), ("blocks", blocks), ("direct", kv)):
         writes[name]()
