@@ -1,5 +1,5 @@
-"""The ``kvtransfer`` command: ``demo``, ``bench NAME [--record]``, ``layouts``, ``bootstrap``,
-``generate``.
+"""The ``kvtransfer`` command: ``demo``, ``serve``, ``router``, ``generate``, ``transfer-demo``,
+``bench NAME [--record]``, ``layouts``, ``bootstrap``.
 
 ``kvtransfer bench NAME --record ...`` runs the benchmark and, when it succeeds, rewrites its
 section of bench/RESULTS.md (machine, date, command line, the table it printed).
@@ -13,7 +13,8 @@ import pkgutil
 import sys
 
 
-_MODULES = {"bootstrap": "kvtransfer.control.bootstrap"}  # commands whose module is not kvtransfer.<command>
+_MODULES = {"bootstrap": "kvtransfer.control.bootstrap", "transfer-demo": "kvtransfer.transfer_demo", "serve": "kvtransfer.serve.node",
+            "router": "kvtransfer.serve.router"}  # commands whose module is not kvtransfer.<command>
 
 
 def _bench_names() -> list[str]:
@@ -26,11 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="kvtransfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="local prefill -> decode demo", add_help=False)
+    sub.add_parser("demo", help="router + prefill, decode and colocated nodes on this machine: real text "
+                   "from transferred KV, checked", add_help=False)
+    sub.add_parser("transfer-demo", help="one request's KV from prefill ranks to decode ranks (no model)",
+                   add_help=False)
     sub.add_parser("layouts", help="print pool layouts for a few model shapes", add_help=False)
     sub.add_parser("bootstrap", help="run the bootstrap service (prefill ranks register, decode finds them)",
                    add_help=False)
     sub.add_parser("generate", help="colocated greedy generation with a model (--model, --tp, --prompt)",
+                   add_help=False)
+    sub.add_parser("serve", help="a prefill, decode or colocated node over HTTP (--role, --model, --port)",
+                   add_help=False)
+    sub.add_parser("router", help="the OpenAI-compatible router in front of prefill and decode nodes",
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_bench_names()), add_help=False)
     bench.add_argument("name", nargs="?", choices=_bench_names())
@@ -44,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if "--record" in rest:
             from kvtransfer.benchmarks._results import run_recorded
 
-            return run_recorded(args.name, module.main, [a for a in rest if a != "--record"])
+            argv = [a for a in rest if a != "--record"]
+            title = getattr(module, "record_title", lambda argv: None)(argv)  # a section per variant
+            return run_recorded(args.name, module.main, argv, title=title)
         return int(module.main(rest) or 0)
     module = importlib.import_module(_MODULES.get(args.command, f"kvtransfer.{args.command}"))
     return int(module.main(rest) or 0)

@@ -1,273 +1,271 @@
-"""``kvtransfer demo``: one request's KV cache from prefill ranks to decode ranks, for real.
+"""``kvtransfer demo``: disaggregated serving on this machine, end to end, checked.
 
-Separate processes: ``--prefill-tp`` prefill ranks and ``--decode-tp`` decode ranks, each
-with its own MHA pool on the CPU (page sizes may differ between the sides) and its own NIXL
-(UCX) transport over loopback. The parent process only relays the handshake:
+Starts a prefill node (SmolLM2, TP 3, pages of 16 tokens), a decode node (TP 1, pages of 64),
+the router in front of them, and a colocated node (TP 1) as the reference; sends a handful of
+real prompts through the router; prints each prompt, its completion, the KV bytes moved, the
+transfer time and rate; and compares every completion with the colocated node's. The router
+checks each request's KV layer by layer (the digests of what prefill computed against what
+decode received). Exits 0 only if every completion is equal and every KV check passed.
 
-1. every decode rank reserves pages for the request, registers its K/V buffers and sends
-   (layout, transport export, destination slots);
-2. every prefill rank fills its pool with its head shard of a deterministic "model" KV
-   (a seeded random tensor per layer), registers its buffers and sends its layout;
-3. for each decode rank, the prefill ranks that write into it (``senders_for``) plan the
-   transfer (``plan_kv_transfer``) and write it with one batched write and a notification
-   (``kvtransfer.batches.write_plan``: buffer numbers to region ids through both sides'
-   :class:`~kvtransfer.batches.BufferRegions`);
-4. each decode rank waits for its senders' notifications, then compares its whole pool
-   region for the request against its own shard of the same seeded reference.
+    kvtransfer demo                                  # SmolLM2, float32 on the CPU
+    kvtransfer demo --model mla-tiny                 # MLA pools (prefill TP 2 -> decode TP 1)
+    kvtransfer demo --model hybrid-tiny --prefill-tp 1 --decode-tp 2
 
-A table of bytes, entries before coalescing (one per token per buffer, as a per-token
-design would issue) and after, plan and transfer times, and GB/s is printed.
+Every process it starts is in a process group of its own and is gone when it exits, also on
+Ctrl-C; their logs go to a temporary folder, named when something fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
-import traceback
 from dataclasses import dataclass
+from typing import List, Optional
 
-import numpy as np
+from kvtransfer._args import positive_int
 
-from kvtransfer._procs import Child
-
-HANDSHAKE_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    prefill_tp: int = 2
-    decode_tp: int = 1
-    total_heads: int = 8
-    head_dim: int = 128
-    layers: int = 16
-    tokens: int = 2048
-    prefill_page_size: int = 16
-    decode_page_size: int = 64
-    dtype: str = "bfloat16"
-    seed: int = 1234
-    progress_thread: bool = False
-
-    def validate(self) -> None:
-        for name in ("prefill_tp", "decode_tp", "total_heads", "head_dim", "layers", "tokens",
-                     "prefill_page_size", "decode_page_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("prefill_tp", "decode_tp"):
-            tp = getattr(self, name)
-            h = self.total_heads
-            if not (h % tp == 0 or tp % h == 0):
-                raise ValueError(f"--{name.replace('_', '-')}={tp} and --total-heads={h}: one must divide the other")
+PROMPTS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "What is 12 plus 30?",
+    "Name three colors of the rainbow.",
+    "Say hello in Spanish.",
+)
+HEALTH_POLL_S = 0.25
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def local_heads(total_heads: int, tp_rank: int, tp_size: int) -> slice:
-    """Heads of rank ``tp_rank``, by the one TP sharding rule (``kvtransfer.layout.shard_units``):
-    a contiguous range, or one replicated head when TP > heads."""
-    from kvtransfer.layout import shard_units
+class Server:
+    """One ``kvtransfer serve`` / ``router`` process in its own process group, its log in a file."""
 
-    held = shard_units(total_heads, tp_rank, tp_size).units
-    return slice(held.start, held.stop)
+    def __init__(self, name: str, args: List[str], logdir: str, port: int):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(logdir, f"{name.replace(' ', '-')}.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
+    def tail(self, lines: int = 3) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
 
-def reference_kv(cfg: DemoConfig, layer: int, which: int):
-    """The 'model' output: full K (which=0) or V (which=1) of one layer, [tokens, heads, head_dim]."""
-    import torch
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM to its process group): it stops its ranks and exits."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + layer * 2 + which)
-    full = torch.randn(cfg.tokens, cfg.total_heads, cfg.head_dim, generator=g)  # [tokens, H, D]
-    return full.to(_torch_dtype(cfg.dtype))
-
-
-def _make_rank(cfg: DemoConfig, tp_rank: int, tp_size: int, page_size: int):
-    """Pool, allocator and transport of one rank; the request's slots on it; its layout."""
-    import torch
-
-    from kvtransfer.batches import BufferRegions
-    from kvtransfer.layout import RankLayout
-    from pools.allocator import PagedTokenToKVPoolAllocator
-    from pools.mha import MHATokenToKVPool
-    from transport.nixl import NixlConfig, NixlTransport
-
-    heads = local_heads(cfg.total_heads, tp_rank, tp_size)
-    # Room for twice the request, so its pages land at scattered places of the pool.
-    num_pages = 2 * -(-cfg.tokens // page_size) + 1
-    size = num_pages * page_size
-    pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=_torch_dtype(cfg.dtype),
-                            head_num=heads.stop - heads.start, head_dim=cfg.head_dim,
-                            layer_num=cfg.layers, device="cpu")
-    alloc = PagedTokenToKVPoolAllocator(size, page_size, device="cpu")
-    # Take every page, give back a random half: the request gets scattered pages.
-    rng = np.random.default_rng(cfg.seed + 7919 * tp_rank + page_size)
-    all_slots = alloc.alloc(alloc.available_size())
-    pages = all_slots.view(-1, page_size)  # [num_pages, page_size]
-    order = torch.from_numpy(rng.permutation(pages.shape[0]))
-    need = -(-cfg.tokens // page_size)
-    alloc.free(pages[order[need:]].reshape(-1))
-    slots = pages[order[:need]].reshape(-1)[: cfg.tokens]  # [tokens]
-    layout = RankLayout.from_pools(pool, tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=cfg.total_heads)
-    transport = NixlTransport(NixlConfig(progress_thread=cfg.progress_thread))
-    regions = BufferRegions.register(transport, pool.get_contiguous_buf_infos())
-    return pool, slots, layout, transport, regions, heads
+    def stop(self, wait_s: float = 10.0) -> None:
+        """:meth:`terminate`, wait up to ``wait_s``, then SIGKILL whatever is left of the group."""
+        self.terminate()
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the group's other members (rank processes) too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
 
 
-def _prefill_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
-    from kvtransfer.batches import BufferRegions, plan_batch, write_batch
-    from kvtransfer.layout import RankLayout
-    from kvtransfer.plan import plan_kv_transfer
-
-    pool, slots, layout, transport, regions, heads = _make_rank(cfg, tp_rank, cfg.prefill_tp, cfg.prefill_page_size)
-    with transport:
-        for layer in range(cfg.layers):  # "run the prompt": store this rank's heads
-            pool.set_kv_buffer(layer, slots, reference_kv(cfg, layer, 0)[:, heads], reference_kv(cfg, layer, 1)[:, heads])
-        conn.send(("ready", layout.to_msgpack(), slots.numpy()))
-        rows = []
-        while True:
-            msg = conn.recv()
-            if msg[0] == "done":
-                break
-            _, decode_rank, dst_layout_bytes, peer_bytes, dst_regions, dst_slots = msg
-            dst_layout = RankLayout.from_msgpack(dst_layout_bytes)
-            dst_regions = BufferRegions.from_wire(dst_regions)
-            t0 = time.perf_counter()
-            plan = plan_kv_transfer(layout, dst_layout, slots.numpy(), dst_slots)
-            t1 = time.perf_counter()
-            batch = plan_batch(plan, regions, dst_regions)
-            t2 = time.perf_counter()
-            peer = transport.connect(peer_bytes)
-            t3 = time.perf_counter()
-            write_batch(peer, batch, notify=f"prefill{tp_rank}".encode()).wait(timeout=HANDSHAKE_TIMEOUT_S)
-            t4 = time.perf_counter()
-            peer.close()
-            rows.append(dict(prefill=tp_rank, decode=decode_rank, nbytes=batch.nbytes,
-                             per_token=plan.num_token_entries, factored=f"{plan.num_pairs}x{plan.num_runs}",
-                             entries=plan.num_entries,
-                             plan_ms=(t1 - t0) * 1e3, batch_ms=(t2 - t1) * 1e3,
-                             write_ms=(t4 - t3) * 1e3))
-        conn.send(("stats", rows))
+def stop_all(servers) -> None:
+    """Stop servers together: every one is asked first, then each is waited for."""
+    servers = list(servers)
+    for s in servers:
+        s.terminate()
+    for s in servers:
+        s.stop()
 
 
-def _decode_rank(cfg: DemoConfig, tp_rank: int, conn) -> None:
-    import torch
-
-    pool, slots, layout, transport, regions, heads = _make_rank(cfg, tp_rank, cfg.decode_tp, cfg.decode_page_size)
-    with transport:
-        conn.send(("ready", layout.to_msgpack(), transport.export(), regions.to_wire(), slots.numpy()))
-        expected = conn.recv()  # the prefill ranks that write here
-        got, deadline = set(), time.monotonic() + HANDSHAKE_TIMEOUT_S
-        while got != expected:
-            got.update(int(n.payload.decode().removeprefix("prefill")) for n in transport.poll_notifications())
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"decode rank {tp_rank}: notifications from {sorted(got)}, expected {sorted(expected)}")
-            time.sleep(1e-3)
-        bad = 0
-        for layer in range(cfg.layers):
-            k, v = pool.get_kv_buffer(layer)
-            for which, buf in ((0, k), (1, v)):
-                want = reference_kv(cfg, layer, which)[:, heads]  # [tokens, local heads, D]
-                bad += int((buf[slots] != want).any(dim=-1).sum())
-        untouched = torch.ones(pool.size + pool.page_size, dtype=torch.bool)
-        untouched[slots] = False
-        stray = int(sum(bool(pool.get_kv_buffer(layer)[0][untouched].any()) for layer in range(cfg.layers)))
-        conn.send(("verified", bad, stray))
+class DemoFailed(RuntimeError):
+    pass
 
 
-def _child(conn, role: str, cfg: DemoConfig, tp_rank: int) -> None:
-    try:
-        (_prefill_rank if role == "prefill" else _decode_rank)(cfg, tp_rank, conn)
-    except BaseException as exc:  # report to the parent, never die silently
-        conn.send(("error", f"{role} rank {tp_rank}: {exc!r}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
+async def _wait_ready(client, servers: List[Server], timeout_s: float, start: float) -> None:
+    """Poll every server's /health until it answers 200; print each as it becomes ready."""
+    pending = list(servers)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for s in list(pending):
+            if s.proc.poll() is not None:
+                raise DemoFailed(f"the {s.name} exited with status {s.proc.returncode}: {s.tail()}")
+            try:
+                if (await client.get(f"{s.url}/health", timeout=2.0)).status_code == 200:
+                    pending.remove(s)
+                    print(f"  {s.name:<15} ready at {s.url} ({time.monotonic() - start:.1f} s)", flush=True)
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"not ready within {timeout_s:g} s: {', '.join(s.name for s in pending)} "
+                             f"({pending[0].tail()})")
+        await asyncio.sleep(HEALTH_POLL_S)
 
 
-def _recv(child, what: str):
-    """The next message of ``child`` (a :class:`~kvtransfer._procs.Child`); one that died or
-    did not answer raises ChildFailed naming its rank and how it ended."""
-    msg = child.recv(tuple, what, HANDSHAKE_TIMEOUT_S)
-    if msg[0] == "error":
-        raise RuntimeError(msg[1])
-    return msg
+@dataclass
+class Outcome:
+    prompt: str
+    text: Optional[str] = None
+    reference: Optional[str] = None
+    extra: Optional[dict] = None
+    error: Optional[str] = None
 
 
-def run(cfg: DemoConfig) -> int:
-    from kvtransfer.layout import RankLayout
-    from kvtransfer.plan import senders_for
-
-    cfg.validate()
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # children inherit: keep the table readable
-    ranks = {}
-    for role, tp in (("decode", cfg.decode_tp), ("prefill", cfg.prefill_tp)):
-        for r in range(tp):
-            ranks[role, r] = Child.spawn(_child, (role, cfg, r), name=f"{role} rank {r}")
-    try:
-        t0 = time.perf_counter()
-        decode = {r: _recv(ranks["decode", r], "its handshake") for r in range(cfg.decode_tp)}
-        prefill = {r: _recv(ranks["prefill", r], "its handshake") for r in range(cfg.prefill_tp)}
-        RankLayout.from_msgpack(prefill[0][1]).check_compatible(RankLayout.from_msgpack(decode[0][1]))
-        for d, (_, layout_bytes, export, dst_regions, dst_slots) in decode.items():
-            senders = senders_for(RankLayout.from_msgpack(layout_bytes), cfg.prefill_tp)
-            ranks["decode", d].send(set(senders))
-            for p in senders:
-                ranks["prefill", p].send(("write", d, layout_bytes, export, dst_regions, dst_slots))
-        verdicts = {d: _recv(ranks["decode", d], "its verification") for d in range(cfg.decode_tp)}
-        for p in range(cfg.prefill_tp):
-            ranks["prefill", p].send(("done",))
-        stats = [row for p in range(cfg.prefill_tp) for row in _recv(ranks["prefill", p], "its stats")[1]]
-        wall = time.perf_counter() - t0
-    finally:
-        for child in ranks.values():
-            child.stop()
-    return _report(cfg, stats, verdicts, wall)
+async def _ask(client, url: str, prompt: str, max_tokens: int, verify: bool) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+    if verify:
+        body["kvtransfer"] = {"verify": True}
+    resp = await client.post(f"{url}/v1/chat/completions", json=body, timeout=600.0)
+    data = resp.json()
+    if resp.status_code != 200:
+        raise DemoFailed(data.get("error", {}).get("message", resp.text))
+    return data
 
 
-def _report(cfg: DemoConfig, stats: list, verdicts: dict, wall: float) -> int:
-    print(f"kvtransfer demo: MHA {cfg.layers} layers x K,V, {cfg.total_heads} KV heads x {cfg.head_dim} {cfg.dtype}, "
-          f"{cfg.tokens} tokens; prefill TP {cfg.prefill_tp} (page {cfg.prefill_page_size}) -> "
-          f"decode TP {cfg.decode_tp} (page {cfg.decode_page_size}); NIXL/UCX over loopback, CPU memory")
-    head = (f"{'prefill':>7} {'decode':>6} {'MiB':>8} {'per-token':>10} {'pairs x runs':>12} {'ranges':>9} "
-            f"{'plan ms':>8} {'batch ms':>8} {'write ms':>9} {'GB/s':>6}")
-    print(head)
-    print("-" * len(head))
-    for s in sorted(stats, key=lambda s: (s["decode"], s["prefill"])):
-        gbps = s["nbytes"] / (s["write_ms"] * 1e-3) / 1e9
-        print(f"{s['prefill']:>7} {s['decode']:>6} {s['nbytes'] / 2**20:>8.1f} {s['per_token']:>10,} {s['factored']:>12} {s['entries']:>9,} "
-              f"{s['plan_ms']:>8.2f} {s['batch_ms']:>8.2f} {s['write_ms']:>9.1f} {gbps:>6.2f}")
-    ok = True
-    for d, (_, bad, stray) in sorted(verdicts.items()):
-        good = bad == 0 and stray == 0
-        ok &= good
-        print(f"decode rank {d}: {'OK' if good else 'MISMATCH'} — {bad} token rows differ from the reference, "
-              f"{stray} layers with bytes outside the request's slots")
-    print(f"{'all decode ranks match the reference' if ok else 'FAILED'} ({wall:.1f} s end to end, processes included)")
-    return 0 if ok else 1
+async def _run(args, servers: dict, start: float) -> int:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        print("starting the nodes (first use also dequantizes SmolLM2 once, ~15 s):", flush=True)
+        await _wait_ready(client, [servers["prefill"], servers["decode"], servers["colocated"]],
+                          args.startup_timeout, start)
+        await _wait_ready(client, [servers["router"]], 60.0, start)
+        prompts = list(PROMPTS[:args.prompts])
+        print(f"\nsending {len(prompts)} chat requests through the router and to the colocated node "
+              f"(greedy, {args.max_tokens} new tokens at most):\n", flush=True)
+        outcomes = [Outcome(p) for p in prompts]
+
+        async def one(o: Outcome):
+            try:
+                disagg, colo = await asyncio.gather(_ask(client, servers["router"].url, o.prompt, args.max_tokens, True),
+                                                    _ask(client, servers["colocated"].url, o.prompt, args.max_tokens,
+                                                         False))
+                o.text, o.extra = disagg["choices"][0]["message"]["content"], disagg["kvtransfer"]
+                o.reference = colo["choices"][0]["message"]["content"]
+            except (DemoFailed, httpx.HTTPError) as exc:
+                o.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DemoFailed) else str(exc)
+
+        await asyncio.gather(*(one(o) for o in outcomes))
+    return _report(args, outcomes, start)
 
 
-def main(argv: list[str] | None = None) -> int:
-    d = DemoConfig()
+def _report(args, outcomes: List[Outcome], start: float) -> int:
+    same = 0
+    kv_bytes, transfer_s = 0, []
+    for i, o in enumerate(outcomes, 1):
+        print(f"[{i}] {o.prompt}")
+        if o.error:
+            print(f"    FAILED: {o.error}\n")
+            continue
+        x = o.extra
+        print(f"    {o.text!r}")
+        rate = x["kv_bytes"] / x["transfer_s"] / 1e9 if x["transfer_s"] > 0 else 0.0
+        match = o.text == o.reference
+        same += match
+        kv_bytes += x["kv_bytes"]
+        transfer_s.append(x["transfer_s"])
+        print(f"    KV {x['kv_bytes'] / 2**20:.2f} MiB in {x['transfer_s'] * 1e3:.1f} ms ({rate:.2f} GB/s), "
+              f"verified {x['layers']} layers bit for bit; "
+              f"{'same as the colocated node' if match else 'DIFFERS from the colocated node: ' + repr(o.reference)}\n")
+    n = len(outcomes)
+    print(f"{same} of {n} completions equal the colocated node's; "
+          f"{sum(o.error is None for o in outcomes)} of {n} requests' KV verified layer by layer")
+    if transfer_s:
+        transfer_s.sort()
+        print(f"KV moved: {kv_bytes / 2**20:.2f} MiB in {len(transfer_s)} transfers, median "
+              f"{transfer_s[len(transfer_s) // 2] * 1e3:.1f} ms; {args.model} prefill TP {args.prefill_tp} (pages of "
+              f"{args.prefill_page_size}) -> decode TP {args.decode_tp} (pages of {args.decode_page_size}), "
+              f"{args.dtype} on {args.device}, transport {args.transport}")
+    print(f"done in {time.monotonic() - start:.1f} s")
+    return 0 if same == n else 1
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtransfer demo", description=__doc__.split("\n\n")[0])
-    for name in ("prefill_tp", "decode_tp", "total_heads", "head_dim", "layers", "tokens",
-                 "prefill_page_size", "decode_page_size", "seed"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    ap.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--progress-thread", action="store_true", help="run NIXL's progress thread")
-    args = ap.parse_args(argv)
-    cfg = DemoConfig(**vars(args))
+    ap.add_argument("--model", default="smollm2", help="smollm2, mla-tiny or hybrid-tiny")
+    ap.add_argument("--prefill-tp", type=positive_int, default=None, help="default: 3 for smollm2, else 2")
+    ap.add_argument("--decode-tp", type=positive_int, default=1)
+    ap.add_argument("--prefill-page-size", type=positive_int, default=16)
+    ap.add_argument("--decode-page-size", type=positive_int, default=64)
+    ap.add_argument("--prompts", type=positive_int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
+    ap.add_argument("--max-tokens", type=positive_int, default=24)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"), help="the KV transport")
+    ap.add_argument("--prefill-gpu", type=int, default=0, help="CUDA: prefill rank r on GPU (this + r) %% GPUs")
+    ap.add_argument("--decode-gpu", type=int, default=1, help="CUDA: decode rank r on GPU (this + r) %% GPUs; "
+                    "the colocated node uses the prefill's")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    args.prefill_tp = args.prefill_tp or (3 if args.model == "smollm2" else 2)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.prompts = min(args.prompts, len(PROMPTS))
+    from kvtransfer.models import registry
+
+    try:  # bad input is one line here, before any process starts
+        config = registry.load_config(registry.parse_name(args.model))
+        for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+            try:
+                config.check_tp(tp)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvtransfer demo: error: {exc}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    ports = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
+    logdir = tempfile.mkdtemp(prefix="kvtransfer-demo-")
+    print(f"kvtransfer demo: {args.model} {args.dtype} on {args.device}; prefill TP {args.prefill_tp} (pages of "
+          f"{args.prefill_page_size}) -> decode TP {args.decode_tp} (pages of {args.decode_page_size}), "
+          f"a colocated node as the reference; logs in {logdir}", flush=True)
+    servers: dict = {}
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
     try:
-        return run(cfg)
-    except (ValueError, TimeoutError, RuntimeError) as exc:
-        print(f"kvtransfer demo failed: {exc}", file=sys.stderr)
+        servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
+                                    "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
+                                    "--bootstrap-port", str(ports["bootstrap"]), "--gpu", str(args.prefill_gpu)],
+                                    logdir, ports["prefill"])
+        servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
+                                   "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),
+                                   "--gpu", str(args.decode_gpu)], logdir, ports["decode"])
+        servers["colocated"] = Server("colocated node", ["serve", "--role", "colocated", *common, "--port",
+                                      str(ports["colocated"]), "--gpu", str(args.prefill_gpu)], logdir,
+                                      ports["colocated"])
+        servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
+                                   servers["decode"].url, "--port", str(ports["router"]), "--verify-kv",
+                                   "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
+        return asyncio.run(_run(args, servers, start))
+    except DemoFailed as exc:
+        print(f"kvtransfer demo: failed: {exc} (logs in {logdir})", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    except KeyboardInterrupt:
+        print("kvtransfer demo: interrupted; stopping what it started", file=sys.stderr)
+        return 130
+    finally:
+        stop_all(servers.values())
+        signal.signal(signal.SIGTERM, old)

@@ -1,10 +1,12 @@
-"""A receiver process holding registered GPU buffers: the far end of two-process GPU checks.
+"""A receiver process holding registered buffers: the far end of two-process checks.
 
-Benchmarks (``kvtransfer bench nvlink``) and the GPU tests write into another process's GPU
-memory through a real transport. :class:`RemoteBuffers` spawns that process on one GPU with a
+Benchmarks (``kvtransfer bench nvlink``, ``kvtransfer bench transfer``) and the GPU tests write
+into another process's memory through a real transport. :class:`RemoteBuffers` spawns that
+process, its buffers on one GPU or in host memory (``device=None``, nixl backends only), with a
 transport per backend asked for (every backend registers every buffer, so region ids agree)
 and drives it through a pipe of typed messages: one frozen dataclass per request, answered by
-a :class:`_Reply`. Needs torch and CUDA in the child; nothing here runs on import.
+a :class:`_Reply`. Needs torch in the child (and CUDA for GPU buffers); nothing here runs on
+import.
 """
 
 from __future__ import annotations
@@ -16,11 +18,54 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["RemoteBuffers", "checksums", "make_transport"]
+__all__ = ["RemoteBuffers", "checksums", "digest", "make_transport", "nixl_direct_config", "nixl_staged_config"]
+
+BACKENDS = ("nvlink", "nixl", "nixl-staged")
+
+
+def _nixl_config(staged: bool):
+    """A ``NixlConfig`` with the backend's staged mode on (``staged``) or off, or None when
+    ``staged`` is asked of a build without one. Recognised: a ``staged`` field holding a config
+    with ``enabled`` (thresholds named ``min_*`` set to 1, so any batch may stage), or an
+    ``engine`` field with ``NixlEngine.STAGED`` / ``NixlEngine.DIRECT``."""
+    import dataclasses
+
+    from transport import nixl
+
+    fields = {f.name for f in dataclasses.fields(nixl.NixlConfig)}
+    if "staged" in fields:
+        cfg = nixl.NixlConfig().staged
+        names = {f.name for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else set()
+        if "enabled" in names:
+            changes = {"enabled": staged}
+            if staged:
+                changes.update({n: 1 for n in names if n.startswith("min_")})
+            return nixl.NixlConfig(staged=dataclasses.replace(cfg, **changes))
+    engines = getattr(nixl, "NixlEngine", None)
+    if "engine" in fields and engines is not None:
+        engine = getattr(engines, "STAGED" if staged else "DIRECT", None)
+        if engine is not None:
+            return nixl.NixlConfig(engine=engine)
+    return None if staged else nixl.NixlConfig()
+
+
+def nixl_staged_config():
+    """The ``NixlConfig`` of the nixl backend with its staged mode on (gather into a staging
+    buffer, a few large writes, scatter at the receiver; the backend still sends a batch of long
+    rows direct), or None when this build of the backend has no staged mode."""
+    return _nixl_config(staged=True)
+
+
+def nixl_direct_config():
+    """The ``NixlConfig`` of the nixl backend writing every batch as its own descriptors (the
+    staged mode, where the backend has one, off)."""
+    return _nixl_config(staged=False)
 
 
 def make_transport(backend: str, ipc_api: str = "auto"):
-    """A transport of ``backend`` ("nvlink" or "nixl") with default settings."""
+    """A transport of ``backend``: "nvlink" (default settings), "nixl" (:func:`nixl_direct_config`:
+    every range its own descriptor) or "nixl-staged" (:func:`nixl_staged_config`; ``ValueError``
+    when the backend has no staged mode)."""
     if backend == "nvlink":
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
@@ -28,8 +73,15 @@ def make_transport(backend: str, ipc_api: str = "auto"):
     if backend == "nixl":
         from transport.nixl import NixlTransport
 
-        return NixlTransport()
-    raise ValueError(f"backend must be 'nvlink' or 'nixl', got {backend!r}")
+        return NixlTransport(nixl_direct_config())
+    if backend == "nixl-staged":
+        from transport.nixl import NixlTransport
+
+        config = nixl_staged_config()
+        if config is None:
+            raise ValueError("this nixl backend has no staged mode")
+        return NixlTransport(config)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
@@ -54,6 +106,14 @@ def checksums(bufs: dict, region: np.ndarray, offset: np.ndarray, length: np.nda
         weights = torch.arange(words.numel(), device=buf.device, dtype=torch.int64) % 65521 + 1
         out.append(int((words.view(-1) * weights).sum()))
     return out
+
+
+def digest(buf) -> str:
+    """SHA-256 of a uint8 tensor's bytes (a CUDA tensor is copied to the host first): exact,
+    and faster than :func:`checksums` on host memory."""
+    import hashlib
+
+    return hashlib.sha256(memoryview(buf.cpu().numpy())).hexdigest()
 
 
 # -- the messages ----------------------------------------------------------------------------
@@ -88,6 +148,16 @@ class _Fetch:
 
 
 @dataclass(frozen=True)
+class _Free:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
+class _Digest:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
 class _Checksum:
     region: np.ndarray
     offset: np.ndarray
@@ -108,16 +178,20 @@ class _Reply:
 class _Child:
     """The receiving process's state: transports, buffers, notifications seen."""
 
-    def __init__(self, device: int, backends: tuple, ipc_api: str):
+    def __init__(self, device: Optional[int], backends: tuple, ipc_api: str):
         import torch
 
-        self.torch, self.device, self.backends = torch, device, backends
-        torch.cuda.set_device(device)
+        self.torch, self.backends = torch, backends
+        self.device = "cpu" if device is None else device
+        if device is not None:
+            torch.cuda.set_device(device)
         self.transports = {b: make_transport(b, ipc_api) for b in backends}
         self.bufs: dict = {}  # region id (the same in every transport) -> uint8 tensor
         self.seen: list = []  # notifications not yet waited for
 
-    def answer(self, msg) -> Any:
+    def answer(self, msg, interrupted=lambda: False) -> Any:
+        """The reply to ``msg``; a wait for a notification also ends (None) once
+        ``interrupted()`` says the next request has come."""
         torch = self.torch
         if isinstance(msg, _Alloc):
             rids = []
@@ -134,25 +208,35 @@ class _Child:
         if isinstance(msg, _Fill):
             for r in msg.region_ids:
                 self.bufs[r].fill_(msg.fill)
-            torch.cuda.synchronize(self.device)
+            if self.device != "cpu":
+                torch.cuda.synchronize(self.device)
             return None
         if isinstance(msg, _WaitNotify):
-            return self.wait_notify(msg.payload, msg.timeout_s)
+            return self.wait_notify(msg.payload, msg.timeout_s, interrupted)
         if isinstance(msg, _Fetch):
             return [self.bufs[r].cpu().numpy() for r in msg.region_ids]
+        if isinstance(msg, _Free):
+            for r in msg.region_ids:
+                for t in self.transports.values():
+                    t.deregister(r)
+                del self.bufs[r]
+            return None
+        if isinstance(msg, _Digest):
+            return [digest(self.bufs[r]) for r in msg.region_ids]
         if isinstance(msg, _Checksum):
             return checksums(self.bufs, msg.region, msg.offset, msg.length)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
-    def wait_notify(self, payload: bytes, timeout_s: float) -> Optional[str]:
-        """The sender of the first notification carrying ``payload`` (None: none in time)."""
+    def wait_notify(self, payload: bytes, timeout_s: float, interrupted=lambda: False) -> Optional[str]:
+        """The sender of the first notification carrying ``payload`` (None: none in time, or
+        ``interrupted()``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             for note in self.seen:
                 if note.payload == payload:
                     self.seen.remove(note)
                     return note.sender
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or interrupted():
                 return None
             for t in self.transports.values():
                 self.seen.extend(t.poll_notifications())
@@ -163,7 +247,7 @@ class _Child:
             t.close()
 
 
-def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
+def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> None:
     child = _Child(device, backends, ipc_api)
     try:
         while True:
@@ -172,7 +256,7 @@ def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
                 conn.send(_Reply(True))
                 return
             try:
-                conn.send(_Reply(True, child.answer(msg)))
+                conn.send(_Reply(True, child.answer(msg, lambda: conn.poll(0))))
             except Exception:  # report to the driving process, keep serving
                 conn.send(_Reply(False, traceback.format_exc()))
     finally:
@@ -180,9 +264,11 @@ def _child_main(conn, device: int, backends: tuple, ipc_api: str) -> None:
 
 
 class RemoteBuffers:
-    """A receiver process on GPU ``device`` holding buffers registered with ``backends``."""
+    """A receiver process on GPU ``device`` (None: host memory) holding buffers registered with
+    ``backends`` (names of :func:`make_transport`)."""
 
-    def __init__(self, device: int, backends: tuple = ("nvlink",), ipc_api: str = "auto", timeout_s: float = 120.0):
+    def __init__(self, device: Optional[int], backends: tuple = ("nvlink",), ipc_api: str = "auto",
+                 timeout_s: float = 120.0):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -195,6 +281,11 @@ class RemoteBuffers:
     def alloc(self, sizes, fill: int) -> list[int]:
         """New buffers of ``sizes`` bytes filled with ``fill``, registered; their region ids."""
         return self._call(_Alloc(tuple(int(n) for n in sizes), fill))
+
+    def free(self, region_ids) -> None:
+        """Deregister buffers from every backend and drop them. Peers that hold an export naming
+        them must have forgotten it first (``Peer.close()``; see ``transport.base``)."""
+        self._call(_Free(tuple(int(r) for r in region_ids)))
 
     def export(self) -> dict:
         """Each backend's export bytes, by backend name."""
@@ -212,9 +303,21 @@ class RemoteBuffers:
         """:meth:`wait_notify` without waiting for the answer (collect it with :meth:`result`)."""
         self._conn.send(_WaitNotify(payload, timeout_s))
 
+    def abandon_wait(self) -> Optional[str]:
+        """End a :meth:`start_wait_notify` whose write failed: the next request interrupts the
+        wait; both answers are read, so the pipe is in step again. Returns the wait's answer."""
+        self._conn.send(_Export())
+        sender = self.result("the abandoned wait")
+        self.result("the request that interrupted it")
+        return sender
+
     def fetch(self, region_ids) -> list[np.ndarray]:
         """The bytes of each buffer, copied to this process."""
         return self._call(_Fetch(tuple(int(r) for r in region_ids)))
+
+    def digest(self, region_ids) -> list[str]:
+        """:func:`digest` of each whole buffer, computed in the receiver."""
+        return self._call(_Digest(tuple(int(r) for r in region_ids)))
 
     def checksum(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[int]:
         """:func:`checksums` of the rows, computed in the receiver."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import os
-import platform
 import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Callable, Optional
+
+from kvtransfer.benchmarks._report import machine_line
 
 __all__ = ["RESULTS_PATH", "machine", "run_recorded", "write_section"]
 
@@ -25,42 +25,21 @@ RESULTS_PATH = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
 
 def machine() -> str:
     """One line: GPUs (when torch sees CUDA), CPU model and cores, torch and triton versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    parts = [f"{cpu} ({os.cpu_count()} cores)"]
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            parts.insert(0, ", ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names)))
-        parts.append(f"torch {torch.__version__}")
-    except ImportError:
-        pass
-    try:
-        import triton
-
-        parts.append(f"triton {triton.__version__}")
-    except ImportError:
-        pass
-    return ", ".join(parts)
+    return machine_line()
 
 
 # Library log records interleaved with a benchmark's output (NIXL's "2026-11-30 09:20:49 NIXL INFO ...")
 _LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(,\d+)? \S+ +(DEBUG|INFO) ")
 
 
-def section(name: str, argv: list[str], output: str, when: Optional[datetime.datetime] = None) -> str:
+def section(name: str, argv: list[str], output: str, when: Optional[datetime.datetime] = None,
+            title: Optional[str] = None) -> str:
     """The text of benchmark ``name``'s section, heading included (library INFO/DEBUG log
-    records dropped from ``output``)."""
+    records dropped from ``output``); ``title``: the heading's name when it is not ``name``."""
     when = when or datetime.datetime.now(datetime.timezone.utc)
     output = "".join(line for line in output.splitlines(keepends=True) if not _LOG_RECORD.match(line))
     command = shlex.join(["kvtransfer", "bench", name, *argv])
-    return (f"## kvtransfer bench {name}\n\n- machine: {machine()}\n- date: {when:%Y-%m-%d %H:%M} UTC\n"
+    return (f"## kvtransfer bench {title or name}\n\n- machine: {machine()}\n- date: {when:%Y-%m-%d %H:%M} UTC\n"
             f"- command: `{command}`\n\n```text\n{output.rstrip()}\n```\n")
 
 
@@ -94,9 +73,10 @@ class _Tee(io.TextIOBase):
 
 
 def run_recorded(name: str, main: Callable[[list[str]], Optional[int]], argv: list[str],
-                 path: Optional[Path] = None) -> int:
+                 path: Optional[Path] = None, title: Optional[str] = None) -> int:
     """Run ``main(argv)`` with its stdout shown and kept; on success write its section to
-    ``path`` (default :data:`RESULTS_PATH`)."""
+    ``path`` (default :data:`RESULTS_PATH`). ``title``: the section's name when it is not
+    ``name`` (a benchmark whose runs on different memory keep a section each)."""
     path = RESULTS_PATH if path is None else path
     kept = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
@@ -104,6 +84,6 @@ def run_recorded(name: str, main: Callable[[list[str]], Optional[int]], argv: li
     if rc != 0:
         print(f"kvtransfer bench {name}: exit status {rc}, nothing recorded in {path}", file=sys.stderr)
         return rc
-    write_section(path, f"## kvtransfer bench {name}", section(name, argv, kept.getvalue()))
+    write_section(path, f"## kvtransfer bench {title or name}", section(name, argv, kept.getvalue(), title=title))
     print(f"kvtransfer bench {name}: recorded in {path}", file=sys.stderr)
     return rc

@@ -19,11 +19,10 @@ Without CUDA it runs the native path on a small shape and says so.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable, List, Optional
 
 from kvtransfer._args import non_negative_int, positive_int
+from kvtransfer.benchmarks._report import time_cuda, time_wall
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
@@ -45,24 +44,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def _median_seconds(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> float:
     """Median seconds of ``fn``: CUDA events on CUDA, wall clock on CPU."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return (time_cuda if cuda else time_wall)(fn, iters, warmup).median
 
 
 def _verify(pool, tgt, src) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtransfer.benchmarks._report import time_cuda
 from transport.base import StridedBatch
 from transport.remote import RemoteBuffers, checksums, make_transport
 
@@ -108,19 +109,8 @@ def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
 
 
 def _median_ms_events(fn, reps: int, warmup: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of the GPU work ``fn`` enqueues (CUDA events)."""
+    return time_cuda(fn, reps, warmup).median * 1e3
 
 
 def _write_times(peer, batch, reps: int, engine=None) -> tuple[float, float]:

@@ -17,17 +17,8 @@ import time
 import numpy as np
 
 from kvtransfer._args import positive_int
+from kvtransfer.benchmarks._report import time_wall
 from kvtransfer.plan import PoolKind, RankLayout, _pair_table, plan_kv_transfer
-
-
-def _timed(fn, repeat: int):
-    times, out = [], None
-    for _ in range(repeat):
-        out = None  # free the previous result first: its memory is reused, not faulted in again
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, times
 
 
 def main(argv=None) -> int:
@@ -66,13 +57,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     plan = plan_kv_transfer(src, dst, src_slots, dst_slots)
     cold = time.perf_counter() - t0
-    plan, warm = _timed(lambda: plan_kv_transfer(src, dst, src_slots, dst_slots), args.repeat)
+    warm = time_wall(lambda: plan_kv_transfer(src, dst, src_slots, dst_slots), args.repeat).samples
     t0 = time.perf_counter()
     flat = plan.flatten()
     fcold = time.perf_counter() - t0
-    flat = None
-    flat, ftimes = _timed(plan.flatten, args.flatten_repeat)
     entries = int(flat[0].size)
+    flat = None  # free it first: the timed runs reuse its memory instead of faulting fresh pages in
+    ftimes = time_wall(plan.flatten, args.flatten_repeat).samples
 
     print(f"plan bench: {args.tokens} tokens, {args.layers} layers MHA H={args.heads} head_dim={args.head_dim} "
           f"bf16, page {args.page_size}, {args.slots} slots of {pool}, TP {args.prefill_tp} -> {args.decode_tp}, "

@@ -26,7 +26,9 @@ was lost): reuse the request's pages only then.
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
 incarnation of it (a restarted rank); a request not done after ``transfer_timeout_s`` fails
-and is aborted on its senders.
+and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
+request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
+so a rank that was killed and came back is reconnected without waiting for the timeout.
 
 Threads: as for the prefill manager, one loop thread does every transport and socket call.
 """
@@ -67,6 +69,8 @@ from kvtransfer.plan import senders_for
 __all__ = ["DecodeKVManager", "HandshakeError", "KVReceiver"]
 
 log = logging.getLogger("kvtransfer.control.decode")
+
+LOOKUP_INTERVAL_S = 0.5  # how often lost or suspect prefill ranks are looked up at the bootstrap service
 
 
 class HandshakeError(ConnectionError):
@@ -351,8 +355,9 @@ class DecodeKVManager:
             inc.quiesced.update(self.senders)  # nothing was asked: nothing can land
             self._maybe_release(inc)
             return
-        if any(p.state is not _PeerState.READY for p in peers):
-            return  # a sender is (re)connecting: asked once it is ready
+        now = time.monotonic()
+        if any(p.state is not _PeerState.READY or self._suspect(p, now) for p in peers):
+            return  # a sender is (re)connecting or silent: asked once it is ready (or lost)
         dst, prefix, state_slot = inc.request
         rid = inc.receiver.request_id
         for p in self._peers.values():
@@ -434,9 +439,13 @@ class DecodeKVManager:
                     self._lose(rank, f"prefill rank {rank} lost: no answer for {cfg.heartbeat_timeout_s:g} s")
             elif peer.state is _PeerState.CONNECTING and now - peer.since > cfg.handshake_timeout_s:
                 self._lose(rank, f"prefill rank {rank} did not answer its hello within {cfg.handshake_timeout_s:g} s")
-        if any(p.state is _PeerState.LOST for p in self._peers.values()) and now - self._last_lookup > 1.0:
+        doubtful = any(p.state is _PeerState.LOST or self._suspect(p, now) for p in self._peers.values())
+        if doubtful and now - self._last_lookup > LOOKUP_INTERVAL_S:
             self._last_lookup = now
             self._reconnect_restarted()
+        for inc in self._incoming.values():  # requests held back while a sender was suspect
+            if not inc.asked and inc.request is not None:
+                self._ask(inc)
         for rid, inc in list(self._incoming.items()):
             if not inc.receiver.status.state.final and now > inc.deadline:
                 waiting = [r for r in self.senders if inc.counts.get(r, 0) < inc.totals.get(r, 1 << 62)]
@@ -460,16 +469,26 @@ class DecodeKVManager:
             else:
                 self._fail(rid, reason, tell_senders=True)
 
+    def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
+        """A ready rank silent for two heartbeat intervals (not lost yet)."""
+        return peer.state is _PeerState.READY and now - peer.last_seen > 2 * self.config.heartbeat_interval_s
+
     def _reconnect_restarted(self) -> None:
-        """Look the lost ranks up at the bootstrap service; connect to new incarnations."""
+        """Look the lost and suspect ranks up at the bootstrap service; a new incarnation
+        means the old process is gone (lost now, if it was not yet): connect to the new one."""
         try:
             topo = self._bootstrap.topology(self.config.dp_rank, timeout_s=0.2)
         except BootstrapError as exc:
             log.debug("bootstrap lookup failed: %s", exc)
             return
+        now = time.monotonic()
         for reg in topo.rank_infos():
             peer = self._peers.get(reg.tp_rank)
-            if peer is not None and peer.state is _PeerState.LOST and reg.incarnation != peer.registration.incarnation:
+            if peer is None or reg.incarnation == peer.registration.incarnation:
+                continue
+            if self._suspect(peer, now):
+                self._lose(reg.tp_rank, f"prefill rank {reg.tp_rank} restarted (a new process registered)")
+            if peer.state is _PeerState.LOST:
                 log.info("decode rank %d: prefill rank %d is back (new incarnation); reconnecting",
                          self.layout.tp_rank, reg.tp_rank)
                 self._connect(reg)

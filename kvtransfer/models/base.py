@@ -6,6 +6,7 @@ from typing import Dict
 
 import torch
 
+from kvtransfer.layout import RankLayout
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.layers import lm_head, rms_norm, swiglu_mlp
 from kvtransfer.models.parallel import TPGroup, shard
@@ -26,6 +27,14 @@ class Decoder:
         self.embed = self.put(weights["embed"])  # [vocab, hidden]
         self.norm = self.put(weights["norm"])  # [hidden]
         self.lm_head = self.put(shard(weights.get("lm_head", weights["embed"]), tp))  # [vocab / tp, hidden]
+
+    def rank_layout(self, pools) -> RankLayout:
+        """What this rank's pools hold, for the KV managers and the planner."""
+        return RankLayout.from_pools(pools.kv, tp_rank=self.tp.rank, tp_size=self.tp.size, **self.layout_facts())
+
+    def layout_facts(self) -> dict:
+        """What the pools cannot know of the model (``RankLayout.from_pools`` keywords)."""
+        return {}
 
     def put(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A contiguous copy on this rank's device, in the model dtype unless given."""

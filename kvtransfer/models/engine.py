@@ -13,6 +13,16 @@ Memory: a request's KV lives in whole pages of the token pool, taken as its sequ
 ``req_to_token[row, p]`` is the slot of its token ``p``. Slot 0 / page 0 is never used. There is
 no preemption, so a request is admitted only when the free pages, less those that running
 requests may still take, cover its whole budget (prompt + ``max_new_tokens``).
+
+Disaggregated serving uses three more moves. A prefill node adds requests with ``hold=True``:
+once finished they keep their pages (the KV is being sent) until :meth:`Engine.release`. A
+decode node :meth:`Engine.reserve` s a request's row, pages and Mamba slot for KV that another
+node computes, and :meth:`Engine.start_decode` s it once the KV has landed, from the first
+token prefill sampled. :meth:`Engine.abort` ends a request wherever it is.
+
+Sampling: ``temperature`` 0 is greedy; above 0 the token is drawn from ``softmax(logits / T)``
+with a generator seeded by ``(seed, position)``, so every TP rank (whose logits are the same)
+draws the same token, and a request sampled on one node continues the same way on another.
 """
 
 from __future__ import annotations
@@ -60,7 +70,10 @@ class Request:
     max_new_tokens: int
     stop_ids: frozenset = frozenset()
     record_logits: bool = False
+    sampling: "Sampling" = None  # None: greedy
+    hold: bool = False  # keep the pages after finishing, until Engine.release
     output_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)  # of each sampled token
     logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per sampled token
     finish: Optional[FinishReason] = None
     req_pool_idx: Optional[int] = None
@@ -68,6 +81,7 @@ class Request:
     is_chunked: int = 0
     kv_committed_len: int = 0  # tokens whose KV / state is in the pools
     slots: Optional[torch.Tensor] = None  # [num_pages * page_size] int64 slots held
+    admitted_at: Optional[float] = None  # time.monotonic() when it got its row and pages
 
     @property
     def all_ids(self) -> List[int]:
@@ -76,6 +90,35 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.kv_committed_len < len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request's tokens are drawn (module docstring)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t <= 100.0:
+            raise ValueError(f"temperature must be a number in [0, 100], got {t!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+
+    def draw(self, logits: torch.Tensor, position: int) -> tuple:
+        """``(token, logprob)`` from fp32 ``logits [vocab]`` of the token at ``position``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if self.temperature == 0:
+            token = int(torch.argmax(logits))
+        else:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % 2**63)
+            probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+        return token, float(logp[token])
+
+
+GREEDY = Sampling()
 
 
 @dataclass(frozen=True)
@@ -135,18 +178,75 @@ class Engine:
             kv.check_inputs = False
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
+        self.reserved: List[Request] = []  # rows and pages taken for KV another node computes
+        self.held: List[Request] = []  # finished with hold=True: pages kept until release()
         self._next_rid = 0
         self.stats = EngineStats()
 
     # -- requests ----------------------------------------------------------------------
-    def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False) -> Request:
+    def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
+            sampling: Optional[Sampling] = None, hold: bool = False) -> Request:
         """Queue a request; ValueError when it cannot fit the pool even alone."""
-        prompt = [int(t) for t in prompt_ids]
-        check_request(prompt, max_new_tokens, self.config, self.model.config)
-        req = Request(self._next_rid, prompt, max_new_tokens, frozenset(stop_ids), record_logits)
-        self._next_rid += 1
+        req = self._new(prompt_ids, max_new_tokens, stop_ids, record_logits, sampling, hold)
         self.waiting.append(req)
         return req
+
+    def _new(self, prompt_ids, max_new_tokens, stop_ids, record_logits, sampling, hold) -> Request:
+        prompt = [int(t) for t in prompt_ids]
+        check_request(prompt, max_new_tokens, self.config, self.model.config)
+        req = Request(self._next_rid, prompt, max_new_tokens, frozenset(stop_ids), record_logits,
+                      sampling or GREEDY, hold)
+        self._next_rid += 1
+        return req
+
+    def reserve(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(),
+                sampling: Optional[Sampling] = None) -> Optional[Request]:
+        """Take a row, the prompt's pages (and a Mamba slot) for a request whose prompt KV
+        another node computes; None while the pools cannot admit it (try again later).
+        ``req.slots[:len(prompt)]`` are where the KV must land, ``req.mamba_pool_idx`` the state."""
+        req = self._new(prompt_ids, max_new_tokens, stop_ids, False, sampling, False)
+        if not self._admit(req):
+            return None
+        req.admitted_at = time.monotonic()
+        self.reserved.append(req)
+        self._grow(req, len(req.prompt_ids))
+        return req
+
+    def start_decode(self, req: Request, first_token: int, logprob: float = 0.0) -> bool:
+        """A reserved request's prompt KV has landed: continue it from ``first_token`` (the
+        token prefill sampled). Returns True when that token already ends it (released then)."""
+        if req not in self.reserved:
+            raise ValueError(f"request {req.rid} is not reserved here")
+        self.reserved.remove(req)
+        self.running.append(req)
+        req.kv_committed_len = len(req.prompt_ids)
+        if self._accept(req, int(first_token), float(logprob)):
+            self._release(req)
+            return True
+        return False
+
+    def release(self, req: Request) -> None:
+        """Free a finished held request's pages (its KV has been sent)."""
+        if req not in self.held:
+            raise ValueError(f"request {req.rid} is not held here")
+        self.held.remove(req)
+        self._free(req)
+
+    def abort(self, req: Request) -> None:
+        """End ``req`` wherever it is (waiting, running, reserved or held) and free what it holds."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        for where in (self.running, self.reserved, self.held):
+            if req in where:
+                where.remove(req)
+                self._free(req)
+                return
+
+    @property
+    def slots_in_use(self) -> int:
+        """Token slots held by requests (whole pages)."""
+        return sum(0 if r.slots is None else r.slots.numel() for r in self.running + self.reserved + self.held)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,6 +291,7 @@ class Engine:
             req = self.waiting[0]
             if not self._admit(req):
                 break
+            req.admitted_at = time.monotonic()
             self.waiting.popleft()
             self.running.append(req)
             n = min(budget, len(req.prompt_ids))
@@ -205,9 +306,9 @@ class Engine:
 
     def _admit(self, req: Request) -> bool:
         """A row (and Mamba slot) for ``req`` if its whole page budget is free; else False."""
-        if len(self.running) >= self.config.max_requests:
+        if len(self.running) + len(self.reserved) + len(self.held) >= self.config.max_requests:
             return False
-        promised = sum(self._budget_pages(r) for r in self.running)
+        promised = sum(self._budget_pages(r) for r in self.running + self.reserved)
         free = self.pools.allocator.available_size() // self.config.page_size
         if free - promised < self._budget_pages(req):
             return False
@@ -263,11 +364,15 @@ class Engine:
         return finished
 
     def _sample(self, req: Request, row: torch.Tensor) -> bool:
-        """Append the greedy token; True when ``req`` is done."""
-        token = int(torch.argmax(row))
-        req.output_ids.append(token)
+        """Append the next token; True when ``req`` is done."""
+        token, logprob = req.sampling.draw(row, len(req.all_ids))
         if req.record_logits:
             req.logits.append(row.cpu())
+        return self._accept(req, token, logprob)
+
+    def _accept(self, req: Request, token: int, logprob: float) -> bool:
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
         if token in req.stop_ids:
             req.finish = FinishReason.STOP
         elif len(req.output_ids) >= req.max_new_tokens:
@@ -276,6 +381,12 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
+        if req.hold:
+            self.held.append(req)
+        else:
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
         if req.slots is not None:
             self.pools.allocator.free(req.slots)
             req.slots = None

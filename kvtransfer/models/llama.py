@@ -52,6 +52,9 @@ class LlamaModel(Decoder):
         return Pools(ReqToTokenPool(ec.max_requests, self.config.max_context_len, device=dev),
                      PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
 
+    def layout_facts(self) -> dict:
+        return {"total_kv_heads": self.config.num_kv_heads}
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools, all_logits: bool = False) -> torch.Tensor:
         """Logits ``[B, vocab]`` of each request's last new token (``[T, vocab]`` with

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,21 +70,23 @@ def shard_blocks(w: torch.Tensor, sizes: Sequence[int], tp: TPGroup, dim: int = 
     return torch.cat([shard(b, tp, dim) for b in blocks], dim=dim)
 
 
-def init_tp(rank: int, size: int, port: int, device: str) -> TPGroup:
-    """Join the TP group: gloo on CPU, NCCL on CUDA (rank ``r`` uses ``cuda:r``)."""
+def init_tp(rank: int, size: int, port: int, device: str, gpu: Optional[int] = None) -> TPGroup:
+    """Join the TP group: gloo on CPU, NCCL on CUDA (rank ``r`` uses ``cuda:r``, or ``cuda:gpu``)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank if gpu is None else gpu)
     if size == 1:
         return TPGroup(0, 1)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     return TPGroup(rank, size)
 
 
-def rank_device(device: str, tp: TPGroup) -> torch.device:
-    """``cuda`` -> ``cuda:<rank>``; anything else unchanged."""
-    return torch.device(f"cuda:{tp.rank}") if device == "cuda" else torch.device(device)
+def rank_device(device: str, tp: TPGroup, gpu: Optional[int] = None) -> torch.device:
+    """``cuda`` -> ``cuda:<rank>`` (or ``cuda:<gpu>``); anything else unchanged."""
+    if device != "cuda":
+        return torch.device(device)
+    return torch.device(f"cuda:{tp.rank if gpu is None else gpu}")
 
 
 def close_tp(tp: TPGroup) -> None:

@@ -85,6 +85,11 @@ class TinyHybridModel(Decoder):
         )
         return Pools(req, PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
 
+    def layout_facts(self) -> dict:
+        cfg = self.config  # the conv row is [x | B | C], cut one by one (Mamba2Mixer)
+        groups = [cfg.mamba_intermediate, (cfg.n_groups, cfg.state_size), (cfg.n_groups, cfg.state_size)]
+        return {"total_kv_heads": cfg.num_kv_heads, "conv_shard_groups": groups}
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools, all_logits: bool = False) -> torch.Tensor:
         cfg = self.config

@@ -24,6 +24,11 @@ class GGUFTokenizer:
 
         from kvtransfer.models.gguf_llama import field
 
+        if isinstance(reader, dict):  # the parts of a cached tokenizer (see parts())
+            self._tok = Tokenizer.from_str(reader["tokenizer_json"])
+            self.special_ids, self.vocab_size = list(reader["special_ids"]), int(reader["vocab_size"])
+            self.eos_id, self.chat_template = int(reader["eos_id"]), reader["chat_template"]
+            return
         model = field(reader, "tokenizer.ggml.model")
         pre = field(reader, "tokenizer.ggml.pre")
         if (model, pre) != ("gpt2", "smollm"):
@@ -47,6 +52,11 @@ class GGUFTokenizer:
         self.chat_template: str = field(reader, "tokenizer.chat_template")
         if field(reader, "tokenizer.ggml.add_bos_token"):
             raise ValueError("this tokenizer does not add BOS; the file asks for it (add_bos_token = true)")
+
+    def parts(self) -> dict:
+        """Plain data that rebuilds this tokenizer (``GGUFTokenizer(parts)``) without the file."""
+        return {"tokenizer_json": self._tok.to_str(), "special_ids": self.special_ids, "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id, "chat_template": self.chat_template}
 
     def encode(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

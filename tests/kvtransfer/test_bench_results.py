@@ -61,3 +61,16 @@ def test_a_failed_run_records_nothing(tmp_path):
     path.write_text(DOC)
     assert _results.run_recorded("plan", lambda argv: 2, [], path) == 2
     assert path.read_text() == DOC
+
+
+def test_a_titled_record_keeps_its_own_section(tmp_path, capsys):
+    from kvtransfer.benchmarks import transfer
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text(DOC)
+    title = transfer.record_title(["--memory", "host", "--quick"])
+    assert title == "transfer (host memory)"
+    assert _results.run_recorded("transfer", lambda argv: print("the table") or 0, ["--quick"], path, title=title) == 0
+    text = path.read_text()
+    assert "## kvtransfer bench transfer (host memory)\n" in text and "the table" in text
+    assert "- command: `kvtransfer bench transfer --quick`" in text and "old plan table" in text

@@ -103,10 +103,10 @@ def test_bench_transport_names_a_receiver_that_fails_before_its_export():
 
 
 def test_demo_names_the_rank_that_died(monkeypatch, capsys):
-    from kvtransfer import demo
+    from kvtransfer import transfer_demo as demo
 
     spawn = demo.Child.spawn
     monkeypatch.setattr(demo.Child, "spawn", staticmethod(lambda target, args, name: spawn(_killed, args, name)))
     assert demo.main(["--prefill-tp", "1", "--decode-tp", "1", "--layers", "1", "--tokens", "16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["kvtransfer demo failed: decode rank 0 died before its handshake (killed by SIGKILL)"]
+    assert err == ["kvtransfer transfer-demo failed: decode rank 0 died before its handshake (killed by SIGKILL)"]

@@ -1,4 +1,4 @@
-"""The README's main command, small: real processes, real NIXL transfers, verified bytes."""
+"""The transfer demo, small: real processes, real NIXL transfers, verified bytes."""
 
 import os
 import subprocess
@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-pytest.importorskip("kvtransfer.demo")
+pytest.importorskip("kvtransfer.transfer_demo")
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="tcp,self,sm")
     return subprocess.run(
-        [sys.executable, "-m", "kvtransfer", "demo", "--layers", "2", "--tokens", "300", *args],
+        [sys.executable, "-m", "kvtransfer", "transfer-demo", "--layers", "2", "--tokens", "300", *args],
         capture_output=True, text=True, timeout=240, env=env,
     )
 

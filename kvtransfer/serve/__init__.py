@@ -1,0 +1,7 @@
+"""Serving: prefill, decode and colocated nodes over HTTP, and the OpenAI-compatible router.
+
+``node`` (``kvtransfer serve``) is a node's HTTP process; ``worker`` one of its TP rank
+processes; ``router`` (``kvtransfer router``) pairs each request with a prefill and a decode
+node; ``openai_api`` holds the OpenAI request/response shapes, ``metrics`` the Prometheus
+metrics, ``messages`` what a node and its ranks say to each other.
+"""

@@ -1,0 +1,66 @@
+"""What the nodes and the router share over HTTP: the uvicorn server, its listening socket,
+and the ``/metrics`` and ``/v1/models`` routes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
+
+__all__ = ["UsageError", "add_metrics_and_models", "http_server", "port_socket"]
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line, exit status 2."""
+
+
+def port_socket(host: str, port: int, what: str) -> socket.socket:
+    """A bound listening socket, or UsageError naming the port."""
+    if not 0 < port < 65536:
+        raise UsageError(f"{what} {port} is not a TCP port (1..65535)")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"{what} {host}:{port} is not free: {exc.strerror}") from None
+    return sock
+
+
+def add_metrics_and_models(app: FastAPI, metrics, model: Callable[[], str]) -> None:
+    """``GET /metrics`` (``metrics.text()``, Prometheus text) and ``GET /v1/models``."""
+
+    @app.get("/metrics")
+    async def _metrics():
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def _models():
+        return {"object": "list", "data": [{"id": model(), "object": "model", "owned_by": "kvtransfer"}]}
+
+
+def http_server(app):
+    """A uvicorn server whose SIGINT / SIGTERM stop it gracefully and then return to the caller
+    (uvicorn itself re-raises the signal after shutdown, which would kill the process before
+    the node stopped its ranks)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

@@ -1,0 +1,566 @@
+"""``kvtransfer serve``: a prefill, decode or colocated node over HTTP.
+
+    kvtransfer serve --role prefill   --model smollm2 --tp 3 --page-size 16 --port 30001
+    kvtransfer serve --role decode    --model smollm2 --tp 1 --page-size 64 --port 30002
+    kvtransfer serve --role colocated --model smollm2 --tp 1 --port 30003
+
+A node is this HTTP process (FastAPI on uvicorn: tokenizer, chat template, text, the OpenAI
+shapes, metrics) and one process per TP rank (:mod:`kvtransfer.serve.worker`: model shard,
+pools, transports, KV manager). A prefill node also runs the bootstrap service its ranks
+register with (``--bootstrap-port``; ``GET /info`` names it for the router).
+
+Endpoints: ``GET /health`` (200 once every rank is up, 503 before and after a rank died),
+``GET /info``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``, and
+``POST /v1/completions`` / ``POST /v1/chat/completions``. A colocated node answers those
+itself; prefill and decode nodes answer the router's paired requests (``kvtransfer.rid``, and
+for decode the prefill node's ``bootstrap``): prefill replies once the KV has landed, decode
+streams the completion.
+
+A rank that dies fails every request in flight with a 503 that names it; the node then exits
+(status 1), so that whatever supervises it can restart it. Bad input on the command line (an
+unknown model, a TP the heads do not allow, a port in use) is one line and status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtransfer._args import positive_int
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+
+log = logging.getLogger("kvtransfer.serve.node")
+
+ROLES = ("prefill", "decode", "colocated")
+DEFAULT_NEW_TOKENS = 16
+EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtransfer serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--model", required=True, help="smollm2, mla-tiny or hybrid-tiny")
+    ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (one process per rank)")
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--port", type=int, required=True, help="HTTP port")
+    ap.add_argument("--host", default="127.0.0.1", help="address HTTP and the control sockets bind")
+    ap.add_argument("--bootstrap-port", type=int, default=None, help="prefill: the bootstrap service's port "
+                    "(default: --port + 1000)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    ap.add_argument("--gpu", type=int, default=0, help="CUDA: rank r uses GPU (gpu + r) %% visible GPUs")
+    ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
+    ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"),
+                    help="auto: nvlink between GPUs of one host when both sides offer it, else nixl")
+    ap.add_argument("--max-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
+    ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
+    ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
+    ap.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent peer is lost")
+    ap.add_argument("--connect-timeout", type=float, default=10.0,
+                    help="seconds to reach a bootstrap service and finish a handshake")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the ranks may take to start")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank")
+    return ap
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve(args) -> tuple:
+    """(NodeSpec, model config, EngineConfig) from the command line; UsageError on bad input."""
+    import torch
+
+    from kvtransfer.models import registry
+    from kvtransfer.models.config import DType, EngineConfig
+    from kvtransfer.serve.messages import NodeSpec
+
+    try:
+        name = registry.parse_name(args.model)
+        config = registry.load_config(name)
+        config.check_tp(args.tp)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {device!r}; expected cpu or cuda")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
+        dtype = DType.parse(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+        if args.transport == "nvlink" and device != "cuda":
+            raise ValueError("--transport nvlink needs --device cuda")
+        ec = EngineConfig(max_tokens=args.max_tokens, page_size=args.page_size, max_requests=args.max_running,
+                          chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
+        for name_, v in (("--transfer-timeout", args.transfer_timeout), ("--heartbeat-timeout", args.heartbeat_timeout),
+                         ("--connect-timeout", args.connect_timeout), ("--startup-timeout", args.startup_timeout)):
+            if not v > 0:
+                raise ValueError(f"{name_} must be a positive number of seconds, got {v}")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    bootstrap_port = args.bootstrap_port if args.bootstrap_port is not None else args.port + 1000
+    control = {"transfer_timeout_s": args.transfer_timeout, "heartbeat_timeout_s": args.heartbeat_timeout,
+               "heartbeat_interval_s": min(0.5, args.heartbeat_timeout / 4),
+               "bootstrap_timeout_s": args.connect_timeout, "handshake_timeout_s": args.connect_timeout}
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
+    spec = NodeSpec(role=args.role, model=name.value, tp_size=args.tp, page_size=args.page_size, dtype=dtype.value,
+                    device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
+                    chunk_size=args.chunk_size, transport=args.transport, host=args.host,
+                    bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=_free_port("127.0.0.1"),
+                    threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
+    return spec, config, ec, bootstrap_port
+
+
+class Ranks:
+    """The node's rank processes: start, commands to rank 0, events back, death noticed."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.children: list = []
+        self.ready: list = []
+
+    def start(self, timeout_s: float) -> None:
+        from kvtransfer._procs import Child
+        from kvtransfer.serve.messages import RankReady
+        from kvtransfer.serve.worker import rank_main
+
+        for r in range(self.spec.tp_size):
+            self.children.append(Child.spawn(rank_main, (self.spec, r), name=f"{self.spec.role} rank {r}"))
+        self.ready = [c.recv(RankReady, "it was up", timeout=timeout_s) for c in self.children]
+
+    def send(self, cmd) -> None:
+        self.children[0].send(cmd)
+
+    def dead(self) -> Optional[str]:
+        """Why a rank is gone (its report, or how its process ended), or None."""
+        from kvtransfer._procs import Failed, exit_text
+
+        for child in self.children:
+            if child is not self.children[0] and child.conn.poll(0):
+                try:
+                    msg = child.conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if isinstance(msg, Failed):
+                    return f"{child.name} failed: {msg.error}"
+            if not child.proc.is_alive():
+                return f"{child.name} died ({exit_text(child.proc)})"
+        return None
+
+    def stop(self) -> None:
+        from kvtransfer.serve.messages import Shutdown
+
+        for i, child in enumerate(self.children):
+            child.stop(Shutdown() if i == 0 else None, timeout=15.0)
+
+
+class Node:
+    """The HTTP side of a node (module docstring)."""
+
+    def __init__(self, spec, model_config, engine_config, tokenizer, bootstrap_port: Optional[int] = None,
+                 startup_timeout_s: float = 300.0):
+        from kvtransfer.serve.metrics import NodeMetrics
+
+        self.spec, self.model_config, self.engine_config = spec, model_config, engine_config
+        self.tokenizer = tokenizer
+        self.bootstrap_port, self.startup_timeout_s = bootstrap_port, startup_timeout_s
+        self.model_name = spec.model
+        self.metrics = NodeMetrics(spec.role, spec.model)
+        self.state, self.error = "starting", ""
+        self.ranks = Ranks(spec)
+        self.pending: Dict[str, asyncio.Queue] = {}
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.bootstrap_service = None
+        self.exit_code = 0
+        self.on_fatal = None  # called (from a thread) after a rank died: the server should exit
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvt-node-ranks", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        """Start the ranks, then relay their events until the node stops or a rank dies."""
+        try:
+            if self.spec.role == "prefill":
+                from kvtransfer.control.bootstrap import BootstrapService
+
+                self.bootstrap_service = BootstrapService(self.spec.host, self.bootstrap_port)
+            self.ranks.start(self.startup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported, and the node exits
+            self._fatal(f"the ranks did not come up: {exc}")
+            return
+        self.state = "ready"
+        log.info("%s node ready: %s", self.spec.role, "; ".join(r.layout for r in self.ranks.ready))
+        conn = self.ranks.children[0].conn
+        while not self._stop.is_set():
+            try:
+                if conn.poll(0.05):
+                    self._post(conn.recv())
+                    continue
+            except (EOFError, OSError):
+                pass
+            why = self.ranks.dead()
+            if why and not self._stop.is_set():
+                self._fatal(why)
+                return
+
+    def _post(self, event) -> None:
+        from kvtransfer._procs import Failed
+
+        if isinstance(event, Failed):
+            self._fatal(f"{self.ranks.children[0].name} failed: {event.error}")
+            return
+        self.loop.call_soon_threadsafe(self._dispatch, event)
+
+    def _dispatch(self, event) -> None:
+        from kvtransfer.serve.messages import Load
+
+        if isinstance(event, Load):
+            self.metrics.slots_in_use.set(event.slots_in_use)
+            self.metrics.slots_total.set(event.slots_total)
+            self.metrics.running.set(event.running)
+            self.metrics.waiting.set(event.waiting)
+            return
+        q = self.pending.get(event.rid)
+        if q is not None:
+            q.put_nowait(event)
+
+    def _fatal(self, why: str) -> None:
+        """A rank is gone: fail everything in flight, say so on /health, and exit."""
+        from kvtransfer.serve.messages import RequestFailed
+
+        log.error("%s node: %s", self.spec.role, why)
+        self.state, self.error, self.exit_code = "failed", why, 1
+        if self.loop is not None:
+            def fail_all():
+                for rid, q in self.pending.items():
+                    q.put_nowait(RequestFailed(rid, f"{self.spec.role} node: {why}"))
+            self.loop.call_soon_threadsafe(fail_all)
+        if self.on_fatal is not None:
+            threading.Timer(EXIT_AFTER_RANK_DEATH_S, self.on_fatal).start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.ranks.stop()
+        if self.bootstrap_service is not None:
+            self.bootstrap_service.close()
+
+    # -- requests -----------------------------------------------------------------------
+    def prompt_ids(self, req) -> list:
+        from kvtransfer.serve.openai_api import ChatRequest
+
+        if isinstance(req, ChatRequest):
+            text = self.tokenizer.apply_chat_template([msg.model_dump() for msg in req.messages])
+        else:
+            text = req.prompt
+        return self.tokenizer.encode(text)
+
+    async def submit(self, rid: str, cmd) -> asyncio.Queue:
+        if rid in self.pending:
+            raise KeyError(rid)
+        q = self.pending[rid] = asyncio.Queue()
+        self.ranks.send(cmd)
+        return q
+
+    def finish(self, rid: str, ended: bool, outcome: str) -> None:
+        from kvtransfer.serve.messages import Abort
+
+        self.pending.pop(rid, None)
+        if not ended and self.state == "ready":
+            self.ranks.send(Abort(rid, "the client went away"))
+        self.metrics.requests.labels(outcome).inc()
+
+
+def _status_of(event) -> int:
+    return 400 if event.client_error else (503 if "node:" in event.reason else 502)
+
+
+def build_app(node: Node):
+    """The FastAPI app of a node."""
+    from kvtransfer.models.engine import Sampling, check_request
+    from kvtransfer.serve import messages as m
+    from kvtransfer.serve.openai_api import Shaper, TextStream, error_body, parse_request, sse
+
+    app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
+    app.router.on_startup.append(node.startup)
+
+    def error(message: str, status: int):
+        return JSONResponse(error_body(message, status), status_code=status)
+
+    @app.get("/health")
+    async def health():
+        if node.state == "ready":
+            return {"status": "ready", "role": node.spec.role, "model": node.model_name}
+        return JSONResponse({"status": node.state, "error": node.error}, status_code=503)
+
+    @app.get("/info")
+    async def info():
+        spec = node.spec
+        return {"role": spec.role, "model": spec.model, "tp": spec.tp_size, "page_size": spec.page_size,
+                "dtype": spec.dtype, "device": spec.device, "state": node.state,
+                "bootstrap": spec.bootstrap if spec.role == "prefill" else None,
+                "ranks": [r.layout for r in node.ranks.ready]}
+
+    add_metrics_and_models(app, node.metrics, lambda: node.model_name)
+
+    @app.post("/kvtransfer/connect")
+    async def connect(request: Request):
+        """Decode: connect to a prefill node's ranks now ({"bootstrap": "tcp://host:port"}), so
+        that its first request does not wait for the handshakes."""
+        try:
+            bootstrap = json.loads(await request.body())["bootstrap"]
+            if not isinstance(bootstrap, str) or not bootstrap.startswith("tcp://"):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return error('the body must be {"bootstrap": "tcp://host:port"}', 400)
+        if node.spec.role != "decode":
+            return error(f"a {node.spec.role} node does not connect to prefill nodes", 400)
+        if node.state != "ready":
+            return error(f"the decode node is {node.state}", 503)
+        cmd = m.Connect(bootstrap)
+        try:
+            q = await node.submit(cmd.rid, cmd)
+        except KeyError:
+            return error(f"already connecting to {bootstrap}", 409)
+        try:
+            answer = await q.get()
+        finally:
+            node.pending.pop(cmd.rid, None)
+        if isinstance(answer, m.RequestFailed) or answer.error:
+            return error(getattr(answer, "error", "") or answer.reason, 502)
+        return {"connected": bootstrap}
+
+    async def serve(request: Request, kind: str):
+        arrived = time.monotonic()
+        try:
+            req = parse_request(kind, await request.body())
+        except ValueError as exc:
+            node.metrics.requests.labels("client_error").inc()
+            return error(str(exc), 400)
+        if node.state != "ready":
+            return error(f"the {node.spec.role} node is {node.state}{': ' + node.error if node.error else ''}", 503)
+        role, pairing = node.spec.role, req.kvtransfer
+        if role == "colocated" and pairing is not None:
+            return error("a colocated node serves plain OpenAI requests (no kvtransfer field)", 400)
+        if role != "colocated" and pairing is None:
+            return error(f"a {role} node serves requests the router pairs (kvtransfer.rid): send yours to the "
+                         f"router", 400)
+        if role == "decode" and not pairing.bootstrap:
+            return error("a decode request needs kvtransfer.bootstrap (the prefill node's bootstrap service)", 400)
+        ids = node.prompt_ids(req)
+        new_tokens = req.new_tokens(DEFAULT_NEW_TOKENS)
+        try:
+            check_request(ids, 1 if role == "prefill" else new_tokens, node.engine_config, node.model_config)
+        except ValueError as exc:
+            node.metrics.requests.labels("client_error").inc()
+            return error(str(exc), 400)
+        seed = req.seed if req.seed is not None else random.getrandbits(63)
+        sampling = Sampling(req.temperature, seed)
+        rid = pairing.rid if pairing else uuid.uuid4().hex
+        stop_ids = frozenset() if req.ignore_eos else node.tokenizer.stop_ids
+        if role == "prefill":
+            cmd = m.Prefill(rid, tuple(ids), sampling, pairing.verify)
+        elif role == "decode":
+            cmd = m.Decode(rid, tuple(ids), new_tokens, stop_ids, sampling, pairing.bootstrap, pairing.verify)
+        else:
+            cmd = m.Generate(rid, tuple(ids), new_tokens, stop_ids, sampling)
+        shaper = Shaper(kind == "chat", node.model_name)
+        text = TextStream(node.tokenizer, req.stop)
+        counts = {"completion": 0}
+        try:
+            q = await node.submit(rid, cmd)
+        except KeyError:
+            return error(f"request id {rid!r} is already in flight here", 409)
+        node.metrics.prompt_tokens.inc(len(ids))
+        ended = False
+        try:
+            first = await _next(q, request)
+            if first is None:  # the client left (the router cancels a request whose other half failed)
+                ended = True
+                node.finish(rid, False, "aborted")
+                return Response(status_code=499)
+            if isinstance(first, m.RequestFailed):
+                ended = True
+                node.finish(rid, True, "client_error" if first.client_error else "failed")
+                return error(first.reason, _status_of(first))
+            if role == "prefill":
+                ended = True
+                node.metrics.transfer_seconds.observe(first.transfer_s)
+                node.finish(rid, True, "ok")
+                return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
+                                       "first_token": first.first_token, "transfer_s": first.transfer_s,
+                                       "decode_wait_s": first.wait_s, "queue_s": first.queue_s,
+                                       "compute_s": first.compute_s,
+                                       "digests": first.digests}}
+            extra = None
+            if isinstance(first, m.KVReceived):
+                node.metrics.transfer_seconds.observe(first.transfer_s)
+                node.metrics.queue_seconds.observe(first.wait_s)
+                node.metrics.kv_bytes.inc(first.kv_bytes)
+                extra = {"rid": rid, "kv_bytes": first.kv_bytes, "kv_wait_s": first.transfer_s,
+                         "queue_s": first.wait_s, "digests": first.digests}
+                first = None
+        except BaseException:
+            node.finish(rid, ended, "aborted")
+            raise
+
+        async def events():
+            """Token events until the request ends: (delta text, finish reason or None)."""
+            nonlocal first
+            while True:
+                ev = first if first is not None else await q.get()
+                first = None
+                if isinstance(ev, m.RequestFailed):
+                    raise _Failed(ev)
+                if counts["completion"] == 0 and ev.token_ids:
+                    node.metrics.ttft_seconds.observe(time.monotonic() - arrived)
+                counts["completion"] += len(ev.token_ids)
+                node.metrics.generated_tokens.inc(len(ev.token_ids))
+                delta = text.feed(ev.token_ids)
+                if text.stopped:
+                    yield delta, "stop"
+                    return
+                if ev.finish is not None:
+                    yield delta + text.flush(), ev.finish
+                    return
+                yield delta, None
+
+        if not req.stream:
+            out, finish = [], None
+            try:
+                async for delta, finish in _watch(events(), request):
+                    out.append(delta)
+            except _Failed as f:
+                node.finish(rid, True, "failed")
+                return error(f.event.reason, _status_of(f.event))
+            except _Gone:
+                node.finish(rid, False, "aborted")
+                return Response(status_code=499)
+            node.finish(rid, finish is not None and not text.stopped, "ok")
+            return shaper.response("".join(out), finish, len(ids), counts["completion"], extra)
+
+        async def stream():
+            ended_ok = False
+            try:
+                first_extra = extra
+                async for delta, finish in events():  # a chunk per token event, its text possibly empty
+                    yield sse(shaper.chunk(delta, finish, first_extra))  # (bytes that end mid-character)
+                    first_extra = None
+                    if finish:
+                        ended_ok = not text.stopped
+                if req.stream_options and req.stream_options.include_usage:
+                    yield sse(shaper.usage_chunk(len(ids), counts["completion"]))
+                yield sse("[DONE]")
+                node.finish(rid, ended_ok, "ok")
+            except _Failed as f:
+                yield sse(error_body(f.event.reason, _status_of(f.event)))
+                yield sse("[DONE]")
+                node.finish(rid, True, "failed")
+            except BaseException:
+                node.finish(rid, False, "aborted")
+                raise
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serve(request, "chat")
+
+    return app
+
+
+class _Failed(Exception):
+    def __init__(self, event):
+        super().__init__(event.reason)
+        self.event = event
+
+
+class _Gone(Exception):
+    """The client disconnected."""
+
+
+async def _next(q: asyncio.Queue, request, poll_s: float = 0.5):
+    """The next event, or None once the client disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(q.get(), poll_s)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def _watch(gen, request, poll_s: float = 0.5):
+    """``gen``'s items; _Gone when the client disconnects meanwhile."""
+    it = gen.__aiter__()
+    while True:
+        task = asyncio.ensure_future(it.__anext__())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                raise _Gone()
+        try:
+            yield task.result()
+        except StopAsyncIteration:
+            return
+
+
+def main(argv=None) -> int:
+    from kvtransfer.models import registry
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KVT_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    socks = []
+    try:
+        spec, config, ec, bootstrap_port = resolve(args)
+        socks.append(port_socket(args.host, args.port, "port"))
+        if spec.role == "prefill":
+            port_socket(args.host, bootstrap_port, "bootstrap port").close()
+        _, tokenizer = registry.load(registry.parse_name(args.model))
+    except (UsageError, RuntimeError) as exc:
+        for s in socks:
+            s.close()
+        print(f"kvtransfer serve: error: {exc}", file=sys.stderr)
+        return 2
+    node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout)
+    app = build_app(node)
+    server = http_server(app)
+
+    def stop_server():
+        server.should_exit = True
+
+    node.on_fatal = stop_server
+    try:
+        server.run(sockets=socks)
+    finally:
+        node.shutdown()
+        for s in socks:
+            s.close()
+    if node.exit_code:
+        print(f"kvtransfer serve: error: {node.error}", file=sys.stderr)
+    return node.exit_code

@@ -1,0 +1,486 @@
+"""One TP rank of a node: its model shard, engine, pools, transports and KV manager.
+
+Every rank runs the same loop; rank 0 also talks to the node's HTTP process over its pipe::
+
+    commands  = rank 0 drains its pipe, every rank gets the batch (a broadcast)
+    apply them (new requests, aborts) in order
+    transfers = each rank polls its senders / receivers; the ranks agree (one all-reduce) on
+                which ended, and how, and act on them together
+    one engine step (prefill or decode), when there is work
+    rank 0 reports new tokens and ended transfers
+
+The ranks' schedules must stay equal (they run one model over torch.distributed), so anything
+that changes the pools happens on every rank in the same iteration: that is why transfer
+outcomes are agreed before they are acted on, and why decode reservations are retried in
+command order. Control collectives use a gloo group of their own, beside the model's group.
+
+Roles: **colocated** generates whole requests. **prefill** adds each request with
+``hold=True``, sends its prompt KV (and Mamba state, and the first token as the aux record)
+through its :class:`~kvtransfer.control.prefill.PrefillKVManager` once sampled, and frees the
+pages when the transfer ended. **decode** reserves the prompt's pages, asks the prefill node
+through a :class:`~kvtransfer.control.decode.DecodeKVManager` (one per prefill node, made on
+first use, each with transports of its own), and starts decoding from the first token once
+every rank has its bytes. A failed transfer frees decode pages only once no write of it can
+land (``receiver.released``).
+
+A rank that fails reports the exception on its pipe and exits; a rank whose parent dies is
+killed with it (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from kvtransfer._procs import report_failure
+from kvtransfer.serve import messages as m
+
+log = logging.getLogger("kvtransfer.serve.worker")
+
+IDLE_WAIT_S = 0.2  # rank 0 waits this long for a command when nothing is in flight
+BUSY_WAIT_S = 0.001  # ... and this long while transfers are pending but no step can run
+# transfer outcomes, agreed by MAX over the ranks
+OK, PENDING, FAILED = 1, 2, 3
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class _Sending:
+    """Prefill: a request whose KV is being sent."""
+
+    req: object
+    sender: object
+    verify: bool
+    arrived: float
+    sent_at: float = 0.0
+
+
+@dataclass
+class _Receiving:
+    """Decode: a request whose KV is on its way (or failed and draining)."""
+
+    cmd: m.Decode
+    arrived: float
+    req: object = None
+    receiver: object = None
+    manager: object = None
+    asked_at: float = 0.0
+    failed: bool = False
+
+
+@dataclass
+class _Group:
+    """The control collectives of the TP group (gloo, whatever the model's backend)."""
+
+    size: int
+    group: object = None
+
+    def broadcast(self, obj):
+        if self.size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def agree(self, codes: List[int]) -> List[int]:
+        if self.size == 1 or not codes:
+            return codes
+        t = torch.tensor(codes, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _ended(handle) -> float:
+    """When a sender / receiver reached its final state (its manager's thread saw it; this
+    loop may notice later, after an engine step)."""
+    from kvtransfer.control.state import KVPoll
+
+    return handle.status.times.get(KVPoll.Success, time.monotonic())
+
+
+class RankWorker:
+    """The rank's state and loop (module docstring)."""
+
+    def __init__(self, spec: m.NodeSpec, rank: int, conn):
+        from kvtransfer.models import registry
+        from kvtransfer.models.config import DType, EngineConfig
+        from kvtransfer.models.engine import Engine
+        from kvtransfer.models.parallel import init_tp, rank_device
+
+        self.spec, self.rank, self.conn = spec, rank, conn
+        cuda = spec.device == "cuda"
+        self.gpu = (spec.first_gpu + rank) % torch.cuda.device_count() if cuda else None
+        tp = init_tp(rank, spec.tp_size, spec.dist_port, spec.device, self.gpu)
+        self.ctl = _Group(spec.tp_size, torch.distributed.new_group(backend="gloo") if spec.tp_size > 1 else None)
+        model_spec, _ = registry.load(registry.parse_name(spec.model))
+        model = model_spec.build(tp, DType.parse(spec.dtype).torch, rank_device(spec.device, tp, self.gpu))
+        ec = EngineConfig(max_tokens=spec.max_tokens, page_size=spec.page_size, max_requests=spec.max_requests,
+                          chunk_size=spec.chunk_size, dtype=DType.parse(spec.dtype).torch, device=spec.device)
+        self.engine = Engine(model, ec)
+        pools = self.engine.pools
+        self.layout = model.rank_layout(pools)
+        self.kv_infos = pools.kv.get_contiguous_buf_infos()
+        self.state_infos = pools.kv.get_state_buf_infos() if self.layout.is_hybrid else None
+        self.requests: Dict[str, object] = {}  # rid -> engine Request (generating here)
+        self.rids: Dict[int, str] = {}  # engine request id -> rid
+        self.reported: Dict[str, int] = {}  # rid -> tokens reported
+        self.sending: Dict[str, _Sending] = {}
+        self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
+        self.decode_managers: Dict[str, object] = {}  # prefill bootstrap -> DecodeKVManager
+        self.prefill_manager = None
+        self.transports: list = []
+        self.stopping = False
+        self._load = None
+        if spec.role == "prefill":
+            from kvtransfer.control.prefill import PrefillKVManager
+
+            self.transports = self._make_transports()
+            self.prefill_manager = PrefillKVManager(self.layout, self.transports, self.kv_infos, self.state_infos,
+                                                    bootstrap=spec.bootstrap, config=self._control_config(),
+                                                    device=self.gpu)
+
+    # -- set-up -----------------------------------------------------------------------
+    def _control_config(self):
+        from kvtransfer.control.common import ControlConfig
+
+        return ControlConfig(host=self.spec.host, **self.spec.control)
+
+    def _make_transports(self) -> list:
+        from transport.nixl import NixlTransport
+
+        out = []
+        if self.spec.transport in ("auto", "nixl"):
+            out.append(NixlTransport())
+        if self.spec.transport in ("auto", "nvlink") and self.gpu is not None:
+            from transport.nvlink import NvlinkTransport
+
+            out.append(NvlinkTransport())
+        if not out:
+            raise ValueError(f"transport {self.spec.transport!r} needs CUDA pools (--device cuda)")
+        return out
+
+    def describe(self) -> str:
+        lay = self.layout
+        state = f", state {lay.state_kind.value} x {len(lay.state_layer_ids)} layers" if lay.is_hybrid else ""
+        where = f"cuda:{self.gpu}" if self.gpu is not None else "cpu"
+        return (f"{lay.kind.value} {len(lay.layer_ids)} layers, {lay.num_slots} slots, page {lay.page_size}, "
+                f"{lay.dtype}{state}, on {where}")
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping:
+            for cmd in self.ctl.broadcast(self._commands() if self.rank == 0 else None):
+                self._apply(cmd)
+            if self.stopping:
+                break
+            self._reserve()
+            self._progress()
+            if self.engine.has_work():
+                for req in self.engine.step():
+                    self._finished(req)
+                self._report_tokens()
+            self._report_load()
+
+    def _busy(self) -> bool:
+        return bool(self.engine.has_work() or self.sending or self.receiving)
+
+    def _commands(self) -> list:
+        """Rank 0: every command waiting on the pipe (waiting a little when idle)."""
+        wait = 0.0 if self.engine.has_work() else (BUSY_WAIT_S if self._busy() else IDLE_WAIT_S)
+        cmds = []
+        try:
+            if self.conn.poll(wait):
+                cmds.append(self.conn.recv())
+                while self.conn.poll(0):
+                    cmds.append(self.conn.recv())
+        except (EOFError, OSError):
+            cmds.append(m.Shutdown())  # the node is gone
+        return cmds
+
+    def _emit(self, event) -> None:
+        if self.rank == 0:
+            self.conn.send(event)
+
+    # -- commands ---------------------------------------------------------------------
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, m.Shutdown):
+            self.stopping = True
+        elif isinstance(cmd, m.Generate):
+            self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling, hold=False)
+        elif isinstance(cmd, m.Prefill):
+            req = self._add(cmd.rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True)
+            if req is not None:
+                self.sending[cmd.rid] = _Sending(req, self.prefill_manager.sender(cmd.rid), cmd.verify,
+                                                 time.monotonic())
+        elif isinstance(cmd, m.Decode):
+            self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
+        elif isinstance(cmd, m.Abort):
+            self._abort(cmd.rid, cmd.reason)
+        elif isinstance(cmd, m.Connect):
+            _, error = self._manager_for(cmd.bootstrap)
+            self._emit(m.Connected(cmd.rid, error or ""))
+        else:
+            raise TypeError(f"unknown command {type(cmd).__name__}")
+
+    def _add(self, rid, prompt, max_new, stop_ids, sampling, hold: bool):
+        try:
+            req = self.engine.add(prompt, max_new, stop_ids, sampling=sampling, hold=hold)
+        except ValueError as exc:
+            self._emit(m.RequestFailed(rid, str(exc), client_error=True))
+            return None
+        self._track(rid, req)
+        return req
+
+    def _abort(self, rid: str, reason: str) -> None:
+        s = self.sending.get(rid)
+        if s is not None:
+            s.sender.abort(reason)
+            if not s.sent_at:  # still computing: nothing was written
+                del self.sending[rid]
+                self._forget(rid)
+                self.engine.abort(s.req)
+            return  # else it ends in _progress, on every rank alike
+        rec = self.receiving.get(rid)
+        if rec is not None:
+            if rec.receiver is None:  # not reserved yet
+                del self.receiving[rid]
+            elif not rec.failed:
+                rec.receiver.abort(reason)
+            return
+        req = self._forget(rid)
+        if req is not None:
+            self.engine.abort(req)
+
+    def _track(self, rid: str, req) -> None:
+        self.requests[rid] = req
+        self.rids[req.rid] = rid
+        self.reported[rid] = 0
+
+    def _forget(self, rid: str):
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self.rids.pop(req.rid, None)
+            self.reported.pop(rid, None)
+        return req
+
+    # -- decode: reservations ---------------------------------------------------------
+    def _manager_for(self, bootstrap: str):
+        """This rank's DecodeKVManager for the prefill node at ``bootstrap`` (made on first
+        use; every rank must agree it came up, or none keeps it)."""
+        mgr = self.decode_managers.get(bootstrap)
+        if mgr is not None:
+            return mgr, None
+        from kvtransfer.control.decode import DecodeKVManager
+
+        error = None
+        try:
+            mgr = DecodeKVManager(self.layout, self._make_transports(), self.kv_infos, self.state_infos,
+                                  bootstrap=bootstrap, instance=self.spec.instance, config=self._control_config(),
+                                  device=self.gpu)
+        except Exception as exc:  # noqa: BLE001 - any failure to connect fails the request, not the node
+            error = f"cannot connect to the prefill node at {bootstrap}: {exc}"
+        ok = self.ctl.agree([FAILED if error else OK])[0] == OK
+        if not ok:
+            if mgr is not None:
+                mgr.close()
+                for t in mgr.endpoints.transports.values():
+                    t.close()
+            return None, error or f"cannot connect to the prefill node at {bootstrap}: another rank failed to"
+        self.decode_managers[bootstrap] = mgr
+        return mgr, None
+
+    def _reserve(self) -> None:
+        for rid, rec in list(self.receiving.items()):
+            if rec.req is not None:
+                continue
+            mgr, error = self._manager_for(rec.cmd.bootstrap)
+            if error:
+                del self.receiving[rid]
+                self._emit(m.RequestFailed(rid, error))
+                continue
+            cmd = rec.cmd
+            try:
+                req = self.engine.reserve(cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, sampling=cmd.sampling)
+            except ValueError as exc:
+                del self.receiving[rid]
+                self._emit(m.RequestFailed(rid, str(exc), client_error=True))
+                continue
+            if req is None:
+                break  # first come, first served: later requests wait too
+            rec.req, rec.manager, rec.asked_at = req, mgr, time.monotonic()
+            rec.receiver = mgr.receiver(rid)
+            state_slot = int(req.mamba_pool_idx) if self.layout.is_hybrid else None
+            rec.receiver.init(req.slots[:len(req.prompt_ids)].numpy(), state_slot=state_slot)
+
+    # -- transfers --------------------------------------------------------------------
+    @staticmethod
+    def _code(poll) -> int:
+        from kvtransfer.control.state import KVPoll
+
+        return OK if poll is KVPoll.Success else FAILED if poll is KVPoll.Failed else PENDING
+
+    def _progress(self) -> None:
+        sending = [(rid, s) for rid, s in self.sending.items() if s.sent_at]
+        receiving = [(rid, r) for rid, r in self.receiving.items() if r.receiver is not None]
+        codes = [self._code(s.sender.poll()) for _, s in sending]
+        codes += [(OK if r.receiver.released else PENDING) if r.failed else self._code(r.receiver.poll())
+                  for _, r in receiving]
+        agreed = self.ctl.agree(codes)
+        for (rid, s), code in zip(sending, agreed):
+            if code != PENDING:
+                self._sent(rid, s, code == OK)
+        for (rid, r), code in zip(receiving, agreed[len(sending):]):
+            if r.failed:
+                if code == OK:  # every rank's receiver is released: the pages may be reused
+                    del self.receiving[rid]
+                    r.receiver.close()
+                    self.engine.abort(r.req)
+            elif code == OK:
+                self._received(rid, r)
+            elif code == FAILED:
+                reason = r.receiver.failure or "the transfer failed on another rank of this node"
+                r.receiver.abort(reason)
+                r.failed = True
+                self._emit(m.RequestFailed(rid, f"KV transfer failed: {reason}"))
+
+    def _digests(self, slots, state_slot) -> Optional[dict]:
+        """Per-layer digests over every rank (rank 0 gets them; the others None)."""
+        from kvtransfer.digest import layer_digests, rank_digests
+
+        mine = rank_digests(self.layout, self.kv_infos, self.state_infos, slots, state_slot, self.gpu)
+        parts = self.ctl.gather(mine)
+        return layer_digests(parts) if self.rank == 0 else None
+
+    def _state_slot(self, req) -> Optional[int]:
+        return int(req.mamba_pool_idx) if self.layout.is_hybrid else None
+
+    def _sent(self, rid: str, s: _Sending, ok: bool) -> None:
+        del self.sending[rid]
+        req = self._forget(rid)
+        if ok:
+            digests = None
+            if s.verify:
+                digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
+            from kvtransfer.control.state import KVPoll
+
+            posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
+            admitted = req.admitted_at or s.arrived
+            self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - posted,
+                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, digests))
+        else:
+            self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
+        self.engine.release(req)
+
+    def _received(self, rid: str, r: _Receiving) -> None:
+        del self.receiving[rid]
+        req = r.req
+        digests = None
+        if r.cmd.verify:
+            digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
+        token, logprob = r.receiver.first_token()
+        r.receiver.close()
+        n = len(req.prompt_ids)
+        lay = self.layout
+        kv_bytes = n * sum(t.row_bytes for t in lay.kv_tensors) * len(lay.layer_ids)
+        if lay.is_hybrid:
+            kv_bytes += sum(t.row_bytes for t in lay.state_tensors) * len(lay.state_layer_ids)
+        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, _ended(r.receiver) - r.asked_at,
+                                r.asked_at - r.arrived, digests))
+        self._track(rid, req)
+        if self.engine.start_decode(req, token, logprob):
+            self._finished(req)
+        self._report_tokens()
+
+    # -- engine results ---------------------------------------------------------------
+    def _finished(self, req) -> None:
+        rid = self.rids.get(req.rid)
+        if rid is None:
+            return
+        s = self.sending.get(rid)
+        if s is not None:  # prefill: the first token is sampled; send KV, state and the token
+            from kvtransfer.control.common import pack_first_token
+
+            s.sent_at = time.monotonic()
+            s.sender.send(req.slots[:len(req.prompt_ids)].numpy(), last=True, state_slot=self._state_slot(req),
+                          aux=pack_first_token(req.output_ids[0], req.logprobs[0]))
+            return
+        self._report(rid, req)
+        self._forget(rid)
+
+    def _report(self, rid: str, req) -> None:
+        done = self.reported.get(rid, 0)
+        new = req.output_ids[done:]
+        finish = req.finish.value if req.finish is not None else None
+        if new or finish:
+            self._emit(m.Tokens(rid, tuple(new), tuple(req.logprobs[done:]), finish))
+            self.reported[rid] = len(req.output_ids)
+
+    def _report_tokens(self) -> None:
+        for rid, req in self.requests.items():
+            if rid not in self.sending and req.finish is None:
+                self._report(rid, req)
+
+    def _report_load(self) -> None:
+        e = self.engine
+        load = m.Load(e.slots_in_use, e.config.max_tokens, len(e.running), len(e.waiting) + len(self.receiving))
+        if load != self._load:
+            self._load = load
+            self._emit(load)
+
+    # -- shutdown ---------------------------------------------------------------------
+    def close(self) -> None:
+        managers = list(self.decode_managers.values())
+        if self.prefill_manager is not None:
+            managers.append(self.prefill_manager)
+        for mgr in managers:
+            try:
+                mgr.close()
+            finally:
+                for t in mgr.endpoints.transports.values():
+                    t.close()
+
+
+def rank_main(conn, spec: m.NodeSpec, rank: int) -> None:
+    """A rank process (``kvtransfer._procs.Child.spawn`` target)."""
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the node stops its ranks (Ctrl-C reaches the whole group)
+        signal.signal(sig, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    logging.basicConfig(level=os.environ.get("KVT_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s {spec.role}[{rank}] %(levelname)s %(name)s: %(message)s")
+    worker = None
+    try:
+        worker = RankWorker(spec, rank, conn)
+        conn.send(m.RankReady(rank, worker.describe(), tuple(t.backend for t in worker.transports)))
+        worker.run()
+    except BaseException as exc:  # noqa: BLE001 - reported to the node, which names this rank
+        report_failure(conn, exc)
+        raise SystemExit(1)
+    finally:
+        if worker is not None:
+            worker.close()
+        from kvtransfer.models.parallel import close_tp, TPGroup
+
+        if spec.tp_size > 1:
+            close_tp(TPGroup(rank, spec.tp_size))

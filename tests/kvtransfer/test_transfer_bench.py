@@ -1,0 +1,87 @@
+"""``kvtransfer bench transfer``: its cases against a byte-level reference, and ``--quick`` end to end
+(the JSON's figures consistent with each other and with the plans, every path verified, the PNGs)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtransfer.batches import BufferRegions
+from kvtransfer.benchmarks import transfer
+from kvtransfer.benchmarks._cases import Case, Pools
+from kvtransfer.benchmarks._models import PRESETS
+
+
+def _apply(batches, src: list, dst: list) -> None:
+    """Copy every range of the batches, one at a time (the reference writer)."""
+    for b in batches:
+        flat = b.expand() if hasattr(b, "expand") else b
+        for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
+            dst[dr][do:do + n] = src[sr][so:so + n]
+
+
+@pytest.mark.parametrize("model", sorted(PRESETS))
+@pytest.mark.parametrize("tp", [(1, 1), (1, 2), (2, 1), (2, 4)])
+@pytest.mark.parametrize("page,slots", [(1, "random"), (16, "random"), (16, "contiguous")])
+def test_planner_and_peers_way_write_the_expected_bytes(model, tp, page, slots):
+    import torch
+
+    shape = PRESETS[model].overridden(layers=2)
+    pools = Pools.for_tokens(shape, *tp, max_tokens=64, pool_factor=2.0)
+    case = Case.make(pools, 64, page, slots, np.random.default_rng(sum(tp) + page))
+    kv, state = pools.sizes("src")
+    rng = np.random.default_rng(1)
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in kv + state]
+    dkv, dstate = pools.sizes("dst")
+    src_ids = BufferRegions.of(range(len(kv)), range(len(kv), len(kv) + len(state)))
+    dst_ids = BufferRegions.of(range(len(dkv)), range(len(dkv), len(dkv) + len(dstate)))
+    expected = [case.expected([torch.from_numpy(s) for s in src], 0x5A, i).numpy() for i in range(len(dkv + dstate))]
+    plan_bytes = sum(p.nbytes for p in case.plans())
+    assert plan_bytes == case.expected_bytes() > 0
+    for batches in (case.planned(src_ids, dst_ids), [case.peer_batch(src_ids, dst_ids)]):
+        assert sum(b.nbytes for b in batches) == plan_bytes
+        dst = [np.full(n, 0x5A, dtype=np.uint8) for n in dkv + dstate]
+        _apply(batches, src, dst)
+        for i, (got, want) in enumerate(zip(dst, expected)):
+            assert np.array_equal(got, want), f"destination buffer {i} differs"
+
+
+def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
+    assert transfer.main(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    doc = json.loads((tmp_path / "transfer.json").read_text())
+    assert doc["benchmark"] == "transfer" and doc["config"]["quick"] is True
+    machine = doc["machine"]
+    assert machine["cpu_count"] >= 1 and machine["versions"]["numpy"] and "gpus" in machine
+    assert transfer._table(doc["results"]) in table
+    models = {r["model"] for r in doc["results"]}
+    assert models == {PRESETS[m].name for m in transfer.QUICK["models"].split(",")}
+    for rec in doc["results"]:
+        assert rec["plan"]["bytes"] == rec["expected_bytes"] > 0
+        assert rec["model"] in table
+        by_path = {p["path"]: p for p in rec["paths"]}
+        assert set(by_path) == set(transfer.PATHS)
+        for name in ("link", "nixl direct", transfer.PEERS):
+            assert by_path[name]["status"] == "ok", by_path[name]
+        link, peers = by_path["link"], by_path[transfer.PEERS]
+        for p in rec["paths"]:
+            if p["status"] == "skipped":
+                assert p["reason"]
+                continue
+            t = p["time"]
+            assert p["verified"] is True and p["bytes"] == rec["plan"]["bytes"]
+            assert 1 <= t["repeats"] == len(t["samples_s"]) <= 3 * doc["config"]["repeats"]
+            assert t["min_s"] <= t["median_s"] <= t["max_s"]
+            assert p["gbps"] == pytest.approx(p["bytes"] / t["median_s"] / 1e9)
+            assert p["vs_link"] == pytest.approx(link["time"]["median_s"] / t["median_s"])
+            assert p["vs_peers"] == pytest.approx(peers["time"]["median_s"] / t["median_s"])
+        assert by_path[transfer.PEERS]["entries"] >= by_path["nixl direct"]["entries"]
+    again = tmp_path / "again"
+    assert transfer.main(["--from-json", str(tmp_path / "transfer.json"), "--out", str(again)]) == 0
+    assert transfer._table(doc["results"]) in capsys.readouterr().out  # the run's table, again
+    for model in models:
+        for where in (tmp_path, again):
+            png = where / f"transfer-{model.lower().replace(' ', '-')}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,120 @@
+"""Real nodes and a router as separate processes for the serving tests (the demo's Server)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import httpx
+
+from kvtransfer.demo import Server, _free_port, stop_all
+
+READY_TIMEOUT_S = 240.0
+
+
+def wait_ready(servers: List[Server], timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}: {s.tail(8)}"
+            try:
+                if httpx.get(f"{s.url}/health", timeout=2.0).status_code == 200:
+                    pending.remove(s)
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, f"not ready in {timeout_s} s: {[s.name for s in pending]}"
+        time.sleep(0.2)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def group_members(pgid: int) -> List[int]:
+    """Live (not zombie) processes of the process group ``pgid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            out.append(int(name))
+    return out
+
+
+def group_is_gone(pgid: int, wait_s: float = 10.0) -> bool:
+    """No live process of the process group ``pgid`` is left (waiting up to ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class Cluster:
+    """A prefill node, a decode node, a router and (optionally) a colocated node."""
+
+    def __init__(self, model: str = "mla-tiny", prefill_tp: int = 1, decode_tp: int = 1, pages=(16, 64),
+                 colocated: bool = True, node_args=(), router_args=()):
+        self.logdir = tempfile.mkdtemp(prefix="kvt-serve-test-")
+        self.model, self.prefill_tp, self.pages = model, prefill_tp, pages
+        self.node_args = list(node_args)
+        self.ports: Dict[str, int] = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+        self.servers: Dict[str, Server] = {}
+        self.start_prefill()
+        self.servers["decode"] = self._node("decode", decode_tp, pages[1])
+        if colocated:
+            self.servers["colocated"] = self._node("colocated", 1, 16)
+        wait_ready(list(self.servers.values()))
+        self.servers["router"] = Server("router", ["router", "--prefill", self.url("prefill"), "--decode",
+                                                   self.url("decode"), "--port", str(self.ports["router"]),
+                                                   "--health-interval", "0.3", *router_args],
+                                        self.logdir, self.ports["router"])
+        wait_ready([self.servers["router"]])
+
+    def _node(self, role: str, tp: int, page: int, extra=()) -> Server:
+        return Server(f"{role} node", ["serve", "--role", role, "--model", self.model, "--tp", str(tp), "--page-size",
+                                       str(page), "--port", str(self.ports[role]), "--device", "cpu",
+                                       *self.node_args, *extra], self.logdir, self.ports[role])
+
+    def start_prefill(self) -> Server:
+        s = self.servers["prefill"] = self._node("prefill", self.prefill_tp, self.pages[0],
+                                                 ("--bootstrap-port", str(self.ports["bootstrap"])))
+        return s
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def stop(self) -> None:
+        stop_all(self.servers.values())
+
+
+def chat(url: str, content: str, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120.0)
+
+
+def sse_events(resp_lines) -> List[Optional[dict]]:
+    """The parsed ``data:`` events of a stream; ``None`` for ``[DONE]``."""
+    import json
+
+    out = []
+    for line in resp_lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(None if data == "[DONE]" else json.loads(data))
+    return out

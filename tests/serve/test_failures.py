@@ -1,0 +1,133 @@
+"""Nodes and the router when things go wrong: a prefill node killed mid-request and restarted, a
+rank that dies, bad command lines, a router given a dead node, clean shutdown (no process or
+port left behind). Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvtransfer.demo import Server, _free_port
+from tests.serve._cluster import Cluster, chat, group_is_gone, group_members, port_is_free, wait_ready
+
+
+def _run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtransfer", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_killed_prefill_node_fails_its_request_and_a_restarted_one_serves(tmp_path):
+    c = Cluster("mla-tiny", prefill_tp=1, decode_tp=1, colocated=False)
+    try:
+        assert chat(c.url("router"), "before").status_code == 200
+        prefill = c.servers["prefill"]
+        ranks = [p for p in group_members(prefill.proc.pid) if p != prefill.proc.pid]
+        for pid in ranks:  # frozen: the request is in flight on both nodes when the node dies
+            os.kill(pid, signal.SIGSTOP)
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=chat(c.url("router"), "during")))
+        t.start()
+        time.sleep(1.0)
+        os.killpg(prefill.proc.pid, signal.SIGKILL)  # the node and its frozen ranks
+        t.join(60)
+        prefill.stop()
+        r = result["r"]
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["message"].startswith(f"prefill node {c.url('prefill')} is unreachable or died "
+                                                      f"during the request")
+        assert group_is_gone(prefill.proc.pid)
+        down = httpx.get(f"{c.url('router')}/health").json()
+        assert down["nodes_up"]["prefill"] == 0
+        assert chat(c.url("router"), "while down").status_code == 503
+        c.start_prefill()  # the same ports: the router and the decode node find it again
+        wait_ready([c.servers["prefill"]])
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{c.url('router')}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the router did not see the restarted prefill node"
+            time.sleep(0.2)
+        after = chat(c.url("router"), "after", kvtransfer={"verify": True})
+        assert after.status_code == 200, after.text
+        assert after.json()["kvtransfer"]["verified"] is True
+        decode_metrics = httpx.get(f"{c.url('decode')}/metrics").text
+        assert "kvtransfer_slots_in_use 0.0" in decode_metrics  # the failed request's pages came back
+    finally:
+        c.stop()
+
+
+def test_a_rank_that_dies_fails_requests_and_the_node_exits(tmp_path):
+    port = _free_port()
+    node = Server("colocated node", ["serve", "--role", "colocated", "--model", "mla-tiny", "--tp", "2", "--port",
+                                     str(port), "--device", "cpu"], str(tmp_path), port)
+    try:
+        wait_ready([node])
+        ranks = [p for p in group_members(node.proc.pid) if p != node.proc.pid]
+        assert len(ranks) >= 2
+        rank1 = max(ranks)
+        os.kill(rank1, signal.SIGKILL)
+        node.proc.wait(30)
+        assert node.proc.returncode == 1
+        log = open(node.log_path).read()
+        assert "colocated rank" in log and "died (killed by SIGKILL)" in log
+        assert group_is_gone(node.proc.pid), group_members(node.proc.pid)
+        assert port_is_free(port)
+    finally:
+        node.stop()
+
+
+def test_start_and_sigterm_leave_no_process_or_port(tmp_path):
+    port, boot = _free_port(), _free_port()
+    node = Server("prefill node", ["serve", "--role", "prefill", "--model", "hybrid-tiny", "--tp", "2", "--port",
+                                   str(port), "--bootstrap-port", str(boot), "--device", "cpu"], str(tmp_path), port)
+    wait_ready([node])
+    assert len(group_members(node.proc.pid)) >= 3  # the node and its two ranks
+    os.killpg(node.proc.pid, signal.SIGTERM)
+    assert node.proc.wait(30) == 0
+    assert group_is_gone(node.proc.pid), f"left behind: {group_members(node.proc.pid)}"
+    assert port_is_free(port) and port_is_free(boot)
+    node.stop()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--role", "decode", "--model", "llama-9000", "--port", "0"], "unknown model 'llama-9000'"),
+    (["--role", "prefill", "--model", "smollm2", "--tp", "2", "--port", "0"], "TP size 2 does not divide"),
+    (["--role", "colocated", "--model", "mla-tiny", "--device", "cuda", "--port", "0"], "no CUDA GPU"),
+    (["--role", "colocated", "--model", "mla-tiny", "--port", "70000"], "is not a TCP port"),
+])
+def test_bad_command_lines_are_one_line(args, words, capsys):
+    from kvtransfer.serve import node
+
+    assert node.main(args) == 2  # in this process: nothing is started before the checks
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_a_port_in_use_is_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = _run("serve", "--role", "colocated", "--model", "mla-tiny", "--port", str(port))
+        assert out.returncode == 2
+        assert out.stderr.strip() == f"kvtransfer serve: error: port 127.0.0.1:{port} is not free: Address already in use"
+        out = _run("router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", str(port))
+        assert out.returncode == 2 and "is not free" in out.stderr
+
+
+def test_a_router_given_a_dead_node_says_which():
+    dead = _free_port()
+    out = _run("router", "--prefill", f"http://127.0.0.1:{dead}", "--decode", f"http://127.0.0.1:{dead}",
+               "--port", str(_free_port()), "--startup-timeout", "1")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"kvtransfer router: error: prefill node http://127.0.0.1:{dead} did not answer")
+    out = _run("router", "--prefill", "localhost:1", "--decode", "http://x", "--port", str(_free_port()))
+    assert out.returncode == 2 and "must start with http://" in out.stderr
