@@ -2,7 +2,7 @@
 
 The request is planned by the real planner (``plan_kv_transfer`` over two MHA
 :class:`~kvtransfer.layout.RankLayout`, prefill rank 0 -> decode rank 0, scattered pages as
-``kvtransfer demo`` takes them). Each side's K/V buffers lie end to end in ONE registered
+``kvtransfer transfer-demo`` takes them). Each side's K/V buffers lie end to end in ONE registered
 region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer bench transport``
 (one destination region, digests on request) serves unchanged. In one run, alternating:
 

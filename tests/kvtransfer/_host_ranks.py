@@ -2,7 +2,7 @@
 
 Each rank (``multiprocessing`` "spawn", then :func:`._hosts.enter` its namespace) owns an MHA
 pool on the CPU and a NIXL transport over its veth; the test relays the handshake as
-``kvtransfer demo`` does and drives each rank with one frozen dataclass per command. A prefill
+``kvtransfer transfer-demo`` does and drives each rank with one frozen dataclass per command. A prefill
 rank stores a request's KV (its head shard of the demo's seeded reference) at random pages and
 writes it with the real planner (``plan_kv_transfer`` + ``write_plan``); the decode rank polls
 notifications all the time (as a serving loop does) and checks every landed row against the
@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from kvtransfer._procs import report_failure
-from kvtransfer.demo import DemoConfig, local_heads, reference_kv
+from kvtransfer.transfer_demo import DemoConfig, local_heads, reference_kv
 from tests.kvtransfer._hosts import Host, enter
 
 SHAPE = DemoConfig(prefill_tp=2, decode_tp=1, layers=4, tokens=256, prefill_page_size=16, decode_page_size=64)
@@ -124,7 +124,7 @@ def payload(request: int, tp_rank: int) -> bytes:
 class _Rank:
     def __init__(self, role: str, tp_rank: int):
         from kvtransfer.batches import BufferRegions
-        from kvtransfer.demo import _torch_dtype
+        from kvtransfer.transfer_demo import _torch_dtype
         from kvtransfer.layout import RankLayout
         from pools.mha import MHATokenToKVPool
         from transport.nixl import NixlConfig, NixlTransport
