@@ -323,6 +323,13 @@ class RegionSizes:
         return known
 
 
+def check_ranges(region, offset, length, table, side: str) -> None:
+    """``ValueError`` naming the first range ``[offset, offset + length)`` (``[n]`` int64 each)
+    outside its region of ``table`` (regions by id, or a :class:`RegionSizes`); ``side`` names
+    whose regions they are. What a receiver checks ranges a peer names with (the NIXL staged mode)."""
+    _check_side(region, offset, length, table, side)
+
+
 def _check_side(region, offset, length, table, side: str, what: str = "entry") -> None:
     if region.size == 0:
         return

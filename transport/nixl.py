@@ -16,6 +16,11 @@ uint64 descriptor arrays ``(address, length, device)`` (no Python loop per entry
 only after the request's data is flushed to the target, so a delivered notification means its
 bytes have landed.
 
+Staged writes (:mod:`transport.nixl_staged`, ``NixlConfig.staged``): a batch of many small
+ranges (``StagedNixlConfig.wants``) is gathered into a registered staging lane and written as
+one NIXL write per slot; the receiver scatters it in ``poll_notifications()`` before it hands
+the write's notification over. Every other batch is the one request described here.
+
 Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
 (``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
 write's time on loopback, inside the run-to-run noise of the transfer itself, and only when the
@@ -71,7 +76,7 @@ import socket
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import numpy as np
@@ -92,6 +97,10 @@ from transport.base import (
     pack_descriptor,
     unpack_descriptor,
 )
+from transport.nixl_staged import wire as staged_wire
+from transport.nixl_staged.config import StagedNixlConfig
+from transport.nixl_staged.receiver import ReceiverLanes
+from transport.nixl_staged.sender import DeferredWrite, LaneState, SenderLane, StagedTransfer
 from transport.registry import RegionRegistry
 
 __all__ = ["NixlConfig", "NixlTransport", "NixlPeer", "NixlTransfer"]
@@ -111,6 +120,9 @@ class NixlConfig:
     peer_loss_timeout_s: a transfer still pending this long past the time its bytes need at
         ``min_throughput_gbps`` is failed as "peer lost or stalled".
     min_throughput_gbps: slowest throughput (GB/s) still considered alive.
+    staged: when a write goes through staging (many small ranges), and the staging's size
+        (:mod:`transport.nixl_staged`); this side's ``max_lanes`` / lane size also bound what
+        it grants senders.
     """
 
     agent_name: Optional[str] = None
@@ -119,6 +131,7 @@ class NixlConfig:
     num_threads: int = 0
     peer_loss_timeout_s: float = 10.0
     min_throughput_gbps: float = 0.1
+    staged: StagedNixlConfig = field(default_factory=StagedNixlConfig)
 
     def __post_init__(self) -> None:
         if self.agent_name is not None and (not isinstance(self.agent_name, str) or not self.agent_name):
@@ -133,6 +146,8 @@ class NixlConfig:
             raise ValueError(f"peer_loss_timeout_s must be > 0, got {self.peer_loss_timeout_s!r}")
         if not self.min_throughput_gbps > 0:
             raise ValueError(f"min_throughput_gbps must be > 0, got {self.min_throughput_gbps!r}")
+        if not isinstance(self.staged, StagedNixlConfig):
+            raise TypeError(f"staged must be a StagedNixlConfig, got {type(self.staged).__name__}")
 
     def deadline_s(self, nbytes: int) -> float:
         """Seconds a transfer of ``nbytes`` may stay pending before it counts as lost."""
@@ -317,33 +332,54 @@ class NixlPeer(Peer):
             return NixlTransfer.finished(self, TransferStatus.FAILED, f"peer {self.name!r} was lost earlier "
                                          f"(connect to a new export first): {lost}")
         notif = bytes(notify) if notify is not None else b""
+        if notif.startswith(staged_wire.MAGIC):
+            raise ValueError(f"notify must not start with {staged_wire.MAGIC!r} (reserved for staged writes)")
+        lane = transport._lanes.get(self.name)
+        if len(batch) and transport.config.staged.wants(batch):
+            kinds = self._kinds(batch)
+            if kinds is not None and (lane is None or (lane.matches(*kinds) and lane.state is not LaneState.REFUSED)):
+                lane = lane or transport._open_lane(self, *kinds)
+                src_addr = transport._table().ptr[batch.src_region].astype(np.int64) + batch.src_offset  # [n]
+                same = bool((batch.length == batch.length[0]).all())
+                order = None if same else np.argsort(batch.length, kind="stable")  # equal lengths side by side
+                return self._queued(lane, StagedTransfer(self, batch, notif, src_addr, order, lane.slot_bytes))
+        if lane is not None and lane.busy:  # behind a staged write still posting: keep the order
+            if len(batch) and self._kinds(batch) is None:  # the ValueError now, not when its turn comes
+                transport._table().descs(batch.src_region, batch.src_offset, batch.length, "source")
+                self._table.descs(batch.dst_region, batch.dst_offset, batch.length, "destination")
+            return self._queued(lane, DeferredWrite(self, batch, notif))
+        return self._direct(batch, notif)
+
+    def _queued(self, lane: SenderLane, job):
+        self._pending.add(job)
+        return lane.submit(job)
+
+    def _kinds(self, batch: WriteBatch) -> Optional[tuple[Optional[int], Optional[int]]]:
+        """(source device, destination device) (None: host) when each side is on one memory, else None."""
+        kinds = []
+        for table, region in ((self._transport._table(), batch.src_region), (self._table, batch.dst_region)):
+            dev = table.dev[region]  # [n]
+            if not (dev == dev[0]).all():
+                return None
+            kinds.append(None if dev[0] < 0 else int(dev[0]))
+        return kinds[0], kinds[1]
+
+    def _direct(self, batch: WriteBatch, notif: bytes) -> NixlTransfer:
+        """The batch as ONE NIXL request (module doc)."""
+        transport = self._transport
         if len(batch) == 0 and not notif:
             return NixlTransfer.finished(self, TransferStatus.DONE)
-        if len(batch) == 0:  # notification only: one scratch byte carries it (see _SCRATCH_BYTES)
-            local = np.array([[transport._scratch.ctypes.data, 1, 0]], dtype=np.uint64)  # [1, 3]
-            remote = np.array([[self._scratch_ptr, 1, 0]], dtype=np.uint64)  # [1, 3]
-            local_mem = remote_mem = "DRAM"
-        else:
-            local, local_mem = transport._table().descs(batch.src_region, batch.src_offset, batch.length, "source")
-            remote, remote_mem = self._table.descs(batch.dst_region, batch.dst_offset, batch.length, "destination")
-        backends = list(transport.config.backends)
-        handle = None
         try:
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local, local_mem),
-                agent.get_xfer_descs(remote, remote_mem),
-                self.name,
-                notif,
-                backends=backends,
-            )
-            state = agent.transfer(handle)
-        except Exception as exc:  # the peer is gone or NIXL refused the request
-            if handle is not None:
-                transport._release_handle(handle)
+            if len(batch) == 0:  # notification only: one scratch byte carries it (see _SCRATCH_BYTES)
+                handle, state = transport._post_notify(self.name, self._scratch_ptr, notif)
+            else:
+                local, local_mem = transport._table().descs(batch.src_region, batch.src_offset, batch.length, "source")
+                remote, remote_mem = self._table.descs(batch.dst_region, batch.dst_offset, batch.length,
+                                                       "destination")
+                handle, state = transport._post(self.name, local, local_mem, remote, remote_mem, notif)
+        except TransportError as exc:  # the peer is gone or NIXL refused the request
             return NixlTransfer.finished(
-                self, TransferStatus.FAILED, f"peer {self.name!r}: could not post: {type(exc).__name__}: {exc}"
-            )
+                self, TransferStatus.FAILED, f"peer {self.name!r}: could not post: {exc}")
         nbytes = batch.nbytes
         t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes), batch.src_region)
         if state == "DONE":
@@ -428,6 +464,11 @@ class NixlTransport(Transport):
             backends=list(config.backends),
         )
         self._stuck: list = []  # xfer handles whose release failed; retried on close
+        self._notes: list[Notification] = []  # the owner's notifications read by _pump, not yet polled
+        self._lanes: dict[str, SenderLane] = {}  # staged lane per remote agent (transport.nixl_staged)
+        self._lane_ids: dict[int, SenderLane] = {}
+        self._next_lane = 0
+        self._receiver = ReceiverLanes(self)  # lanes senders opened here
 
     # -- regions --------------------------------------------------------------------------
 
@@ -494,6 +535,7 @@ class NixlTransport(Transport):
             del self._lost[name]
             if name not in self._peers:
                 self._idle.discard(name)
+            self._drop_lane(name)  # its requests are done: a fresh lane (and Hello) with the fresh endpoint
             self._remove_remote(name)
         if name == self.name:
             if metadata == bytes(agent.get_agent_metadata()):
@@ -521,11 +563,11 @@ class NixlTransport(Transport):
         return peer
 
     def poll_notifications(self) -> list[Notification]:
-        agent = self._agent_checked()
-        out: list[Notification] = []
-        for sender, msgs in agent.get_new_notifs().items():
-            sender = sender.decode() if isinstance(sender, bytes) else str(sender)
-            out.extend(Notification(sender, bytes(m)) for m in msgs)
+        self._pump()
+        for lane in list(self._lanes.values()):  # staged writes of this side move on too
+            if lane.busy:
+                lane.progress()
+        out, self._notes = self._notes, []
         return out
 
     # -- lifetime -------------------------------------------------------------------------
@@ -535,6 +577,12 @@ class NixlTransport(Transport):
             return
         for peer in [*self._retired, *self._peers.values()]:
             peer._close(drain=False)  # the agent goes: nothing of it can land after that
+        for name in list(self._lanes):
+            try:
+                self._drop_lane(name)
+            except Exception:
+                pass
+        self._receiver.close()
         for rid in list(self._registry.view):
             try:
                 self.deregister(rid)
@@ -576,6 +624,85 @@ class NixlTransport(Transport):
         except Exception:
             self._stuck.append(handle)
 
+    def _post(self, name: str, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
+              notif: bytes) -> tuple:
+        """Post one NIXL write request of ``[n, 3]`` descriptor arrays; (handle, state), or
+        TransportError naming NIXL's refusal (the handle released)."""
+        agent = self._agent_checked()
+        handle = None
+        try:
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, local_mem),
+                                           agent.get_xfer_descs(remote, remote_mem), name, notif,
+                                           backends=list(self.config.backends))
+            return handle, agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                self._release_handle(handle)
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+
+    def _post_notify(self, name: str, scratch_ptr: int, notif: bytes) -> tuple:
+        """A notification alone: one scratch byte carries it (see _SCRATCH_BYTES)."""
+        local = np.array([[self._scratch.ctypes.data, 1, 0]], dtype=np.uint64)  # [1, 3]
+        remote = np.array([[scratch_ptr, 1, 0]], dtype=np.uint64)  # [1, 3]
+        return self._post(name, local, "DRAM", remote, "DRAM", notif)
+
+    def _post_slot(self, name: str, local: np.ndarray, local_dev: Optional[int], remote: np.ndarray,
+                   remote_dev: Optional[int], notif: bytes) -> tuple:
+        """One write of a staged chunk (:mod:`transport.nixl_staged.sender`): ``[k, 2]`` int64
+        (address, bytes) ranges on each side, on one memory each."""
+        descs = []
+        for ranges, dev in ((local, local_dev), (remote, remote_dev)):
+            out = np.empty((ranges.shape[0], 3), dtype=np.uint64)  # [k, (address, bytes, device)]
+            out[:, :2] = ranges
+            out[:, 2] = dev or 0
+            descs.append(out)
+        return self._post(name, descs[0], "DRAM" if local_dev is None else "VRAM", descs[1],
+                          "DRAM" if remote_dev is None else "VRAM", notif)
+
+    def _register_raw(self, ptr: int, length: int, device: Optional[int]):
+        """Register memory that is no region (staging): NIXL's handle, for :meth:`_deregister_raw`."""
+        descs = np.array([[ptr, length, 0 if device is None else device]], dtype=np.uint64)  # [1, 3]
+        return self._agent_checked().register_memory(descs, "DRAM" if device is None else "VRAM",
+                                                     backends=list(self.config.backends))
+
+    def _deregister_raw(self, reg) -> None:
+        if self._agent is not None:
+            self._agent.deregister_memory(reg, backends=list(self.config.backends))
+
+    def _open_lane(self, peer: NixlPeer, src_device: Optional[int], dst_device: Optional[int]) -> SenderLane:
+        self._next_lane += 1
+        lane = SenderLane(self, peer.name, self._next_lane, peer._scratch_ptr, src_device, dst_device)
+        self._lanes[peer.name] = lane
+        self._lane_ids[lane.id] = lane
+        return lane
+
+    def _drop_lane(self, name: str) -> None:
+        lane = self._lanes.pop(name, None)
+        if lane is not None:
+            del self._lane_ids[lane.id]
+            lane.close()
+
+    def _pump(self) -> None:
+        """Read NIXL's notifications: staged messages go to the lanes (a receiver scatters
+        here), the owner's are queued for :meth:`poll_notifications`, each sender's in order."""
+        agent = self._agent_checked()
+        for sender, msgs in agent.get_new_notifs().items():
+            sender = sender.decode() if isinstance(sender, bytes) else str(sender)
+            for raw in msgs:
+                raw = bytes(raw)
+                try:
+                    msg = staged_wire.decode(raw)
+                except staged_wire.ProtocolError:
+                    continue  # a staged message that does not decode carries nothing to deliver
+                if msg is None:
+                    self._notes.append(Notification(sender, raw))
+                elif isinstance(msg, (staged_wire.Hello, staged_wire.Chunk)):
+                    self._receiver.handle(sender, msg)
+                else:
+                    lane = self._lane_ids.get(msg.lane)
+                    if lane is not None and lane.name == sender:
+                        lane.on_message(msg)
+
     def _drain(self, name: str) -> int:
         """Release the failed requests of ``name`` that NIXL no longer progresses; return how
         many it still does."""
@@ -615,6 +742,7 @@ class NixlTransport(Transport):
         del self._peers[peer.name]
         if peer.name in self._lost and not self._drain(peer.name):
             del self._lost[peer.name]
+            self._drop_lane(peer.name)
             self._remove_remote(peer.name)
         elif peer.name in self._lost:
             self._idle.add(peer.name)  # failed requests still run: the next connect drains first

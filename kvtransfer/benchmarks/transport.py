@@ -10,6 +10,9 @@ GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one).
 
 ``--cuda`` puts the source on cuda:0 and the destination on cuda:1 (UCX cuda_ipc) and adds
 torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
+
+``--kv`` instead writes one planned KV request's batch staged, direct and as blocks
+(:mod:`kvtransfer.benchmarks.transport_kv`).
 """
 
 from __future__ import annotations
@@ -64,16 +67,17 @@ class Bye:
     pass
 
 
-def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
-    """Own the destination buffer; poll notifications until told to quit."""
+def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
+    """Own the destination buffer; poll notifications until told to quit. ``staged``: the
+    receiver's ``StagedNixlConfig`` (the staging lanes it grants), None: the default."""
     try:
-        _receive(conn, total, cuda, env, progress_thread)
+        _receive(conn, total, cuda, env, progress_thread, staged)
     except Exception as exc:  # the parent names it instead of waiting on a dead pipe
         report_failure(conn, exc)
         raise SystemExit(1) from None
 
 
-def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> None:
+def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
     os.environ.update(env)
     if cuda:
         import torch
@@ -83,7 +87,9 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool) -> 
         torch.cuda.synchronize()
     else:
         dst = np.ones(total, dtype=np.uint8)  # [total] bytes, touched so pages exist
-    with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
+    config = NixlConfig(progress_thread=progress_thread) if staged is None else \
+        NixlConfig(progress_thread=progress_thread, staged=staged)
+    with NixlTransport(config) as transport:
         if cuda:
             transport.register_tensor(dst)
         else:
@@ -284,7 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=positive_int, default=5, help="timed writes per path and block size")
     parser.add_argument("--cuda", action="store_true", help="cuda:0 -> cuda:1 (two GPUs)")
     parser.add_argument("--progress-thread", action="store_true", help="run NIXL's progress thread")
+    parser.add_argument("--kv", action="store_true",
+                        help="a planned KV request: staged vs direct NIXL vs --block blocks (transport_kv)")
+    parser.add_argument("--block", type=_size, default=None,
+                        help="with --kv: block size of the blocks rate (default 256K; with --cuda 64M)")
+    parser.add_argument("--slot-bytes", type=_size, default=None,
+                        help="with --kv: staging slot size (default 4M; with --cuda 64M)")
+    parser.add_argument("--slots", type=positive_int, default=4, help="with --kv: staging slots per lane")
     args = parser.parse_args(argv)
+    if args.kv:
+        return _main_kv(args)
     if args.blocks is None:
         args.blocks = [16 * KiB, 256 * KiB, 4 * MiB, 64 * MiB] if args.cuda else [256 * KiB, 16 * KiB]
     if args.total <= 0:
@@ -297,6 +312,25 @@ def main(argv: list[str] | None = None) -> int:
           f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)
     try:
         run(args)
+    except ChildFailed as exc:
+        print(f"kvtransfer bench transport failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _main_kv(args) -> int:
+    from kvtransfer.benchmarks.transport_kv import run_kv
+
+    for key, value in (CUDA_ENV if args.cuda else HOST_ENV).items():
+        os.environ.setdefault(key, value)
+    if args.cuda and "cuda_ipc" not in os.environ["UCX_TLS"]:
+        os.environ["UCX_TLS"] += ",cuda_copy,cuda_ipc"
+    if args.block is None:
+        args.block = 64 * MiB if args.cuda else 256 * KiB
+    print(f"NIXL staged / direct / blocks, {'cuda:0 -> cuda:1' if args.cuda else 'host -> host (loopback)'}, "
+          f"median of {args.iters}, progress thread {'on' if args.progress_thread else 'off'}", flush=True)
+    try:
+        run_kv(args, sys.modules[__name__])
     except ChildFailed as exc:
         print(f"kvtransfer bench transport failed: {exc}", file=sys.stderr)
         return 1

@@ -106,13 +106,16 @@ class _Buffers:
         return a[offset:end].cpu().numpy().tobytes()
 
 
-def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False) -> None:
+def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False, staged=None) -> None:
+    """``staged``: the receiver's StagedNixlConfig (what lanes it grants), None: the default."""
     for key, value in {**LOOPBACK_ENV, **(env or {})}.items():
         os.environ[key] = value
     from transport.nixl import NixlConfig, NixlTransport
 
     buffers = _Buffers(sizes, cuda_device)
-    with NixlTransport(NixlConfig(progress_thread=progress_thread)) as transport:
+    config = NixlConfig(progress_thread=progress_thread) if staged is None else \
+        NixlConfig(progress_thread=progress_thread, staged=staged)
+    with NixlTransport(config) as transport:
         ids = buffers.register(transport)
         conn.send(Ready(transport.export()))
         while True:

@@ -77,11 +77,12 @@ class Receiver:
     """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
     ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
 
-    def __init__(self, sizes, env=None, cuda_device=None):
+    def __init__(self, sizes, env=None, cuda_device=None, staged=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_nixl_peer.serve, args=(child, list(sizes)), kwargs={"env": env, "cuda_device": cuda_device}
+            target=_nixl_peer.serve, args=(child, list(sizes)),
+            kwargs={"env": env, "cuda_device": cuda_device, "staged": staged},
         )
         self.proc.start()
         child.close()
@@ -142,6 +143,20 @@ class Receiver:
             self.proc.kill()
             self.proc.join(5)
         self.conn.close()
+
+
+def connect_once_drained(transport, export: bytes, timeout: float = 20.0):
+    """``transport.connect(export)``, retried while the lost peer's failed requests still run in
+    NIXL (connect refuses until they are done: they finish once the receiver runs again)."""
+    from transport.base import TransportError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return transport.connect(export)
+        except TransportError:
+            assert time.monotonic() < deadline, "the failed requests never left NIXL"
+            time.sleep(0.05)
 
 
 # -- two processes on two GPUs ------------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""``kvtransfer bench transport --kv``: one KV request's batch through NIXL staged, direct, and as blocks.
+
+The request is planned by the real planner (``plan_kv_transfer`` over two MHA
+:class:`~kvtransfer.layout.RankLayout`, prefill rank 0 -> decode rank 0, scattered pages as
+``kvtransfer transfer-demo`` takes them). Each side's K/V buffers lie end to end in ONE registered
+region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer bench transport``
+(one destination region, digests on request) serves unchanged. In one run, alternating:
+
+- *staged*: the batch through a transport with the staged mode on (``transport.nixl_staged``);
+- *direct*: the same batch through a transport with it off (one NIXL request of all ranges);
+- *blocks*: the batch's byte count as ``--block`` blocks (default 256 KiB; 64 MiB with
+  ``--cuda``) to a permutation of destination blocks: NIXL's rate for large ranges.
+
+Requests: the CPU default is the demo's (16 layers, 8 x 128 bf16, 2,048 tokens, TP 2 -> 1,
+pages 16 -> 64: 1 KiB head-slice rows, 64 MiB from prefill rank 0). ``--cuda`` runs the
+80-layer / 8 x 128 bf16 / 16,384-token request twice, cuda:0 -> cuda:1: page 1 (whole 2 KiB
+token rows, TP 1 -> 1) and as 256 B head slices (TP 8 -> 1, prefill rank 0's head), and adds
+the NVLink engine on the same batch.
+
+Every path's bytes are checked once (the receiver's digest against a numpy reference built row
+by row here) before the timed rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtransfer._procs import Child
+from transport.base import WriteBatch
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class KvRequest:
+    name: str
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    prefill_tp: int
+    decode_tp: int
+    prefill_page: int
+    decode_page: int
+
+
+DEMO = KvRequest("demo request: TP 2 -> 1, pages 16 -> 64, 1 KiB head-slice rows", 16, 8, 128, 2048, 2, 1, 16, 64)
+GPU_PAGE1 = KvRequest("80 layers, 16,384 tokens, page 1, TP 1 -> 1 (2 KiB token rows)", 80, 8, 128, 16384, 1, 1, 1, 1)
+GPU_HEADS = KvRequest("80 layers, 16,384 tokens, page 1, TP 8 -> 1 (256 B head slices)", 80, 8, 128, 16384, 8, 1, 1, 1)
+
+
+@dataclass(frozen=True)
+class KvBatch:
+    """The request's batch between two single-region pools."""
+
+    src_bytes: int  # the prefill pool's region
+    dst_bytes: int  # the decode pool's region
+    src_offset: np.ndarray  # [n]
+    dst_offset: np.ndarray  # [n]
+    length: np.ndarray  # [n]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def batch(self, src_region: int, dst_region: int) -> WriteBatch:
+        n = self.length.size
+        return WriteBatch.of(np.full(n, src_region), self.src_offset, np.full(n, dst_region), self.dst_offset,
+                             self.length)
+
+    def apply(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The reference: the rows copied in plain numpy (rows of one length at multiples of it
+        as one fancy-indexed copy of ``[rows, length]`` views, any other row by itself)."""
+        for n in np.unique(self.length).tolist():
+            sel = self.length == n
+            so, do = self.src_offset[sel], self.dst_offset[sel]
+            if not (so % n).any() and not (do % n).any() and not (src.size % n or dst.size % n):
+                dst.reshape(-1, n)[do // n] = src.reshape(-1, n)[so // n]
+                continue
+            for a, b in zip(so.tolist(), do.tolist()):
+                dst[b:b + n] = src[a:a + n]
+
+
+def _scattered_slots(rng, page: int, tokens: int) -> tuple[np.ndarray, int]:
+    """Slots of ``tokens`` tokens on random pages of a pool of twice the request (+ the padding
+    page), and the pool's slot count."""
+    pages = 2 * -(-tokens // page)
+    order = rng.permutation(pages)[: -(-tokens // page)] + 1  # page 0 is padding
+    slots = (order[:, None] * page + np.arange(page)[None, :]).ravel()[:tokens]
+    return slots, (pages + 1) * page
+
+
+def plan_request(req: KvRequest, seed: int = 0) -> KvBatch:
+    """The request planned by ``plan_kv_transfer``, prefill rank 0 -> decode rank 0."""
+    from kvtransfer.layout import PoolKind, RankLayout
+    from kvtransfer.plan import plan_kv_transfer
+
+    rng = np.random.default_rng(seed)
+    src_slots, src_num = _scattered_slots(rng, req.prefill_page, req.tokens)
+    dst_slots, dst_num = _scattered_slots(rng, req.decode_page, req.tokens)
+    common = dict(layer_ids=range(req.layers), dtype="bfloat16", head_dim=req.head_dim, total_heads=req.heads)
+    src = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=req.prefill_tp, page_size=req.prefill_page,
+                               num_slots=src_num, **common)
+    dst = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=req.decode_tp, page_size=req.decode_page,
+                               num_slots=dst_num, **common)
+    plan = plan_kv_transfer(src, dst, src_slots, dst_slots)
+    s_buf, s_off, d_buf, d_off, length = plan.flatten()
+    src_row = 2 * req.head_dim * req.heads // min(req.prefill_tp, req.heads)  # bf16 bytes per token per buffer
+    dst_row = 2 * req.head_dim * req.heads // min(req.decode_tp, req.heads)
+    src_buf, dst_buf = src_num * src_row, dst_num * dst_row  # bytes per buffer
+    buffers = 2 * req.layers
+    return KvBatch(buffers * src_buf, buffers * dst_buf, s_buf * src_buf + s_off, d_buf * dst_buf + d_off,
+                   np.asarray(length, dtype=np.int64))
+
+
+def _median_gbps(nbytes: int, times: list) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run_kv(args, tools) -> list[dict]:
+    """Run each request of this machine kind; ``tools`` is :mod:`kvtransfer.benchmarks.transport`
+    (its receiver process, messages and block descriptors)."""
+    from transport.nixl import NixlConfig, NixlTransport
+    from transport.nixl_staged import StagedNixlConfig
+
+    requests = [GPU_PAGE1, GPU_HEADS] if args.cuda else [DEMO]
+    rows = []
+    for req in requests:
+        kv = plan_request(req)
+        print(f"{req.name}: {kv.length.size:,} ranges, {kv.nbytes / MiB:.1f} MiB, "
+              f"{int(kv.length[0])} B rows", flush=True)
+        if args.cuda:
+            import torch
+
+            torch.cuda.set_device(0)
+            src = torch.randint(0, 256, (kv.src_bytes,), dtype=torch.uint8, device="cuda:0")  # [src_bytes]
+            torch.cuda.synchronize()
+            src_ptr, device, host_src = src.data_ptr(), 0, src.cpu().numpy()
+            staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 64 * MiB, slots=args.slots)
+        else:
+            src = np.random.default_rng(1).integers(0, 256, kv.src_bytes, dtype=np.uint8)  # [src_bytes]
+            src_ptr, device, host_src = src.ctypes.data, None, src
+            staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 4 * MiB, slots=args.slots)
+        total = max(kv.dst_bytes, -(-kv.nbytes // args.block) * args.block)
+        receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread, staged),
+                               name="receiver")
+        try:
+            peer_bytes = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
+            paths = {}
+            for name, cfg in (("staged", staged), ("direct", StagedNixlConfig(enabled=False))):
+                t = NixlTransport(NixlConfig(progress_thread=args.progress_thread, staged=cfg))
+                sid = t.register(src_ptr, kv.src_bytes, device)
+                peer = t.connect(peer_bytes)
+                (dst,) = peer.regions.values()
+                paths[name] = (t, peer, kv.batch(sid, dst.region_id))
+            n_blocks = kv.nbytes // args.block
+            blocks = np.arange(n_blocks, dtype=np.int64) * args.block  # [n_blocks]
+            block_batch = WriteBatch.of(np.full(n_blocks, sid), blocks, np.full(n_blocks, dst.region_id),
+                                        np.random.default_rng(2).permutation(blocks), np.full(n_blocks, args.block))
+            paths["blocks"] = (t, peer, block_batch)  # through the direct transport (so are a few large ranges)
+            writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
+            _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
+            staged_t, staged_peer, _ = paths["staged"]
+            lane = staged_t._lanes.get(staged_peer.name)
+            if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
+                raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
+            times = {name: [] for name in writes}
+            for _ in range(args.iters):  # alternate so all paths see the same background load
+                for name, fn in writes.items():
+                    times[name].append(_timed(fn))
+            row = {"request": req.name, "ranges": int(kv.length.size), "nbytes": kv.nbytes,
+                   **{f"{name}_gbps": _median_gbps(kv.nbytes if name != "blocks" else n_blocks * args.block, ts)
+                      for name, ts in times.items()}}
+            if args.cuda:
+                row["nvlink_gbps"] = _nvlink_gbps(kv, src, args.iters)
+            rows.append(row)
+            print(_format(row, args.block), flush=True)
+            for t, _, _ in paths.values():
+                t.close()  # closing twice is harmless
+        finally:
+            receiver.stop(tools.Quit())
+    return rows
+
+
+def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dict, block_batch: WriteBatch,
+           receiver, tools) -> None:
+    """Each path once, in turn, the destination's digest against the reference (the receiver's
+    buffer starts as ``fill``: ones on the host, zeros on a GPU)."""
+    want = np.full(total, fill, dtype=np.uint8)  # [total]
+    blocks = KvBatch(0, 0, block_batch.src_offset, block_batch.dst_offset, block_batch.length)
+    for name, ref in (("staged", kv), ("blocks", blocks), ("direct", kv)):
+        writes[name]()
+        ref.apply(host_src, want)
+        receiver.send(tools.DigestRequest())
+        got = receiver.recv(tools.Digest, "the destination's digest", tools.DIGEST_TIMEOUT_S).sha256
+        if got != hashlib.sha256(want).hexdigest():
+            raise RuntimeError(f"{name}: destination bytes differ from the reference")
+
+
+def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
+    """The NVLink engine on the same batch: this process's cuda:0 into a receiver on cuda:1."""
+    from transport.nvlink import NvlinkTransport
+    from transport.remote import RemoteBuffers
+
+    remote = RemoteBuffers(device=1)
+    try:
+        (dst_rid,) = remote.alloc([kv.dst_bytes], 0)
+        with NvlinkTransport() as t:
+            sid = t.register_tensor(src)
+            peer = t.connect(remote.export()["nvlink"])
+            batch = kv.batch(sid, dst_rid)
+            peer.write(batch).wait(600)
+            times = [_timed(lambda: peer.write(batch).wait(600)) for _ in range(iters)]
+    finally:
+        remote.close()
+    return _median_gbps(kv.nbytes, times)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _format(row: dict, block: int) -> str:
+    line = (f"  staged NIXL {row['staged_gbps']:7.2f} GB/s   direct NIXL {row['direct_gbps']:7.2f} GB/s   "
+            f"NIXL {block // KiB} KiB blocks {row['blocks_gbps']:7.2f} GB/s   staged / blocks "
+            f"{100 * row['staged_gbps'] / row['blocks_gbps']:5.1f} %   data ok")
+    if "nvlink_gbps" in row:
+        line += f"   NVLink engine {row['nvlink_gbps']:7.2f} GB/s"
+    return line

@@ -1,0 +1,170 @@
+"""A TP-changing request between two "hosts": prefill ranks in one network namespace, the
+decode rank in another, NIXL over tcp between the veth addresses (:mod:`._hosts`).
+
+Real processes, the real planner, real transports; every landed row is compared on the decode
+rank with the seeded reference (:mod:`._host_ranks`). Skipped where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kvtransfer._hosts import TwoHosts, netns_unavailable
+
+WHY = netns_unavailable()
+if WHY:
+    pytest.skip(f"two hosts need network namespaces: {WHY}", allow_module_level=True)
+
+try:
+    from transport._nixl_import import load_nixl_api
+
+    load_nixl_api()
+except ImportError as exc:
+    pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from kvtransfer._procs import Child  # noqa: E402
+from kvtransfer.layout import RankLayout  # noqa: E402
+from kvtransfer.plan import senders_for  # noqa: E402
+from tests.kvtransfer import _host_ranks as hr  # noqa: E402
+from tests.kvtransfer.control._ranks import Prefill, RankProcess, RankSpec, Receive, Verify, Wait  # noqa: E402
+
+REPLY_S = 120.0
+
+
+class Cluster:
+    """The two hosts, two prefill ranks (TP 2) on A, one decode rank (TP 1) on B."""
+
+    def __init__(self, hosts: TwoHosts):
+        self.hosts = hosts
+        self.ranks: dict = {}
+        for role, host, tp in (("decode", hosts.b, hr.SHAPE.decode_tp), ("prefill", hosts.a, hr.SHAPE.prefill_tp)):
+            for r in range(tp):
+                self.ranks[role, r] = Child.spawn(hr.rank_main, (role, host, r), name=f"{role} rank {r} ({host.netns})")
+        for child in self.ranks.values():
+            child.recv(hr.Stored, "its start", REPLY_S)
+        self.decode = self.ranks["decode", 0]
+        self.prefill = [self.ranks["prefill", r] for r in range(hr.SHAPE.prefill_tp)]
+        self.reserved: dict = {}
+        self.done: list = []  # requests whose every notification arrived
+        self.connect()
+
+    def ask(self, child, cmd, kind, what):
+        child.send(cmd)
+        return child.recv(kind, what, REPLY_S)
+
+    def connect(self) -> None:
+        export = self.ask(self.decode, hr.Reserve(-1), hr.Reserved, "an export").export
+        for p in self.prefill:
+            self.ask(p, hr.Connect(export), hr.Connected, "its connect")
+
+    def senders(self) -> tuple:
+        layout = RankLayout.from_msgpack(next(iter(self.reserved.values())).layout)
+        return tuple(senders_for(layout, hr.SHAPE.prefill_tp))
+
+    def post(self, request: int, wait: bool = True) -> list:
+        """Reserve on decode, store on prefill, write from every sender; their Written replies."""
+        res = self.reserved[request] = self.ask(self.decode, hr.Reserve(request), hr.Reserved, "its reservation")
+        for p in self.prefill:
+            self.ask(p, hr.Store(request), hr.Stored, "its prefill")
+        assert self.senders() == (0, 1)
+        return [self.ask(self.prefill[s], hr.Write(request, res.layout, res.regions, res.slots, wait), hr.Written,
+                         "its write") for s in self.senders()]
+
+    def await_notes(self, request: int, timeout_s: float = 60.0) -> tuple:
+        got = self.ask(self.decode, hr.Await(request, self.senders(), timeout_s), hr.Awaited, "the notifications")
+        if got.senders == self.senders():
+            self.done.append(request)
+        return got.senders
+
+    def check(self) -> hr.Checked:
+        """Every done request's rows against the reference; no byte in slots no request reserved."""
+        return self.ask(self.decode, hr.Check(tuple(self.done)), hr.Checked, "its check")
+
+    def close(self) -> None:
+        for child in self.ranks.values():  # all at once: each takes its time to close its transport
+            try:
+                child.send(hr.Quit())
+            except Exception:
+                pass
+        for child in self.ranks.values():
+            child.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with TwoHosts() as hosts:
+        c = Cluster(hosts)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+def test_a_tp_changing_request_crosses_the_hosts_byte_for_byte(cluster):
+    written = cluster.post(1)
+    assert [(w.status, w.staged) for w in written] == [("DONE", True)] * 2, written
+    assert cluster.await_notes(1) == (0, 1)
+    assert cluster.check() == hr.Checked(0, 0), "decode rows differ from the reference or bytes landed elsewhere"
+
+
+def test_a_cut_link_fails_the_transfer_and_the_next_request_succeeds(cluster):
+    """Request 3 is posted (the first staging slots in flight), the link goes down: its
+    transfer FAILS within its deadline; no byte lands outside its slots (requests 2 and 4 hold
+    exactly their rows, unreserved slots stay zero); the link comes back, the prefill ranks
+    connect again, request 4 lands whole."""
+    cluster.post(2)
+    assert cluster.await_notes(2) == (0, 1)
+    posted = cluster.post(3, wait=False)
+    assert [(w.status, w.staged) for w in posted] == [("PENDING", True)] * 2, posted
+    cluster.hosts.link(False)
+    try:
+        failed = [cluster.ask(p, hr.Wait(3), hr.Written, "the failure") for p in cluster.prefill]
+    finally:
+        cluster.hosts.link(True)
+    for w in failed:
+        assert w.status == "FAILED" and "peer" in w.error, w
+        assert w.seconds < w.deadline_s + 5.0, f"FAILED after {w.seconds:.1f} s, deadline {w.deadline_s:.1f} s"
+    cluster.connect()  # once NIXL no longer runs the failed requests (the link is back)
+    written = cluster.post(4)
+    assert [(w.status, w.staged) for w in written] == [("DONE", True)] * 2, written
+    assert cluster.await_notes(4) == (0, 1)
+    assert 3 not in cluster.done and {2, 4} <= set(cluster.done)
+    assert cluster.check() == hr.Checked(0, 0), "rows of a done request differ, or bytes landed in unreserved slots"
+
+
+def test_the_control_plane_across_the_hosts(cluster):
+    """The bootstrap service and two prefill ranks (TP 2) on A, a decode rank (TP 1) on B, their
+    KV managers over zmq and NIXL between the veth addresses: two requests land byte for byte."""
+    a, b = cluster.hosts.a, cluster.hosts.b
+    boot = subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-m", "kvtransfer", "bootstrap",
+                             "--host", a.address, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ranks = []
+    try:
+        line = boot.stdout.readline()
+        assert "serving on tcp://" in line, line
+        address = line.rsplit(" ", 1)[1].strip()
+        fast = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 30.0}
+        ranks = [RankProcess(RankSpec(role, r, tp, page, address, config={**fast, "host": host.address},
+                                      instance="decode-two-hosts", netns=host))
+                 for role, tp, page, host in (("prefill", 2, 16, a), ("decode", 1, 4, b)) for r in range(tp)]
+        for r in ranks:
+            r.started()
+        prefill, decode = ranks[:2], ranks[2:]
+        for i, tokens in enumerate((70, 33)):
+            rid = f"hosts-{i}"
+            decode[0].call(Receive(rid, tokens))
+            for p in prefill:
+                p.call(Prefill(rid, tokens, (tokens - 20, 20), first_token=50 + i))
+            for r in ranks:
+                assert r.call(Wait(rid)) == ("Success", None), r.name
+            assert decode[0].call(Verify(rid)) == (0, 50 + i)
+    finally:
+        for r in ranks:
+            r.close()
+        boot.terminate()
+        boot.wait(10)

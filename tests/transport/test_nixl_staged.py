@@ -1,0 +1,398 @@
+"""NIXL's staged mode: real staged writes between this process and a spawned receiver.
+
+The receiver (``_nixl_peer.serve``) is the same as for the direct path: zeroed regions, a
+digest of the ranges a notification names taken when it arrives. Expected bytes come from a
+numpy reference built entry by entry here. Slots are kept small (64 KiB) so a write is many
+chunks and the slots rotate.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from transport._nixl_import import load_nixl_api
+
+try:
+    load_nixl_api()
+except ImportError as exc:  # NIXL is an optional extra
+    pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
+
+from tests.transport import _nixl_peer  # noqa: E402
+from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained  # noqa: E402
+from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
+from transport.base import TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
+from transport.nixl_staged import StagedNixlConfig  # noqa: E402
+from transport.nixl_staged.sender import DeferredWrite, LaneState, StagedTransfer, chunk_bounds  # noqa: E402
+from transport.nixl_staged.wire import (  # noqa: E402
+    MAGIC, Chunk, ChunkHeader, ProtocolError, data_start, decode, encode)
+
+MiB = 1 << 20
+SMALL = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64)
+
+
+def small_rows(rng, num, src_bytes, dst_sizes, lengths=(64, 256, 1000, 1024, 4096)):
+    """``num`` rows of the given lengths, random sources, disjoint random destinations over the
+    destination regions (a slot of 16 KiB per row, in random order)."""
+    length = rng.choice(lengths, num).astype(np.int64)
+    src_offset = rng.integers(0, src_bytes - length + 1)
+    cells = np.concatenate([np.stack([np.full(n // 16384, r), np.arange(n // 16384) * 16384], 1)
+                            for r, n in enumerate(dst_sizes)])
+    pick = cells[rng.choice(len(cells), num, replace=False)]
+    dst_region, dst_offset = pick[:, 0], pick[:, 1] + rng.integers(0, 16384 - length + 1)
+    return np.zeros(num, np.int64), src_offset, dst_region, dst_offset, length
+
+
+def staged_pair(writer, receiver, dst_sizes, src_bytes=8 * MiB, seed=0, env=None, staged=SMALL, rx_staged=None,
+                **config):
+    rx = receiver(dst_sizes, env=env, staged=rx_staged)
+    t = writer(env=env, staged=staged, **config)
+    src, sid = host_region(t, src_bytes, seed)
+    return rx, t, src, sid, t.connect(rx.export)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def test_staged_rows_land_byte_for_byte_before_their_notification(writer, receiver):
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(1)
+    entries = small_rows(rng, 600, src.size, dst_sizes)
+    batch = wb(sid, *entries[1:])
+    note = _nixl_peer.payload(1, [(r, 0, n) for r, n in enumerate(dst_sizes)])
+    tr = peer.write(batch, notify=note)
+    assert isinstance(tr, StagedTransfer) and tr.num_chunks > SMALL.slots  # the slots rotate
+    tr.wait(60)
+    want = reference([src], dst_sizes, entries)
+    assert rx.wait_notes(1) == [(note, sha(want))], "the notification came before the scatter"
+    assert rx.senders == [t.name]
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"destination region {r}")
+    # a second write reuses the lane (no new Hello): same bytes again, in another order
+    order = rng.permutation(len(batch))
+    again = WriteBatch.of(*(getattr(batch, f)[order] for f in ("src_region", "src_offset", "dst_region",
+                                                               "dst_offset", "length")))
+    peer.write(again, notify=_nixl_peer.payload(2, [])).wait(60)
+    assert [n for n, _ in rx.wait_notes(2)][1] == _nixl_peer.payload(2, [])
+    assert len(t._lanes) == 1 and t._lanes[peer.name].state is LaneState.READY
+
+
+def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
+    """A direct write and a second staged write issued while a staged one posts its chunks are
+    delivered after it, in the order issued, each notification with its bytes in place (one
+    destination region per write: a digest covers its own write's region)."""
+    dst_sizes = [8 * MiB, 1 * MiB, 8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(2)
+    first = small_rows(rng, 400, src.size, [8 * MiB], lengths=(1024,))
+    third = small_rows(rng, 400, src.size, [8 * MiB], lengths=(1024,))
+    third = (third[0], third[1], np.full(400, 2), third[3], third[4])
+    notes = [_nixl_peer.payload(i, [(r, 0, dst_sizes[r])]) for i, r in enumerate((0, 1, 2))]
+    transfers = [peer.write(wb(sid, *first[1:]), notify=notes[0]),
+                 peer.write(wb(sid, 3 * MiB, 1, 0, 1 * MiB), notify=notes[1]),
+                 peer.write(wb(sid, *third[1:]), notify=notes[2])]
+    assert [type(tr) for tr in transfers] == [StagedTransfer, DeferredWrite, StagedTransfer]
+    for tr in reversed(transfers):
+        tr.wait(60)
+    want = reference([src], dst_sizes, first)[0], src[3 * MiB:4 * MiB], reference([src], dst_sizes, third)[2]
+    assert rx.wait_notes(3) == [(note, sha([w])) for note, w in zip(notes, want)]
+
+
+def test_batches_outside_the_rule_go_direct(writer, receiver):
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB])
+    few = peer.write(wb(sid, np.arange(10) * 4096, 0, np.arange(10) * 4096, 4096))
+    big = peer.write(wb(sid, np.arange(100) * 32768, 0, np.arange(100) * 32768, 32768))
+    for tr in (few, big):
+        assert not isinstance(tr, (StagedTransfer, DeferredWrite))
+        tr.wait(30)
+    assert not t._lanes
+
+
+def test_a_receiver_that_refuses_a_lane_gets_direct_writes(writer, receiver):
+    """The receiver grants lanes of at most 2 x 64 KiB; this writer asks for 4 x 4 MiB."""
+    dst_sizes = [8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes, staged=StagedNixlConfig(min_rows=64),
+                                        rx_staged=StagedNixlConfig(slot_bytes=64 << 10, slots=2))
+    entries = small_rows(np.random.default_rng(3), 300, src.size, dst_sizes)
+    note = _nixl_peer.payload(1, [(0, 0, 8 * MiB)])
+    peer.write(wb(sid, *entries[1:]), notify=note).wait(60)
+    lane = t._lanes[peer.name]
+    assert lane.state is LaneState.REFUSED and "allows at most 131072 bytes per lane" in lane.error
+    assert rx.wait_notes(1) == [(note, sha(reference([src], dst_sizes, entries)))]
+    direct = peer.write(wb(sid, *entries[1:]))
+    assert not isinstance(direct, (StagedTransfer, DeferredWrite))
+    direct.wait(30)
+
+
+def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receiver):
+    """A stale export: the receiver checks each chunk's rows against its OWN regions, refuses
+    the chunk, lands nothing of it, and the write FAILS naming why."""
+    dst_sizes = [4 * MiB, 4 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(4)
+    entries = small_rows(rng, 200, src.size, [4 * MiB])
+    peer.write(wb(sid, *entries[1:])).wait(60)  # lane open
+    rx.deregister(1)
+    never = _nixl_peer.payload(1, [])
+    stale = peer.write(wb(sid, entries[1], 1, entries[3], entries[4]), notify=never)
+    with pytest.raises(TransferFailed, match=r"refused chunk \d+: batch entry 0: destination \(this "
+                                             r"receiver\) region 1 is not registered"):
+        stale.wait(60)
+    assert_same(rx.dump(0), reference([src], [4 * MiB], entries)[0], "region 0 after the refused write")
+    after = _nixl_peer.payload(2, [])
+    peer.write(wb(sid, *entries[1:]), notify=after).wait(60)  # the lane still works
+    assert [n for n, _ in rx.wait_notes(1)] == [after]
+
+
+def test_reserved_payloads_are_refused(writer, receiver):
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [1 * MiB])
+    with pytest.raises(ValueError, match="reserved for staged writes"):
+        peer.write(wb(sid, 0, 0, 0, 64), notify=MAGIC + b"x")
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def stalled_staged(writer, receiver, nbytes, seed, **config):
+    """tcp only, the lane open and warm; then the receiver is stopped and a staged write of
+    ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight)."""
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [nbytes], src_bytes=nbytes, seed=seed, env=TCP_ONLY,
+                                        staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=4), **config)
+    n = nbytes // 4096
+    rng = np.random.default_rng(seed)
+    offs = np.arange(n, dtype=np.int64) * 4096
+    peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
+    assert isinstance(tr, StagedTransfer) and tr.status() is TransferStatus.PENDING and tr.posted >= 1
+    return rx, t, src, sid, peer, tr
+
+
+def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0)
+    resume = resumed_later(rx, 0.3)
+    start = time.monotonic()
+    tr.abort()
+    waited = time.monotonic() - start
+    resume.join()
+    assert waited >= 0.3, f"abort() returned after {waited:.3f} s, before the stopped receiver could answer"
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    assert tr.credited == tr.posted < tr.num_chunks
+    at_abort = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte
+    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
+    fresh, fresh_id = host_region(t, 16 * MiB, 6)
+    n = 16 * MiB // 4096
+    offs = np.arange(n, dtype=np.int64) * 4096
+    peer.write(wb(fresh_id, offs, 0, offs, 4096)).wait(60)  # staged again, DONE
+    assert_same(rx.dump(0), fresh, "destination after a staged rewrite")
+
+
+def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
+        tr.wait(30)
+    assert time.monotonic() - start < 1.0 + 8 * MiB / 0.1e9 + 3.0
+    later = peer.write(wb(sid, np.arange(100) * 4096, 0, np.arange(100) * 4096, 4096))
+    assert later.status() is TransferStatus.FAILED and "was lost earlier" in later.error
+    with pytest.raises(TransportError, match=r"failed request\(s\) in flight"):
+        t.connect(rx.export)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    again = connect_once_drained(t, rx.export)
+    n = 8 * MiB // 4096
+    offs = np.arange(n, dtype=np.int64) * 4096
+    note = _nixl_peer.payload(3, [])
+    fresh = again.write(wb(sid, offs, 0, offs, 4096), notify=note)
+    assert isinstance(fresh, StagedTransfer)  # a new lane (a new Hello on the new endpoint)
+    fresh.wait(60)
+    assert rx.wait_notes(1)[-1][0] == note
+    assert_same(rx.dump(0), src, "destination after reconnecting")
+
+
+def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline(writer, receiver):
+    """Stopped before the first staged write: the lane never opens, the write FAILS at its
+    deadline; once the receiver runs again a new connect opens a fresh lane."""
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB], src_bytes=4 * MiB, seed=9, env=TCP_ONLY,
+                                        peer_loss_timeout_s=1.0)
+    peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)  # connection up, no lane yet
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    offs = np.arange(1024, dtype=np.int64) * 4096
+    tr = peer.write(wb(sid, offs, 0, offs, 4096))
+    assert isinstance(tr, StagedTransfer) and t._lanes[peer.name].state is LaneState.OPENING
+    with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
+        tr.wait(30)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    again = connect_once_drained(t, rx.export)
+    again.write(wb(sid, offs, 0, offs, 4096)).wait(60)
+    assert_same(rx.dump(0), src, "destination after reconnecting")
+
+
+def test_a_killed_receiver_fails_the_staged_write(writer, receiver):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0)
+    os.kill(rx.proc.pid, signal.SIGKILL)
+    start = time.monotonic()
+    rx.proc.join(5)
+    with pytest.raises(TransferFailed, match="peer '.*'.*(DISCONNECT|not done after)"):
+        tr.wait(20)
+    assert time.monotonic() - start < 5.0 + 16 * MiB / 0.1e9 + 3.0
+
+
+# -- pieces --------------------------------------------------------------------------------------
+
+
+def test_config_rule_and_validation():
+    cfg = StagedNixlConfig()
+    def rows(length):
+        return WriteBatch.of(0, np.arange(len(length)) * 65536, 0, np.arange(len(length)) * 65536, length)
+
+    assert cfg.wants(rows(np.full(1024, 1024))) and not cfg.wants(rows(np.full(1023, 1024)))
+    assert not cfg.wants(rows(np.append(np.full(2000, 256), 32768)))
+    assert not StagedNixlConfig(enabled=False).wants(rows(np.full(4096, 256)))
+    assert cfg.lane_bytes == 16 * MiB
+    with pytest.raises(ValueError, match="slots must be an int >= 2, got 1"):
+        StagedNixlConfig(slots=1)
+    with pytest.raises(ValueError, match="cannot hold one row of max_row_bytes"):
+        StagedNixlConfig(slot_bytes=1 << 16, max_row_bytes=1 << 16)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        StagedNixlConfig(enabled=1)
+
+
+def test_chunks_fit_their_slots():
+    rng = np.random.default_rng(9)
+    length = rng.integers(1, 16385, 5000)
+    bounds = chunk_bounds(length, 1 << 16)
+    assert bounds[0] == 0 and bounds[-1] == length.size and (np.diff(bounds) > 0).all()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert data_start(b - a) + int(length[a:b].sum()) <= 1 << 16
+
+
+def test_messages_and_headers_round_trip_and_refuse_garbage():
+    msg = Chunk(3, 7, 1, 2, 2, b"note")
+    assert decode(encode(msg)) == msg and decode(b"owner payload") is None
+    with pytest.raises(ProtocolError, match="does not decode"):
+        decode(MAGIC + b"\xc1")
+    slot = np.zeros(1 << 16, np.uint8)
+    ChunkHeader(3, 7, 1, 2, 100).write(slot, np.array([0, 64]), np.array([0, 1]), np.array([50, 50]))
+    head = ChunkHeader.parse(slot, slot.size)
+    assert head == ChunkHeader(3, 7, 1, 2, 100)
+    assert [a.tolist() for a in head.table(slot)] == [[0, 64], [0, 1], [50, 50]]
+    with pytest.raises(ProtocolError, match="does not fit a 200-byte slot"):
+        ChunkHeader.parse(slot, 200)
+    slot[0] = 0
+    with pytest.raises(ProtocolError, match="expected b'KVTSTG01'"):
+        ChunkHeader.parse(slot, slot.size)
+
+
+def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
+    from transport.nixl_staged.copy import HostStaging
+
+    rng = np.random.default_rng(10)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    length = np.sort(rng.choice([1, 8, 24, 1000, 1024], 300))  # runs of equal lengths
+    src_off = rng.integers(0, src.size - 1024, 300)
+    src_off[10:20] = src_off[10] + np.cumsum(np.append(0, length[10:19]))  # a contiguous source run
+    dst_off = rng.permutation(np.arange(1, 1000))[:300] * 1024
+    staging = HostStaging(2, 1 << 20)
+    at = data_start(300)
+    staging.gather(1, at, src.ctypes.data + src_off, length)
+    packed = np.concatenate([src[o:o + n] for o, n in zip(src_off, length)])
+    assert_same(staging.buf[(1 << 20) + at:(1 << 20) + at + packed.size], packed, "gathered rows")
+    staging.scatter(1, at, dst.ctypes.data + dst_off, length)
+    want = np.zeros_like(dst)
+    for so, do, n in zip(src_off, dst_off, length):
+        want[do:do + n] = src[so:so + n]
+    assert_same(dst, want, "scattered rows")
+
+
+KERNEL_SCRIPT = """
+import numpy as np, torch
+from transport.nixl_staged.copy import KernelStaging
+from transport.nixl_staged.wire import data_start
+rng = np.random.default_rng(11)
+src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
+dst = torch.zeros(8192, dtype=torch.uint8)
+length = np.array([16, 16, 48, 256, 8, 24], dtype=np.int64)
+src_off = np.array([0, 16, 512, 1024, 4000, 7000], dtype=np.int64)
+dst_off = np.array([4096, 64, 2048, 6000, 8000, 100], dtype=np.int64)
+staging = KernelStaging(2, 1 << 16, "cpu")
+at = data_start(6)
+staging.gather(1, at, src.data_ptr() + src_off, length)
+s = src.numpy()
+packed = np.concatenate([s[o:o + n] for o, n in zip(src_off, length)])
+got = staging.buf.numpy()[(1 << 16) + at:(1 << 16) + at + packed.size]
+assert (got == packed).all(), "gather"
+staging.scatter(1, at, dst.data_ptr() + dst_off, length)
+want = np.zeros(8192, np.uint8)
+for so, do, n in zip(src_off, dst_off, length):
+    want[do:do + n] = s[so:so + n]
+assert (dst.numpy() == want).all(), "scatter"
+# land(): the header and row table in the slot, checked and turned into the kernel's table here
+from types import SimpleNamespace
+from transport.base import Region, RegionSizes
+from transport.nixl_staged.wire import ChunkHeader, ProtocolError
+pool = torch.zeros(8192, dtype=torch.uint8)
+table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
+                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+staging.write_head(0, ChunkHeader(1, 2, 0, 6, int(length.sum())), dst_off, np.zeros(6, np.int64), length)
+staging.gather(0, at, src.data_ptr() + src_off, length)
+assert staging.land(0, (1, 2, 0), table) == ChunkHeader(1, 2, 0, 6, int(length.sum()))
+assert (pool.numpy() == want).all(), "land"
+try:
+    staging.land(0, (1, 2, 1), table)
+    raise AssertionError("a chunk other than the one named landed")
+except ProtocolError as exc:
+    assert "holds chunk 0 of write 2" in str(exc), exc
+bad = dst_off.copy()
+bad[3] = 8000  # 256 bytes from 8000 leave the 8192-byte region
+staging.write_head(0, ChunkHeader(1, 3, 0, 6, int(length.sum())), bad, np.zeros(6, np.int64), length)
+pool.zero_()
+try:
+    staging.land(0, (1, 3, 0), table)
+    raise AssertionError("a row outside its region landed")
+except ValueError as exc:
+    assert "batch entry 3: destination (this receiver) range [8000, 8256) is outside region 0" in str(exc), exc
+assert not pool.any(), "bytes of a refused chunk landed"
+print("KERNEL STAGING OK")
+"""
+
+
+def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
+    pytest.importorskip("triton")
+    assert_interpreted_ok(KERNEL_SCRIPT, "KERNEL STAGING OK")
+
+
+CUDA_ENV = {"UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
+    """cuda:0 -> cuda:1: the Triton gather on cuda:0, one cuda_ipc write per slot, the scatter
+    kernel on cuda:1 in the receiver, then its notification."""
+    import torch
+
+    dst_sizes = [8 * MiB, 8 * MiB]
+    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=1)
+    torch.cuda.set_device(0)
+    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(12))
+    src_cuda = src.to("cuda:0")
+    torch.cuda.synchronize()
+    t = writer(env=CUDA_ENV, staged=SMALL)
+    sid = t.register_tensor(src_cuda)
+    peer = t.connect(rx.export)
+    entries = small_rows(np.random.default_rng(13), 2000, 8 * MiB, dst_sizes, lengths=(256, 2048, 1000))
+    note = _nixl_peer.payload(1, [(r, 0, n) for r, n in enumerate(dst_sizes)])
+    tr = peer.write(wb(sid, *entries[1:]), notify=note)
+    assert isinstance(tr, StagedTransfer)
+    tr.wait(120)
+    want = reference([src.numpy()], dst_sizes, entries)
+    assert rx.wait_notes(1) == [(note, sha(want))]
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")

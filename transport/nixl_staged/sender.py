@@ -1,0 +1,451 @@
+"""The sending side of the staged mode: one :class:`SenderLane` per remote agent.
+
+A lane owns this side's staging (``slots`` x ``slot_bytes``, registered with NIXL), the
+receiver's staging address (from its :class:`~transport.nixl_staged.wire.Welcome`) and a FIFO
+of jobs, the writes to that agent in the order ``write`` was called:
+
+- :class:`StagedTransfer`: rows cut into chunks (:func:`chunk_bounds`); a free slot takes the
+  next chunk: gather (:mod:`~transport.nixl_staged.copy`), header and row table, ONE NIXL
+  write of the slot into the receiver's slot carrying a :class:`~transport.nixl_staged.wire.Chunk`
+  notification. The slot is free again when the receiver's Credit says it scattered it. The
+  transfer is DONE when every chunk is credited (the receiver delivered ``notify`` before it
+  sent the last Credit).
+- :class:`DeferredWrite`: a direct write issued while a staged one is still in the FIFO; it is
+  posted when its turn comes.
+
+A job starts only once the one before it has finished (DONE or FAILED): the receiver has then
+queued the earlier write's notification, so one sender's notifications arrive in the order
+its writes were issued, whichever way each went.
+
+Progress happens in the owner's calls (``status``/``wait``/``abort`` of any job,
+``poll_notifications``), on the owner's thread, as for direct writes: :meth:`SenderLane.progress`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from transport.base import Transfer, TransferStatus
+from transport.nixl_staged.copy import Staging, make_staging
+from transport.nixl_staged.wire import Chunk, ChunkHeader, Credit, Hello, Welcome, data_start, encode
+
+__all__ = ["SenderLane", "StagedTransfer", "DeferredWrite", "chunk_bounds", "LaneState"]
+
+
+class LaneState(enum.Enum):
+    NEW = "new"  # nothing sent yet
+    OPENING = "opening"  # Hello sent, no Welcome yet
+    READY = "ready"  # the receiver's staging is known: chunks flow
+    REFUSED = "refused"  # the receiver refused a lane: every job goes direct
+    LOST = "lost"  # a job failed at its deadline or in the backend: the agent is lost
+
+
+def chunk_bounds(length: np.ndarray, slot_bytes: int) -> np.ndarray:
+    """Row bounds ``[0, ..., n]`` of chunks that each fit one slot (header, 16-byte table rows,
+    64-byte alignment, data); lengths must be at most what ``StagedNixlConfig`` allows."""
+    cost = np.cumsum(length + 16)  # [n] table row + data, summed
+    cap = slot_bytes - 128  # header 64, alignment at most 63
+    bounds, start = [0], 0
+    while start < length.size:
+        base = int(cost[start - 1]) if start else 0
+        end = max(int(np.searchsorted(cost, base + cap, side="right")), start + 1)
+        bounds.append(end)
+        start = end
+    return np.asarray(bounds, dtype=np.int64)
+
+
+class _Job(Transfer):
+    """A write queued on a lane; once posted direct, it reports its inner NIXL transfer."""
+
+    def __init__(self, peer, batch, notify: bytes):
+        self._peer, self._batch, self._notify = peer, batch, notify
+        self._src_region = batch.src_region  # what deregister must not pull (see NixlTransport.deregister)
+        self.lane: Optional[SenderLane] = None
+        self._inner = None  # a NixlTransfer once posted direct
+        self._status, self._error = TransferStatus.PENDING, None
+        self.nbytes = batch.nbytes
+        self._deadline_s = peer._transport.config.deadline_s(self.nbytes)
+        self._deadline: Optional[float] = None  # set when it starts (a queued job waits for the one before)
+
+    def start(self) -> None:
+        """It is the lane's head job now: its peer-loss deadline runs from here."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._deadline_s
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._inner.error if self._inner is not None else self._error
+
+    def go_direct(self) -> None:
+        self._inner = self._peer._direct(self._batch, self._notify)
+
+    def fail(self, error: str) -> None:
+        if self._inner is None and self._status is TransferStatus.PENDING:
+            self._status, self._error = TransferStatus.FAILED, error
+
+    def status(self) -> TransferStatus:
+        if self._inner is not None:
+            return self._inner.status()
+        if self._status is TransferStatus.PENDING:
+            self.lane.progress()
+        if self._inner is not None:
+            return self._inner.status()
+        late = self._deadline is not None and time.monotonic() > self._deadline
+        if self._status is TransferStatus.PENDING and late:
+            self.lane.lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+                           "(peer lost or stalled)")
+        return self._status
+
+    def _cancel(self) -> None:
+        """The transport is closing: fail now (its lane releases what is in flight)."""
+        if self._inner is not None:
+            self._inner._cancel()
+        self.fail("transport closed")
+
+    @property
+    def waiting(self) -> bool:
+        """Still needs the lane (queued, or chunks to post)."""
+        return self._inner is None and self._status is TransferStatus.PENDING
+
+    @property
+    def finished(self) -> bool:
+        """DONE or FAILED (a deferred write once its NIXL request is)."""
+        if self._inner is not None:
+            return self._inner._status is not TransferStatus.PENDING
+        return self._status is not TransferStatus.PENDING
+
+
+class DeferredWrite(_Job):
+    """A direct write queued behind a staged one to the same agent (order of notifications)."""
+
+    def abort(self) -> None:
+        if self._inner is not None:
+            self._inner.abort()
+        else:
+            self.fail("aborted")  # never posted: nothing of it can land
+
+
+class StagedTransfer(_Job):
+    """A write through the lane's staging (module doc)."""
+
+    def __init__(self, peer, batch, notify: bytes, src_addr: np.ndarray, order: Optional[np.ndarray],
+                 slot_bytes: int):
+        super().__init__(peer, batch, notify)
+        pick = (lambda a: a) if order is None else (lambda a: a[order])
+        self.src_addr = pick(src_addr)  # [n] absolute source addresses, in staging order
+        self.dst_region = pick(batch.dst_region)  # [n]
+        self.dst_offset = pick(batch.dst_offset)  # [n]
+        self.length = pick(batch.length)  # [n]
+        self._run_start: Optional[np.ndarray] = None
+        self._adopted: Optional[tuple] = None
+        self.bounds = chunk_bounds(self.length, slot_bytes)  # [num_chunks + 1]
+        self.seq = 0
+        self.posted = 0  # chunks posted
+        self.credited = 0  # chunks the receiver answered
+        self.aborting = False
+
+    @property
+    def run_start(self) -> np.ndarray:
+        """``[n]`` row i starts a source run (it does not continue row i - 1 in memory)."""
+        if self._run_start is None:
+            self._run_start = np.ones(self.length.size, dtype=bool)
+            self._run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
+        return self._run_start
+
+    def adopted(self, staging: Staging) -> tuple:
+        """(sources, destination offsets, destination regions, lengths) as ``staging`` copies
+        them (on a GPU: uploaded once per write)."""
+        if self._adopted is None:
+            self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
+        return self._adopted
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.bounds.size - 1)
+
+    @property
+    def has_more(self) -> bool:
+        return self.waiting and not self.aborting and self.posted < self.num_chunks
+
+    def on_credit(self, error: str) -> None:
+        self.credited += 1
+        if error:
+            self.aborting = True  # post nothing more; what is in flight may still land (FAILED)
+            self.fail(f"peer {self._peer.name!r} refused chunk {self.credited - 1}: {error}")
+        elif self.credited == self.num_chunks and self._status is TransferStatus.PENDING and not self.aborting:
+            self._status = TransferStatus.DONE
+
+    def abort(self) -> None:
+        """Post nothing more, then wait until the receiver answered every chunk posted (it
+        scatters a chunk before it answers): then nothing of this write lands later. At most
+        until the deadline; a receiver that does not answer by then is lost."""
+        if self._inner is not None:
+            self._inner.abort()
+            return
+        if self._status is not TransferStatus.PENDING:
+            return
+        self.aborting = True
+        sleep = 0.0
+        while self.credited < self.posted and self.lane.state is not LaneState.LOST:
+            self.lane.progress()
+            if time.monotonic() > self._deadline:
+                self.lane.lose(f"aborted; peer {self._peer.name!r} did not answer within {self._deadline_s:.1f} s "
+                               "(peer lost or stalled)")
+                break
+            time.sleep(sleep)
+            sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+        self.fail("aborted")
+        if self._status is TransferStatus.DONE:  # the last answer came meanwhile: it did land
+            self._status, self._error = TransferStatus.FAILED, "aborted"
+
+
+class _Slot:
+    __slots__ = ("job", "index", "handle")
+
+    def __init__(self, job: StagedTransfer, index: int, handle):
+        self.job, self.index, self.handle = job, index, handle
+
+
+class SenderLane:
+    """Staging and job FIFO towards one remote agent (module doc)."""
+
+    def __init__(self, transport, name: str, lane_id: int, scratch_ptr: int, src_device: Optional[int],
+                 dst_device: Optional[int]):
+        self._t = transport
+        self.name, self.id = name, lane_id
+        self.src_device, self.dst_device = src_device, dst_device
+        self._scratch_ptr = scratch_ptr
+        cfg = transport.config.staged
+        self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes
+        self._wire_gather_bytes = cfg.wire_gather_bytes
+        self.state = LaneState.NEW
+        self.error: Optional[str] = None
+        self.staging: Optional[Staging] = None
+        self._reg = None  # NIXL registration of the staging
+        self.remote_ptr = 0
+        self._free = deque(range(self.slots))
+        self._inflight: dict[int, _Slot] = {}  # slot -> chunk in flight (until its Credit)
+        self._queue: deque[_Job] = deque()  # jobs still to post, in write order
+        self._handles: list = []  # finished-posting handles still to release (Hello, credited chunks)
+        self._seq = 0
+
+    @property
+    def busy(self) -> bool:
+        """A job has not finished: a new write must queue behind it."""
+        return bool(self._queue)
+
+    def matches(self, src_device: Optional[int], dst_device: Optional[int]) -> bool:
+        return (src_device, dst_device) == (self.src_device, self.dst_device)
+
+    def submit(self, job: _Job) -> _Job:
+        job.lane = self
+        if isinstance(job, StagedTransfer):
+            self._seq += 1
+            job.seq = self._seq
+        if self.state is LaneState.LOST:
+            job.fail(f"peer {self.name!r} was lost earlier (connect to a new export first): {self.error}")
+            return job
+        self._queue.append(job)
+        self.progress()
+        return job
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def progress(self) -> None:
+        t = self._t
+        if t._agent_or_none() is None:
+            return
+        t._pump()
+        if self._queue:
+            self._queue[0].start()  # also while the lane opens: a receiver that never answers fails it
+        if self.state is LaneState.NEW:
+            self._open()
+        self._check_handles()
+        if self.state is LaneState.READY:
+            self._post_ready()
+        elif self.state is LaneState.REFUSED:
+            while self._queue:  # in order: each posted behind the one before (NIXL keeps them in order)
+                job = self._queue.popleft()
+                if job.waiting:
+                    job.go_direct()
+
+    def _open(self) -> None:
+        """Allocate and register this side's staging, send Hello."""
+        t, agent = self._t, self._t._agent_checked()
+        try:
+            self.staging = make_staging(self.slots, self.slot_bytes, self.src_device)
+            self._reg = t._register_raw(self.staging.ptr, self.staging.nbytes, self.src_device)
+        except Exception as exc:  # no memory for staging: this lane writes direct
+            self._refuse(f"local staging of {self.slots * self.slot_bytes} bytes: {type(exc).__name__}: {exc}")
+            return
+        hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
+                      bytes(agent.get_agent_metadata()))
+        try:
+            handle, _ = t._post_notify(self.name, self._scratch_ptr, encode(hello))
+        except Exception as exc:
+            self.lose(f"peer {self.name!r}: could not send the staged Hello: {type(exc).__name__}: {exc}")
+            return
+        self._handles.append(handle)
+        self.state = LaneState.OPENING
+
+    def _refuse(self, why: str) -> None:
+        self.state, self.error = LaneState.REFUSED, why
+
+    def _post_ready(self) -> None:
+        """Post the head job's chunks into free slots (or a deferred write); the next job
+        starts when the head has finished."""
+        while self._queue:
+            job = self._queue[0]
+            job.start()
+            if job.finished:
+                self._queue.popleft()
+            elif isinstance(job, DeferredWrite):
+                if job._inner is None:
+                    job.go_direct()
+                if job._inner.status() is TransferStatus.PENDING:
+                    return
+            elif job.has_more and self._free:
+                if not self._post_chunk(job, self._free.popleft()):
+                    return
+            else:
+                return  # no free slot, or every chunk posted: wait for Credits
+
+    def _post_chunk(self, job: StagedTransfer, slot: int) -> bool:
+        a, b = int(job.bounds[job.posted]), int(job.bounds[job.posted + 1])
+        length = job.length[a:b]
+        rows, nbytes = b - a, int(length.sum())
+        at = data_start(rows)
+        mine, theirs = self.staging.slot_ptr(slot), self.remote_ptr + slot * self.slot_bytes
+        wire = False
+        if self.src_device is None:  # host: rows that follow each other in memory form runs
+            starts = np.flatnonzero(job.run_start[a:b])  # [runs] first row of each run (row a: always)
+            if starts.size == 0 or starts[0] != 0:
+                starts = np.concatenate(([0], starts))
+            wire = nbytes >= self._wire_gather_bytes * starts.size
+        if wire:
+            # long source runs: the wire gathers them (a descriptor per run), no local copy
+            offs = np.zeros(rows, dtype=np.int64)  # [rows] staging offsets
+            np.cumsum(length[:-1], out=offs[1:])
+            run_bytes = np.diff(np.append(offs[starts], nbytes))  # [runs]
+            local = np.stack([np.append(mine, job.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
+            remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
+        else:
+            src, _, _, ln = (x[a:b] for x in job.adopted(self.staging))
+            self.staging.gather(slot, at, src, ln)
+            local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
+            remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
+        _, dst_offset, dst_region, ln = (x[a:b] for x in job.adopted(self.staging))
+        self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes), dst_offset, dst_region,
+                                ln)
+        last = job.posted + 1 == job.num_chunks
+        note = Chunk(self.id, job.seq, job.posted, job.num_chunks, slot, job._notify if last and job._notify else None)
+        try:
+            handle, state = self._t._post_slot(self.name, local, self.src_device, remote, self.dst_device,
+                                               encode(note))
+        except Exception as exc:
+            self._free.appendleft(slot)
+            self.lose(f"peer {self.name!r}: could not post chunk {job.posted}: {type(exc).__name__}: {exc}")
+            return False
+        self._inflight[slot] = _Slot(job, job.posted, handle)
+        job.posted += 1
+        if state not in ("DONE", "PROC"):
+            self.lose(f"peer {self.name!r}: NIXL reported {state} when posting chunk {job.posted - 1}")
+            return False
+        # NIXL sends a write's notification from its progress once the data is flushed: drive
+        # it now, so the receiver scatters this chunk while the next one is gathered
+        self._check_handles()
+        return self.state is LaneState.READY
+
+    def _check_handles(self) -> None:
+        agent = self._t._agent_checked()
+        for slot, entry in list(self._inflight.items()):
+            if entry.handle is None:
+                continue
+            try:
+                state = agent.check_xfer_state(entry.handle)
+            except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
+                self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
+                return
+            if state == "DONE":
+                self._t._release_handle(entry.handle)
+                entry.handle = None
+            elif state != "PROC":
+                self.lose(f"peer {self.name!r}: NIXL reported {state}")
+                return
+        keep = []
+        for handle in self._handles:
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as exc:
+                self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
+                return
+            if state == "PROC":
+                keep.append(handle)
+            else:
+                self._t._release_handle(handle)
+        self._handles = keep
+
+    # -- messages from the receiver ----------------------------------------------------------
+
+    def on_message(self, msg) -> None:
+        if isinstance(msg, Welcome) and self.state is LaneState.OPENING:
+            if msg.error:
+                self._refuse(f"peer {self.name!r} refused a staging lane: {msg.error}")
+                return
+            try:  # the receiver's metadata now registers its staging: NIXL updates the agent in place
+                self._t._agent_checked().add_remote_agent(msg.metadata)
+            except Exception as exc:
+                self._refuse(f"peer {self.name!r}: its staging metadata was refused: {type(exc).__name__}: {exc}")
+                return
+            self.remote_ptr, self.state = int(msg.ptr), LaneState.READY
+        elif isinstance(msg, Credit):
+            entry = self._inflight.get(msg.slot)
+            if entry is None or entry.job.seq != msg.seq or entry.index != msg.index:
+                return  # not a chunk of this lane in flight (a stale answer)
+            del self._inflight[msg.slot]
+            if entry.handle is not None:  # answered, so flushed: release once NIXL says so
+                self._handles.append(entry.handle)
+            self._free.append(msg.slot)
+            entry.job.on_credit(msg.error)
+
+    # -- failure and teardown ------------------------------------------------------------------
+
+    def lose(self, error: str) -> None:
+        """FAILED for every job, the remote agent lost (as a direct write's deadline does):
+        requests in flight go to the transport's drain list."""
+        t = self._t
+        t._lost.setdefault(self.name, error)
+        self.state, self.error = LaneState.LOST, error
+        handles = [e.handle for e in self._inflight.values() if e.handle is not None] + self._handles
+        t._draining.setdefault(self.name, []).extend(handles)
+        jobs = [e.job for e in self._inflight.values()] + list(self._queue)
+        self._inflight.clear()
+        self._queue.clear()
+        self._handles = []
+        for job in jobs:
+            job.fail(error)
+
+    def close(self) -> None:
+        """The transport closes (its agent goes) or a new connect replaces a lost lane."""
+        for entry in self._inflight.values():
+            entry.job._cancel()
+            if entry.handle is not None:
+                self._t._release_handle(entry.handle)
+        for job in self._queue:
+            job._cancel()
+        for handle in self._handles:
+            self._t._release_handle(handle)
+        self._inflight.clear()
+        self._queue.clear()
+        self._handles = []
+        if self._reg is not None:
+            self._t._deregister_raw(self._reg)
+            self._reg = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
