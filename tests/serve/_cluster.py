@@ -75,16 +75,20 @@ class Cluster:
         self.node_args = list(node_args)
         self.ports: Dict[str, int] = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
         self.servers: Dict[str, Server] = {}
-        self.start_prefill()
-        self.servers["decode"] = self._node("decode", decode_tp, pages[1])
-        if colocated:
-            self.servers["colocated"] = self._node("colocated", 1, 16)
-        wait_ready(list(self.servers.values()))
-        self.servers["router"] = Server("router", ["router", "--prefill", self.url("prefill"), "--decode",
-                                                   self.url("decode"), "--port", str(self.ports["router"]),
-                                                   "--health-interval", "0.3", *router_args],
-                                        self.logdir, self.ports["router"])
-        wait_ready([self.servers["router"]])
+        try:
+            self.start_prefill()
+            self.servers["decode"] = self._node("decode", decode_tp, pages[1])
+            if colocated:
+                self.servers["colocated"] = self._node("colocated", 1, 16)
+            wait_ready(list(self.servers.values()))
+            self.servers["router"] = Server("router", ["router", "--prefill", self.url("prefill"), "--decode",
+                                                       self.url("decode"), "--port", str(self.ports["router"]),
+                                                       "--health-interval", "0.3", *router_args],
+                                            self.logdir, self.ports["router"])
+            wait_ready([self.servers["router"]])
+        except BaseException:  # a cluster that did not come up leaves nothing running
+            self.stop()
+            raise
 
     def _node(self, role: str, tp: int, page: int, extra=()) -> Server:
         return Server(f"{role} node", ["serve", "--role", role, "--model", self.model, "--tp", str(tp), "--page-size",

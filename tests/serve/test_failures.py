@@ -85,13 +85,15 @@ def test_start_and_sigterm_leave_no_process_or_port(tmp_path):
     port, boot = _free_port(), _free_port()
     node = Server("prefill node", ["serve", "--role", "prefill", "--model", "hybrid-tiny", "--tp", "2", "--port",
                                    str(port), "--bootstrap-port", str(boot), "--device", "cpu"], str(tmp_path), port)
-    wait_ready([node])
-    assert len(group_members(node.proc.pid)) >= 3  # the node and its two ranks
-    os.killpg(node.proc.pid, signal.SIGTERM)
-    assert node.proc.wait(30) == 0
-    assert group_is_gone(node.proc.pid), f"left behind: {group_members(node.proc.pid)}"
-    assert port_is_free(port) and port_is_free(boot)
-    node.stop()
+    try:
+        wait_ready([node])
+        assert len(group_members(node.proc.pid)) >= 3  # the node and its two ranks
+        os.killpg(node.proc.pid, signal.SIGTERM)
+        assert node.proc.wait(30) == 0
+        assert group_is_gone(node.proc.pid), f"left behind: {group_members(node.proc.pid)}"
+        assert port_is_free(port) and port_is_free(boot)
+    finally:
+        node.stop()
 
 
 @pytest.mark.parametrize("args, words", [
