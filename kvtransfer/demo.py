@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from kvtransfer._args import positive_int
+from kvtransfer.serve.http import free_port
 
 PROMPTS = (
     "What is the capital of France?",
@@ -39,12 +39,6 @@ PROMPTS = (
     "Say hello in Spanish.",
 )
 HEALTH_POLL_S = 0.25
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -233,7 +227,7 @@ def main(argv=None) -> int:
         print(f"kvtransfer demo: error: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    ports = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+    ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
     logdir = tempfile.mkdtemp(prefix="kvtransfer-demo-")
     print(f"kvtransfer demo: {args.model} {args.dtype} on {args.device}; prefill TP {args.prefill_tp} (pages of "

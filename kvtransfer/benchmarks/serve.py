@@ -246,7 +246,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(args, argv) -> int:
-    from kvtransfer.demo import DemoFailed, Server, _free_port, _wait_ready, stop_all
+    from kvtransfer.demo import DemoFailed, Server, _wait_ready, stop_all
+    from kvtransfer.serve.http import free_port
     from kvtransfer.models import registry
 
     servers: List[Server] = []
@@ -257,7 +258,7 @@ async def _main(args, argv) -> int:
             import httpx
 
             logdir = tempfile.mkdtemp(prefix="kvtransfer-bench-serve-")
-            ports = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+            ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
             common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
             servers = [
                 Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp), "--page-size",

@@ -3,6 +3,7 @@ and the ``/metrics`` and ``/v1/models`` routes."""
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import Callable
 
@@ -11,7 +12,7 @@ from fastapi.responses import Response
 
 from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
 
-__all__ = ["UsageError", "add_metrics_and_models", "http_server", "port_socket"]
+__all__ = ["UsageError", "add_metrics_and_models", "free_port", "http_server", "port_socket"]
 
 
 class UsageError(ValueError):
@@ -30,6 +31,28 @@ def port_socket(host: str, port: int, what: str) -> socket.socket:
         sock.close()
         raise UsageError(f"{what} {host}:{port} is not free: {exc.strerror}") from None
     return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range: the ports the servers will bind later
+    cannot be taken meanwhile by the random binds of their own ranks (ZeroMQ, UCX, gloo)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, first_ephemeral - 12000), first_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # the range is crowded: any free port
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def add_metrics_and_models(app: FastAPI, metrics, model: Callable[[], str]) -> None:

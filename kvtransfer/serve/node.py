@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import random
-import socket
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtransfer._args import positive_int
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, free_port, http_server, port_socket
 
 log = logging.getLogger("kvtransfer.serve.node")
 
@@ -74,12 +73,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the ranks may take to start")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank")
     return ap
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve(args) -> tuple:
@@ -118,7 +111,7 @@ def resolve(args) -> tuple:
     spec = NodeSpec(role=args.role, model=name.value, tp_size=args.tp, page_size=args.page_size, dtype=dtype.value,
                     device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
-                    bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=_free_port("127.0.0.1"),
+                    bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=free_port(),
                     threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
     return spec, config, ec, bootstrap_port
 

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional
 
 import httpx
 
-from kvtransfer.demo import Server, _free_port, stop_all
+from kvtransfer.demo import Server, stop_all
+from kvtransfer.serve.http import free_port
 
 READY_TIMEOUT_S = 240.0
 
@@ -73,7 +74,7 @@ class Cluster:
         self.logdir = tempfile.mkdtemp(prefix="kvt-serve-test-")
         self.model, self.prefill_tp, self.pages = model, prefill_tp, pages
         self.node_args = list(node_args)
-        self.ports: Dict[str, int] = {k: _free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+        self.ports: Dict[str, int] = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
         self.servers: Dict[str, Server] = {}
         try:
             self.start_prefill()

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from kvtransfer.demo import Server, _free_port
+from kvtransfer.demo import Server
+from kvtransfer.serve.http import free_port
 from tests.serve._cluster import Cluster, chat, group_is_gone, group_members, port_is_free, wait_ready
 
 
@@ -62,7 +63,7 @@ def test_a_killed_prefill_node_fails_its_request_and_a_restarted_one_serves(tmp_
 
 
 def test_a_rank_that_dies_fails_requests_and_the_node_exits(tmp_path):
-    port = _free_port()
+    port = free_port()
     node = Server("colocated node", ["serve", "--role", "colocated", "--model", "mla-tiny", "--tp", "2", "--port",
                                      str(port), "--device", "cpu"], str(tmp_path), port)
     try:
@@ -82,7 +83,7 @@ def test_a_rank_that_dies_fails_requests_and_the_node_exits(tmp_path):
 
 
 def test_start_and_sigterm_leave_no_process_or_port(tmp_path):
-    port, boot = _free_port(), _free_port()
+    port, boot = free_port(), free_port()
     node = Server("prefill node", ["serve", "--role", "prefill", "--model", "hybrid-tiny", "--tp", "2", "--port",
                                    str(port), "--bootstrap-port", str(boot), "--device", "cpu"], str(tmp_path), port)
     try:
@@ -125,11 +126,11 @@ def test_a_port_in_use_is_one_line():
 
 
 def test_a_router_given_a_dead_node_says_which():
-    dead = _free_port()
+    dead = free_port()
     out = _run("router", "--prefill", f"http://127.0.0.1:{dead}", "--decode", f"http://127.0.0.1:{dead}",
-               "--port", str(_free_port()), "--startup-timeout", "1")
+               "--port", str(free_port()), "--startup-timeout", "1")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith(f"kvtransfer router: error: prefill node http://127.0.0.1:{dead} did not answer")
-    out = _run("router", "--prefill", "localhost:1", "--decode", "http://x", "--port", str(_free_port()))
+    out = _run("router", "--prefill", "localhost:1", "--decode", "http://x", "--port", str(free_port()))
     assert out.returncode == 2 and "must start with http://" in out.stderr
