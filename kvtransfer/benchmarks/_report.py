@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 __all__ = ["Progress", "Timing", "document", "format_table", "machine_info", "machine_line", "time_cuda",
-           "time_wall", "write_json"]
+           "time_once", "time_wall", "write_json"]
 
 SCHEMA_VERSION = 1
 
@@ -88,6 +88,14 @@ class Timing:
                 "spread": self.spread, "repeats": len(self.samples), "samples_s": list(self.samples)}
 
 
+def time_once(fn: Callable[[], object]) -> float:
+    """Wall-clock seconds of one ``fn()`` (for benchmarks that interleave the paths they compare
+    run by run; their samples then make a :class:`Timing`)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def time_wall(fn: Callable[[], object], repeats: int, warmup: int = 0, budget_s: Optional[float] = None,
               before: Optional[Callable[[], object]] = None, after: Optional[Callable[[], object]] = None) -> Timing:
     """Wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed ones.
@@ -103,9 +111,7 @@ def time_wall(fn: Callable[[], object], repeats: int, warmup: int = 0, budget_s:
     samples, spent = [], 0.0
     for _ in range(repeats):
         before and before()
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+        samples.append(time_once(fn))
         after and after()
         spent += samples[-1]
         if budget_s is not None and spent >= budget_s:

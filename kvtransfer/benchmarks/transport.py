@@ -29,6 +29,7 @@ import numpy as np
 
 from kvtransfer._args import positive_int
 from kvtransfer._procs import Child, ChildFailed, report_failure
+from kvtransfer.benchmarks._report import time_once
 from transport.base import WriteBatch
 from transport.nixl import NixlConfig, NixlTransport
 
@@ -156,10 +157,6 @@ def _descs(base: int, offsets: np.ndarray, block: int, dev: int) -> np.ndarray:
     return out
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run(args) -> list[dict]:
@@ -211,14 +208,14 @@ def run(args) -> list[dict]:
             ours_write(), bare_write()  # warm-up: connection, page faults
             t_ours, t_bare = [], []
             for _ in range(args.iters):  # alternate so both paths see the same background load
-                t_ours.append(_timed(ours_write))
-                t_bare.append(_timed(bare_write))
+                t_ours.append(time_once(ours_write))
+                t_bare.append(time_once(bare_write))
             def checks():  # what kvtransfer adds on top of bare NIXL's descriptor arrays
                 batch = WriteBatch.of(np.full(n, sid), src_off, np.full(n, dst_region.region_id), dst_off, np.full(n, block))
                 batch.check_bounds(ours.regions, peer.regions)
 
             row = {
-                "checks_ms": 1e3 * statistics.median(_timed(checks) for _ in range(args.iters)),
+                "checks_ms": 1e3 * statistics.median(time_once(checks) for _ in range(args.iters)),
                 "block": block,
                 "entries": n,
                 "ours_gbps": total / statistics.median(t_ours) / 1e9,
@@ -243,7 +240,7 @@ def run(args) -> list[dict]:
                     torch.cuda.synchronize(1)
 
                 peer_copy()
-                row["torch_peer_copy_gbps"] = total / statistics.median(_timed(peer_copy) for _ in range(args.iters)) / 1e9
+                row["torch_peer_copy_gbps"] = total / statistics.median(time_once(peer_copy) for _ in range(args.iters)) / 1e9
                 del dst2
             rows.append(row)
             print(_format(row, args.cuda), flush=True)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import hashlib
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtransfer._procs import Child
+from kvtransfer.benchmarks._report import time_once
 from transport.base import WriteBatch
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -173,7 +173,7 @@ def run_kv(args, tools) -> list[dict]:
             times = {name: [] for name in writes}
             for _ in range(args.iters):  # alternate so all paths see the same background load
                 for name, fn in writes.items():
-                    times[name].append(_timed(fn))
+                    times[name].append(time_once(fn))
             row = {"request": req.name, "ranges": int(kv.length.size), "nbytes": kv.nbytes,
                    **{f"{name}_gbps": _median_gbps(kv.nbytes if name != "blocks" else n_blocks * args.block, ts)
                       for name, ts in times.items()}}
@@ -216,16 +216,12 @@ def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
             peer = t.connect(remote.export()["nvlink"])
             batch = kv.batch(sid, dst_rid)
             peer.write(batch).wait(600)
-            times = [_timed(lambda: peer.write(batch).wait(600)) for _ in range(iters)]
+            times = [time_once(lambda: peer.write(batch).wait(600)) for _ in range(iters)]
     finally:
         remote.close()
     return _median_gbps(kv.nbytes, times)
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _format(row: dict, block: int) -> str:
