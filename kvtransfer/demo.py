@@ -235,10 +235,10 @@ def main(argv=None) -> int:
           f"a colocated node as the reference; logs in {logdir}", flush=True)
     servers: dict = {}
 
-    def on_term(*_):
-        raise KeyboardInterrupt
+    def on_signal(*_):  # Ctrl-C or SIGTERM: whatever the demo is doing, stop what it started
+        raise KeyboardInterrupt  # (asyncio's own SIGINT handling cancels a task, which may not end)
 
-    old = signal.signal(signal.SIGTERM, on_term)
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                     "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
@@ -262,4 +262,5 @@ def main(argv=None) -> int:
         return 130
     finally:
         stop_all(servers.values())
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -59,7 +59,10 @@ def test_demo_interrupted_leaves_nothing_behind():
 
     proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", "demo", "--model", "mla-tiny", "--prompts", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(5)  # the nodes are starting
+    for line in proc.stdout:  # the nodes are starting
+        if line.startswith("starting the nodes"):
+            break
+    time.sleep(1)
     before = {pid for pid in _descendants(proc.pid)}
     assert before, "the demo started no process"
     proc.send_signal(signal.SIGINT)
