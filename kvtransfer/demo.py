@@ -88,6 +88,30 @@ def stop_all(servers) -> None:
         s.stop()
 
 
+def launch(args, logdir: str, servers: dict, verify_kv: bool) -> dict:
+    """Start a prefill node, a decode node, a colocated node and the router (filling ``servers``
+    as each starts, so a caller can stop what started if this fails). ``args`` holds the demo's
+    flags; ``transport``, ``prefill_gpu`` and ``decode_gpu`` may be absent (their defaults)."""
+    ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+              "--transport", getattr(args, "transport", "auto")]
+    prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
+    servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
+                                "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
+                                "--bootstrap-port", str(ports["bootstrap"]), "--gpu", prefill_gpu],
+                                logdir, ports["prefill"])
+    servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
+                               "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),
+                               "--gpu", decode_gpu], logdir, ports["decode"])
+    servers["colocated"] = Server("colocated node", ["serve", "--role", "colocated", *common, "--port",
+                                  str(ports["colocated"]), "--gpu", prefill_gpu], logdir, ports["colocated"])
+    servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
+                               servers["decode"].url, "--port", str(ports["router"]),
+                               *(["--verify-kv"] if verify_kv else []),
+                               "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
+    return servers
+
+
 class DemoFailed(RuntimeError):
     pass
 
@@ -227,8 +251,6 @@ def main(argv=None) -> int:
         print(f"kvtransfer demo: error: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
-    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--transport", args.transport]
     logdir = tempfile.mkdtemp(prefix="kvtransfer-demo-")
     print(f"kvtransfer demo: {args.model} {args.dtype} on {args.device}; prefill TP {args.prefill_tp} (pages of "
           f"{args.prefill_page_size}) -> decode TP {args.decode_tp} (pages of {args.decode_page_size}), "
@@ -240,19 +262,7 @@ def main(argv=None) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
-                                    "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
-                                    "--bootstrap-port", str(ports["bootstrap"]), "--gpu", str(args.prefill_gpu)],
-                                    logdir, ports["prefill"])
-        servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
-                                   "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),
-                                   "--gpu", str(args.decode_gpu)], logdir, ports["decode"])
-        servers["colocated"] = Server("colocated node", ["serve", "--role", "colocated", *common, "--port",
-                                      str(ports["colocated"]), "--gpu", str(args.prefill_gpu)], logdir,
-                                      ports["colocated"])
-        servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
-                                   servers["decode"].url, "--port", str(ports["router"]), "--verify-kv",
-                                   "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
+        launch(args, logdir, servers, verify_kv=True)
         return asyncio.run(_run(args, servers, start))
     except DemoFailed as exc:
         print(f"kvtransfer demo: failed: {exc} (logs in {logdir})", file=sys.stderr)

@@ -246,11 +246,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(args, argv) -> int:
-    from kvtransfer.demo import DemoFailed, Server, _wait_ready, stop_all
-    from kvtransfer.serve.http import free_port
+    from kvtransfer.demo import DemoFailed, _wait_ready, launch, stop_all
     from kvtransfer.models import registry
 
-    servers: List[Server] = []
+    servers: dict = {}
     try:
         _, tokenizer = registry.load(registry.parse_name(args.model))
         router, colocated = args.router, args.colocated
@@ -258,25 +257,11 @@ async def _main(args, argv) -> int:
             import httpx
 
             logdir = tempfile.mkdtemp(prefix="kvtransfer-bench-serve-")
-            ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
-            common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
-            servers = [
-                Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp), "--page-size",
-                                        str(args.prefill_page_size), "--port", str(ports["prefill"]),
-                                        "--bootstrap-port", str(ports["bootstrap"])], logdir, ports["prefill"]),
-                Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp), "--page-size",
-                                       str(args.decode_page_size), "--port", str(ports["decode"]), "--gpu", "1"],
-                       logdir, ports["decode"]),
-                Server("colocated node", ["serve", "--role", "colocated", *common, "--port", str(ports["colocated"])],
-                       logdir, ports["colocated"]),
-            ]
             print(f"starting the nodes (logs in {logdir})", file=sys.stderr, flush=True)
+            launch(args, logdir, servers, verify_kv=False)
             async with httpx.AsyncClient() as client:
-                await _wait_ready(client, servers, args.startup_timeout, time.monotonic())
-                servers.append(Server("router", ["router", "--prefill", servers[0].url, "--decode", servers[1].url,
-                                                 "--port", str(ports["router"])], logdir, ports["router"]))
-                await _wait_ready(client, servers[-1:], 60.0, time.monotonic())
-            router, colocated = servers[-1].url, servers[2].url
+                await _wait_ready(client, list(servers.values()), args.startup_timeout, time.monotonic())
+            router, colocated = servers["router"].url, servers["colocated"].url
         works = workload(tokenizer, args.requests, args.prompt_tokens, args.output_tokens, args.seed)
         await run_load(router, works[:2], 2, None, args.seed)  # warm-up: first connections, first plans
         await run_load(colocated, works[:2], 2, None, args.seed)
@@ -290,7 +275,7 @@ async def _main(args, argv) -> int:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(servers)
+        stop_all(servers.values())
     split = ttft_split(samples["disaggregated"])
     load = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "

@@ -142,6 +142,9 @@ class RankWorker:
         self.layout = model.rank_layout(pools)
         self.kv_infos = pools.kv.get_contiguous_buf_infos()
         self.state_infos = pools.kv.get_state_buf_infos() if self.layout.is_hybrid else None
+        lay = self.layout  # bytes this rank receives per token, and per request of state
+        self.token_bytes = sum(t.row_bytes for t in lay.kv_tensors) * len(lay.layer_ids)
+        self.state_bytes = sum(t.row_bytes for t in lay.state_tensors) * len(lay.state_layer_ids)
         self.requests: Dict[str, object] = {}  # rid -> engine Request (generating here)
         self.rids: Dict[int, str] = {}  # engine request id -> rid
         self.reported: Dict[str, int] = {}  # rid -> tokens reported
@@ -401,11 +404,7 @@ class RankWorker:
             digests = self._digests(req.slots[:len(req.prompt_ids)].cpu().numpy(), self._state_slot(req))
         token, logprob = r.receiver.first_token()
         r.receiver.close()
-        n = len(req.prompt_ids)
-        lay = self.layout
-        kv_bytes = n * sum(t.row_bytes for t in lay.kv_tensors) * len(lay.layer_ids)
-        if lay.is_hybrid:
-            kv_bytes += sum(t.row_bytes for t in lay.state_tensors) * len(lay.state_layer_ids)
+        kv_bytes = len(req.prompt_ids) * self.token_bytes + self.state_bytes
         self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, _ended(r.receiver) - r.asked_at,
                                 r.asked_at - r.arrived, digests))
         self._track(rid, req)
