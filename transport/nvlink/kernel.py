@@ -42,6 +42,11 @@ in O(P + S) by :func:`build_strided_table`::
     table[5 * P : 5 * P + S]  # [S] source slots
     table[5 * P + S :]        # [S] destination slots
 
+The two parts may also live apart (:func:`scatter_strided_split`): the pair part, which
+depends only on the buffer pairs (the two sides' layouts), built and uploaded once and kept on
+the GPU; the slot part (``[2 * S]``: source slots, then destination slots) written per write
+at some element ``slot_base`` of a ring of slots on the GPU (:mod:`transport.nvlink.fastpath`).
+
 Row ``r`` (of ``P * S``, pair-major) is pair ``p = r // S``, slot ``s = r % S``: the kernel
 computes ``src = table[p] + table[5P + s] * table[P + p]`` (and the same for the destination)
 itself, then copies as the row-table kernel does. Its copy path comes from
@@ -96,6 +101,7 @@ __all__ = [
     "plan_launch",
     "scatter_rows",
     "scatter_strided",
+    "scatter_strided_split",
 ]
 
 
@@ -357,14 +363,15 @@ def _scatter_rows_body(
 
 
 def _scatter_strided_body(
-    tab_ptr, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
+    tab_ptr, slots_ptr, slot_base, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
     STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...`` (offset by
-    ``row_begin``, below ``row_end``), computing each row's addresses from the pair and slot
-    parts of the strided table (module doc); ``STAGE`` as in the row-table kernel."""
-    slot_ptr = tab_ptr + 5 * n_pairs
+    ``row_begin``, below ``row_end``), computing each row's addresses from the pair part at
+    ``tab_ptr`` and the slot part at ``slots_ptr + slot_base`` (module doc; one table: the same
+    tensor, ``slot_base = 5 * P``); ``STAGE`` as in the row-table kernel."""
+    slot_ptr = slots_ptr + slot_base
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R + row_begin  # [BLOCK_R] rows (int64)
         ok = r < row_end
@@ -387,7 +394,8 @@ def _scatter_strided_body(
 _KERNELS: dict = {}
 _INTS = {  # the integer parameters of each kernel, all unspecialized (transport.nvlink.launch)
     "_scatter_rows_body": ["n_rows", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
-    "_scatter_strided_body": ["n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
+    "_scatter_strided_body": ["slot_base", "n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage",
+                              "stage_origin"],
 }
 
 
@@ -506,5 +514,40 @@ def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, dev
     mode, address, origin = _stage_args(stage)
     num_tiles = -(-(end - begin) // plan.block_r)
     _run(_kernel(table.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), table, device,
-         stream, (table, num_pairs, num_slots, begin, end, num_tiles, address, origin), _constexprs(mode, plan),
-         num_warps)
+         stream, (table, table, 5 * num_pairs, num_pairs, num_slots, begin, end, num_tiles, address, origin),
+         _constexprs(mode, plan), num_warps)
+
+
+def check_split_tables(pairs, slots, num_pairs: int, slot_base: int, num_slots: int, device) -> None:
+    """The shape/dtype/device check of a split strided launch: ``pairs`` a contiguous int64
+    ``[5 * num_pairs]`` tensor (the pair part), ``slots`` a contiguous int64 1-D tensor holding
+    the ``[2 * num_slots]`` slot part at element ``slot_base``, both on ``device``."""
+    import torch
+
+    check_strided_table(pairs, num_pairs, 0, device)
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
+    if slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous():
+        raise ValueError(f"slots must be a contiguous 1-D int64 tensor, got {slots.dtype} {list(slots.shape)}")
+    if not 0 <= slot_base <= slots.numel() - 2 * num_slots:
+        raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {slots.numel()} elements")
+    _check_device(slots, "slots", device)
+
+
+def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slots: int, plan: LaunchPlan, device,
+                          num_warps: int = 4, *, checked: bool = False, stream=None) -> None:
+    """Launch the copy of all ``num_pairs * num_slots`` rows of a factored batch whose table is
+    split: the pair part ``pairs`` (``[5 * P]``, resident: built once per buffer-pair set) and
+    the slot part at ``slots[slot_base : slot_base + 2 * S]`` (source slots, then destination
+    slots; uploaded per write). The direct path of a write (no staging). CPU tensors run in
+    Triton's interpreter; ``checked`` (:func:`check_split_tables` already ran) and ``stream``
+    as for :func:`scatter_rows`."""
+    if not checked:
+        check_split_tables(pairs, slots, num_pairs, slot_base, num_slots, device)
+    rows = num_pairs * num_slots
+    if rows == 0:
+        return
+    num_tiles = -(-rows // plan.block_r)
+    _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), pairs,
+         device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, 0, rows, num_tiles, 0, 0),
+         _constexprs(0, plan), num_warps)

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Mapping, Optional, Union
 from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
+from transport.nvlink.fastpath import PairCache, build_plan, check_slots
 from transport.nvlink.job import PreparedWrite
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
 from transport.nvlink.pending import PendingQueue
 from transport.nvlink.route import EngineRoute
-from transport.nvlink.tables import WriteTables
+from transport.nvlink.tables import WriteTables, base_table
 from transport.nvlink.transfer import NvlinkTransfer
 from transport.registry import RegionRegistry
 
@@ -45,6 +46,8 @@ class NvlinkPeer(Peer):
         self._mapping = PeerMapping(owner._api(), name, self.regions, handles)
         self._queue = PendingQueue(name, None, self._config.transfer_timeout_s)
         self._closed = False
+        # pair sets resident on the GPU (the direct path of write_strided), rebuilt when the local regions change
+        self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs)
         try:
             self._mapping.bases(self._copy.device)
             try:
@@ -55,7 +58,8 @@ class NvlinkPeer(Peer):
             self._release()
             raise
         device = self._copy.device
-        self.tables = WriteTables(owner._registry, RegionSizes(self.regions), self._mapping, device, self._config)
+        self._peer_sizes = RegionSizes(self.regions)
+        self.tables = WriteTables(owner._registry, self._peer_sizes, self._mapping, device, self._config)
         self._route = EngineRoute(self._config, name, peer_gpu if peer_gpu != device else None, owner._lane,
                                   self._mapping)
 
@@ -78,15 +82,51 @@ class NvlinkPeer(Peer):
         return self._write(batch, notify)
 
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
-        """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
-        ``[5 * P + 2 * S]`` strided table (:mod:`transport.nvlink.kernel`) and launches the
-        strided kernel, which computes each row's addresses; completion as for :meth:`write`."""
+        """A factored write expanded on the GPU by the strided kernel, which computes each row's
+        addresses. When it takes the direct kernel (engine KERNEL, or AUTO below the staged
+        engine's sizes), it takes the direct path (:mod:`transport.nvlink.fastpath`): the pair
+        part resident on the GPU since this pair set's first write, the slots checked in one
+        pass against the pairs' slot limits and uploaded from a ring, one launch. Otherwise the
+        host checks bounds in O(P + S) and stages the ``[5 * P + 2 * S]`` strided table
+        (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`."""
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
-        return self._write(batch, notify)
+        notify = self._check_notify(notify)
+        direct = self._write_direct(batch, notify)
+        return direct if direct is not None else self._write(batch, notify)
+
+    def _write_direct(self, batch: StridedBatch, notify: Optional[bytes]) -> Optional[NvlinkTransfer]:
+        """The direct path of ``batch``, or None when it takes the general one (no ring, slots
+        past the ring, an empty batch, or the staged engine)."""
+        num_slots = batch.num_slots
+        if num_slots == 0 or batch.num_pairs == 0:
+            return None
+        ring = self._owner._slot_ring()
+        if ring is None or not ring.fits(2 * num_slots):
+            return None
+        plan = self.pair_plans.get(batch)
+        if plan is None or not check_slots(batch, plan.src_limit, plan.dst_limit):
+            self.tables.check_bounds(batch)  # names the first pair out of bounds
+            raise ValueError("batch out of bounds")  # not reached: the two checks agree
+        if self._route.lane_for(self._config.engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots,
+                                plan.max_len) is not None:
+            return None
+        if not self._queue.outbox.alive():
+            return self._lost()
+        event = self._copy.enqueue_split(plan, batch, ring, self._config.kernel)
+        transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
+        self._owner._progress.wake()
+        return transfer
+
+    def _build_pairs(self, batch: StridedBatch):
+        """A :class:`~transport.nvlink.fastpath.PairPlan` of ``batch``'s pairs (None: some pair
+        fits no slot), its table uploaded on the copy stream."""
+        return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
+                          self._owner._registry.derived(base_table), self._mapping.bases(self.device),
+                          lambda host: self._copy._table_on(host, self.device, self._copy.stream))
 
     def _write(self, batch, notify: Optional[bytes]) -> NvlinkTransfer:
-        notify = self._check_notify(notify)
+        notify = self._check_notify(notify)  # idempotent: bytes stay bytes
         self.tables.check_bounds(batch)
         if not self._queue.outbox.alive():
             return self._lost()
@@ -166,6 +206,7 @@ class NvlinkPeer(Peer):
 
     def _release(self) -> None:
         """Wait for copies in flight, then unmap the peer's memory and close the socket."""
+        self.pair_plans.clear()
         if self._mapping.opened:
             self._copy.synchronize()
             self._owner._sync_lanes()

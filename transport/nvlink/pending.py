@@ -43,6 +43,14 @@ class PendingQueue:
             self._pending.append(transfer)
         return transfer
 
+    def oldest_event(self):
+        """The completion event of the oldest transfer still pending (None: none)."""
+        with self.lock:
+            for t in self._pending:
+                if t._status is TransferStatus.PENDING and t._event is not None:
+                    return t._event
+        return None
+
     def bury(self, event, keep: tuple) -> None:
         """Hold ``keep`` until ``event`` completes (a failed or aborted transfer's tables)."""
         if keep and event is not None:

@@ -1,10 +1,16 @@
-"""The nvlink backend's progress thread: advances pending transfers while any exist.
+"""The nvlink backend's progress thread: settles pending transfers as their copies complete.
 
 It sleeps until a write wakes it, then calls ``advance()`` (which settles finished transfers:
-notification sent, status DONE or FAILED, and returns True while some remain pending) every
-200 us, and sleeps again once nothing is pending. ``Transfer.status()`` and ``wait()`` advance
-the same FIFOs (:mod:`transport.nvlink.pending`) from the caller's thread; both sides take
-the FIFO's lock.
+notification sent, status DONE or FAILED, and returns True while some remain pending). While
+some remain, it waits on the completion event of the oldest one (``oldest_event()``) with the
+event's ``synchronize()``, which releases the GIL: the notification goes out as soon as the
+copy ends, without a caller polling and without a Python loop spinning. One thread per
+transport, whatever the number of transfers. It sleeps again once nothing is pending.
+
+``Transfer.status()`` and ``wait()`` advance the same FIFOs (:mod:`transport.nvlink.pending`)
+from the caller's thread; both sides take the FIFO's lock, and no lock is held while the thread
+waits on an event. A copy that never completes keeps this thread in ``synchronize()``; callers'
+``status()`` / ``wait()`` still fail it at its deadline (``transfer_timeout_s``).
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """A daemon thread calling ``advance()`` while it reports pending work."""
+    """A daemon thread calling ``advance()`` while it reports pending work, waiting between
+    calls on ``oldest_event()`` (None: nothing to wait on; it then polls every ``POLL_S``)."""
 
     POLL_S = 2e-4
 
-    def __init__(self, advance: Callable[[], bool], name: str = "nvlink-progress"):
+    def __init__(self, advance: Callable[[], bool], oldest_event: Callable[[], object] = lambda: None,
+                 name: str = "nvlink-progress"):
         self._advance = advance
+        self._oldest_event = oldest_event
         self._name = name
         self._cond = threading.Condition()
         self._stop = False
@@ -43,6 +52,13 @@ class Progress:
                     return
                 self._kicked = False
             busy = self._advance()
+            event = self._oldest_event() if busy else None
+            if event is not None:
+                try:
+                    event.synchronize()  # the GIL is released while the copy runs
+                    continue
+                except Exception:  # a CUDA error (the next advance() fails the transfer): poll
+                    pass
             with self._cond:
                 if self._stop:
                     return

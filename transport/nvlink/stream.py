@@ -1,5 +1,9 @@
 """The transport's copy stream on its GPU: table uploads, launches, the completion event.
 
+The direct path of ``write_strided`` (:mod:`transport.nvlink.fastpath`) enqueues with
+:meth:`CopyStream.enqueue_split`: a raw event orders the copy stream after the caller's, the
+slots go up from the pinned ring, one launch reads the resident pair table.
+
 Every peer of one transport enqueues on the same stream, which first waits for the caller's
 current stream (``wait_current_stream``: KV written by the model is complete before it is
 read). Tables go up by one raw ``cudaMemcpyAsync`` each (torch's stream contexts cost more
@@ -15,7 +19,9 @@ from typing import TYPE_CHECKING
 from transport.nvlink import ipc
 
 if TYPE_CHECKING:
+    from transport.nvlink.fastpath import PairPlan, SlotRing
     from transport.nvlink.job import PreparedWrite
+    from transport.nvlink.kernel import KernelConfig
 
 __all__ = ["CopyStream"]
 
@@ -26,6 +32,7 @@ class CopyStream:
     def __init__(self, api, device: int, wait_current_stream: bool):
         self._api, self.device, self._wait_current = api, device, wait_current_stream
         self._stream = None
+        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for
 
     @property
     def stream(self):
@@ -72,6 +79,47 @@ class CopyStream:
         return lane.run(stream, job.bounds, job.offsets,
                         lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
                         lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
+
+    def _wait_caller(self, stream) -> None:
+        """The copy stream waits for the work queued so far on the caller's current stream (one
+        reused raw event: record, wait; the device is current)."""
+        import torch
+
+        current = torch.cuda.current_stream(self.device).cuda_stream
+        if current == stream.cuda_stream:
+            return
+        if self._order_event is None:
+            self._order_event = self._api.event_create()
+        self._api.event_record(self._order_event, current)
+        self._api.stream_wait_event(stream.cuda_stream, self._order_event)
+
+    def enqueue_split(self, plan: "PairPlan", batch, ring: "SlotRing", config: "KernelConfig"):
+        """Queue the direct write of ``batch`` (its pairs resident in ``plan``, its slots put in
+        ``ring``): the wait for the caller's stream, the slots' upload, one launch, the event.
+        Returns the event (recorded after the copy)."""
+        import torch
+
+        from transport.nvlink import kernel as kern
+
+        stream, num_slots = self.stream, batch.num_slots
+        with ipc.on_device(self._api, self.device, torch_too=False):
+            if self._wait_current:
+                self._wait_caller(stream)
+            start = ring.put((batch.src_slot, batch.dst_slot), stream.cuda_stream)
+            event = None
+            try:
+                rows = plan.num_pairs * num_slots
+                launch = kern.plan_launch(rows, plan.max_len, plan.path, config)
+                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, launch,
+                                           self.device, config.num_warps, checked=True, stream=stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            finally:
+                if event is None:  # part of it may be queued: let the span go only once nothing reads it
+                    with contextlib.suppress(Exception):
+                        self.synchronize()
+                ring.space.hold(start, event)
+        return event
 
     def quiesce(self, job: "PreparedWrite") -> None:
         """Wait for everything queued (after a failed enqueue: part of it may be queued, and

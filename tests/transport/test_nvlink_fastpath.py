@@ -1,0 +1,431 @@
+"""The direct path of ``write_strided`` (``transport.nvlink.fastpath``): slot limits against the
+full bounds check, the pair cache, the ring's bookkeeping, the split strided kernel under
+Triton's interpreter, the progress thread waiting on events; and, on two GPUs (marked), many
+direct writes of changing slots, bounds refused, the ring wrapping, regions changing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.transport._support import (
+    LAYERS,
+    SLOTS,
+    TOKEN,
+    assert_interpreted_ok,
+    check_landed,
+    kv_strided,
+    local_pair,
+)
+from transport.base import Region, RegionSizes, StridedBatch, TransferStatus
+from transport.nvlink.config import NvlinkConfig
+from transport.nvlink.fastpath import NO_LIMIT, PairCache, RingSpace, check_slots, pair_key, slot_limits
+from transport.nvlink.mailbox import Inbox, Outbox
+from transport.nvlink.pending import PendingQueue
+from transport.nvlink.progress import Progress
+from transport.nvlink.transfer import NvlinkTransfer
+
+
+def _random_batch(rng, num_pairs=5, num_slots=7, regions=3, zero_stride=False):
+    stride = rng.integers(0 if zero_stride else 1, 300, num_pairs)
+    return StridedBatch.of(
+        rng.integers(0, regions, num_pairs), rng.integers(0, 500, num_pairs), stride,
+        rng.integers(0, regions, num_pairs), rng.integers(0, 500, num_pairs), rng.integers(0, 300, num_pairs),
+        rng.integers(1, 200, num_pairs), rng.integers(0, 40, num_slots), rng.integers(0, 40, num_slots),
+    )
+
+
+def _in_bounds(b, local, remote) -> bool:
+    try:
+        b.check_bounds(local, remote)
+    except ValueError:
+        return False
+    return True
+
+
+# -- slot limits: one pass over the slots, the full check's verdict --------------------------------
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_slot_limits_agree_with_the_full_bounds_check(seed):
+    rng = np.random.default_rng(1000 + seed)
+    b = _random_batch(rng, num_pairs=int(rng.integers(1, 7)), num_slots=int(rng.integers(1, 9)),
+                      zero_stride=seed % 3 == 0)
+    local = {r: Region(r, 4096 * (r + 1), int(rng.integers(2000, 16000)), 0) for r in range(3)}
+    remote = {r: Region(r, 4096 * (r + 1), int(rng.integers(2000, 16000)), 1) for r in range(3) if r != seed % 5}
+    src_limit, dst_limit = slot_limits(b, RegionSizes(local), RegionSizes(remote))
+    assert check_slots(b, src_limit, dst_limit) == _in_bounds(b, local, remote)
+    # the limits are tight: one slot more on a side is refused by the full check too
+    for side, limit in (("src", src_limit), ("dst", dst_limit)):
+        if 0 <= limit < NO_LIMIT:
+            slots = {"src_slot": b.src_slot, "dst_slot": b.dst_slot}
+            other = "dst" if side == "src" else "src"
+            slots[f"{other}_slot"] = np.zeros(1, dtype=np.int64)
+            slots[f"{side}_slot"] = np.array([limit], dtype=np.int64)
+            at = StridedBatch(*(getattr(b, f) for f in _PAIRS), **slots)
+            beyond = StridedBatch(*(getattr(b, f) for f in _PAIRS), **{**slots, f"{side}_slot": np.array([limit + 1])})
+            zero_ok = _in_bounds(StridedBatch(*(getattr(b, f) for f in _PAIRS), np.zeros(1, np.int64),
+                                              np.zeros(1, np.int64)), local, remote)
+            assert _in_bounds(at, local, remote) == zero_ok
+            assert not _in_bounds(beyond, local, remote)
+
+
+_PAIRS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+
+
+def test_slot_limits_name_unknown_regions_and_zero_strides():
+    local = RegionSizes({0: Region(0, 4096, 1000, 0)})
+    remote = RegionSizes({0: Region(0, 4096, 1000, 1)})
+    assert slot_limits(StridedBatch.of(0, 100, 100, 0, 0, 0, 50, [1], [1]), local, remote) == (8, NO_LIMIT)
+    assert slot_limits(StridedBatch.of(0, 0, 10, 3, 0, 10, 50, [1], [1]), local, remote)[1] == -1  # unknown id
+    assert slot_limits(StridedBatch.of(0, 990, 10, 0, 0, 10, 50, [1], [1]), local, remote)[0] == -1  # past it
+    assert slot_limits(StridedBatch.of([], [], [], [], [], [], [], [1], [1]), local, remote) == (NO_LIMIT, NO_LIMIT)
+
+
+def test_check_slots_refuses_negative_slots_even_past_of():
+    b = StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [1, 2], [3, 4])
+    assert check_slots(b, 4, 4) and not check_slots(b, 1, 4) and not check_slots(b, 4, 3)
+    neg = StridedBatch(*(getattr(b, f) for f in _PAIRS), np.array([1, -1]), b.dst_slot)  # not through of()
+    assert not check_slots(neg, 10, 10)
+    assert check_slots(StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [], []), -1, -1)  # no slots, nothing to check
+
+
+# -- the pair cache -------------------------------------------------------------------------------
+
+
+def test_pair_key_leaves_the_slots_out():
+    a = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [1, 2], [3, 4])
+    b = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [5, 6, 7], [1, 1, 1])
+    c = StridedBatch.of([0, 1], 0, 64, [2, 3], 8, 64, 64, [1, 2], [3, 4])
+    assert pair_key(a) == pair_key(b) != pair_key(c)
+
+
+def test_pair_cache_builds_once_per_pair_set_and_forgets_on_region_change():
+    gen = [object()]
+    built = []
+
+    def build(batch):
+        built.append(pair_key(batch))
+        return None if batch.length[0] == 13 else ("plan", len(built))
+
+    cache = PairCache(2, lambda: gen[0], build)
+    a = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [1, 2], [3, 4])
+    a2 = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [9], [9])
+    b = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 32, [1], [1])
+    c = StridedBatch.of([0], 0, 64, [2], 0, 64, 16, [1], [1])
+    assert cache.get(a) == cache.get(a2) == ("plan", 1) and cache.builds == 1
+    cache.get(b)
+    cache.get(a)  # a most recent: c evicts b
+    cache.get(c)
+    assert len(cache) == 2 and cache.builds == 3
+    cache.get(a)
+    assert cache.builds == 3
+    cache.get(b)
+    assert cache.builds == 4
+    gen[0] = object()  # the local regions changed: every plan is stale
+    cache.get(a)
+    assert cache.builds == 5
+    bad = StridedBatch.of([0], 0, 64, [2], 0, 64, 13, [1], [1])
+    assert cache.get(bad) is None and cache.get(bad) is None and cache.builds == 5  # never cached
+
+
+def test_pair_cache_finds_read_only_arrays_by_identity_and_by_bytes():
+    built = []
+    cache = PairCache(4, lambda: None, lambda b: built.append(1) or "plan")
+    arrays = [np.array(v, dtype=np.int64) for v in ([0, 1], [0, 0], [64, 64], [2, 3], [0, 0], [64, 64], [64, 64])]
+    for a in arrays:
+        a.flags.writeable = False
+    frozen = StridedBatch(*arrays, np.array([1]), np.array([2]))
+    again = StridedBatch(*arrays, np.array([5, 6]), np.array([7, 8]))
+    copy = StridedBatch(*(a.copy() for a in arrays), np.array([1]), np.array([2]))
+    assert cache.get(frozen) == cache.get(again) == cache.get(copy) == "plan"
+    assert len(built) == 1
+
+
+# -- the ring's bookkeeping -------------------------------------------------------------------------
+
+
+class _Fence:
+    def __init__(self):
+        self.passed = False
+
+
+def _ring(capacity):
+    waited = []
+
+    def wait(f):
+        waited.append(f)
+        f.passed = True
+
+    return RingSpace(capacity, lambda f: f.passed, wait), waited
+
+
+def test_ring_hands_out_spans_in_order_and_wraps():
+    ring, waited = _ring(100)
+    fences = []
+    starts = []
+    for n in (30, 30, 30):
+        starts.append(ring.take(n))
+        fences.append(_Fence())
+        ring.hold(starts[-1], fences[-1])
+    assert starts == [0, 30, 60]
+    fences[0].passed = True
+    assert ring.take(20) == 0  # 10 left at the end: wraps to 0, span 0 has passed
+    assert waited == [] and ring.waits == 0
+    ring.hold(0, None)
+    assert ring.take(20) == 20  # overlaps span [30, 60), still held: waits for its fence
+    assert waited == [fences[1]] and ring.waits == 1
+    ring.hold(20, _Fence())
+    assert ring.take(0) == 40 and ring.live <= 4
+
+
+def test_ring_refuses_what_it_cannot_hold():
+    ring, _ = _ring(10)
+    assert ring.fits(10) and not ring.fits(11)
+    with pytest.raises(ValueError, match="a span of 11 elements does not fit a ring of 10"):
+        ring.take(11)
+    start = ring.take(6)
+    with pytest.raises(RuntimeError, match="taken again before its fence was given"):
+        ring.take(6)  # wraps onto the span just taken, which has no fence yet
+    ring.hold(start, None)
+    assert ring.take(6) == 0
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        RingSpace(0, bool, print)
+
+
+def test_ring_never_hands_out_a_span_whose_fence_is_pending():
+    """Random sizes, fences passing in order at random times: no two live spans overlap."""
+    rng = np.random.default_rng(4)
+    ring, _ = _ring(64)
+    live = []  # (start, end, fence)
+    for _ in range(2000):
+        n = int(rng.integers(0, 40))
+        start = ring.take(n)
+        pending = [(s, e) for s, e, f in live if not f.passed and e > s]
+        assert all(e <= start or start + n <= s for s, e in pending) or n == 0
+        f = _Fence()
+        ring.hold(start, f)
+        live.append((start, start + n, f))
+        for s, e, g in live[: int(rng.integers(0, 3))]:
+            g.passed = True
+        live = [x for x in live if not x[2].passed][-40:]
+
+
+# -- the split strided kernel under Triton's interpreter --------------------------------------------
+
+_SPLIT_SCRIPT = r"""
+import numpy as np, torch
+from transport.nvlink import kernel as kern
+from transport.base import StridedBatch
+rng = np.random.default_rng(8)
+src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
+dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
+src_base = np.array([t.data_ptr() for t in src])
+dst_base = np.array([t.data_ptr() for t in dst])
+ring = torch.full((64,), -7, dtype=torch.int64)  # the slots of other writes around this one's
+for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=32)),
+                          (1, 203, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=16, max_programs=3))):
+    P, S = 4, 5
+    length = rng.integers(1, 6, P) * unit
+    b = StridedBatch.of(rng.integers(0, 2, P), rng.integers(0, 20, P) * unit, stride * 2, [0, 0, 1, 1],
+                        np.array([0, 96, 0, 96]) + (3 if unit == 1 else 0), stride, length,
+                        rng.integers(0, 6, S), rng.permutation(12)[:S])
+    flat = b.expand()
+    for d in dst:
+        d.random_(0, 256)
+    want = [d.clone() for d in dst]
+    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
+        want[dr][do:do + n] = src[sr][so:so + n]
+    pairs = tuple(getattr(b, f) for f in ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset",
+                                           "dst_stride", "length"))
+    empty = np.zeros(0, dtype=np.int64)
+    pair_table = torch.from_numpy(kern.build_strided_table(src_base, dst_base, pairs, empty, empty))
+    base = 17
+    ring[base:base + S] = torch.from_numpy(b.src_slot)
+    ring[base + S:base + 2 * S] = torch.from_numpy(b.dst_slot)
+    path = kern.choose_path(pair_table.numpy())
+    assert path.value == unit, (path, unit)
+    plan = kern.plan_launch(P * S, int(length.max()), path, cfg)
+    kern.scatter_strided_split(pair_table, ring, base, P, S, plan, "cpu")
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("split", unit, (d != w).nonzero()[:5])
+print("SPLIT-KERNEL-OK")
+"""
+
+
+def test_split_strided_kernel_under_triton_interpreter():
+    """The pair part and the slot part apart (the slots at an offset of a ring): the same bytes
+    as the reference."""
+    assert_interpreted_ok(_SPLIT_SCRIPT, "SPLIT-KERNEL-OK")
+
+
+def test_split_tables_checks_name_what_was_expected():
+    import torch
+
+    from transport.nvlink import kernel as kern
+
+    pairs = torch.zeros(10, dtype=torch.int64)
+    ring = torch.zeros(16, dtype=torch.int64)
+    kern.check_split_tables(pairs, ring, 2, 4, 6, "cpu")
+    with pytest.raises(ValueError, match=r"slot part \[6, \+12\) runs past slots of 16 elements"):
+        kern.check_split_tables(pairs, ring, 2, 6, 6, "cpu")
+    with pytest.raises(ValueError, match="slots must be a contiguous 1-D int64 tensor"):
+        kern.check_split_tables(pairs, ring.int(), 2, 0, 1, "cpu")
+    with pytest.raises(TypeError, match="slots must be a torch.Tensor, got ndarray"):
+        kern.check_split_tables(pairs, ring.numpy(), 2, 0, 1, "cpu")
+    with pytest.raises(ValueError, match=r"table must have shape \[5 \* 3 \+ 2 \* 0\] = \[15\], got \[10\]"):
+        kern.check_split_tables(pairs, ring, 3, 0, 1, "cpu")
+
+
+def test_config_checks_the_direct_path_settings():
+    assert NvlinkConfig(slot_ring_bytes=0).slot_ring_bytes == 0
+    with pytest.raises(ValueError, match="slot_ring_bytes must be a multiple of 8"):
+        NvlinkConfig(slot_ring_bytes=12)
+    with pytest.raises(ValueError, match="pair_plans must be an int >= 1, got 0"):
+        NvlinkConfig(pair_plans=0)
+
+
+# -- the progress thread waits on the oldest event, and wait() sleeps until settled ------------------
+
+
+class _BlockingEvent:
+    """Stands in for ``torch.cuda.Event``: ``synchronize()`` blocks until ``fire()``."""
+
+    def __init__(self):
+        self._fired = threading.Event()
+        self.synchronized = 0
+
+    def fire(self):
+        self._fired.set()
+
+    def query(self) -> bool:
+        return self._fired.is_set()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._fired.wait(10)
+
+
+def test_progress_sends_the_notification_once_the_event_fires_without_polling():
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30)
+    progress = Progress(queue.advance, queue.oldest_event)
+    try:
+        event = _BlockingEvent()
+        t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+        progress.wake()
+        time.sleep(0.05)
+        assert t._status is TransferStatus.PENDING and event.synchronized == 1  # one wait, no polling loop
+        waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+        waiter.start()
+        event.fire()
+        waiter.join(5)
+        assert not waiter.is_alive() and t.status() is TransferStatus.DONE
+        got, deadline = [], time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            got = inbox.poll()
+        assert [n.payload for n in got] == [b"landed"]
+    finally:
+        progress.stop()
+        queue.outbox.close()
+        inbox.close()
+
+
+def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)
+    try:
+        from transport.base import TransferFailed, TransferTimeout
+
+        t = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="still pending after 0.05 s"):
+            t.wait(timeout=0.05)
+        with pytest.raises(TransferFailed, match="did not complete within 0.2 s"):
+            t.wait(timeout=5)
+        assert time.monotonic() - t0 < 2
+    finally:
+        queue.outbox.close()
+        inbox.close()
+
+
+# -- two processes on two GPUs: the direct path ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_writes_changing_slots_exactly(remote):
+    """Many writes of one pair set with different slots: one plan, every write's bytes exact,
+    its notification after them; page 16 and head slices (a second plan)."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote, 2 * LAYERS, buf_bytes)
+    try:
+        for i, (page, head) in enumerate([(1, False), (1, False), (1, False), (16, False), (1, True), (1, True)]):
+            b = kv_strided(sorted(src), dst_rids, page, head, np.random.default_rng(50 + i), tokens=32 + 8 * i)
+            remote.fill(dst_rids, 0x5A)
+            tr = peer.write_strided(b, notify=b"direct %d" % i)
+            tr.wait(timeout=60)
+            assert tr.status() is TransferStatus.DONE
+            check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"direct %d" % i, sender=t.name)
+        assert peer.pair_plans.builds == 3 and t._ring.space.live >= 0
+        with pytest.raises(ValueError, match=r"batch pair \d+: destination \(peer\) range .* is outside region"):
+            peer.write_strided(StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN, [1], [SLOTS]))
+        with pytest.raises(ValueError, match=r"batch pair 0: source \(local\) region 999 is not registered"):
+            peer.write_strided(StridedBatch.of(999, 0, TOKEN, dst_rids[0], 0, TOKEN, TOKEN, [1], [1]))
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_ring_wraps_under_many_writes_in_flight(remote):
+    """A ring of 64 slots and writes of 10: it wraps many times with writes in flight; every
+    notification arrives in order and the last write's bytes are exact."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, NvlinkConfig(slot_ring_bytes=64 * 8))
+    try:
+        rng = np.random.default_rng(3)
+        transfers, batches = [], []
+        for i in range(40):
+            b = StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN,
+                                rng.choice(np.arange(1, SLOTS), 5, replace=False),
+                                rng.choice(np.arange(1, SLOTS), 5, replace=False))
+            transfers.append(peer.write_strided(b, notify=b"ring %d" % i))
+            batches.append(b)
+        for tr in transfers:
+            tr.wait(timeout=60)
+        assert t._ring.space.waits > 0 or t._ring.space.live <= 6
+        remote.fill(dst_rids, 0x5A)
+        tr = peer.write_strided(batches[-1], notify=b"ring last")
+        tr.wait(timeout=60)
+        check_landed(remote, src, dst_rids, batches[-1].expand(), buf_bytes, b"ring last", sender=t.name)
+        for i in range(40):
+            assert remote.wait_notify(b"ring %d" % i, 10.0) == t.name
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_follows_region_changes_and_can_be_off(remote):
+    """A region registered after a plan was built empties the cache (its bases may move); with
+    ``slot_ring_bytes=0`` writes take the general path, with the same bytes."""
+    import torch
+
+    buf_bytes = SLOTS * TOKEN
+    for config in (NvlinkConfig(), NvlinkConfig(slot_ring_bytes=0)):
+        t, peer, src, dst_rids = local_pair(remote, 2, buf_bytes, config)
+        try:
+            b = StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN, [1, 2, 3], [4, 5, 6])
+            peer.write_strided(b, notify=b"before").wait(timeout=60)
+            extra = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
+            t.register_tensor(extra)
+            remote.fill(dst_rids, 0x5A)
+            peer.write_strided(b, notify=b"after").wait(timeout=60)
+            check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"after", sender=t.name)
+            assert peer.pair_plans.builds == (2 if config.slot_ring_bytes else 0)
+        finally:
+            t.close()

@@ -1,0 +1,279 @@
+"""The direct path of a factored write in microseconds: resident pair tables, a ring of slots.
+
+Why
+---
+A KV write is buffer pairs x token slots (``StridedBatch``). The pair part -- which buffer
+goes to which, offsets, strides, row bytes -- depends only on the two sides' layouts, and is
+the same for every request between two ranks; only the slot arrays (a few KiB) change. The
+general path (:mod:`transport.nvlink.job`) rebuilds, re-checks and re-uploads all of it per
+write, in a fresh pinned buffer. Here that work is done once per pair set and kept:
+
+Once per pair set (per peer, :class:`PairCache`)
+------------------------------------------------
+:class:`PairPlan`: the ``[5 * P]`` pair part of the strided table (``transport.nvlink.kernel``)
+on the GPU, its copy path (the pairs' alignment), the longest row, the bytes per slot, and per
+side the largest slot that every pair allows (:func:`slot_limits`): the bounds of all ``P * S``
+entries then reduce to ``0 <= min(slots)`` and ``max(slots) <= limit``, one vectorised pass over
+each slot array. A plan is found by the pair arrays' bytes (or, for read-only arrays, by the
+arrays themselves: a frozen plan's arrays are not copied per request); the cache is emptied when
+the local regions change (their sizes and bases are built into the plan).
+
+Per write (:class:`SlotRing`)
+-----------------------------
+The ``[2 * S]`` slot part goes into a ring of pinned host memory and, by one
+``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
+kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span
+of the ring is reused once the write that holds it has completed (its event; the host copy ran
+before the kernel on the same stream). The ring is allocated once per transport, at the first
+write that uses it; a slot part larger than the ring takes the general path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from transport.base import RegionSizes, StridedBatch
+from transport.nvlink import kernel as kern
+
+__all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "check_slots", "pair_key", "slot_limits"]
+
+NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits
+_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+
+
+def _side_limit(sizes: RegionSizes, region: np.ndarray, offset: np.ndarray, stride: np.ndarray,
+                length: np.ndarray) -> int:
+    """The largest slot ``s`` with ``offset + s * stride + length <= size`` for every pair
+    (-1: some pair fits no slot, its region unknown or its range past the region)."""
+    if region.size == 0:
+        return NO_LIMIT
+    room = sizes.of(region) - offset - length  # [P] bytes left after slot 0's range; < 0: none fits
+    if (room < 0).any():
+        return -1
+    moving = stride > 0
+    if not moving.any():
+        return NO_LIMIT
+    return int((room[moving] // stride[moving]).min())
+
+
+def slot_limits(batch: StridedBatch, local: RegionSizes, peer: RegionSizes) -> tuple[int, int]:
+    """Per side, the largest source and destination slot that every pair of ``batch`` allows
+    in its region (``-1``: some pair allows none; :data:`NO_LIMIT`: any). A batch is in bounds
+    iff its slots are non-negative and at most these: the same verdict as
+    ``batch.check_bounds(local, peer)``, which names the first bad pair."""
+    return (_side_limit(local, batch.src_region, batch.src_offset, batch.src_stride, batch.length),
+            _side_limit(peer, batch.dst_region, batch.dst_offset, batch.dst_stride, batch.length))
+
+
+def pair_key(batch: StridedBatch) -> bytes:
+    """The pair part of ``batch`` as one bytes key (the slots left out)."""
+    return b"".join(np.ascontiguousarray(getattr(batch, f), dtype=np.int64).tobytes() for f in _PAIR_FIELDS)
+
+
+def check_slots(batch: StridedBatch, src_limit: int, dst_limit: int) -> bool:
+    """True when every slot of ``batch`` is in ``[0, limit]`` of its side (one pass per array)."""
+    if batch.num_slots == 0:
+        return True
+    s, d = batch.src_slot, batch.dst_slot
+    return bool(s.min() >= 0 and d.min() >= 0 and s.max() <= src_limit and d.max() <= dst_limit)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """One pair set, resident: see the module doc. ``device_table`` is the ``[5 * P]`` pair part
+    on the GPU (``host_table``: its pinned source, kept while the plan lives)."""
+
+    num_pairs: int
+    slot_bytes: int  # bytes of one slot over all pairs (sum of length)
+    max_len: int  # the longest row
+    path: kern.CopyPath
+    src_limit: int
+    dst_limit: int
+    host_table: object  # pinned int64 tensor [5 * P]
+    device_table: object  # int64 tensor [5 * P] on the local GPU
+
+
+class PairCache:
+    """Plans by pair set, least recently used out past ``capacity``; emptied when ``generation()``
+    (the local regions' identity) changes. ``build(batch)`` makes a plan (or raises)."""
+
+    def __init__(self, capacity: int, generation: Callable[[], object],
+                 build: Callable[[StridedBatch], Optional[PairPlan]]):
+        self.capacity = capacity
+        self._generation, self._build = generation, build
+        self._seen: object = None
+        self._plans: OrderedDict[bytes, PairPlan] = OrderedDict()
+        self._frozen: dict[int, tuple] = {}  # id of a read-only src_region array -> (arrays, key)
+        self.builds = 0  # plans built (tests and benchmarks read it)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def _key(self, batch: StridedBatch) -> bytes:
+        arrays = tuple(getattr(batch, f) for f in _PAIR_FIELDS)
+        if not any(a.flags.writeable for a in arrays):  # read-only arrays (a frozen plan's): by identity
+            hit = self._frozen.get(id(arrays[0]))
+            if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
+                return hit[1]
+            key = pair_key(batch)
+            if len(self._frozen) >= 4 * self.capacity:
+                self._frozen.clear()
+            self._frozen[id(arrays[0])] = (arrays, key)  # holds the arrays: their ids stay theirs
+            return key
+        return pair_key(batch)
+
+    def get(self, batch: StridedBatch) -> Optional[PairPlan]:
+        """The plan of ``batch``'s pairs (built at the first sight of them), or None when some
+        pair fits no slot (nothing cached)."""
+        gen = self._generation()
+        if gen is not self._seen:
+            self._plans.clear()
+            self._seen = gen
+        key = self._key(batch)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = self._build(batch)
+        if plan is None:  # some pair fits no slot: not cached, the caller names the pair
+            return None
+        self.builds += 1
+        self._plans[key] = plan
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._frozen.clear()
+
+
+class RingSpace:
+    """The bookkeeping of a ring of ``capacity`` elements: spans handed out one after the other,
+    each held until its fence has passed.
+
+    ``done(fence)`` says whether a fence has passed (a fence of None has); ``wait(fence)``
+    blocks until it has. :meth:`take` returns the start of a free span of ``n`` elements,
+    waiting for the oldest fences that still hold it; :meth:`hold` attaches the fence that
+    frees it. Spans are taken in order, wrapping to 0 when the rest of the ring is too short."""
+
+    def __init__(self, capacity: int, done: Callable[[object], bool], wait: Callable[[object], None]):
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._done, self._wait = done, wait
+        self._head = 0
+        self._live: deque[list] = deque()  # [start, end, fence] in the order taken
+        self.waits = 0  # times a take had to wait for a fence (tests read it)
+
+    def fits(self, n: int) -> bool:
+        return 0 <= n <= self.capacity
+
+    def take(self, n: int) -> int:
+        """The start of ``n`` free elements (``ValueError`` past the capacity). The span is held,
+        fenceless, until :meth:`hold` gives its fence."""
+        if not self.fits(n):
+            raise ValueError(f"a span of {n} elements does not fit a ring of {self.capacity}")
+        start = self._head if self._head + n <= self.capacity else 0
+        end = start + n
+        while self._live and self._live[0][2] is not _TAKEN and self._passed(self._live[0][2]):
+            self._live.popleft()
+        for sp in self._live if n else ():
+            if not (sp[0] < end and start < sp[1]) or sp[2] is None:
+                continue
+            if sp[2] is _TAKEN:
+                raise RuntimeError("a ring span was taken again before its fence was given (hold() missing)")
+            if not self._done(sp[2]):
+                self.waits += 1
+                self._wait(sp[2])
+            sp[2] = None  # passed
+        self._head = end
+        if n:
+            self._live.append([start, end, _TAKEN])
+        return start
+
+    def hold(self, start: int, fence: object) -> None:
+        """Attach ``fence`` to the span taken at ``start`` (None: free it now)."""
+        for sp in reversed(self._live):
+            if sp[0] == start and sp[2] is _TAKEN:
+                sp[2] = fence
+                return
+
+    def _passed(self, fence) -> bool:
+        return fence is None or self._done(fence)
+
+    @property
+    def live(self) -> int:
+        """Spans still held."""
+        return len(self._live)
+
+
+_TAKEN = object()  # a span taken and not yet given its fence
+
+
+def _event_done(event) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:  # a CUDA error: nothing will run any more
+        return True
+
+
+def _event_wait(event) -> None:
+    try:
+        event.synchronize()
+    except Exception:
+        pass
+
+
+class SlotRing:
+    """A ring of int64 slots in pinned host memory and, at the same element offsets, on a GPU
+    (module doc). ``put`` copies the arrays in and queues the host-to-device copy on a stream."""
+
+    def __init__(self, api, device: int, capacity: int):
+        import torch
+
+        self._api, self.device = api, device
+        self.space = RingSpace(capacity, _event_done, _event_wait)
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
+        self._host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", device))  # [capacity]
+        self._host_ptr, self._dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
+
+    def fits(self, n: int) -> bool:
+        return self.space.fits(n)
+
+    def put(self, arrays: tuple, stream_handle: int) -> int:
+        """Copy ``arrays`` (int64, back to back) into a free span and queue its upload on the raw
+        ``stream_handle`` (current device: this ring's); return the span's start. The caller
+        gives the span its fence with ``space.hold(start, event)``."""
+        n = sum(a.size for a in arrays)
+        start = self.space.take(n)
+        at = start
+        for a in arrays:
+            self._host_np[at: at + a.size] = a
+            at += a.size
+        if n:
+            self._api.memcpy_async(self._dev_ptr + 8 * start, self._host_ptr + 8 * start, 8 * n, stream_handle)
+        return start
+
+
+def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
+               src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object]) -> Optional[PairPlan]:
+    """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
+    caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the GPU."""
+    import torch
+
+    src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
+    if src_limit < 0 or dst_limit < 0:
+        return None
+    p = batch.num_pairs
+    empty = np.zeros(0, dtype=np.int64)
+    host = torch.empty(5 * p, dtype=torch.int64, pin_memory=True)  # [5 * P] the pair part
+    table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
+                                     empty, empty, out=host.numpy())
+    return PairPlan(p, int(batch.length.sum()), int(batch.length.max()) if p else 1, kern.choose_path(table),
+                    src_limit, dst_limit, host, upload(host))
