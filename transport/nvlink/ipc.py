@@ -333,14 +333,12 @@ class on_device:
             self._torch = torch.cuda.device(self.device)
             self._torch.__enter__()
         self.prev = self.api.get_device()
-        if self.prev != self.device:  # a write from the GPU's own thread: one call, not three
-            self.api.set_device(self.device)
+        self.api.set_device(self.device)
         return self
 
     def __exit__(self, *exc):
         try:
-            if self.prev != self.device:
-                self.api.set_device(self.prev)
+            self.api.set_device(self.prev)
         finally:
             if self.torch_too:
                 self._torch.__exit__(*exc)

@@ -81,21 +81,25 @@ class NvlinkPeer(Peer):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
         return self._write(batch, notify)
 
-    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
+    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None, *,
+                      engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU by the strided kernel, which computes each row's
         addresses. When it takes the direct kernel (engine KERNEL, or AUTO below the staged
         engine's sizes), it takes the direct path (:mod:`transport.nvlink.fastpath`): the pair
         part resident on the GPU since this pair set's first write, the slots checked in one
         pass against the pairs' slot limits and uploaded from a ring, one launch. Otherwise the
         host checks bounds in O(P + S) and stages the ``[5 * P + 2 * S]`` strided table
-        (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`."""
+        (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`. ``engine`` overrides
+        the config's for this write."""
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
         notify = self._check_notify(notify)
-        direct = self._write_direct(batch, notify)
-        return direct if direct is not None else self._write(batch, notify)
+        engine = self._config.engine if engine is None else check_engine(engine)
+        direct = self._write_direct(batch, notify, engine)
+        return direct if direct is not None else self._write(batch, notify, engine)
 
-    def _write_direct(self, batch: StridedBatch, notify: Optional[bytes]) -> Optional[NvlinkTransfer]:
+    def _write_direct(self, batch: StridedBatch, notify: Optional[bytes],
+                      engine: NvlinkEngine) -> Optional[NvlinkTransfer]:
         """The direct path of ``batch``, or None when it takes the general one (no ring, slots
         past the ring, an empty batch, or the staged engine)."""
         num_slots = batch.num_slots
@@ -108,7 +112,7 @@ class NvlinkPeer(Peer):
         if plan is None or not check_slots(batch, plan.src_limit, plan.dst_limit):
             self.tables.check_bounds(batch)  # names the first pair out of bounds
             raise ValueError("batch out of bounds")  # not reached: the two checks agree
-        if self._route.lane_for(self._config.engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots,
+        if self._route.lane_for(engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots,
                                 plan.max_len) is not None:
             return None
         if not self._queue.outbox.alive():
@@ -125,12 +129,12 @@ class NvlinkPeer(Peer):
                           self._owner._registry.derived(base_table), self._mapping.bases(self.device),
                           lambda host: self._copy._table_on(host, self.device, self._copy.stream))
 
-    def _write(self, batch, notify: Optional[bytes]) -> NvlinkTransfer:
+    def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         notify = self._check_notify(notify)  # idempotent: bytes stay bytes
         self.tables.check_bounds(batch)
         if not self._queue.outbox.alive():
             return self._lost()
-        job = self.prepare(batch, checked=True)
+        job = self.prepare(batch, engine, checked=True)
         try:
             return self._post(job, notify)
         finally:

@@ -102,7 +102,7 @@ class CopyStream:
         from transport.nvlink import kernel as kern
 
         stream, num_slots = self.stream, batch.num_slots
-        with ipc.on_device(self._api, self.device, torch_too=False):
+        with _current(self._api, self.device):
             if self._wait_current:
                 self._wait_caller(stream)
             start = ring.put((batch.src_slot, batch.dst_slot), stream.cuda_stream)
@@ -132,3 +132,26 @@ class CopyStream:
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for the stream, release the raw event (idempotent)."""
+        self.synchronize()
+        if self._order_event is not None:
+            with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
+                self._api.event_destroy(self._order_event)
+            self._order_event = None
+
+
+@contextlib.contextmanager
+def _current(api, device: int):
+    """``device`` current in the CUDA runtime for the block: one call when it already is (a
+    write from the thread that drives this GPU), three when it is not."""
+    prev = api.get_device()
+    if prev == device:
+        yield
+        return
+    api.set_device(device)
+    try:
+        yield
+    finally:
+        api.set_device(prev)

@@ -156,7 +156,7 @@ class NvlinkTransport(Transport):
             lane.close()
         self._lanes.clear()
         if self._copy is not None:
-            self._copy.synchronize()  # nothing reads the ring once it goes
+            self._copy.close()  # nothing reads the ring once it goes
         self._ring = None
         self._inbox.close()
         self._registry.clear()
