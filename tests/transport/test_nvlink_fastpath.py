@@ -248,7 +248,7 @@ for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_
     ring[base + S:base + 2 * S] = torch.from_numpy(b.dst_slot)
     path = kern.choose_path(pair_table.numpy())
     assert path.value == unit, (path, unit)
-    plan = kern.plan_launch(P * S, int(length.max()), path, cfg)
+    plan = kern.plan_shape(int(length.max()), path, cfg)  # as the direct path launches: any number of rows
     kern.scatter_strided_split(pair_table, ring, base, P, S, plan, "cpu")
     for d, w in zip(dst, want):
         assert torch.equal(d, w), ("split", unit, (d != w).nonzero()[:5])
@@ -260,6 +260,22 @@ def test_split_strided_kernel_under_triton_interpreter():
     """The pair part and the slot part apart (the slots at an offset of a ring): the same bytes
     as the reference."""
     assert_interpreted_ok(_SPLIT_SCRIPT, "SPLIT-KERNEL-OK")
+
+
+@pytest.mark.parametrize("max_programs", [0, 3, 132])
+@pytest.mark.parametrize("max_len", [1, 16, 256, 2048, 32768, 131072])
+def test_plan_shape_launches_any_row_count_as_plan_launch_does(max_programs, max_len):
+    from transport.nvlink import kernel as kern
+
+    cfg = kern.KernelConfig(max_programs=max_programs)
+    for path in kern.CopyPath:
+        shape = kern.plan_shape(max_len, path, cfg)
+        for rows in (1, 7, 160, 1000, 163840, 2_621_440):
+            full = kern.plan_launch(rows, max_len, path, cfg)
+            tiles = -(-rows // shape.block_r)
+            grid = min(shape.num_programs, tiles) if shape.num_programs else tiles
+            assert (shape.block_r, shape.block_c, tiles, grid) == (full.block_r, full.block_c, full.num_tiles,
+                                                                    full.num_programs)
 
 
 def test_split_tables_checks_name_what_was_expected():

@@ -70,16 +70,25 @@ def slot_limits(batch: StridedBatch, local: RegionSizes, peer: RegionSizes) -> t
 
 
 def pair_key(batch: StridedBatch) -> bytes:
-    """The pair part of ``batch`` as one bytes key (the slots left out)."""
-    return b"".join(np.ascontiguousarray(getattr(batch, f), dtype=np.int64).tobytes() for f in _PAIR_FIELDS)
+    """The pair part of ``batch`` as one bytes key (the slots left out). The arrays are int64
+    (``StridedBatch``'s invariant), so equal keys mean equal pairs; any other dtype is
+    converted first."""
+    arrays = [getattr(batch, f) for f in _PAIR_FIELDS]
+    if any(a.dtype != np.int64 for a in arrays):
+        arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
+    return b"".join([a.tobytes() for a in arrays])
 
 
 def check_slots(batch: StridedBatch, src_limit: int, dst_limit: int) -> bool:
-    """True when every slot of ``batch`` is in ``[0, limit]`` of its side (one pass per array)."""
+    """True when every slot of ``batch`` is in ``[0, limit]`` of its side: one pass per array
+    (viewed as unsigned, a negative slot is past any limit, which is below 2**63)."""
     if batch.num_slots == 0:
         return True
     s, d = batch.src_slot, batch.dst_slot
-    return bool(s.min() >= 0 and d.min() >= 0 and s.max() <= src_limit and d.max() <= dst_limit)
+    if s.dtype != np.int64 or d.dtype != np.int64:
+        s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    return bool(src_limit >= 0 and dst_limit >= 0 and int(s.view(np.uint64).max()) <= src_limit
+                and int(d.view(np.uint64).max()) <= dst_limit)
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ class PairPlan:
     slot_bytes: int  # bytes of one slot over all pairs (sum of length)
     max_len: int  # the longest row
     path: kern.CopyPath
+    launch: kern.LaunchPlan  # the tile shape, for any number of slots (kern.plan_shape)
     src_limit: int
     dst_limit: int
     host_table: object  # pinned int64 tensor [5 * P]
@@ -114,8 +124,9 @@ class PairCache:
         return len(self._plans)
 
     def _key(self, batch: StridedBatch) -> bytes:
-        arrays = tuple(getattr(batch, f) for f in _PAIR_FIELDS)
-        if not any(a.flags.writeable for a in arrays):  # read-only arrays (a frozen plan's): by identity
+        arrays = (batch.src_region, batch.src_offset, batch.src_stride, batch.dst_region, batch.dst_offset,
+                  batch.dst_stride, batch.length)
+        if not arrays[0].flags.writeable and not any(a.flags.writeable for a in arrays):  # a frozen plan's: by identity
             hit = self._frozen.get(id(arrays[0]))
             if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
                 return hit[1]
@@ -262,9 +273,11 @@ class SlotRing:
 
 
 def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
-               src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object]) -> Optional[PairPlan]:
+               src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object],
+               config: kern.KernelConfig) -> Optional[PairPlan]:
     """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
-    caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the GPU."""
+    caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the
+    GPU; ``config``: the kernel's launch shape."""
     import torch
 
     src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
@@ -275,5 +288,6 @@ def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: Region
     host = torch.empty(5 * p, dtype=torch.int64, pin_memory=True)  # [5 * P] the pair part
     table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
                                      empty, empty, out=host.numpy())
-    return PairPlan(p, int(batch.length.sum()), int(batch.length.max()) if p else 1, kern.choose_path(table),
+    max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)
+    return PairPlan(p, int(batch.length.sum()), max_len, path, kern.plan_shape(max_len, path, config),
                     src_limit, dst_limit, host, upload(host))

@@ -99,6 +99,7 @@ __all__ = [
     "choose_path",
     "check_row_table",
     "plan_launch",
+    "plan_shape",
     "scatter_rows",
     "scatter_strided",
     "scatter_strided_split",
@@ -279,6 +280,15 @@ def plan_launch(num_rows: int, max_len: int, path: CopyPath, config: KernelConfi
     num_tiles = -(-num_rows // block_r)
     programs = min(num_tiles, config.max_programs) if config.max_programs else num_tiles
     return LaunchPlan(path, block_r, block_c, num_tiles, programs, config.load_cache, config.store_cache)
+
+
+def plan_shape(max_len: int, path: CopyPath, config: KernelConfig) -> LaunchPlan:
+    """The tile shape of :func:`plan_launch` for rows of at most ``max_len`` bytes, whatever
+    their number: ``num_tiles`` 0 and ``num_programs`` the config's cap (0: one program per
+    tile), which :func:`scatter_strided_split` applies to each launch's rows."""
+    plan = plan_launch(1, max_len, path, config)
+    return LaunchPlan(path, plan.block_r, plan.block_c, 0, config.max_programs, config.load_cache,
+                      config.store_cache)
 
 
 def _check_device(t, name: str, device) -> None:
@@ -539,7 +549,8 @@ def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slot
     """Launch the copy of all ``num_pairs * num_slots`` rows of a factored batch whose table is
     split: the pair part ``pairs`` (``[5 * P]``, resident: built once per buffer-pair set) and
     the slot part at ``slots[slot_base : slot_base + 2 * S]`` (source slots, then destination
-    slots; uploaded per write). The direct path of a write (no staging). CPU tensors run in
+    slots; uploaded per write). The direct path of a write (no staging). ``plan``: from
+    :func:`plan_launch` or, for any number of rows, :func:`plan_shape`. CPU tensors run in
     Triton's interpreter; ``checked`` (:func:`check_split_tables` already ran) and ``stream``
     as for :func:`scatter_rows`."""
     if not checked:
@@ -548,6 +559,7 @@ def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slot
     if rows == 0:
         return
     num_tiles = -(-rows // plan.block_r)
-    _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), pairs,
+    grid = min(plan.num_programs, num_tiles) if plan.num_programs else num_tiles
+    _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), grid, pairs,
          device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, 0, rows, num_tiles, 0, 0),
          _constexprs(0, plan), num_warps)

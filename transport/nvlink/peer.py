@@ -117,7 +117,7 @@ class NvlinkPeer(Peer):
             return None
         if not self._queue.outbox.alive():
             return self._lost()
-        event = self._copy.enqueue_split(plan, batch, ring, self._config.kernel)
+        event = self._copy.enqueue_split(plan, batch, ring, self._config.kernel.num_warps)
         transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         self._owner._progress.wake()
         return transfer
@@ -127,7 +127,8 @@ class NvlinkPeer(Peer):
         fits no slot), its table uploaded on the copy stream."""
         return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
                           self._owner._registry.derived(base_table), self._mapping.bases(self.device),
-                          lambda host: self._copy._table_on(host, self.device, self._copy.stream))
+                          lambda host: self._copy._table_on(host, self.device, self._copy.stream),
+                          self._config.kernel)
 
     def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         notify = self._check_notify(notify)  # idempotent: bytes stay bytes

@@ -21,7 +21,6 @@ from transport.nvlink import ipc
 if TYPE_CHECKING:
     from transport.nvlink.fastpath import PairPlan, SlotRing
     from transport.nvlink.job import PreparedWrite
-    from transport.nvlink.kernel import KernelConfig
 
 __all__ = ["CopyStream"]
 
@@ -93,7 +92,7 @@ class CopyStream:
         self._api.event_record(self._order_event, current)
         self._api.stream_wait_event(stream.cuda_stream, self._order_event)
 
-    def enqueue_split(self, plan: "PairPlan", batch, ring: "SlotRing", config: "KernelConfig"):
+    def enqueue_split(self, plan: "PairPlan", batch, ring: "SlotRing", num_warps: int):
         """Queue the direct write of ``batch`` (its pairs resident in ``plan``, its slots put in
         ``ring``): the wait for the caller's stream, the slots' upload, one launch, the event.
         Returns the event (recorded after the copy)."""
@@ -108,10 +107,8 @@ class CopyStream:
             start = ring.put((batch.src_slot, batch.dst_slot), stream.cuda_stream)
             event = None
             try:
-                rows = plan.num_pairs * num_slots
-                launch = kern.plan_launch(rows, plan.max_len, plan.path, config)
-                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, launch,
-                                           self.device, config.num_warps, checked=True, stream=stream)
+                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
+                                           self.device, num_warps, checked=True, stream=stream)
                 event = torch.cuda.Event()
                 event.record(stream)
             finally:
