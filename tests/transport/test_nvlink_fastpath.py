@@ -278,6 +278,78 @@ def test_plan_shape_launches_any_row_count_as_plan_launch_does(max_programs, max
                                                                     full.num_programs)
 
 
+_ENQUEUE_SCRIPT = r"""
+import ctypes, numpy as np, torch
+from transport.base import RegionSizes, Region, StridedBatch
+from transport.nvlink import kernel as kern
+from transport.nvlink import stream as stream_mod
+from transport.nvlink.fastpath import SlotRing, build_plan, check_slots
+
+class Api:  # the CUDA runtime calls of the direct path, on host memory (copies at once)
+    copies = 0
+    def get_device(self): return 0
+    def set_device(self, d): raise AssertionError("the device is current already")
+    def event_create(self): return object()
+    def event_record(self, e, s): pass
+    def stream_wait_event(self, s, e): pass
+    def memcpy_async(self, dst, src, n, s):
+        Api.copies += 1
+        ctypes.memmove(dst, src, n)
+
+class Event:  # torch.cuda.Event: the copy ran at once
+    def record(self, stream): self.stream = stream
+    def query(self): return True
+    def synchronize(self): pass
+
+class Stream:
+    cuda_stream = 7
+
+torch.cuda.Event = Event
+api = Api()
+copy = stream_mod.CopyStream(api, 0, wait_current_stream=False)
+copy._stream = Stream()
+ring = SlotRing(api, 0, torch.zeros(48, dtype=torch.int64), torch.full((48,), -1, dtype=torch.int64))
+rng = np.random.default_rng(2)
+src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4096, 4096)]
+dst = [torch.randint(0, 256, (4096,), dtype=torch.uint8) for _ in range(3)]
+sizes_src = RegionSizes({i: Region(i, t.data_ptr(), t.numel(), 0) for i, t in enumerate(src)})
+sizes_dst = RegionSizes({i: Region(i, t.data_ptr(), t.numel(), 1) for i, t in enumerate(dst)})
+src_base = np.array([t.data_ptr() for t in src]); dst_base = np.array([t.data_ptr() for t in dst])
+cfg = kern.KernelConfig(tile_bytes=256, max_block_c_bytes=64)
+# three pairs of 64 B rows in 256 B slots (pair p writes bytes [64 p, +64) of each destination slot)
+pairs = dict(src_region=[0, 1, 1], src_offset=[0, 64, 128], src_stride=256, dst_region=[0, 2, 1],
+             dst_offset=[0, 64, 128], dst_stride=256, length=64)
+plans = []
+for i in range(12):  # slots change per write; the ring (48) wraps every few writes
+    S = int(rng.integers(1, 9))
+    b = StridedBatch.of(*pairs.values(), rng.choice(16, S, replace=False), rng.choice(16, S, replace=False))
+    if not plans:
+        plans.append(build_plan(b, sizes_src, sizes_dst, src_base, dst_base, lambda h: h.clone(), cfg, pin=False))
+    plan = plans[0]
+    assert check_slots(b, plan.src_limit, plan.dst_limit), (plan.src_limit, plan.dst_limit)
+    want = [d.clone() for d in dst]
+    flat = b.expand()
+    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
+        want[dr][do:do + n] = src[sr][so:so + n]
+    event = copy.enqueue_split(plan, b, ring, 4)
+    assert isinstance(event, Event) and event.stream is copy._stream
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("enqueue_split", i, (d != w).nonzero()[:5])
+assert plan.src_limit == 15 and plan.dst_limit == 15
+assert Api.copies == 12 and ring.space.live <= 12
+too_far = StridedBatch.of(*pairs.values(), [16], [0])
+assert not check_slots(too_far, plan.src_limit, plan.dst_limit)
+print("ENQUEUE-OK")
+"""
+
+
+def test_direct_enqueue_on_host_memory_under_triton_interpreter():
+    """The direct path's enqueue (``CopyStream.enqueue_split``: the ring, the slot upload, the
+    split kernel, the event) with the CUDA calls standing in on host memory: every write of
+    changing slots lands exactly, the ring wrapping."""
+    assert_interpreted_ok(_ENQUEUE_SCRIPT, "ENQUEUE-OK")
+
+
 def test_split_tables_checks_name_what_was_expected():
     import torch
 

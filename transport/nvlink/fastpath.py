@@ -244,15 +244,25 @@ class SlotRing:
     """A ring of int64 slots in pinned host memory and, at the same element offsets, on a GPU
     (module doc). ``put`` copies the arrays in and queues the host-to-device copy on a stream."""
 
-    def __init__(self, api, device: int, capacity: int):
+    def __init__(self, api, device: int, host, dev):
+        """``host``: int64 tensor ``[capacity]`` in pinned memory; ``dev``: the same on GPU
+        ``device`` (:meth:`allocate` makes both)."""
+        if host.numel() != dev.numel():
+            raise ValueError(f"host and device rings differ: {host.numel()} and {dev.numel()} elements")
+        self._api, self.device = api, device
+        self.space = RingSpace(int(host.numel()), _event_done, _event_wait)
+        self.host, self.dev = host, dev  # [capacity] int64 each
+        self._host_np = host.numpy()
+        self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
+
+    @classmethod
+    def allocate(cls, api, device: int, capacity: int) -> "SlotRing":
+        """A ring of ``capacity`` slots: pinned host memory and memory on GPU ``device``."""
         import torch
 
-        self._api, self.device = api, device
-        self.space = RingSpace(capacity, _event_done, _event_wait)
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
-        self._host_np = self.host.numpy()
-        self.dev = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", device))  # [capacity]
-        self._host_ptr, self._dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
+        host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
+        dev = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", device))  # [capacity]
+        return cls(api, device, host, dev)
 
     def fits(self, n: int) -> bool:
         return self.space.fits(n)
@@ -274,10 +284,11 @@ class SlotRing:
 
 def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
                src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object],
-               config: kern.KernelConfig) -> Optional[PairPlan]:
+               config: kern.KernelConfig, pin: bool = True) -> Optional[PairPlan]:
     """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
     caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the
-    GPU; ``config``: the kernel's launch shape."""
+    GPU; ``config``: the kernel's launch shape; ``pin``: the host table in pinned memory (tests
+    without CUDA say False)."""
     import torch
 
     src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
@@ -285,7 +296,7 @@ def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: Region
         return None
     p = batch.num_pairs
     empty = np.zeros(0, dtype=np.int64)
-    host = torch.empty(5 * p, dtype=torch.int64, pin_memory=True)  # [5 * P] the pair part
+    host = torch.empty(5 * p, dtype=torch.int64, pin_memory=pin)  # [5 * P] the pair part
     table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
                                      empty, empty, out=host.numpy())
     max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)

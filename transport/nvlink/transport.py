@@ -77,7 +77,7 @@ class NvlinkTransport(Transport):
         """The ring of slots of the direct path (None: configured off), shared by every peer:
         all of them enqueue on the one copy stream."""
         if self._ring is None and self.config.slot_ring_bytes:
-            self._ring = SlotRing(self._api(), self._copy_stream().device, self.config.slot_ring_bytes // 8)
+            self._ring = SlotRing.allocate(self._api(), self._copy_stream().device, self.config.slot_ring_bytes // 8)
         return self._ring
 
     def _sync_lanes(self) -> None:
