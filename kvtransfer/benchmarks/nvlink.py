@@ -279,6 +279,7 @@ class _Bench:
         self._stamps = getattr(self, "_stamps", 0) + 1
         tags = [f"landed {self._stamps} {i}".encode() for i in range(warmup + reps)]
         self.remote.start_stamp_notify(tags, 120.0)
+        time.sleep(0.05)  # the receiver is polling before the first write
         starts = []
         try:
             for tag in tags:
