@@ -331,7 +331,9 @@ for i in range(12):  # slots change per write; the ring (48) wraps every few wri
     flat = b.expand()
     for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
         want[dr][do:do + n] = src[sr][so:so + n]
-    event = copy.enqueue_split(plan, b, ring, 4)
+    start, src_top, dst_top = ring.stage(b.src_slot, b.dst_slot)
+    assert (src_top, dst_top) == (b.src_slot.max(), b.dst_slot.max())
+    event = copy.enqueue_split(plan, S, ring, start, 4)
     assert isinstance(event, Event) and event.stream is copy._stream
     for d, w in zip(dst, want):
         assert torch.equal(d, w), ("enqueue_split", i, (d != w).nonzero()[:5])
@@ -339,6 +341,9 @@ assert plan.src_limit == 15 and plan.dst_limit == 15
 assert Api.copies == 12 and ring.space.live <= 12
 too_far = StridedBatch.of(*pairs.values(), [16], [0])
 assert not check_slots(too_far, plan.src_limit, plan.dst_limit)
+start, src_top, dst_top = ring.stage(np.array([3, -1]), np.array([2, 5]))  # negative: past any limit
+assert src_top > plan.src_limit and dst_top == 5
+ring.space.hold(start, None)
 print("ENQUEUE-OK")
 """
 

@@ -20,7 +20,8 @@ the local regions change (their sizes and bases are built into the plan).
 
 Per write (:class:`SlotRing`)
 -----------------------------
-The ``[2 * S]`` slot part goes into a ring of pinned host memory and, by one
+The ``[2 * S]`` slot part goes into a ring of pinned host memory (where one reduction over it
+gives both sides' largest slot for the bounds check) and, by one
 ``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
 kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span
 of the ring is reused once the write that holds it has completed (its event; the host copy ran
@@ -267,10 +268,28 @@ class SlotRing:
     def fits(self, n: int) -> bool:
         return self.space.fits(n)
 
+    def stage(self, src_slot: np.ndarray, dst_slot: np.ndarray) -> tuple[int, int, int]:
+        """Copy the ``[S]`` source then destination slots into a free span of the host ring;
+        return its start and the largest source and destination slot, read as unsigned (a
+        negative slot reads past any limit): the bounds check and the copy in one visit. The
+        caller uploads the span (:meth:`upload`) or frees it (``space.hold(start, None)``)."""
+        n = src_slot.size
+        start = self.space.take(2 * n)
+        span = self._host_np[start: start + 2 * n]  # [2 * S]: source slots, destination slots
+        span[:n] = src_slot
+        span[n:] = dst_slot
+        top = np.maximum.reduce(span.view(np.uint64).reshape(2, n), axis=1)  # [2]
+        return start, int(top[0]), int(top[1])
+
+    def upload(self, start: int, n: int, stream_handle: int) -> None:
+        """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw
+        ``stream_handle`` (current device: this ring's). The caller gives the span its fence
+        with ``space.hold(start, event)``."""
+        self._api.memcpy_async(self._dev_ptr + 8 * start, self._host_ptr + 8 * start, 8 * n, stream_handle)
+
     def put(self, arrays: tuple, stream_handle: int) -> int:
-        """Copy ``arrays`` (int64, back to back) into a free span and queue its upload on the raw
-        ``stream_handle`` (current device: this ring's); return the span's start. The caller
-        gives the span its fence with ``space.hold(start, event)``."""
+        """Copy ``arrays`` (int64, back to back) into a free span and queue its upload; return
+        the span's start (fence it with ``space.hold(start, event)``)."""
         n = sum(a.size for a in arrays)
         start = self.space.take(n)
         at = start
@@ -278,7 +297,7 @@ class SlotRing:
             self._host_np[at: at + a.size] = a
             at += a.size
         if n:
-            self._api.memcpy_async(self._dev_ptr + 8 * start, self._host_ptr + 8 * start, 8 * n, stream_handle)
+            self.upload(start, n, stream_handle)
         return start
 
 

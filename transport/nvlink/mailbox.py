@@ -115,12 +115,13 @@ class Outbox:
         except OSError as exc:
             self._sock.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our name: {exc}") from None
+        self._poll = select.poll()  # registered once: alive() is one poll(2) per call
+        self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
 
     def alive(self) -> bool:
         """False once the peer closed its end (the peer never writes, so readable = EOF)."""
         try:
-            ready, _, _ = select.select([self._sock], [], [], 0)
-            if not ready:
+            if not self._poll.poll(0):
                 return True
             return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except (BlockingIOError, InterruptedError):

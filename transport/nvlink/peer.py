@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Union
 from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
-from transport.nvlink.fastpath import PairCache, build_plan, check_slots
+from transport.nvlink.fastpath import PairCache, build_plan
 from transport.nvlink.job import PreparedWrite
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
@@ -109,18 +109,35 @@ class NvlinkPeer(Peer):
         if ring is None or not ring.fits(2 * num_slots):
             return None
         plan = self.pair_plans.get(batch)
-        if plan is None or not check_slots(batch, plan.src_limit, plan.dst_limit):
-            self.tables.check_bounds(batch)  # names the first pair out of bounds
+        if plan is None:
+            self.tables.check_bounds(batch)  # names the first pair that fits no slot
             raise ValueError("batch out of bounds")  # not reached: the two checks agree
         if self._route.lane_for(engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots,
                                 plan.max_len) is not None:
             return None
+        start, src_top, dst_top = ring.stage(batch.src_slot, batch.dst_slot)  # the slots' bounds, read once
+        if src_top > plan.src_limit or dst_top > plan.dst_limit:
+            ring.space.hold(start, None)
+            self._refuse_slots(batch, plan)
         if not self._queue.outbox.alive():
+            ring.space.hold(start, None)
             return self._lost()
-        event = self._copy.enqueue_split(plan, batch, ring, self._config.kernel.num_warps)
+        event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
         transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         self._owner._progress.wake()
         return transfer
+
+    def _refuse_slots(self, batch: StridedBatch, plan) -> None:
+        """``ValueError`` for slots past the pairs' limits: the full check's message, which
+        names the first pair out of bounds, or (negative slots, which it does not look at) one
+        naming the side."""
+        self.tables.check_bounds(batch)
+        for side, slots, limit in (("source", batch.src_slot, plan.src_limit),
+                                   ("destination", batch.dst_slot, plan.dst_limit)):
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) > limit):
+                raise ValueError(f"batch {side} slots must lie in [0, {limit}] (every pair's region), "
+                                 f"got [{int(slots.min())}, {int(slots.max())}]")
+        raise ValueError("batch out of bounds")  # not reached
 
     def _build_pairs(self, batch: StridedBatch):
         """A :class:`~transport.nvlink.fastpath.PairPlan` of ``batch``'s pairs (None: some pair

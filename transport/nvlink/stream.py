@@ -92,30 +92,35 @@ class CopyStream:
         self._api.event_record(self._order_event, current)
         self._api.stream_wait_event(stream.cuda_stream, self._order_event)
 
-    def enqueue_split(self, plan: "PairPlan", batch, ring: "SlotRing", num_warps: int):
-        """Queue the direct write of ``batch`` (its pairs resident in ``plan``, its slots put in
-        ``ring``): the wait for the caller's stream, the slots' upload, one launch, the event.
-        Returns the event (recorded after the copy)."""
+    def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int):
+        """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
+        pairs resident in ``plan``: the wait for the caller's stream, the slots' upload, one
+        launch, the event. Returns the event (recorded after the copy); the ring's span is
+        fenced with it (or freed once nothing can read it, on an error)."""
         import torch
 
         from transport.nvlink import kernel as kern
 
-        stream, num_slots = self.stream, batch.num_slots
-        with _current(self._api, self.device):
+        api, device, stream = self._api, self.device, self.stream
+        prev = api.get_device()  # one call when the caller drives this GPU, three when not
+        if prev != device:
+            api.set_device(device)
+        event = None
+        try:
             if self._wait_current:
                 self._wait_caller(stream)
-            start = ring.put((batch.src_slot, batch.dst_slot), stream.cuda_stream)
-            event = None
-            try:
-                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
-                                           self.device, num_warps, checked=True, stream=stream)
-                event = torch.cuda.Event()
-                event.record(stream)
-            finally:
-                if event is None:  # part of it may be queued: let the span go only once nothing reads it
-                    with contextlib.suppress(Exception):
-                        self.synchronize()
-                ring.space.hold(start, event)
+            ring.upload(start, 2 * num_slots, stream.cuda_stream)
+            kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
+                                       device, num_warps, checked=True, stream=stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        finally:
+            if event is None:  # part of it may be queued: let the span go only once nothing reads it
+                with contextlib.suppress(Exception):
+                    self.synchronize()
+            ring.space.hold(start, event)
+            if prev != device:
+                api.set_device(prev)
         return event
 
     def quiesce(self, job: "PreparedWrite") -> None:
@@ -138,17 +143,3 @@ class CopyStream:
                 self._api.event_destroy(self._order_event)
             self._order_event = None
 
-
-@contextlib.contextmanager
-def _current(api, device: int):
-    """``device`` current in the CUDA runtime for the block: one call when it already is (a
-    write from the thread that drives this GPU), three when it is not."""
-    prev = api.get_device()
-    if prev == device:
-        yield
-        return
-    api.set_device(device)
-    try:
-        yield
-    finally:
-        api.set_device(prev)

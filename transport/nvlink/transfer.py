@@ -35,9 +35,7 @@ class NvlinkTransfer(Transfer):
         self._deadline = time.monotonic() + queue.transfer_timeout_s
         self._status = TransferStatus.FAILED if error else TransferStatus.PENDING
         self._error = error
-        self._settled = threading.Event()
-        if error:
-            self._settled.set()
+        self._settled: Optional[threading.Event] = None  # made by the first wait() (under the queue's lock)
 
     @property
     def event(self):
@@ -67,7 +65,19 @@ class NvlinkTransfer(Transfer):
             left = self.WAIT_SLICE_S if deadline is None else min(self.WAIT_SLICE_S, deadline - time.monotonic())
             if left <= 0:
                 raise TransferTimeout(f"transfer still pending after {timeout} s")
-            self._settled.wait(left)
+            self._settled_event().wait(left)
+
+    def _settled_event(self) -> threading.Event:
+        """The event :meth:`_done` / :meth:`_fail` set, made at the first wait: both run under
+        the queue's lock, so it is made set when the transfer settled before."""
+        if self._settled is None:
+            with self._queue.lock:
+                if self._settled is None:
+                    event = threading.Event()
+                    if self._status is not TransferStatus.PENDING:
+                        event.set()
+                    self._settled = event
+        return self._settled
 
     def abort(self) -> None:
         with self._queue.lock:
@@ -78,8 +88,10 @@ class NvlinkTransfer(Transfer):
         self._status, self._error = TransferStatus.FAILED, why
         self._queue.bury(self._event, self._keep)  # the GPU may still read the tables
         self._keep = ()
-        self._settled.set()
+        if self._settled is not None:
+            self._settled.set()
 
     def _done(self) -> None:
         self._status, self._keep = TransferStatus.DONE, ()
-        self._settled.set()
+        if self._settled is not None:
+            self._settled.set()
