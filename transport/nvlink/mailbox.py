@@ -48,9 +48,13 @@ class Inbox:
         self._sock.listen(64)
         self._sock.setblocking(False)
         self._conns: list[list] = []  # [socket, bytearray of unparsed bytes, sender name or None]
+        self._ready = select.poll()  # the listening socket and every connection: one poll(2) per call
+        self._ready.register(self._sock, select.POLLIN)
 
     def poll(self) -> list[Notification]:
         """Whole notifications received since the last call, per connection in sending order."""
+        if not self._ready.poll(0):  # nothing to accept, read or close
+            return []
         while True:
             try:
                 conn, _ = self._sock.accept()
@@ -58,6 +62,7 @@ class Inbox:
                 break
             conn.setblocking(False)
             self._conns.append([conn, bytearray(), None])
+            self._ready.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
         out: list[Notification] = []
         for entry in list(self._conns):
             conn, buf = entry[0], entry[1]
@@ -85,6 +90,7 @@ class Inbox:
                 else:
                     out.append(Notification(entry[2], frame))
             if closed:
+                self._ready.unregister(conn)
                 conn.close()
                 self._conns.remove(entry)
         return out
