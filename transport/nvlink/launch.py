@@ -48,13 +48,24 @@ def _int_type(v: int) -> str:
     return "u64"
 
 
+_KNOBS: list = []  # triton.knobs once imported (None: this Triton has none)
+
+
 def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # Triton < 3.3: no knobs; stay on the slow path
+    if not _KNOBS:
+        try:
+            from triton import knobs
+        except ImportError:  # Triton < 3.3: no knobs; stay on the slow path
+            knobs = None
+        _KNOBS.append(knobs)
+    knobs = _KNOBS[0]
+    if knobs is None:
         return True
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+    runtime = knobs.runtime
+    for h in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
 
 
 class Relauncher:
@@ -68,15 +79,19 @@ class Relauncher:
 
     def _key(self, device: int, num_warps: int, args: tuple, constexprs: tuple) -> Optional[tuple]:
         kinds = []
-        for a in args:
+        for a in args:  # on every launch: the common types first, no hasattr
+            if type(a) is int:
+                kinds.append("i32" if _I32[0] <= a <= _I32[1] else _int_type(a))
+                continue
             if isinstance(a, bool):
                 return None
             if isinstance(a, int):
                 kinds.append(_int_type(a))
-            elif hasattr(a, "data_ptr") and hasattr(a, "dtype"):
-                kinds.append((a.dtype, a.data_ptr() % 16 == 0))
-            else:
+                continue
+            dtype = getattr(a, "dtype", None)
+            if dtype is None or not hasattr(a, "data_ptr"):
                 return None
+            kinds.append((dtype, a.data_ptr() % 16 == 0))
         return (device, num_warps, constexprs, tuple(kinds))
 
     def _keepable(self, compiled, args: tuple, constexprs: tuple) -> bool:
