@@ -272,13 +272,14 @@ class _Bench:
                 return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(job.post().event),
                                          self.args.reps, self.args.warmup)
 
-    def landed_s(self, write, reps: int, warmup: int = 2) -> list[float]:
+    def landed_s(self, write, reps: int, warmup: int = 2, backend: str = "nvlink") -> list[float]:
         """Seconds from each ``write(tag)`` call to its notification seen by the receiver, which
-        polls without sleeping and stamps arrivals on the host's monotonic clock; the writes
-        one after the other (each waited for), the first ``warmup`` left out."""
+        polls ``backend``'s transport without sleeping and stamps arrivals on the host's
+        monotonic clock; the writes one after the other (each waited for), the first ``warmup``
+        left out."""
         self._stamps = getattr(self, "_stamps", 0) + 1
         tags = [f"landed {self._stamps} {i}".encode() for i in range(warmup + reps)]
-        self.remote.start_stamp_notify(tags, 120.0)
+        self.remote.start_stamp_notify(tags, 120.0, (backend,))
         time.sleep(0.05)  # the receiver is polling before the first write
         starts = []
         try:
@@ -311,7 +312,8 @@ class _Bench:
 
             wb = WriteBatch.of([src_rid], [token_bytes], [dst_rid], [token_bytes], [token_bytes])
             try:
-                landed = self.landed_s(lambda tag: self.peers["nixl"].write(wb, notify=tag), self.args.fixed_reps)
+                landed = self.landed_s(lambda tag: self.peers["nixl"].write(wb, notify=tag), self.args.fixed_reps,
+                                       backend="nixl")
                 out["nixl"] = (statistics.median(landed) * 1e6, 0.0)
             except Exception as exc:  # NIXL's figure must not cost the table
                 out["nixl"] = f"failed: {type(exc).__name__}: {exc}"

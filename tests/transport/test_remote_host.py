@@ -49,7 +49,7 @@ def test_receiver_stamps_notifications_on_the_hosts_monotonic_clock():
         body, _, _ = parse_descriptor(remote.export()["nvlink"])
         out = Outbox(body["mailbox"], 5.0, sender="stamper")
         try:
-            remote.start_stamp_notify([b"a", b"b"], 30.0)
+            remote.start_stamp_notify([b"a", b"b"], 30.0, ("nvlink",))
             t0 = time.monotonic()
             out.send(b"other")  # not asked for: kept for a later wait
             out.send(b"a")
