@@ -456,6 +456,11 @@ def test_direct_path_writes_changing_slots_exactly(remote):
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = local_pair(remote, 2 * LAYERS, buf_bytes)
     try:
+        peer.plan_pairs(kv_strided(sorted(src), dst_rids, 1, False, np.random.default_rng(0)))  # as at handshake
+        assert peer.pair_plans.builds == 1
+        with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[522240, 526336\) is outside"):
+            peer.plan_pairs(StridedBatch.of(sorted(src)[0], 0, TOKEN, dst_rids[0], buf_bytes - 2048, TOKEN, 4096,
+                                            [1], [1]))
         for i, (page, head) in enumerate([(1, False), (1, False), (1, False), (16, False), (1, True), (1, True)]):
             b = kv_strided(sorted(src), dst_rids, page, head, np.random.default_rng(50 + i), tokens=32 + 8 * i)
             remote.fill(dst_rids, 0x5A)
@@ -525,3 +530,158 @@ def test_direct_path_follows_region_changes_and_can_be_off(remote):
             assert peer.pair_plans.builds == (2 if config.slot_ring_bytes else 0)
         finally:
             t.close()
+
+
+# -- the peer's direct path with CUDA standing in (no GPU): what it launches, when it steps aside -------
+
+
+class _Api:
+    def get_device(self): return 0
+    def set_device(self, d): raise AssertionError("the device is current already")
+    def event_create(self): return object()
+    def event_record(self, e, s): pass
+    def stream_wait_event(self, s, e): pass
+    def memcpy_async(self, dst, src, n, s): self.copies.append((dst, src, n, s))
+
+
+class _DoneEvent:
+    def record(self, stream): pass
+    def query(self): return True
+    def synchronize(self): pass
+
+
+class _Stream:
+    cuda_stream = 7
+
+
+class _Owner:
+    def __init__(self, registry, ring):
+        self._registry, self._ring = registry, ring
+        self._progress = Progress(lambda: False)
+
+    def _slot_ring(self):
+        return self._ring
+
+
+class _Mapping:
+    def __init__(self, bases):
+        self._bases = bases
+
+    def bases(self, device):
+        return self._bases
+
+
+@pytest.fixture
+def fake_peer(monkeypatch):
+    """An ``NvlinkPeer`` over stand-ins for CUDA (runtime calls, stream, event, launch: recorded)
+    with a real mailbox: 4 local and 4 peer regions of 64 KiB, a ring of 64 slots."""
+    import torch
+
+    from transport.nvlink import kernel as kern
+    from transport.nvlink import stream as stream_mod
+    from transport.nvlink.fastpath import SlotRing, build_plan
+    from transport.nvlink.peer import NvlinkPeer
+    from transport.nvlink.route import EngineRoute
+    from transport.nvlink.tables import WriteTables, base_table
+    from transport.registry import RegionRegistry
+
+    launches = []
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(kern, "scatter_strided_split", lambda *a, **k: launches.append(a))
+    registry = RegionRegistry()
+    for i in range(4):
+        registry.add(0x100000 * (i + 1), 1 << 16, 0)
+    regions = {i: Region(i, 0x9000000 + 0x100000 * i, 1 << 16, 1) for i in range(4)}
+    api = _Api()
+    api.copies = []
+    ring = SlotRing(api, 0, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64))
+    inbox = Inbox()
+    peer = object.__new__(NvlinkPeer)
+    cfg = NvlinkConfig()
+    peer._owner, peer._config, peer.name, peer.regions = _Owner(registry, ring), cfg, "fake", regions
+    peer._copy = stream_mod.CopyStream(api, 0, wait_current_stream=True)
+    peer._copy._stream = _Stream()
+    peer._mapping = _Mapping(np.array([r.ptr for r in regions.values()], dtype=np.int64))
+    peer._queue = PendingQueue("fake", Outbox(inbox.name, 1.0, sender="fake-writer"), 60.0)
+    peer._closed = False
+    peer._peer_sizes = RegionSizes(regions)
+    peer.tables = WriteTables(registry, peer._peer_sizes, peer._mapping, 0, cfg)
+    peer._route = EngineRoute(cfg, "fake", None, None, peer._mapping)
+    peer.pair_plans = PairCache(cfg.pair_plans, lambda: registry.sizes, lambda b: build_plan(
+        b, registry.sizes, peer._peer_sizes, registry.derived(base_table), peer._mapping.bases(0), lambda h: h,
+        cfg.kernel, pin=False))
+    general = []
+    monkeypatch.setattr(peer, "_write", lambda batch, notify, engine=None: general.append(batch) or "general")
+    yield peer, launches, general, inbox, api
+    peer._queue.outbox.close()
+    inbox.close()
+    peer._owner._progress.stop()
+
+
+def _kv(slots_src, slots_dst, pairs=4, row=1024):
+    return StridedBatch.of(np.arange(pairs), 0, row, np.arange(pairs), 0, row, row, slots_src, slots_dst)
+
+
+def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_peer):
+    peer, launches, general, inbox, api = fake_peer
+    for i, (s, d) in enumerate((([1, 5, 9], [2, 3, 4]), ([7], [63]), ([0, 1], [10, 11]))):
+        tr = peer.write_strided(_kv(s, d), b"n%d" % i)
+        tr.wait(timeout=5)
+        assert tr.status() is TransferStatus.DONE
+    assert general == [] and peer.pair_plans.builds == 1
+    pairs_table, ring_dev, start, num_pairs, num_slots, plan = launches[-1][:6]
+    assert (num_pairs, num_slots) == (4, 2) and plan.block_r >= 1
+    assert [n for _, _, n, _ in api.copies] == [8 * 6, 8 * 2, 8 * 4]  # 2 S slots each, nothing else per write
+    np.testing.assert_array_equal(pairs_table[:4], 0x100000 * np.arange(1, 5))  # source bases of slot 0
+    got, deadline = [], time.monotonic() + 2
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += inbox.poll()
+    assert [n.payload for n in got] == [b"n0", b"n1", b"n2"]
+
+
+def test_direct_path_refuses_slots_out_of_bounds_with_the_pair_named(fake_peer):
+    peer, launches, general, _, _ = fake_peer
+    with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[0, 66560\) is outside region 0 of 65536"):
+        peer.write_strided(_kv([1], [64]))  # 64 x 1 KiB: one slot past the 64 KiB region
+    neg = _kv([1], [2])
+    neg = StridedBatch(*(getattr(neg, f) for f in _PAIRS), np.array([-3]), neg.dst_slot)  # past of()'s check
+    with pytest.raises(ValueError, match=r"batch source slots must lie in \[0, 63\] .*, got \[-3, -3\]"):
+        peer.write_strided(neg)
+    with pytest.raises(ValueError, match=r"batch pair 0: source \(local\) region 9 is not registered"):
+        peer.write_strided(StridedBatch.of(9, 0, 1024, 0, 0, 1024, 1024, [1], [1]))
+    assert launches == [] and general == []
+    peer.write_strided(_kv(np.arange(30), np.arange(30))).wait(timeout=5)  # the refused spans were freed
+    assert len(launches) == 1
+
+
+def test_direct_path_steps_aside_for_the_general_path(fake_peer, monkeypatch):
+    peer, launches, general, _, _ = fake_peer
+    assert peer.write_strided(_kv(np.arange(33), np.arange(33))) == "general"  # 66 slots: past the ring of 64
+    assert peer.write_strided(_kv([], [])) == "general"  # nothing to launch
+    monkeypatch.setattr(peer._route, "lane_for", lambda *a: object())  # the staged engine takes it
+    assert peer.write_strided(_kv([1], [1])) == "general"
+    monkeypatch.setattr(peer._owner, "_slot_ring", lambda: None)  # slot_ring_bytes=0
+    assert peer.write_strided(_kv([1], [1])) == "general"
+    assert launches == [] and len(general) == 4
+
+
+def test_direct_path_to_a_lost_peer_fails_without_launching(fake_peer):
+    peer, launches, _, inbox, _ = fake_peer
+    inbox.close()
+    time.sleep(0.05)
+    tr = peer.write_strided(_kv([1], [1]), b"lost")
+    assert tr.status() is TransferStatus.FAILED and "lost" in tr.error
+    assert launches == []
+
+
+def test_plan_pairs_makes_the_pair_set_resident_before_the_first_write(fake_peer):
+    peer, launches, _, _, _ = fake_peer
+    peer.plan_pairs(_kv([1], [1]))
+    assert peer.pair_plans.builds == 1
+    peer.write_strided(_kv([3, 4], [5, 6])).wait(timeout=5)
+    assert peer.pair_plans.builds == 1 and len(launches) == 1
+    with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[65000, 66024\) is outside"):
+        peer.plan_pairs(StridedBatch.of(0, 0, 1024, 0, 65000, 1024, 1024, [5], [5]))
+    with pytest.raises(TypeError, match="batch must be a StridedBatch, got list"):
+        peer.plan_pairs([])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Optional, Union
 
+import numpy as np
+
 from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
@@ -26,6 +28,8 @@ from transport.registry import RegionRegistry
 
 if TYPE_CHECKING:
     from transport.nvlink.transport import NvlinkTransport
+
+_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
 
 __all__ = ["NvlinkPeer"]
 
@@ -126,6 +130,18 @@ class NvlinkPeer(Peer):
         transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         self._owner._progress.wake()
         return transfer
+
+    def plan_pairs(self, batch: StridedBatch) -> None:
+        """Make ``batch``'s pair set resident now (at handshake, once both layouts are known),
+        so that its first ``write_strided`` finds it; the slots are not looked at.
+        ``ValueError`` naming a pair that fits no slot of its regions."""
+        self._check_open()
+        if not isinstance(batch, StridedBatch):
+            raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        if batch.num_pairs and self.pair_plans.get(batch) is None:
+            zero = np.zeros(1, dtype=np.int64)
+            self.tables.check_bounds(StridedBatch(*(getattr(batch, f) for f in _PAIR_FIELDS), zero, zero))
+            raise ValueError("batch out of bounds")  # not reached
 
     def _refuse_slots(self, batch: StridedBatch, plan) -> None:
         """``ValueError`` for slots past the pairs' limits: the full check's message, which
