@@ -124,7 +124,7 @@ def main():
           f"median {statistics.median(ts) * 1e6:.1f} us")
     ts = []
     for _ in range(2000):
-        tr = peer.write_strided(batch, b"x")
+        peer.write_strided(batch, b"x")
         t0 = time.perf_counter()
         peer._queue.advance()
         ts.append(time.perf_counter() - t0)

@@ -2,8 +2,8 @@
 
 Usage: python3 bench/probes/write_overhead.py [TOKENS] (two GPUs).
 
-Prints: the medians of the host steps of ``peer.write_strided`` as the code before issue 18
-ran them (bounds, route, pinned allocation, table build, plan, upload, launch + event, wait),
+Prints: the medians of the host steps of the general path of ``peer.write_strided`` (all of
+it before issue 18's direct path) (bounds, route, pinned allocation, table build, plan, upload, launch + event, wait),
 a cProfile of whole writes, the cost of a few raw CUDA calls, and how late a host thread sees
 an event that completed (a spinning ``cudaEventQuery`` loop against ``cudaEventSynchronize``
 on a spin and on a blocking-sync event)."""
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from transport.base import StridedBatch
+from transport.nvlink import NvlinkEngine
 from transport.remote import RemoteBuffers, make_transport
 
 
@@ -47,7 +48,7 @@ def setup(tokens, page=1, layers=80, heads=8, head_dim=128):
 
 
 def steps(tr, peer, sb, reps=30):
-    from transport.nvlink import jobs
+    from transport.nvlink import job as jobs
     from transport.nvlink import kernel as kern
 
     t = {k: [] for k in ("bounds", "route", "pinned", "table", "plan", "upload", "enqueue", "wait", "total")}
@@ -56,7 +57,7 @@ def steps(tr, peer, sb, reps=30):
         t0 = time.perf_counter()
         peer.tables.check_bounds(sb)
         t1 = time.perf_counter()
-        lane = peer._route.lane_for(NvlinkEngine.KERNEL, sb.nbytes, len(sb), int(sb.length.max()))
+        peer._route.lane_for(NvlinkEngine.KERNEL, sb.nbytes, len(sb), int(sb.length.max()))
         t2 = time.perf_counter()
         host = torch.empty(kern.strided_table_size(sb.num_pairs, sb.num_slots), dtype=torch.int64, pin_memory=True)
         t3 = time.perf_counter()
@@ -152,8 +153,9 @@ def main():
         print(f"write_overhead probe: {tokens} tokens page 1, {sb.num_pairs} pairs x {sb.num_slots} slots, "
               f"{sb.nbytes / 2**20:.0f} MiB")
         for k, v in steps(tr, peer, sb).items():
-            print(f"  step {k:<8} {v:9.1f} us")
-        print(f"  write_strided().wait() wall {whole(peer, sb):.1f} us")
+            print(f"  general path step {k:<8} {v:9.1f} us")
+        print(f"  write_strided().wait() wall {whole(peer, sb):.1f} us "
+              f"({'direct path' if hasattr(peer, 'pair_plans') else 'general path'})")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(30):
