@@ -132,17 +132,18 @@ def test_pair_cache_builds_once_per_pair_set_and_forgets_on_region_change():
     assert cache.get(bad) is None and cache.get(bad) is None and cache.builds == 5  # never cached
 
 
-def test_pair_cache_finds_read_only_arrays_by_identity_and_by_bytes():
+def test_pair_cache_goes_by_the_bytes_not_the_arrays():
+    """A read-only view of an array that changes is a new pair set (identity would be stale)."""
     built = []
-    cache = PairCache(4, lambda: None, lambda b: built.append(1) or "plan")
-    arrays = [np.array(v, dtype=np.int64) for v in ([0, 1], [0, 0], [64, 64], [2, 3], [0, 0], [64, 64], [64, 64])]
-    for a in arrays:
-        a.flags.writeable = False
-    frozen = StridedBatch(*arrays, np.array([1]), np.array([2]))
-    again = StridedBatch(*arrays, np.array([5, 6]), np.array([7, 8]))
-    copy = StridedBatch(*(a.copy() for a in arrays), np.array([1]), np.array([2]))
-    assert cache.get(frozen) == cache.get(again) == cache.get(copy) == "plan"
-    assert len(built) == 1
+    cache = PairCache(4, lambda: None, lambda b: built.append(1) or len(built))
+    offsets = np.array([0, 64], dtype=np.int64)
+    view = offsets.view()
+    view.flags.writeable = False
+    b = StridedBatch(np.array([0, 1]), view, np.array([64, 64]), np.array([2, 3]), np.array([0, 0]),
+                     np.array([64, 64]), np.array([64, 64]), np.array([1]), np.array([2]))
+    assert cache.get(b) == 1
+    offsets[1] = 128  # the same read-only view now says something else
+    assert cache.get(b) == 2 and len(built) == 2
 
 
 # -- the ring's bookkeeping -------------------------------------------------------------------------

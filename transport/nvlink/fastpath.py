@@ -14,9 +14,9 @@ Once per pair set (per peer, :class:`PairCache`)
 on the GPU, its copy path (the pairs' alignment), the longest row, the bytes per slot, and per
 side the largest slot that every pair allows (:func:`slot_limits`): the bounds of all ``P * S``
 entries then reduce to ``0 <= min(slots)`` and ``max(slots) <= limit``, one vectorised pass over
-each slot array. A plan is found by the pair arrays' bytes (or, for read-only arrays, by the
-arrays themselves: a frozen plan's arrays are not copied per request); the cache is emptied when
-the local regions change (their sizes and bases are built into the plan).
+the slots. A plan is found by the pair arrays' bytes (not by the arrays' identity: a read-only
+array may be a view of one that changes); the cache is emptied when the local regions change
+(their sizes and bases are built into the plan).
 
 Per write (:class:`SlotRing`)
 -----------------------------
@@ -118,25 +118,10 @@ class PairCache:
         self._generation, self._build = generation, build
         self._seen: object = None
         self._plans: OrderedDict[bytes, PairPlan] = OrderedDict()
-        self._frozen: dict[int, tuple] = {}  # id of a read-only src_region array -> (arrays, key)
         self.builds = 0  # plans built (tests and benchmarks read it)
 
     def __len__(self) -> int:
         return len(self._plans)
-
-    def _key(self, batch: StridedBatch) -> bytes:
-        arrays = (batch.src_region, batch.src_offset, batch.src_stride, batch.dst_region, batch.dst_offset,
-                  batch.dst_stride, batch.length)
-        if not arrays[0].flags.writeable and not any(a.flags.writeable for a in arrays):  # a frozen plan's: by identity
-            hit = self._frozen.get(id(arrays[0]))
-            if hit is not None and all(a is b for a, b in zip(hit[0], arrays)):
-                return hit[1]
-            key = pair_key(batch)
-            if len(self._frozen) >= 4 * self.capacity:
-                self._frozen.clear()
-            self._frozen[id(arrays[0])] = (arrays, key)  # holds the arrays: their ids stay theirs
-            return key
-        return pair_key(batch)
 
     def get(self, batch: StridedBatch) -> Optional[PairPlan]:
         """The plan of ``batch``'s pairs (built at the first sight of them), or None when some
@@ -145,7 +130,7 @@ class PairCache:
         if gen is not self._seen:
             self._plans.clear()
             self._seen = gen
-        key = self._key(batch)
+        key = pair_key(batch)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
@@ -161,7 +146,6 @@ class PairCache:
 
     def clear(self) -> None:
         self._plans.clear()
-        self._frozen.clear()
 
 
 class RingSpace:
