@@ -83,6 +83,11 @@ def test_slot_limits_name_unknown_regions_and_zero_strides():
     assert slot_limits(StridedBatch.of(0, 0, 10, 3, 0, 10, 50, [1], [1]), local, remote)[1] == -1  # unknown id
     assert slot_limits(StridedBatch.of(0, 990, 10, 0, 0, 10, 50, [1], [1]), local, remote)[0] == -1  # past it
     assert slot_limits(StridedBatch.of([], [], [], [], [], [], [], [1], [1]), local, remote) == (NO_LIMIT, NO_LIMIT)
+    ok = StridedBatch.of(0, 100, 100, 0, 0, 10, 50, [1], [1])
+    for name, bad in (("src_offset", -8), ("src_stride", -100)):  # past of()'s checks: no slot fits
+        fields = {f: getattr(ok, f) for f in _PAIRS}
+        fields[name] = np.array([bad])
+        assert slot_limits(StridedBatch(**fields, src_slot=ok.src_slot, dst_slot=ok.dst_slot), local, remote)[0] == -1
 
 
 def test_check_slots_refuses_negative_slots_even_past_of():

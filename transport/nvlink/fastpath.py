@@ -49,11 +49,12 @@ _PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_off
 def _side_limit(sizes: RegionSizes, region: np.ndarray, offset: np.ndarray, stride: np.ndarray,
                 length: np.ndarray) -> int:
     """The largest slot ``s`` with ``offset + s * stride + length <= size`` for every pair
-    (-1: some pair fits no slot, its region unknown or its range past the region)."""
+    (-1: some pair fits no slot, its region unknown, its range past the region, or a negative
+    offset or stride, which ``StridedBatch.of`` refuses and a batch built past it may hold)."""
     if region.size == 0:
         return NO_LIMIT
     room = sizes.of(region) - offset - length  # [P] bytes left after slot 0's range; < 0: none fits
-    if (room < 0).any():
+    if (room < 0).any() or (offset < 0).any() or (stride < 0).any():
         return -1
     moving = stride > 0
     if not moving.any():
