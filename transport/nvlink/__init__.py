@@ -24,7 +24,8 @@ Data path (push, on the writer)
   uploaded once per pair set, and kept on the GPU (a per-peer cache); a write checks its slots
   in one pass against those limits, copies them into a pinned ring, uploads them with one
   ``cudaMemcpyAsync`` and launches the split strided kernel once: no pinned allocation, no
-  table build, no synchronisation, no Python loop over pairs or slots.
+  table build, no synchronisation, no Python loop over pairs or slots. ``peer.plan_pairs(batch)``
+  makes a pair set resident ahead of its first write (at handshake).
 - The staged engine (:mod:`~transport.nvlink.staged`) packs rows on the local GPU, moves the
   packed bytes with the copy engine and unpacks them with a kernel this process launches on
   the peer GPU; ``NvlinkEngine.AUTO`` takes it for batches of 2 GiB and more whose rows
