@@ -530,6 +530,10 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
+    # True where write_strided expands the factored form on the device (NVLink). Elsewhere it
+    # coalesces on the host (the default below), and a caller that can build the flat form
+    # directly (a plan's merged runs) should hand that to write() instead.
+    expands_strided: bool = False
 
     @abc.abstractmethod
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> Transfer:

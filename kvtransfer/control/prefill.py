@@ -137,6 +137,10 @@ class _DecodePeer:
     writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
     last_seen: float
 
+    def batch(self, plan):
+        """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
+        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.expands_strided)
+
 
 @dataclass
 class _Outgoing:
@@ -309,11 +313,9 @@ class PrefillKVManager:
             if dst.size != src.size:
                 raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                                  f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), peer.src_regions,
-                                        peer.regions))]
+            writes = [("kv", peer.batch(plan_kv_transfer(self.layout, peer.layout, src, dst)))]
             if self.layout.state_kind is StateKind.NSA_INDEX:
-                writes.append(("state", plan_batch(plan_state_transfer(self.layout, peer.layout, src, dst),
-                                                   peer.src_regions, peer.regions)))
+                writes.append(("state", peer.batch(plan_state_transfer(self.layout, peer.layout, src, dst))))
             if chunk.last:
                 if out.tokens_sent != req.prefix_tokens + dst_all.size:
                     raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
@@ -335,7 +337,7 @@ class PrefillKVManager:
         if self.layout.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
             return []
         plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
-        return [] if plan.empty else [("state", plan_batch(plan, peer.src_regions, peer.regions))]
+        return [] if plan.empty else [("state", peer.batch(plan))]
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
