@@ -96,7 +96,7 @@ class Holders:
         live = self._t._registry.view
         named = set(msg.regions)
         holder.regions |= {r for r in named if r in live}
-        self._send(sender, HoldAck(msg.seq, sorted(r for r in named if r not in live)))
+        self._send_to(holder, HoldAck(msg.seq, sorted(r for r in named if r not in live)))
 
     def _forget(self, holder: _Holder) -> None:
         self._drop_probe(holder)
@@ -115,9 +115,7 @@ class Holders:
         self._seq += 1
         seq = self._seq
         for h in targets:
-            if not self._send(h.name, Revoke(seq, [region_id])):
-                self._reload(h)
-                self._send(h.name, Revoke(seq, [region_id]))
+            self._send_to(h, Revoke(seq, [region_id]))
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         while True:
@@ -156,11 +154,16 @@ class Holders:
         """``h`` has neither answered revoke ``seq`` nor released nor been lost."""
         return self._holders.get(h.name) is h and h.acked < seq and h.lost is None
 
-    def _reload(self, h: _Holder) -> None:
+    def _send_to(self, h: _Holder, msg) -> None:
+        """Send, loading ``h``'s metadata again if NIXL no longer knows it (this side removed
+        that agent after a failed write of its own to it)."""
+        if self._send(h.name, msg):
+            return
         try:
             self._t._agent_checked().add_remote_agent(h.metadata)
         except Exception:
-            pass
+            return  # not answered: a hold's writes fail at their wait, a revoke's holder stays silent
+        self._send(h.name, msg)
 
     def _probe(self, h: _Holder) -> None:
         """Post or check a 1-byte write into ``h``'s scratch: a disconnect means it died."""
