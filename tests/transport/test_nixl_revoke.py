@@ -9,6 +9,7 @@ this process owning the memory and writer processes (``_nixl_writer``) writing i
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
-from tests.transport import _nixl_peer  # noqa: E402
+from tests.transport import _nixl_peer, _nixl_writer  # noqa: E402
 from tests.transport._support import assert_same  # noqa: E402
 from transport.base import RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch  # noqa: E402
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
@@ -161,6 +162,36 @@ def test_every_writer_answers_or_deregister_refuses_naming_the_silent_one(writer
     assert rid not in owner.regions
     assert_same(mem[2 * 4096:], writers[2].source, "the silent writer's page (its refused write landed nothing)")
     owner.deregister(other)  # every writer answers the revoke of the other region at once
+
+
+def test_a_writer_that_connects_while_the_region_is_revoked_gets_it_as_gone(writer, writer_proc):
+    """A hold that reaches the owner while deregister waits for another (silent) holder is
+    answered with the region gone: the late writer's write fails naming it and lands nothing,
+    and the refusal names only the silent holder."""
+    owner = writer(revoke_timeout_s=2.0)
+    mem, rid = owned(owner, 4096)
+    silent = writer_proc(30, 4096)
+    silent.connect(owner.export())
+    silent.write(1, rid, 0, 4096, pump=owner.poll_notifications)
+    assert silent.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    silent.idle(pump=False)
+    late = writer_proc(31, 4096)
+    export, before = owner.export(), mem.copy()
+
+    def connect_and_write():  # while the owner is inside deregister
+        late.conn.send(_nixl_writer.Connect(export))
+        late.conn.send(_nixl_writer.Write(2, rid, 0, 4096))
+
+    timer = threading.Timer(0.5, connect_and_write)
+    timer.start()
+    with pytest.raises(RevokeTimeout, match=rf"still held by peer\(s\) \['{silent.name}'\]"):
+        owner.deregister(rid)
+    timer.join()
+    late.expect(_nixl_writer.Connected, pump=owner.poll_notifications)
+    posted = late.expect(_nixl_writer.Posted, pump=owner.poll_notifications)
+    assert posted.status == "FAILED" and re.search(rf"region {rid} of peer .* was revoked", posted.error), posted
+    time.sleep(0.2)
+    assert_same(mem, before, "the region after the late writer's write")
 
 
 def test_force_releases_a_region_a_silent_writer_holds(writer, writer_proc):

@@ -55,6 +55,7 @@ class Holders:
         self._t = transport
         self._holders: dict[str, _Holder] = {}
         self._seq = 0
+        self._revoking: set[int] = set()  # regions a deregister is revoking: gone for a Hold that comes now
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -93,10 +94,9 @@ class Holders:
         if holder is None:
             holder = self._holders[sender] = _Holder(sender)
         holder.metadata, holder.scratch = msg.metadata, msg.scratch
-        live = self._t._registry.view
-        named = set(msg.regions)
-        holder.regions |= {r for r in named if r in live}
-        self._send_to(holder, HoldAck(msg.seq, sorted(r for r in named if r not in live)))
+        live = {r for r in msg.regions if r in self._t._registry.view and r not in self._revoking}
+        holder.regions |= live
+        self._send_to(holder, HoldAck(msg.seq, sorted(r for r in msg.regions if r not in live)))
 
     def _forget(self, holder: _Holder) -> None:
         self._drop_probe(holder)
@@ -107,7 +107,15 @@ class Holders:
     def revoke(self, region_id: int, timeout_s: float, force: bool) -> None:
         """Return once no holder can write into ``region_id`` any more (each acknowledged its
         revoke or is lost), or, with ``force``, once the silent ones were given up on;
-        :class:`RevokeTimeout` naming the silent holders otherwise."""
+        :class:`RevokeTimeout` naming the silent holders otherwise. A hold that arrives
+        meanwhile is answered with the region gone."""
+        self._revoking.add(region_id)
+        try:
+            self._revoke(region_id, timeout_s, force)
+        finally:
+            self._revoking.discard(region_id)
+
+    def _revoke(self, region_id: int, timeout_s: float, force: bool) -> None:
         self._t._pump()  # holds, releases and acks that already came
         targets = [h for h in self._holders.values() if region_id in h.regions]
         if not targets:
