@@ -623,7 +623,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def deregister(self, region_id: int) -> None:
         """Forget a region; later writes naming it fail with ValueError, and so does
-        ``deregister`` of an id that is not registered."""
+        ``deregister`` of an id that is not registered. Peers that can still write into it
+        must let go first: the nixl backend revokes it from them and waits (``RevokeTimeout``),
+        the nvlink backend cannot (module docstring, "Deregistering written-to memory")."""
 
     @property
     @abc.abstractmethod

@@ -29,7 +29,9 @@ Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
    acknowledged, released, or is lost (a 1-byte probe write into its scratch reports a
    disconnect: the process died), then deregisters. Past ``revoke_timeout_s`` with a holder
    silent: ``RevokeTimeout`` naming it, the region stays registered; ``force=True`` gives up
-   on it (documented risk: it may still write).
+   on it (documented risk: it may still write). A Hold that reaches the owner while it revokes
+   a region is answered with that region gone, so a writer connecting meanwhile cannot write
+   into it after the deregister.
 3. ``Peer.close()`` of the current snapshot (once no write to that owner is pending through
    any snapshot) and ``close()`` send ``Release``: the owner forgets the holder, and stops
    waiting for it if a revoke was on its way. A later ``connect`` holds again.
