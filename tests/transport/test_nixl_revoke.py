@@ -245,3 +245,24 @@ def test_a_closed_peer_releases_its_hold(writer, receiver):
     assert re.search(r"region 0 of peer .* was revoked", refusal(again, wb(sid, 0, 0, 0, 64)))
     again.write(wb(sid, 0, 1, 0, 4096)).wait(30)
     assert_same(rx.dump(1), src, "region 1")
+
+
+def test_a_closed_owner_is_written_to_no_more(writer, writer_proc):
+    """The owner closes its transport (waiting for nobody) while its process and memory live
+    on: the holder, told so, refuses its next write to it, and the memory does not change."""
+    owner = writer()
+    mem, rid = owned(owner, 4096)
+    w = writer_proc(40, 4096)
+    w.connect(owner.export())
+    w.write(1, rid, 0, 4096, pump=owner.poll_notifications)
+    assert w.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    mem[:] = 0
+    start = time.monotonic()
+    owner.close()
+    assert time.monotonic() - start < 2.0
+    time.sleep(0.2)  # the holder reads the owner's message meanwhile (it keeps polling)
+    posted = w.write(2, rid, 0, 4096)
+    assert posted.status == "RAISED" and f"region {rid} of peer" in posted.error \
+        and "its owner closed its transport" in posted.error, posted
+    time.sleep(0.2)
+    assert_same(mem, np.zeros(4096, np.uint8), "the closed owner's memory")

@@ -35,9 +35,10 @@ Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
 3. ``Peer.close()`` of the current snapshot (once no write to that owner is pending through
    any snapshot) and ``close()`` send ``Release``: the owner forgets the holder, and stops
    waiting for it if a revoke was on its way. A later ``connect`` holds again.
-4. ``close()`` of the owner sends ``Revoke`` of every region to every holder and waits for
-   none (closing must not hang on a silent peer): memory that peers may still write must be
-   deregistered before ``close()`` (which waits), or kept until they are gone.
+4. ``close()`` of the owner sends ``Closed`` to every holder and waits for none (closing must
+   not hang on a silent peer): the holder refuses every later write to it (``RegionRevoked``)
+   once it has read that. Memory that peers may still write must be deregistered before
+   ``close()`` (which waits), or kept until they are gone.
 
 Messages go with ``send_notif``: once the endpoint is up it is delivered without the sender's
 later progress (a write-carried notification waits for the sender to progress its flush). A

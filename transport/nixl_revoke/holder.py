@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from transport.base import TransferStatus
-from transport.nixl_revoke.wire import Hold, HoldAck, Release, Revoke, RevokeAck, encode
+from transport.nixl_revoke.wire import Closed, Hold, HoldAck, Release, Revoke, RevokeAck, encode
 
 __all__ = ["Holds"]
 
@@ -38,6 +38,7 @@ class _Hold:
         self.revoked: set[int] = set()
         self.revoked_ids = np.zeros(0, dtype=np.int64)  # [k] sorted, what check() reads
         self.asks: list[tuple[int, frozenset]] = []  # (revoke seq, regions) not answered yet
+        self.closed = False  # the owner closed its transport: every region of it is gone
 
     def drop(self, regions) -> None:
         self.revoked.update(int(r) for r in regions)
@@ -66,6 +67,10 @@ class Holds:
     def hold(self, owner: str, regions) -> int:
         """A ``connect`` to ``owner``'s export naming ``regions``: tell it; the Hold's seq."""
         hold = self._holds.setdefault(owner, _Hold(owner))
+        # What is revoked starts afresh with each snapshot: its HoldAck names what of it is gone
+        # (or being revoked), and until then no direct write goes (wait_ready); a restarted owner
+        # under the same agent name numbers its regions from 0 again. Unanswered revokes stay.
+        hold.revoked, hold.revoked_ids, hold.closed = set(), np.zeros(0, dtype=np.int64), False
         self._seq += 1
         hold.sent = self._seq
         agent = self._t._agent_checked()
@@ -76,7 +81,12 @@ class Holds:
     def check(self, owner: str, dst_region: np.ndarray) -> Optional[str]:
         """Why a write naming ``dst_region`` ([n] ids) of ``owner`` is refused, or None."""
         hold = self._holds.get(owner)
-        if hold is None or not hold.revoked or dst_region.size == 0:
+        if hold is None or dst_region.size == 0:
+            return None
+        if hold.closed:
+            return (f"region {int(dst_region[0])} of peer {owner!r} was revoked: its owner closed its transport "
+                    "(nothing was written)")
+        if not hold.revoked:
             return None
         hit = np.isin(dst_region, hold.revoked_ids)  # [n]
         if not hit.any():
@@ -111,7 +121,9 @@ class Holds:
             if isinstance(msg, Revoke):
                 self._send(owner, RevokeAck(msg.seq))
             return
-        if isinstance(msg, HoldAck):
+        if isinstance(msg, Closed):
+            hold.closed, hold.asks = True, []
+        elif isinstance(msg, HoldAck):
             hold.acked = max(hold.acked, msg.seq)
             if msg.gone:
                 hold.drop(msg.gone)
@@ -154,7 +166,7 @@ class Holds:
         """The current snapshot of ``owner`` closed: if no write to it is pending through any
         other snapshot, tell the owner to forget this transport (a later connect holds again)."""
         hold = self._holds.get(owner)
-        if hold is None or self._busy(owner) or self._t._drain(owner):
+        if hold is None or hold.closed or self._busy(owner) or self._t._drain(owner):
             return
         hold.asks.clear()  # Release answers them all: nothing of this side can land there
         hold.acked = hold.sent = 0
@@ -162,8 +174,9 @@ class Holds:
 
     def close(self) -> None:
         """The transport closes (its pending writes are cancelled): release every owner."""
-        for owner in list(self._holds):
-            self._send(owner, Release())
+        for owner, hold in list(self._holds.items()):
+            if not hold.closed:
+                self._send(owner, Release())
         self._holds.clear()
 
     def _busy(self, owner: str) -> set:

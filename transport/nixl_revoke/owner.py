@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from transport.base import RevokeTimeout
-from transport.nixl_revoke.wire import Hold, HoldAck, Release, Revoke, RevokeAck, encode
+from transport.nixl_revoke.wire import Closed, Hold, HoldAck, Release, Revoke, RevokeAck, encode
 
 __all__ = ["Holders"]
 
@@ -210,8 +210,6 @@ class Holders:
 
     def revoke_all(self) -> None:
         """The transport closes: tell every holder its regions are gone; wait for nobody."""
-        live = sorted(self._t._registry.view)
-        self._seq += 1
         for h in list(self._holders.values()):
-            self._send(h.name, Revoke(self._seq, live))
+            self._send(h.name, Closed())
             self._forget(h)

@@ -6,7 +6,7 @@ They ride NIXL notifications (``send_notif``). Each is one frozen dataclass, enc
 may not send payloads that start with it (``NixlPeer.write`` refuses them).
 
 Writer ("holder") -> owner: :class:`Hold`, :class:`RevokeAck`, :class:`Release`.
-Owner -> holder: :class:`HoldAck`, :class:`Revoke`.
+Owner -> holder: :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import msgpack
 
-__all__ = ["MAGIC", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Message", "encode", "decode",
+__all__ = ["MAGIC", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode", "decode",
            "ProtocolError", "MAX_IDS"]
 
 MAGIC = b"\x00kvt-revoke\x01"
@@ -72,8 +72,14 @@ class Release:
     flight (a later ``connect`` sends a new Hold)."""
 
 
-Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release]
-_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release)
+@dataclass(frozen=True)
+class Closed:
+    """Owner -> holder: this transport closed; every region of it is gone (no answer: its agent
+    is gone too)."""
+
+
+Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release, Closed]
+_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed)
 
 
 def encode(msg: Message) -> bytes:
