@@ -40,6 +40,12 @@ Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
    once it has read that. Memory that peers may still write must be deregistered before
    ``close()`` (which waits), or kept until they are gone.
 
+What counts as *lost*: UCX reports the holder's connection closed (a probe write fails with a
+disconnect), i.e. the process is gone: it posts nothing more. Not proven here: that none of
+the bytes it posted just before dying can still be unpacked by this side's UCX after the
+disconnect is reported (over tcp they would sit in this side's socket, read in order); a
+holder that is merely stalled (SIGSTOP, a long pause) is never lost, only silent.
+
 Messages go with ``send_notif``: once the endpoint is up it is delivered without the sender's
 later progress (a write-carried notification waits for the sender to progress its flush). A
 holder answers inside its calls into the transport (``write``, a transfer's ``status``/

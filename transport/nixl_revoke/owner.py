@@ -57,13 +57,6 @@ class Holders:
         self._seq = 0
         self._revoking: set[int] = set()  # regions a deregister is revoking: gone for a Hold that comes now
 
-    def __len__(self) -> int:
-        return len(self._holders)
-
-    def names(self, region_id: int) -> list[str]:
-        """The holders that can address ``region_id``."""
-        return sorted(h.name for h in self._holders.values() if region_id in h.regions)
-
     def _send(self, name: str, msg) -> bool:
         try:
             self._t._agent_checked().send_notif(name, encode(msg))
