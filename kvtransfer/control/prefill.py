@@ -480,6 +480,8 @@ class PrefillKVManager:
 
     # -- loop thread: timers and transfers --------------------------------------------------
     def _tick(self) -> float:
+        for transport in self.endpoints.transports.values():  # nothing is written here, but a holder
+            transport.poll_notifications()  # of decode exports answers their revokes only while called
         now = time.monotonic()
         busy = False
         for rid, out in list(self._outgoing.items()):
