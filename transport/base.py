@@ -90,6 +90,9 @@ write to them can still land:
   the request no longer in progress), so nothing of it lands after ``abort()`` returns. It
   waits at most until the transfer's peer-loss deadline; a peer that does not progress it by
   then is *lost* (below). ``Peer.close()`` aborts its pending transfers the same way.
+  ``cancel()`` is the same without the wait: the transfer stays ``PENDING`` until nothing of it
+  can land, then ends ``FAILED`` ("aborted") -- for a loop that must serve other requests while
+  a stalled peer holds one back.
 - ``FAILED`` at the deadline (or from a backend error): the bytes already posted may still
   land (over tcp they sit in socket buffers until the peer reads them). The transport then
   treats that remote transport as lost: writes to it fail at once ("lost earlier") until a
@@ -543,6 +546,13 @@ class Transfer(abc.ABC):
         """Cancel if still pending (status becomes FAILED, error starting 'aborted'); else
         no-op. Returns once no byte of the transfer can still land, or once its peer counts as
         lost (see "What FAILED and abort() guarantee" in the module docstring)."""
+
+    def cancel(self) -> None:
+        """:meth:`abort` without waiting, for a caller that serves others meanwhile (a control
+        loop): the transfer ends FAILED ("aborted") once no byte of it can still land, and until
+        then ``status()`` says PENDING. Backends whose abort cannot block for long (NVLink,
+        staged NIXL) abort here."""
+        self.abort()
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until DONE; raise TransferFailed on failure, TransferTimeout after ``timeout`` s."""

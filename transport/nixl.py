@@ -237,6 +237,7 @@ class NixlTransfer(Transfer):
         self._error: Optional[str] = None
         self._deadline_s = deadline_s
         self._deadline = time.monotonic() + deadline_s
+        self._cancelled = False  # cancel() asked: FAILED ("aborted") once NIXL no longer runs it
         self.nbytes = nbytes
 
     @classmethod
@@ -259,19 +260,30 @@ class NixlTransfer(Transfer):
         self._peer._transport._service()  # revokes are answered while the owner waits on transfers
         if self._status is not TransferStatus.PENDING:
             return self._status
+        aborted = "aborted; " if self._cancelled else ""
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-            self._lose(f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+            self._lose(f"{aborted}peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
             return self._status
-        if state == "DONE":
+        if self._cancelled and state != "PROC":
+            self._finish(TransferStatus.FAILED, "aborted")
+        elif state == "DONE":
             self._finish(TransferStatus.DONE)
         elif state != "PROC":
             self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: NIXL reported {state}")
         elif time.monotonic() > self._deadline:
-            self._lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+            self._lose(f"{aborted}peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
                        "(peer lost or stalled)")
         return self._status
+
+    def cancel(self) -> None:
+        """:meth:`abort` without waiting: the transfer stays PENDING until NIXL no longer runs
+        it (no byte of it can land after that), then ends FAILED ("aborted"); at its deadline
+        the peer is lost, as for abort. ``status()`` moves it on."""
+        if self._status is TransferStatus.PENDING:
+            self._cancelled = True
+            self.status()
 
     def abort(self) -> None:
         """Cancel if still pending, and return only once no byte of it can still land: NIXL's
@@ -279,28 +291,11 @@ class NixlTransfer(Transfer):
         tcp, megabytes of an aborted write landed after it), so abort waits until NIXL reports
         the request no longer in progress, at most until the transfer's deadline. A peer that
         does not progress it by then is lost: see the module docstring."""
-        if self._status is not TransferStatus.PENDING:
-            return
-        agent = self._peer._transport._agent_or_none()
-        if agent is None:
-            self._finish(TransferStatus.FAILED, "transport closed")
-            return
+        self.cancel()
         sleep = 0.0
-        while True:
-            try:
-                state = agent.check_xfer_state(self._handle)
-            except Exception as exc:
-                self._lose(f"aborted; peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
-                return
-            if state != "PROC":
-                break
-            if time.monotonic() > self._deadline:
-                self._lose(f"aborted; peer {self._peer.name!r} did not finish it within {self._deadline_s:.1f} s "
-                           "(peer lost or stalled)")
-                return
+        while self.status() is TransferStatus.PENDING:
             time.sleep(sleep)
             sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
-        self._finish(TransferStatus.FAILED, "aborted")
 
     def _cancel(self) -> None:
         """Fail and release now, without waiting (the transport is closing: its agent goes)."""

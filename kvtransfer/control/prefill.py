@@ -347,8 +347,8 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            for transfer, _ in out.inflight:
-                transfer.abort()
+            for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
+                transfer.cancel()  # Quiesced waits for that, and the loop goes on serving meanwhile
             for key in out.dests:
                 self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
                                                                            f"{reason}"))

@@ -553,6 +553,33 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
     assert_same(rx.dump(0), fresh, "destination after the aborted write and a DONE rewrite")
 
 
+def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(writer, receiver):
+    """``cancel()`` is abort() for a loop that serves others meanwhile: it returns while the
+    stopped receiver still holds the write back, the write stays PENDING until NIXL no longer
+    runs it, then ends FAILED ("aborted"), and after that no byte of it lands."""
+    nbytes = 16 * MiB
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 27, peer_loss_timeout_s=20.0)
+    fresh, fresh_id = host_region(peer._transport, nbytes, 37)
+    tr = stalled_write(rx, peer, sid, nbytes, rng)
+    start = time.monotonic()
+    tr.cancel()
+    assert time.monotonic() - start < 0.2, "cancel() waited for the stopped receiver"
+    time.sleep(0.3)
+    assert tr.status() is TransferStatus.PENDING  # the stopped receiver still holds bytes of it back
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while tr.status() is TransferStatus.PENDING:
+        assert time.monotonic() < deadline, "a cancelled write never ended"
+        time.sleep(0.001)
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    ended = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte of the cancelled write
+    assert_same(rx.dump(0), ended, "destination after the cancelled write ended")
+    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
+    time.sleep(0.3)
+    assert_same(rx.dump(0), fresh, "destination after the cancelled write and a DONE rewrite")
+
+
 def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):
     """FAILED at the deadline: bytes of the request may still land, so this transport refuses
     further writes to that agent (a later write must not be overtaken by them) until a new
