@@ -525,7 +525,7 @@ class NixlTransport(Transport):
         holds an export naming it, waiting for their acknowledgement or loss (at most
         ``config.revoke_timeout_s``; :class:`~transport.base.RevokeTimeout` naming the silent
         ones, the region still registered, unless ``force``). See :mod:`transport.nixl_revoke`."""
-        agent = self._agent_checked()
+        self._agent_checked()
         self._registry.get(region_id)
         busy = [t for peer in [*self._retired, *self._peers.values()] for t in list(peer._pending)
                 if t.status() is TransferStatus.PENDING and t._src_region is not None

@@ -526,6 +526,17 @@ def test_agent_names_must_be_unique(writer, monkeypatch):
 # -- what abort() and FAILED guarantee ---------------------------------------------------------
 
 
+def nothing_lands_later(rx, peer, fresh, fresh_id, how: str) -> None:
+    """After an ended write: the receiver's region 0 no longer changes, and a rewrite of all of
+    it from ``fresh`` waited DONE is what it holds afterwards."""
+    ended = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte of the ended write
+    assert_same(rx.dump(0), ended, f"destination after the {how} write ended")
+    peer.write(wb(fresh_id, 0, 0, 0, fresh.nbytes)).wait(30)
+    time.sleep(0.3)
+    assert_same(rx.dump(0), fresh, f"destination after the {how} write and a DONE rewrite")
+
+
 @pytest.mark.parametrize("num_threads", [0, 2, 4])
 def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver, num_threads):
     """Receiver stopped with a 16 MiB write of 4 KiB ranges in flight; ``abort()`` (the
@@ -545,12 +556,7 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
     # while the receiver is stopped, the request cannot be finished: bytes of it would land later
     assert waited >= delay, f"abort() returned after {waited:.3f} s, before the stopped receiver ran again"
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
-    at_abort = rx.dump(0)
-    time.sleep(0.3)  # room for a late byte of the aborted write
-    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
-    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
-    time.sleep(0.3)
-    assert_same(rx.dump(0), fresh, "destination after the aborted write and a DONE rewrite")
+    nothing_lands_later(rx, peer, fresh, fresh_id, "aborted")
 
 
 def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(writer, receiver):
@@ -572,12 +578,7 @@ def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(w
         assert time.monotonic() < deadline, "a cancelled write never ended"
         time.sleep(0.001)
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
-    ended = rx.dump(0)
-    time.sleep(0.3)  # room for a late byte of the cancelled write
-    assert_same(rx.dump(0), ended, "destination after the cancelled write ended")
-    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
-    time.sleep(0.3)
-    assert_same(rx.dump(0), fresh, "destination after the cancelled write and a DONE rewrite")
+    nothing_lands_later(rx, peer, fresh, fresh_id, "cancelled")
 
 
 def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):
