@@ -192,9 +192,9 @@ class PrefillKVManager:
         self._failed: dict = {}  # request id -> (time, reason): ended Failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
-        # decode peers gone (goodbye, lost, restarted), each closed once none of the writes to it
-        # is in flight: [(key, _DecodePeer, answer with a Goodbye)]. A write to a stalled peer can
-        # take until its deadline to end; the loop serves everyone else meanwhile.
+        # decode peers gone (goodbye, lost, restarted), each closed once no write to its key is in
+        # flight: [(key, _DecodePeer, answer with a Goodbye)]. A write to a stalled peer can take
+        # until its deadline to end; the loop serves everyone else meanwhile.
         self._leaving: list = []
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
         self._bootstrap = BootstrapClient(bootstrap)
