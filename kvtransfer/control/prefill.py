@@ -154,7 +154,7 @@ class _Outgoing:
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
-    inflight: list = field(default_factory=list)  # [(Transfer, decode key, _DecodePeer written to)]
+    inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
     last_posted: bool = False
 
     @property
@@ -192,10 +192,7 @@ class PrefillKVManager:
         self._failed: dict = {}  # request id -> (time, reason): ended Failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
-        # decode peers gone (goodbye, lost, restarted), each closed once no write to its key is in
-        # flight: [(key, _DecodePeer, answer with a Goodbye)]. A write to a stalled peer can take
-        # until its deadline to end; the loop serves everyone else meanwhile.
-        self._leaving: list = []
+        self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
         self._bootstrap = BootstrapClient(bootstrap)
         try:
@@ -331,7 +328,7 @@ class PrefillKVManager:
                 aux = chunk.aux if final and peer.writes_aux and chunk.aux is not None else b""
                 note = KVArrived(request_id=rid, part=part, seq=seq, total=seq + 1 if final else 0,
                                  aux=bytes(aux)).to_msgpack()
-                out.inflight.append((write_batch(peer.peer, batch, note), key, peer))
+                out.inflight.append((write_batch(peer.peer, batch, note), key))
         out.last_posted |= chunk.last
         out.sender.status.advance(KVPoll.Transferring)
 
@@ -350,7 +347,7 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            for transfer, _, _ in out.inflight:  # they stay in flight until nothing of them can land:
+            for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
                 transfer.cancel()  # Quiesced waits for that, and the loop goes on serving meanwhile
             for key in out.dests:
                 self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
@@ -404,7 +401,7 @@ class PrefillKVManager:
                 self._decode.pop(key)
                 self._fail_requests_of(key, f"decode rank {key} said goodbye")
                 self._by_identity.pop(identity, None)
-                self._leaving.append((key, peer, True))
+                self._leaving[key] = peer
             else:
                 log.warning("prefill rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
 
@@ -494,18 +491,12 @@ class PrefillKVManager:
                 self._finish(rid, out)
             elif not state.final and now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
-        if self._leaving:
-            writing = {id(p) for out in self._outgoing.values() for _, _, p in out.inflight}
-            still = []
-            for key, peer, goodbye in self._leaving:
-                if id(peer) in writing:
-                    still.append((key, peer, goodbye))
-                    continue
+        for key, peer in list(self._leaving.items()):
+            if not any(k == key for out in self._outgoing.values() for _, k in out.inflight):
+                del self._leaving[key]
                 self._close_peer(peer)
-                if goodbye:
-                    self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
-                                                zmq.NOBLOCK)
-            self._leaving = still
+                self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
+                                            zmq.NOBLOCK)
         lost = [p for p in self._decode.values() if now - p.last_seen > self.config.heartbeat_timeout_s]
         for peer in lost:
             self._decode.pop(peer.hello.key, None)
@@ -522,10 +513,10 @@ class PrefillKVManager:
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""
         still = []
-        for transfer, key, peer in out.inflight:
+        for transfer, key in out.inflight:
             status = transfer.status()
             if status is TransferStatus.PENDING:
-                still.append((transfer, key, peer))
+                still.append((transfer, key))
                 continue
             if status is TransferStatus.FAILED:
                 self._fail(out.sender.request_id, f"write to decode rank {key} failed: {transfer.error}")
@@ -552,12 +543,10 @@ class PrefillKVManager:
         return f"{len(out.inflight)} writes in flight"
 
     def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
-        """Fail the requests of a lost or restarted decode rank (their writes are cancelled) and
-        close its transport peer once none of them is in flight (``_leaving``)."""
         log.warning("prefill rank %d: %s", self.layout.tp_rank, reason)
         self._fail_requests_of(peer.hello.key, reason)
         self._by_identity.pop(peer.identity, None)
-        self._leaving.append((peer.hello.key, peer, False))
+        self._close_peer(peer)
 
     def _fail_requests_of(self, key: tuple, reason: str) -> None:
         for rid, out in list(self._outgoing.items()):
@@ -582,7 +571,7 @@ class PrefillKVManager:
             self._finish(rid, out)
         for key in list(self._decode):  # decode ranks stop asking a closed rank at once
             self._send(key, Goodbye(incarnation=self.incarnation))
-        for peer in [*self._decode.values(), *(leaving[1] for leaving in self._leaving)]:
+        for peer in [*self._decode.values(), *self._leaving.values()]:
             self._close_peer(peer)
         self._decode.clear()
         self._leaving.clear()

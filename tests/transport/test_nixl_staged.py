@@ -178,25 +178,14 @@ def stalled_staged(writer, receiver, nbytes, seed, **config):
     return rx, t, src, sid, peer, tr
 
 
-@pytest.mark.parametrize("how", ["abort", "cancel"])
-def test_no_byte_of_an_aborted_staged_write_lands_after_it_ends(writer, receiver, how):
-    """abort() returns once the stopped receiver answered every chunk posted; cancel() returns
-    at once and the write stays PENDING until then. Either way nothing lands afterwards."""
+def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0)
     resume = resumed_later(rx, 0.3)
     start = time.monotonic()
-    getattr(tr, how)()
+    tr.abort()
     waited = time.monotonic() - start
-    if how == "cancel":
-        assert waited < 0.2, f"cancel() waited {waited:.3f} s for the stopped receiver"
-        assert tr.status() is TransferStatus.PENDING  # chunks posted are not answered yet
-        deadline = time.monotonic() + 20
-        while tr.status() is TransferStatus.PENDING:
-            assert time.monotonic() < deadline, "a cancelled staged write never ended"
-            time.sleep(0.001)
     resume.join()
-    if how == "abort":
-        assert waited >= 0.3, f"abort() returned after {waited:.3f} s, before the stopped receiver could answer"
+    assert waited >= 0.3, f"abort() returned after {waited:.3f} s, before the stopped receiver could answer"
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted < tr.num_chunks
     at_abort = rx.dump(0)

@@ -84,14 +84,6 @@ class _Job(Transfer):
     def go_direct(self) -> None:
         self._inner = self._peer._direct(self._batch, self._notify)
 
-    def cancel(self) -> None:
-        """abort() without waiting (see ``Transfer.cancel``): a write posted direct cancels its
-        NIXL request; one never posted fails at once."""
-        if self._inner is not None:
-            self._inner.cancel()
-        else:
-            self.abort()
-
     def fail(self, error: str) -> None:
         if self._inner is None and self._status is TransferStatus.PENDING:
             self._status, self._error = TransferStatus.FAILED, error
@@ -188,32 +180,28 @@ class StagedTransfer(_Job):
         elif self.credited == self.num_chunks and self._status is TransferStatus.PENDING and not self.aborting:
             self._status = TransferStatus.DONE
 
-    def cancel(self) -> None:
-        """Post nothing more; the write ends FAILED ("aborted") once the receiver answered every
-        chunk posted (it scatters a chunk before it answers: nothing of the write lands after
-        that), or at its deadline with the lane lost. ``status()`` moves it on."""
-        if self._inner is not None:
-            self._inner.cancel()
-        elif self._status is TransferStatus.PENDING:
-            self.aborting = True
-            self.status()
-
-    def status(self) -> TransferStatus:
-        status = super().status()
-        if status is TransferStatus.PENDING and self.aborting and self._inner is None \
-                and (self.credited >= self.posted or self.lane.state is LaneState.LOST):
-            self.fail("aborted")
-            return self._status
-        return status
-
     def abort(self) -> None:
-        """:meth:`cancel`, then wait until the write has ended (at most until its deadline; a
-        receiver that does not answer by then is lost)."""
-        self.cancel()
+        """Post nothing more, then wait until the receiver answered every chunk posted (it
+        scatters a chunk before it answers): then nothing of this write lands later. At most
+        until the deadline; a receiver that does not answer by then is lost."""
+        if self._inner is not None:
+            self._inner.abort()
+            return
+        if self._status is not TransferStatus.PENDING:
+            return
+        self.aborting = True
         sleep = 0.0
-        while self.status() is TransferStatus.PENDING:
+        while self.credited < self.posted and self.lane.state is not LaneState.LOST:
+            self.lane.progress()
+            if time.monotonic() > self._deadline:
+                self.lane.lose(f"aborted; peer {self._peer.name!r} did not answer within {self._deadline_s:.1f} s "
+                               "(peer lost or stalled)")
+                break
             time.sleep(sleep)
             sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+        self.fail("aborted")
+        if self._status is TransferStatus.DONE:  # the last answer came meanwhile: it did land
+            self._status, self._error = TransferStatus.FAILED, "aborted"
 
 
 class _Slot:
