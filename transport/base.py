@@ -550,8 +550,8 @@ class Transfer(abc.ABC):
     def cancel(self) -> None:
         """:meth:`abort` without waiting, for a caller that serves others meanwhile (a control
         loop): the transfer ends FAILED ("aborted") once no byte of it can still land, and until
-        then ``status()`` says PENDING. Backends whose abort cannot block for long (NVLink,
-        staged NIXL) abort here."""
+        then ``status()`` says PENDING. NIXL's direct writes implement it; other transfers
+        (staged NIXL, whose abort waits for the receiver's answers, and NVLink) abort here."""
         self.abort()
 
     def wait(self, timeout: Optional[float] = None) -> None:
