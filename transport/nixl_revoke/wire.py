@@ -11,10 +11,10 @@ Owner -> holder: :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-import msgpack
+from transport import notif_frames as frames
 
 __all__ = ["MAGIC", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode", "decode",
            "ProtocolError", "MAX_IDS"]
@@ -83,23 +83,15 @@ _KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed)
 
 
 def encode(msg: Message) -> bytes:
-    return MAGIC + msgpack.packb([_KINDS.index(type(msg)), list(astuple(msg))], use_bin_type=True)
+    return frames.encode(MAGIC, _KINDS, msg)
 
 
 def decode(payload: bytes) -> Optional[Message]:
     """The message in ``payload``, None when it is not a revoke message; :class:`ProtocolError`
     for one that does not decode or names impossible values."""
-    if not payload.startswith(MAGIC):
-        return None
-    try:
-        kind, values = msgpack.unpackb(payload[len(MAGIC):], raw=False)
-        cls = _KINDS[kind]
-        if len(values) != len(fields(cls)):
-            raise ValueError(f"{len(values)} fields, {cls.__name__} has {len(fields(cls))}")
-        msg = cls(*values)
-    except Exception as exc:
-        raise ProtocolError(f"revoke message of {len(payload)} bytes does not decode: {exc}") from None
-    _check(msg)
+    msg = frames.decode(MAGIC, _KINDS, payload, ProtocolError, "revoke message")
+    if msg is not None:
+        _check(msg)
     return msg
 
 
