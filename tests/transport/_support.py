@@ -74,6 +74,29 @@ def entries(b: StridedBatch) -> list[tuple]:
 # -- the NIXL receiver process ------------------------------------------------------------------------
 
 
+def _next_message(proc, conn, who: str, kind, timeout: float, pump, take):
+    """The next message of type ``kind`` (a type or a tuple of them) from a child process;
+    ``take(msg)`` keeps what it collects (True: not the answer). ``pump()`` (a local transport's
+    ``poll_notifications``: a side answers revokes only while it is called) runs between polls."""
+    deadline = time.monotonic() + timeout
+    names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    while time.monotonic() < deadline:
+        if pump is not None:
+            pump()
+        if conn.poll(0 if pump is not None else 0.05):
+            msg = conn.recv()
+            if take(msg):
+                continue
+            if not isinstance(msg, kind):
+                raise AssertionError(f"expected {names} from the {who}, got {msg!r:.200}")
+            return msg
+        if not proc.is_alive() and not conn.poll(0):
+            raise AssertionError(f"{who} died before its {names} ({exit_text(proc)})")
+        if pump is not None:
+            time.sleep(1e-3)
+    raise AssertionError(f"no {names} from the {who} within {timeout} s ({exit_text(proc)})")
+
+
 class Receiver:
     """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
     ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
@@ -102,23 +125,7 @@ class Receiver:
         """The next message of type ``kind`` (a type or a tuple of them); notifications are
         collected meanwhile and ``pump()`` (a local transport's ``poll_notifications``: a
         writer answers the receiver's revokes only while it is called) runs between polls."""
-        deadline = time.monotonic() + timeout
-        names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        while time.monotonic() < deadline:
-            if pump is not None:
-                pump()
-            if self.conn.poll(0 if pump is not None else 0.05):
-                msg = self.conn.recv()
-                if self._take(msg):
-                    continue
-                if not isinstance(msg, kind):
-                    raise AssertionError(f"expected {names} from the receiver, got {msg!r:.80}")
-                return msg
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise AssertionError(f"receiver died before its {names} ({exit_text(self.proc)})")
-            if pump is not None:
-                time.sleep(1e-3)
-        raise AssertionError(f"no {names} from the receiver within {timeout} s ({exit_text(self.proc)})")
+        return _next_message(self.proc, self.conn, "receiver", kind, timeout, pump, self._take)
 
     def wait_notes(self, count, timeout=30.0):
         deadline = time.monotonic() + timeout
@@ -182,23 +189,13 @@ class Writer:
 
     def expect(self, kind, timeout=30.0, pump=None):
         """The next message of type ``kind``; ``Finished`` reports are collected meanwhile."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pump is not None:
-                pump()
-            if self.conn.poll(0 if pump is not None else 0.05):
-                msg = self.conn.recv()
-                if isinstance(msg, _nixl_writer.Finished) and kind is not _nixl_writer.Finished:
-                    self.finished[msg.tag] = msg
-                    continue
-                if not isinstance(msg, kind):
-                    raise AssertionError(f"expected {kind.__name__} from the writer, got {msg!r:.200}")
-                return msg
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise AssertionError(f"writer died before its {kind.__name__} ({exit_text(self.proc)})")
-            if pump is not None:
-                time.sleep(1e-3)
-        raise AssertionError(f"no {kind.__name__} from the writer within {timeout} s ({exit_text(self.proc)})")
+        def take(msg) -> bool:
+            if isinstance(msg, _nixl_writer.Finished) and kind is not _nixl_writer.Finished:
+                self.finished[msg.tag] = msg
+                return True
+            return False
+
+        return _next_message(self.proc, self.conn, "writer", kind, timeout, pump, take)
 
     def connect(self, export: bytes, pump=None) -> None:
         self.conn.send(_nixl_writer.Connect(export))
