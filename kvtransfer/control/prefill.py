@@ -189,7 +189,7 @@ class PrefillKVManager:
         self._outgoing: dict = {}  # request id -> _Outgoing
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
-        self._failed: dict = {}  # request id -> (time, reason): ended Failed; a late ask is told so
+        self._failed: dict = {}  # request id -> (time, reason): failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
         self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
@@ -347,6 +347,7 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
+            self._failed[request_id] = (time.monotonic(), reason)  # a decode rank that asks later is told
             for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
                 transfer.cancel()  # Quiesced waits for that, and the loop goes on serving meanwhile
             for key in out.dests:
@@ -454,14 +455,14 @@ class PrefillKVManager:
 
     def _on_request(self, key: tuple, req: TransferRequest) -> None:
         out = self._outgoing.get(req.request_id)
-        if out is not None:
+        failed = self._failed.get(req.request_id)
+        if failed is not None and (out is None or key not in out.dests):  # it failed before that decode
+            self._send(key, AbortRequest(request_id=req.request_id,  # rank asked: nothing of it went there
+                                         reason=f"prefill rank {self.layout.tp_rank}: {failed[1]}"))
+            self._send(key, Quiesced(request_id=req.request_id))
+        elif out is not None:
             self._attach(out, key, req)
         elif req.request_id in self._aborted_early:
-            self._send(key, Quiesced(request_id=req.request_id))
-        elif req.request_id in self._failed:  # it failed before this rank heard from that decode rank
-            reason = self._failed[req.request_id][1]
-            self._send(key, AbortRequest(request_id=req.request_id, reason=f"prefill rank {self.layout.tp_rank}: "
-                                                                           f"{reason}"))
             self._send(key, Quiesced(request_id=req.request_id))
         else:
             self._early.setdefault(req.request_id, []).append((time.monotonic(), key, req))
@@ -530,7 +531,6 @@ class PrefillKVManager:
         if out.sender.status.state is KVPoll.Failed:
             for key in out.dests:
                 self._send(key, Quiesced(request_id=rid))
-            self._failed[rid] = (time.monotonic(), out.sender.failure)
         del self._outgoing[rid]
         self._senders.pop(rid)
 
