@@ -119,36 +119,39 @@ def _lookup(ids: np.ndarray, buffers: np.ndarray, side: str, part: BufferSet) ->
     return ids[buffers]
 
 
-def plan_batch(plan: TransferPlan, src: BufferRegions, dst: BufferRegions) -> Union[StridedBatch, WriteBatch]:
+def plan_batch(plan: TransferPlan, src: BufferRegions, dst: BufferRegions,
+               strided: bool = True) -> Union[StridedBatch, WriteBatch]:
     """The transport batch that writes ``plan``: source buffers through ``src`` (this rank's
-    map), destination buffers through ``dst`` (the peer's). A :class:`StridedBatch` when the
-    plan is pairs x slots (every plan but NSA's sectioned index pages), else the flattened
-    :class:`WriteBatch`."""
+    map), destination buffers through ``dst`` (the peer's). With ``strided`` a
+    :class:`StridedBatch` when the plan is pairs x slots (every plan but NSA's sectioned index
+    pages); otherwise, and without ``strided``, the flat :class:`WriteBatch` of the plan's
+    merged ranges (what a peer that does not expand a StridedBatch on the device writes:
+    ``strided=peer.expands_strided``)."""
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {type(plan).__name__}")
     for name, regions in (("src", src), ("dst", dst)):
         if not isinstance(regions, BufferRegions):
             raise TypeError(f"{name} must be BufferRegions, got {type(regions).__name__}")
     s_ids, d_ids = src.ids(plan.buffers), dst.ids(plan.buffers)
-    form = plan.strided()
+    # A plan's arrays are 1-D int64, non-negative, lengths > 0 (the planner's invariants): the
+    # batches are built directly, without re-validation (a fifth of a small request's host
+    # time). The transport still checks the bounds.
+    form = plan.strided() if strided else None
     if form is not None:
         s_buf, s_off, s_stride, d_buf, d_off, d_stride, length, s_slot, d_slot = form
-        # A plan's arrays are 1-D int64, non-negative, lengths > 0 (the planner's invariants):
-        # built directly, without StridedBatch.of's re-validation (a fifth of a small request's
-        # host time). The transport still checks the bounds.
         return StridedBatch(_lookup(s_ids, s_buf, "source", plan.buffers), s_off, s_stride,
                             _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, d_stride, length,
                             s_slot, d_slot)
     s_buf, s_off, d_buf, d_off, length = plan.flatten()
-    return WriteBatch.of(_lookup(s_ids, s_buf, "source", plan.buffers), s_off,
-                         _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, length)
+    return WriteBatch(_lookup(s_ids, s_buf, "source", plan.buffers), s_off,
+                      _lookup(d_ids, d_buf, "destination", plan.buffers), d_off, length)
 
 
 def write_plan(peer: Peer, plan: TransferPlan, src: BufferRegions, dst: BufferRegions,
                notify: Optional[bytes] = None) -> Transfer:
-    """Start writing ``plan`` to ``peer`` (see :func:`plan_batch`); ``notify`` reaches the peer
-    once every byte has landed."""
-    return write_batch(peer, plan_batch(plan, src, dst), notify)
+    """Start writing ``plan`` to ``peer`` (see :func:`plan_batch`, in the form the peer takes
+    best); ``notify`` reaches the peer once every byte has landed."""
+    return write_batch(peer, plan_batch(plan, src, dst, strided=peer.expands_strided), notify)
 
 
 def write_batch(peer: Peer, batch: Union[StridedBatch, WriteBatch], notify: Optional[bytes] = None) -> Transfer:

@@ -41,16 +41,50 @@ PROMPTS = (
 HEALTH_POLL_S = 0.25
 
 
+PORT_FLAGS = ("--port", "--bootstrap-port")
+PORT_RETRIES = 3
+
+
 class Server:
     """One ``kvtransfer serve`` / ``router`` process in its own process group, its log in a file."""
 
-    def __init__(self, name: str, args: List[str], logdir: str, port: int):
-        self.name, self.port = name, port
+    def __init__(self, name: str, args: List[str], logdir: str, port: int, move_ports: bool = True):
+        self.name, self.args, self.port, self.move_ports = name, list(args), port, move_ports
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(logdir, f"{name.replace(' ', '-')}.log")
+        self.retries = 0
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", *args], stdout=self._log,
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", *self.args], stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def flag(self, name: str) -> Optional[str]:
+        """The value this server was started with for the flag ``name`` (None if not given)."""
+        return self.args[self.args.index(name) + 1] if name in self.args else None
+
+    def starting(self) -> bool:
+        """True while the process runs. A port picked for it can be taken by another process
+        before the server binds it (the server then exits 2 saying the port "is not free"): such a
+        server is started again on fresh ports, a few times, and this says True (unless it was
+        made with ``move_ports=False``: others know it by its port)."""
+        if self.proc.poll() is None:
+            return True
+        if not self.move_ports or self.retries >= PORT_RETRIES or self.proc.returncode != 2 \
+                or "is not free" not in self.tail(2):
+            return False
+        self.retries += 1
+        for i, arg in enumerate(self.args[:-1]):
+            if arg in PORT_FLAGS:
+                self.args[i + 1] = str(free_port())
+        self.port = int(self.flag("--port"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log.write(f"[demo] a port was taken before the {self.name} bound it: starting it again on port "
+                        f"{self.port}\n".encode())
+        self._log.flush()
+        self._spawn()
+        return True
 
     def tail(self, lines: int = 3) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -88,10 +122,35 @@ def stop_all(servers) -> None:
         s.stop()
 
 
-def launch(args, logdir: str, servers: dict, verify_kv: bool) -> dict:
-    """Start a prefill node, a decode node, a colocated node and the router (filling ``servers``
-    as each starts, so a caller can stop what started if this fails). ``args`` holds the demo's
-    flags; ``transport``, ``prefill_gpu`` and ``decode_gpu`` may be absent (their defaults)."""
+class DemoFailed(RuntimeError):
+    pass
+
+
+async def _wait_ready(client, servers: List[Server], timeout_s: float, start: float) -> None:
+    """Poll every server's /health until it answers 200; print each as it becomes ready."""
+    pending = list(servers)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for s in list(pending):
+            if not s.starting():
+                raise DemoFailed(f"the {s.name} exited with status {s.proc.returncode}: {s.tail()}")
+            try:
+                if (await client.get(f"{s.url}/health", timeout=2.0)).status_code == 200:
+                    pending.remove(s)
+                    print(f"  {s.name:<15} ready at {s.url} ({time.monotonic() - start:.1f} s)", flush=True)
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"not ready within {timeout_s:g} s: {', '.join(s.name for s in pending)} "
+                             f"({pending[0].tail()})")
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, start: float) -> None:
+    """Start a prefill node, a decode node and a colocated node, wait until they are ready, then
+    start the router in front of them and wait for it (filling ``servers`` as each starts, so a
+    caller can stop what started if this fails). ``args`` holds the demo's flags; ``transport``,
+    ``prefill_gpu`` and ``decode_gpu`` may be absent (their defaults)."""
     ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
               "--transport", getattr(args, "transport", "auto")]
@@ -105,35 +164,13 @@ def launch(args, logdir: str, servers: dict, verify_kv: bool) -> dict:
                                "--gpu", decode_gpu], logdir, ports["decode"])
     servers["colocated"] = Server("colocated node", ["serve", "--role", "colocated", *common, "--port",
                                   str(ports["colocated"]), "--gpu", prefill_gpu], logdir, ports["colocated"])
+    await _wait_ready(client, [servers["prefill"], servers["decode"], servers["colocated"]], args.startup_timeout,
+                      start)
     servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
                                servers["decode"].url, "--port", str(ports["router"]),
                                *(["--verify-kv"] if verify_kv else []),
                                "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
-    return servers
-
-
-class DemoFailed(RuntimeError):
-    pass
-
-
-async def _wait_ready(client, servers: List[Server], timeout_s: float, start: float) -> None:
-    """Poll every server's /health until it answers 200; print each as it becomes ready."""
-    pending = list(servers)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for s in list(pending):
-            if s.proc.poll() is not None:
-                raise DemoFailed(f"the {s.name} exited with status {s.proc.returncode}: {s.tail()}")
-            try:
-                if (await client.get(f"{s.url}/health", timeout=2.0)).status_code == 200:
-                    pending.remove(s)
-                    print(f"  {s.name:<15} ready at {s.url} ({time.monotonic() - start:.1f} s)", flush=True)
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-        if time.monotonic() > deadline:
-            raise DemoFailed(f"not ready within {timeout_s:g} s: {', '.join(s.name for s in pending)} "
-                             f"({pending[0].tail()})")
-        await asyncio.sleep(HEALTH_POLL_S)
+    await _wait_ready(client, [servers["router"]], 60.0, start)
 
 
 @dataclass
@@ -156,14 +193,12 @@ async def _ask(client, url: str, prompt: str, max_tokens: int, verify: bool) -> 
     return data
 
 
-async def _run(args, servers: dict, start: float) -> int:
+async def _run(args, logdir: str, servers: dict, start: float) -> int:
     import httpx
 
     async with httpx.AsyncClient() as client:
         print("starting the nodes (first use also dequantizes SmolLM2 once, ~15 s):", flush=True)
-        await _wait_ready(client, [servers["prefill"], servers["decode"], servers["colocated"]],
-                          args.startup_timeout, start)
-        await _wait_ready(client, [servers["router"]], 60.0, start)
+        await launch(client, args, logdir, servers, True, start)
         prompts = list(PROMPTS[:args.prompts])
         print(f"\nsending {len(prompts)} chat requests through the router and to the colocated node "
               f"(greedy, {args.max_tokens} new tokens at most):\n", flush=True)
@@ -262,8 +297,7 @@ def main(argv=None) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        launch(args, logdir, servers, verify_kv=True)
-        return asyncio.run(_run(args, servers, start))
+        return asyncio.run(_run(args, logdir, servers, start))
     except DemoFailed as exc:
         print(f"kvtransfer demo: failed: {exc} (logs in {logdir})", file=sys.stderr)
         return 1

@@ -228,11 +228,13 @@ class TransferPlan:
         n = src_slots.size
         so = addr(src_slots, self.src_base, self.src_row, self.src_page, self.src_page_size)  # [b, n]
         do = addr(dst_slots, self.dst_base, self.dst_row, self.dst_page, self.dst_page_size)  # [b, n]
-        ln = self.length[sel, None] if run_len is None else self.length[sel, None] * run_len[None, :]
-        ln = np.broadcast_to(ln, so.shape)
+        if run_len is None:  # [b * n]: a pair's length for each of its tokens, or of its runs
+            ln = np.repeat(self.length[sel], n)
+        else:
+            ln = (self.length[sel, None] * run_len[None, :]).ravel()
         sb = np.repeat(self.src_buf[sel], n)
         db = np.repeat(self.dst_buf[sel], n)
-        return sb, so.ravel(), db, do.ravel(), ln.ravel()
+        return sb, so.ravel(), db, do.ravel(), ln
 
 
 def _expand_runs(run_src, run_dst, run_len):
@@ -337,7 +339,7 @@ def _slots(name: str, slots, lo: int, hi: int):
     arr = np.asarray(slots)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {list(arr.shape)}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":  # signed or unsigned integers (not bool)
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     out = arr.astype(_I64, copy=False)
     if out.size:
@@ -374,15 +376,18 @@ def _dense(span: int, n: int) -> bool:
 def _check_distinct(name: str, slots: np.ndarray) -> None:
     if slots.size < 2:
         return
-    lo = int(slots.min())
-    span = int(slots.max()) - lo + 1
-    if _dense(span, slots.size):
-        seen = _scratch("seen", span, np.bool_, False)
-        seen[slots - lo] = True
-        distinct = int(np.count_nonzero(seen))
-    else:  # sparse slots: sort instead of a table
-        ordered = np.sort(slots)
-        distinct = 1 + int(np.count_nonzero(ordered[1:] != ordered[:-1]))
+    if slots.size <= 256:  # a small request: a set beats the table's few array passes
+        distinct = len(set(slots.tolist()))
+    else:
+        lo = int(slots.min())
+        span = int(slots.max()) - lo + 1
+        if _dense(span, slots.size):
+            seen = _scratch("seen", span, np.bool_, False)
+            seen[slots - lo] = True
+            distinct = int(np.count_nonzero(seen))
+        else:  # sparse slots: sort instead of a table
+            ordered = np.sort(slots)
+            distinct = 1 + int(np.count_nonzero(ordered[1:] != ordered[:-1]))
     if distinct != slots.size:
         raise ValueError(f"{name} must be distinct: {slots.size} slots, {distinct} distinct")
 

@@ -14,7 +14,9 @@ Each process owns one :class:`Transport` (one per backend). The owner
    A region id is a small int, dense from 0, never reused while the transport lives (at most
    :data:`MAX_REGION_ID` registrations per transport: ``TransportError`` past them; a peer's
    export naming a larger id is a :class:`PeerDescriptorError`);
-   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered).
+   ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered),
+   after revoking it from every peer that can still write into it (see "Deregistering
+   written-to memory" below: the nixl backend waits for them, :class:`RevokeTimeout`).
    ``register`` refuses (``ValueError``) a range that overlaps a live region of the same
    memory (host or one CUDA device): each byte has one region id, so registering the same
    buffer twice is a caller's bug, not a second handle. It also refuses pointers in the null
@@ -70,6 +72,10 @@ Errors
 - :class:`TransferTimeout` (a ``TimeoutError``): ``wait`` ran out of time; the transfer
   is still pending and may be waited on again or aborted.
 - :class:`TransportClosed`: the transport (or peer) was closed.
+- :class:`RegionRevoked` (a ``TransportError`` and a ``ValueError``): a write names a region
+  its owner has since deregistered (revoked from this peer); nothing was written.
+- :class:`RevokeTimeout` (a ``TransportError``): ``deregister`` could not revoke the region
+  from a peer in time; the region stays registered.
 
 Nothing here hangs: a dead peer surfaces as ``FAILED`` within the backend's bounded
 peer-loss timeout.
@@ -84,6 +90,9 @@ write to them can still land:
   the request no longer in progress), so nothing of it lands after ``abort()`` returns. It
   waits at most until the transfer's peer-loss deadline; a peer that does not progress it by
   then is *lost* (below). ``Peer.close()`` aborts its pending transfers the same way.
+  ``cancel()`` is the same without the wait: the transfer stays ``PENDING`` until nothing of it
+  can land, then ends ``FAILED`` ("aborted") -- for a loop that must serve other requests while
+  a stalled peer holds one back.
 - ``FAILED`` at the deadline (or from a backend error): the bytes already posted may still
   land (over tcp they sit in socket buffers until the peer reads them). The transport then
   treats that remote transport as lost: writes to it fail at once ("lost earlier") until a
@@ -92,17 +101,44 @@ write to them can still land:
   The *receiver* must still treat the destination of a failed transfer as written-to until
   the writer says otherwise or is known dead (the control plane's job).
 
-Deregistering written-to memory (stale exports)
------------------------------------------------
+Deregistering written-to memory (stale exports, revocation)
+-----------------------------------------------------------
 A one-sided write cannot be refused by its target, and UCX's loopback transports do not
 check registrations there: a writer holding an export that names a region writes into that
 memory even after the owner deregistered and freed it (crash or heap corruption in the
-owner). So ``deregister`` is the owner's promise, not a revocation: before it deregisters
-and frees a region, the owner must make every peer that holds an export naming it forget that
-export (``Peer.close()`` there) and wait for their acknowledgement or their loss; or keep the
-memory until then. The control plane does this (a decode rank's ``Goodbye``, answered once no
-write of the prefill rank to it is in flight). The transport cannot enforce it: it does not
-know which remote transports loaded its export.
+owner). So deregistering a region that a connected peer can still address must first revoke
+it from that peer. The nixl backend does this itself (:mod:`transport.nixl_revoke`):
+
+- ``connect`` tells the export's owner that this transport *holds* it; a direct write is
+  posted only once the owner has recorded the hold, so the owner knows every transport that
+  can write into its memory before a byte of it can land;
+- ``deregister(rid)`` sends each holder that can address ``rid`` a revoke and waits until
+  every one of them acknowledged it (the holder drops the region, so a later write naming it
+  raises :class:`RegionRevoked` at once, and answers only once none of its writes into it is
+  in flight) or is known dead (its connection reported closed), at most
+  ``NixlConfig.revoke_timeout_s``; only then is the region deregistered, and the caller may
+  free the memory when ``deregister`` returns;
+- a holder that neither answers nor is known dead by then cannot be proven harmless:
+  ``deregister`` raises :class:`RevokeTimeout` naming it, and the region stays registered
+  (keep the memory; deregister again later). ``deregister(rid, force=True)`` releases it
+  anyway: the caller then accepts that the silent holder may still write into the memory.
+  A holder that left a revoke unanswered is not waited for again until it answers anything;
+- ``Peer.close()`` (once no write to that owner is pending) and ``close()`` tell the owner
+  to forget this transport; ``close()`` of an owner tells holders its regions are gone but
+  waits for nobody: deregister memory explicitly before ``close()`` when peers may still
+  write, or keep it alive until they are gone.
+
+A holder answers only inside its own calls into its transport (``write``, a transfer's
+``status``/``wait``, ``poll_notifications``, ``connect``, ``Peer.close``): a process that holds
+an export and stays idle must call ``poll_notifications()`` now and then (as a receiver does
+anyway), or close the peer, else its owner's ``deregister`` waits for it until the timeout.
+The same holds for the owner: a writer's first direct write waits (at most the same timeout)
+for the owner to record its hold, which the owner does in ``poll_notifications()``.
+
+The nvlink backend opens the peer's CUDA IPC handles; what its ``deregister`` guarantees is
+in :mod:`transport.nvlink` ("Deregistering exported memory"). The control plane also says
+goodbye before a decode rank deregisters (``Goodbye``, answered once no write of the prefill
+rank to it is in flight, after the prefill rank closed its peer).
 """
 
 from __future__ import annotations
@@ -130,6 +166,8 @@ __all__ = [
     "PeerDescriptorError",
     "TransferFailed",
     "TransferTimeout",
+    "RegionRevoked",
+    "RevokeTimeout",
     "pack_descriptor",
     "unpack_descriptor",
 ]
@@ -153,6 +191,16 @@ class TransferFailed(TransportError):
 
 class TransferTimeout(TransportError, TimeoutError):
     """``Transfer.wait`` ran out of time; the transfer is still pending."""
+
+
+class RegionRevoked(TransportError, ValueError):
+    """A write names a region of the peer that its owner revoked (deregistered): nothing was
+    written. A ``ValueError`` too, as for any region id that is not (or no longer) registered."""
+
+
+class RevokeTimeout(TransportError, TimeoutError):
+    """``deregister`` could not revoke a region from every peer that can write into it (one
+    neither acknowledged nor is known dead): the region stays registered."""
 
 
 class TransferStatus(enum.Enum):
@@ -499,6 +547,13 @@ class Transfer(abc.ABC):
         no-op. Returns once no byte of the transfer can still land, or once its peer counts as
         lost (see "What FAILED and abort() guarantee" in the module docstring)."""
 
+    def cancel(self) -> None:
+        """:meth:`abort` without waiting, for a caller that serves others meanwhile (a control
+        loop): the transfer ends FAILED ("aborted") once no byte of it can still land, and until
+        then ``status()`` says PENDING. NIXL's direct writes implement it; other transfers
+        (staged NIXL, whose abort waits for the receiver's answers, and NVLink) abort here."""
+        self.abort()
+
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until DONE; raise TransferFailed on failure, TransferTimeout after ``timeout`` s."""
         import time
@@ -530,6 +585,10 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
+    # True where write_strided expands the factored form on the device (NVLink). Elsewhere it
+    # coalesces on the host (the default below), and a caller that can build the flat form
+    # directly (a plan's merged runs) should hand that to write() instead.
+    expands_strided: bool = False
 
     @abc.abstractmethod
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> Transfer:
@@ -578,7 +637,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def deregister(self, region_id: int) -> None:
         """Forget a region; later writes naming it fail with ValueError, and so does
-        ``deregister`` of an id that is not registered."""
+        ``deregister`` of an id that is not registered. Peers that can still write into it
+        must let go first: the nixl backend revokes it from them and waits (``RevokeTimeout``),
+        the nvlink backend cannot (module docstring, "Deregistering written-to memory")."""
 
     @property
     @abc.abstractmethod

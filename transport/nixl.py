@@ -44,6 +44,12 @@ Connecting again to a newer export of an already connected agent reloads its met
 place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
 complete. Deregister a region only once no pending transfer uses it.
 
+Revocation (:mod:`transport.nixl_revoke`): ``connect`` tells the owner of the export that this
+transport holds it (a direct write waits for the owner's acknowledgement), and ``deregister``
+revokes a region from every holder that can address it, waiting for their acknowledgement or
+their loss (at most ``NixlConfig.revoke_timeout_s``) before it releases it; a later write to a
+revoked region raises ``RegionRevoked``. Protocol and timeouts: that package's docstring.
+
 Connections: ``NixlPeer.close()`` refuses further writes through that peer but keeps the remote
 agent loaded in NIXL, idle, and a later ``connect`` to the same agent reuses its endpoint. NIXL
 cannot release a live peer's endpoint: ``remove_remote_agent`` (``invalidateRemoteMD``) drops
@@ -87,6 +93,7 @@ from transport.base import (
     Peer,
     PeerDescriptorError,
     Region,
+    RegionRevoked,
     RegionSizes,
     Transfer,
     TransferStatus,
@@ -97,6 +104,8 @@ from transport.base import (
     pack_descriptor,
     unpack_descriptor,
 )
+from transport.nixl_revoke import Holders, Holds
+from transport.nixl_revoke import wire as revoke_wire
 from transport.nixl_staged import wire as staged_wire
 from transport.nixl_staged.config import StagedNixlConfig
 from transport.nixl_staged.receiver import ReceiverLanes
@@ -123,6 +132,10 @@ class NixlConfig:
     staged: when a write goes through staging (many small ranges), and the staging's size
         (:mod:`transport.nixl_staged`); this side's ``max_lanes`` / lane size also bound what
         it grants senders.
+    revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming
+        the region to acknowledge its revocation (or be found dead) before it refuses
+        (``RevokeTimeout``), and how long a first direct write waits for the owner to record
+        this transport's hold (:mod:`transport.nixl_revoke`).
     """
 
     agent_name: Optional[str] = None
@@ -132,6 +145,7 @@ class NixlConfig:
     peer_loss_timeout_s: float = 10.0
     min_throughput_gbps: float = 0.1
     staged: StagedNixlConfig = field(default_factory=StagedNixlConfig)
+    revoke_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.agent_name is not None and (not isinstance(self.agent_name, str) or not self.agent_name):
@@ -146,6 +160,8 @@ class NixlConfig:
             raise ValueError(f"peer_loss_timeout_s must be > 0, got {self.peer_loss_timeout_s!r}")
         if not self.min_throughput_gbps > 0:
             raise ValueError(f"min_throughput_gbps must be > 0, got {self.min_throughput_gbps!r}")
+        if not self.revoke_timeout_s > 0:
+            raise ValueError(f"revoke_timeout_s must be > 0, got {self.revoke_timeout_s!r}")
         if not isinstance(self.staged, StagedNixlConfig):
             raise TypeError(f"staged must be a StagedNixlConfig, got {type(self.staged).__name__}")
 
@@ -211,14 +227,17 @@ class _RegionTable:
 class NixlTransfer(Transfer):
     """One NIXL transfer request. Progress and peer-loss detection happen in ``status()``."""
 
-    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float, src_region=None):
+    def __init__(self, peer: "NixlPeer", handle, nbytes: int, deadline_s: float, src_region=None,
+                 dst_region=None):
         self._peer = peer
         self._src_region = src_region  # [n] the batch's local region ids (what deregister must not pull)
+        self._dst_region = dst_region  # [n] the peer's region ids (what a revoke of them waits for)
         self._handle = handle  # nixl_xfer_handle, None once released
         self._status = TransferStatus.PENDING
         self._error: Optional[str] = None
         self._deadline_s = deadline_s
         self._deadline = time.monotonic() + deadline_s
+        self._cancelled = False  # cancel() asked: FAILED ("aborted") once NIXL no longer runs it
         self.nbytes = nbytes
 
     @classmethod
@@ -238,19 +257,33 @@ class NixlTransfer(Transfer):
         if agent is None:
             self._finish(TransferStatus.FAILED, "transport closed")
             return self._status
+        self._peer._transport._service()  # revokes are answered while the owner waits on transfers
+        if self._status is not TransferStatus.PENDING:
+            return self._status
+        aborted = "aborted; " if self._cancelled else ""
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-            self._lose(f"peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
+            self._lose(f"{aborted}peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
             return self._status
-        if state == "DONE":
+        if self._cancelled and state != "PROC":
+            self._finish(TransferStatus.FAILED, "aborted")
+        elif state == "DONE":
             self._finish(TransferStatus.DONE)
         elif state != "PROC":
             self._finish(TransferStatus.FAILED, f"peer {self._peer.name!r}: NIXL reported {state}")
         elif time.monotonic() > self._deadline:
-            self._lose(f"peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+            self._lose(f"{aborted}peer {self._peer.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
                        "(peer lost or stalled)")
         return self._status
+
+    def cancel(self) -> None:
+        """:meth:`abort` without waiting: the transfer stays PENDING until NIXL no longer runs
+        it (no byte of it can land after that), then ends FAILED ("aborted"); at its deadline
+        the peer is lost, as for abort. ``status()`` moves it on."""
+        if self._status is TransferStatus.PENDING:
+            self._cancelled = True
+            self.status()
 
     def abort(self) -> None:
         """Cancel if still pending, and return only once no byte of it can still land: NIXL's
@@ -258,28 +291,11 @@ class NixlTransfer(Transfer):
         tcp, megabytes of an aborted write landed after it), so abort waits until NIXL reports
         the request no longer in progress, at most until the transfer's deadline. A peer that
         does not progress it by then is lost: see the module docstring."""
-        if self._status is not TransferStatus.PENDING:
-            return
-        agent = self._peer._transport._agent_or_none()
-        if agent is None:
-            self._finish(TransferStatus.FAILED, "transport closed")
-            return
+        self.cancel()
         sleep = 0.0
-        while True:
-            try:
-                state = agent.check_xfer_state(self._handle)
-            except Exception as exc:
-                self._lose(f"aborted; peer {self._peer.name!r}: {type(exc).__name__}: {exc}")
-                return
-            if state != "PROC":
-                break
-            if time.monotonic() > self._deadline:
-                self._lose(f"aborted; peer {self._peer.name!r} did not finish it within {self._deadline_s:.1f} s "
-                           "(peer lost or stalled)")
-                return
+        while self.status() is TransferStatus.PENDING:
             time.sleep(sleep)
             sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
-        self._finish(TransferStatus.FAILED, "aborted")
 
     def _cancel(self) -> None:
         """Fail and release now, without waiting (the transport is closing: its agent goes)."""
@@ -296,6 +312,7 @@ class NixlTransfer(Transfer):
         handle, self._handle = self._handle, None
         if handle is not None:
             transport._draining.setdefault(self._peer.name, []).append(handle)
+        transport._holds.answer()
 
     def _finish(self, status: TransferStatus, error: Optional[str] = None) -> None:
         """Enter a terminal state and release the NIXL request (cancelling it if still active)."""
@@ -303,6 +320,7 @@ class NixlTransfer(Transfer):
         handle, self._handle = self._handle, None
         if handle is not None:
             self._peer._transport._release_handle(handle)
+            self._peer._transport._holds.answer()  # a revoke may have waited for this write
 
 
 class NixlPeer(Peer):
@@ -316,6 +334,7 @@ class NixlPeer(Peer):
         self._table = _RegionTable(self.regions)
         self._pending: "weakref.WeakSet[NixlTransfer]" = weakref.WeakSet()
         self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
+        self._hold_seq = 0  # the Hold sent for this snapshot (transport.nixl_revoke): direct writes wait for its ack
 
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NixlTransfer:
         if self._closed:
@@ -325,8 +344,12 @@ class NixlPeer(Peer):
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
             raise TypeError(f"notify must be non-empty bytes or None, got {notify!r:.60}")
         transport = self._transport
-        agent = transport._agent_checked()
+        transport._agent_checked()
+        transport._pump()  # a revoke that came meanwhile applies to this write
         batch.check_bounds(transport._table().sizes, self._table.sizes)
+        revoked = transport._holds.check(self.name, batch.dst_region)
+        if revoked is not None:
+            raise RegionRevoked(revoked)
         lost = transport._lost.get(self.name)
         if lost is not None:  # a later write must not race bytes of a failed one: connect again first
             return NixlTransfer.finished(self, TransferStatus.FAILED, f"peer {self.name!r} was lost earlier "
@@ -334,6 +357,8 @@ class NixlPeer(Peer):
         notif = bytes(notify) if notify is not None else b""
         if notif.startswith(staged_wire.MAGIC):
             raise ValueError(f"notify must not start with {staged_wire.MAGIC!r} (reserved for staged writes)")
+        if notif.startswith(revoke_wire.MAGIC):
+            raise ValueError(f"notify must not start with {revoke_wire.MAGIC!r} (reserved for revocation)")
         lane = transport._lanes.get(self.name)
         if len(batch) and transport.config.staged.wants(batch):
             kinds = self._kinds(batch)
@@ -369,6 +394,11 @@ class NixlPeer(Peer):
         transport = self._transport
         if len(batch) == 0 and not notif:
             return NixlTransfer.finished(self, TransferStatus.DONE)
+        if len(batch):  # the owner must know this transport holds its export before a byte lands
+            why = transport._holds.wait_ready(self.name, self._hold_seq, transport.config.revoke_timeout_s)
+            why = why or transport._holds.check(self.name, batch.dst_region)  # revoked (also while queued)
+            if why is not None:
+                return NixlTransfer.finished(self, TransferStatus.FAILED, why)
         try:
             if len(batch) == 0:  # notification only: one scratch byte carries it (see _SCRATCH_BYTES)
                 handle, state = transport._post_notify(self.name, self._scratch_ptr, notif)
@@ -381,7 +411,8 @@ class NixlPeer(Peer):
             return NixlTransfer.finished(
                 self, TransferStatus.FAILED, f"peer {self.name!r}: could not post: {exc}")
         nbytes = batch.nbytes
-        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes), batch.src_region)
+        t = NixlTransfer(self, handle, nbytes, transport.config.deadline_s(nbytes), batch.src_region,
+                         batch.dst_region if len(batch) else None)
         if state == "DONE":
             t._finish(TransferStatus.DONE)
         elif state != "PROC":
@@ -469,6 +500,10 @@ class NixlTransport(Transport):
         self._lane_ids: dict[int, SenderLane] = {}
         self._next_lane = 0
         self._receiver = ReceiverLanes(self)  # lanes senders opened here
+        self._holds = Holds(self)  # exports of others this transport holds (transport.nixl_revoke)
+        self._holders = Holders(self)  # who holds this transport's export
+        self._pumping = False
+        self._last_pump = 0.0
 
     # -- regions --------------------------------------------------------------------------
 
@@ -485,8 +520,12 @@ class NixlTransport(Transport):
             ) from exc
         return self._registry.add(ptr, length, device, handle=reg).region_id
 
-    def deregister(self, region_id: int) -> None:
-        agent = self._agent_checked()
+    def deregister(self, region_id: int, force: bool = False) -> None:
+        """Forget a region once no peer can write into it: it is revoked from every peer that
+        holds an export naming it, waiting for their acknowledgement or loss (at most
+        ``config.revoke_timeout_s``; :class:`~transport.base.RevokeTimeout` naming the silent
+        ones, the region still registered, unless ``force``). See :mod:`transport.nixl_revoke`."""
+        self._agent_checked()
         self._registry.get(region_id)
         busy = [t for peer in [*self._retired, *self._peers.values()] for t in list(peer._pending)
                 if t.status() is TransferStatus.PENDING and t._src_region is not None
@@ -495,8 +534,12 @@ class NixlTransport(Transport):
             peers = sorted({t._peer.name for t in busy})
             raise TransportError(f"region {region_id} is the source of {len(busy)} transfer(s) still pending "
                                  f"(to {peers}); wait for or abort them before deregistering it")
+        self._holders.revoke(region_id, self.config.revoke_timeout_s, force)
+        self._release_region(region_id)
+
+    def _release_region(self, region_id: int) -> None:
         reg = self._registry.remove(region_id)
-        agent.deregister_memory(reg, backends=list(self.config.backends))
+        self._agent_checked().deregister_memory(reg, backends=list(self.config.backends))
 
     @property
     def regions(self) -> Mapping[int, Region]:
@@ -560,6 +603,7 @@ class NixlTransport(Transport):
         peer = NixlPeer(self, name, regions, scratch)
         self._peers[name] = peer
         self._idle.discard(name)
+        peer._hold_seq = self._holds.hold(name, regions)
         return peer
 
     def poll_notifications(self) -> list[Notification]:
@@ -577,6 +621,11 @@ class NixlTransport(Transport):
             return
         for peer in [*self._retired, *self._peers.values()]:
             peer._close(drain=False)  # the agent goes: nothing of it can land after that
+        for step in (self._holds.close, self._holders.revoke_all):  # tell owners and holders; wait for none
+            try:
+                step()
+            except Exception:
+                pass
         for name in list(self._lanes):
             try:
                 self._drop_lane(name)
@@ -585,7 +634,7 @@ class NixlTransport(Transport):
         self._receiver.close()
         for rid in list(self._registry.view):
             try:
-                self.deregister(rid)
+                self._release_region(rid)  # holders were told (revoke_all): see transport.nixl_revoke, 4.
             except Exception:  # keep releasing the rest; the agent's teardown frees it too
                 pass
         try:
@@ -682,26 +731,55 @@ class NixlTransport(Transport):
             del self._lane_ids[lane.id]
             lane.close()
 
+    def _service(self) -> None:
+        """:meth:`_pump` at most once a millisecond (what a transfer's ``status()`` calls)."""
+        if time.monotonic() - self._last_pump >= 1e-3:
+            self._pump()
+
     def _pump(self) -> None:
-        """Read NIXL's notifications: staged messages go to the lanes (a receiver scatters
-        here), the owner's are queued for :meth:`poll_notifications`, each sender's in order."""
+        """Read NIXL's notifications: revoke messages go to the holds / holders
+        (:mod:`transport.nixl_revoke`), staged messages to the lanes (a receiver scatters here),
+        the owner's are queued for :meth:`poll_notifications`, each sender's in order; then
+        answer the revokes whose writes have finished. Not re-entered (a revoke answer checks
+        transfers, whose ``status()`` pumps)."""
         agent = self._agent_checked()
-        for sender, msgs in agent.get_new_notifs().items():
-            sender = sender.decode() if isinstance(sender, bytes) else str(sender)
-            for raw in msgs:
-                raw = bytes(raw)
-                try:
-                    msg = staged_wire.decode(raw)
-                except staged_wire.ProtocolError:
-                    continue  # a staged message that does not decode carries nothing to deliver
-                if msg is None:
-                    self._notes.append(Notification(sender, raw))
-                elif isinstance(msg, (staged_wire.Hello, staged_wire.Chunk)):
-                    self._receiver.handle(sender, msg)
-                else:
-                    lane = self._lane_ids.get(msg.lane)
-                    if lane is not None and lane.name == sender:
-                        lane.on_message(msg)
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            self._last_pump = time.monotonic()
+            for sender, msgs in agent.get_new_notifs().items():
+                sender = sender.decode() if isinstance(sender, bytes) else str(sender)
+                for raw in msgs:
+                    self._take(sender, bytes(raw))
+            self._holds.answer()
+        finally:
+            self._pumping = False
+
+    def _take(self, sender: str, raw: bytes) -> None:
+        """One notification from ``sender`` (see :meth:`_pump`)."""
+        try:
+            control = revoke_wire.decode(raw)
+        except revoke_wire.ProtocolError:
+            return  # a revoke message that does not decode carries nothing to act on
+        if isinstance(control, (revoke_wire.Hold, revoke_wire.RevokeAck, revoke_wire.Release)):
+            self._holders.handle(sender, control)
+            return
+        if control is not None:
+            self._holds.handle(sender, control)
+            return
+        try:
+            msg = staged_wire.decode(raw)
+        except staged_wire.ProtocolError:
+            return  # a staged message that does not decode carries nothing to deliver
+        if msg is None:
+            self._notes.append(Notification(sender, raw))
+        elif isinstance(msg, (staged_wire.Hello, staged_wire.Chunk)):
+            self._receiver.handle(sender, msg)
+        else:
+            lane = self._lane_ids.get(msg.lane)
+            if lane is not None and lane.name == sender:
+                lane.on_message(msg)
 
     def _drain(self, name: str) -> int:
         """Release the failed requests of ``name`` that NIXL no longer progresses; return how
@@ -740,6 +818,7 @@ class NixlTransport(Transport):
         if self._peers.get(peer.name) is not peer:
             return
         del self._peers[peer.name]
+        self._holds.release(peer.name)  # the owner stops counting this transport (if nothing is pending)
         if peer.name in self._lost and not self._drain(peer.name):
             del self._lost[peer.name]
             self._drop_lane(peer.name)
@@ -748,3 +827,7 @@ class NixlTransport(Transport):
             self._idle.add(peer.name)  # failed requests still run: the next connect drains first
         else:
             self._idle.add(peer.name)
+
+    def _snapshots(self, name: str) -> list:
+        """Every peer (current and retired snapshots) of the remote agent ``name``."""
+        return [p for p in [*self._retired, *self._peers.values()] if p.name == name]

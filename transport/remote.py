@@ -236,6 +236,11 @@ class _Child:
             return checksums(self.bufs, msg.region, msg.offset, msg.length)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
+    def pump(self) -> None:
+        """Read every transport's notifications (kept for :meth:`wait_notify`)."""
+        for t in self.transports.values():
+            self.seen.extend(t.poll_notifications())
+
     def wait_notify(self, payload: bytes, timeout_s: float, interrupted=lambda: False) -> Optional[str]:
         """The sender of the first notification carrying ``payload`` (None: none in time, or
         ``interrupted()``)."""
@@ -285,6 +290,9 @@ def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> N
     child = _Child(device, backends, ipc_api)
     try:
         while True:
+            if not conn.poll(1e-3):  # idle: keep reading notifications, so that this exporter
+                child.pump()  # answers its writers' holds and revokes (transport.nixl_revoke)
+                continue
             msg = conn.recv()
             if isinstance(msg, _Exit):
                 conn.send(_Reply(True))
@@ -318,7 +326,9 @@ class RemoteBuffers:
 
     def free(self, region_ids) -> None:
         """Deregister buffers from every backend and drop them. Peers that hold an export naming
-        them must have forgotten it first (``Peer.close()``; see ``transport.base``)."""
+        them must have forgotten it first (``Peer.close()``): the nixl backend's deregister
+        waits for a holder that has not (this process blocks meanwhile, so a holder here
+        cannot answer: ``RevokeTimeout``), the nvlink backend cannot (see ``transport.base``)."""
         self._call(_Free(tuple(int(r) for r in region_ids)))
 
     def export(self) -> dict:

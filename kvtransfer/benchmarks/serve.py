@@ -246,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(args, argv) -> int:
-    from kvtransfer.demo import DemoFailed, _wait_ready, launch, stop_all
+    from kvtransfer.demo import DemoFailed, launch, stop_all
     from kvtransfer.models import registry
 
     servers: dict = {}
@@ -258,9 +258,8 @@ async def _main(args, argv) -> int:
 
             logdir = tempfile.mkdtemp(prefix="kvtransfer-bench-serve-")
             print(f"starting the nodes (logs in {logdir})", file=sys.stderr, flush=True)
-            launch(args, logdir, servers, verify_kv=False)
             async with httpx.AsyncClient() as client:
-                await _wait_ready(client, list(servers.values()), args.startup_timeout, time.monotonic())
+                await launch(client, args, logdir, servers, False, time.monotonic())
             router, colocated = servers["router"].url, servers["colocated"].url
         works = workload(tokenizer, args.requests, args.prompt_tokens, args.output_tokens, args.seed)
         await run_load(router, works[:2], 2, None, args.seed)  # warm-up: first connections, first plans

@@ -27,7 +27,7 @@ import zmq
 
 from kvtransfer.batches import BufferRegions
 from kvtransfer.control.wire import Endpoint
-from transport.base import Transport
+from transport.base import RevokeTimeout, Transport
 
 __all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "Endpoints", "default_host_id",
            "pack_first_token", "pick_backend", "unpack_first_token"]
@@ -69,11 +69,23 @@ class Endpoints:
                 for b, t in self.transports.items()]
 
     def release(self) -> None:
+        """Deregister every buffer. A region that a peer still holds and does not give up in
+        time (``RevokeTimeout``: the transport cannot prove that peer will not write into it;
+        the decode manager's goodbye normally makes peers let go first) stays registered, with
+        a warning: the pools' memory must then outlive that peer."""
         for backend, regions in list(self.regions.items()):
-            try:
-                regions.deregister(self.transports[backend])
-            except ValueError as exc:  # the transport was closed first
-                log.debug("deregistering from %s after close: %s", backend, exc)
+            transport = self.transports[backend]
+            kept = []
+            for rid in np.concatenate([regions.kv, regions.state]).tolist():
+                try:
+                    transport.deregister(int(rid))
+                except RevokeTimeout as exc:
+                    kept.append((rid, exc))
+                except ValueError as exc:  # the transport was closed first
+                    log.debug("deregistering from %s after close: %s", backend, exc)
+            if kept:
+                log.warning("%d %s region(s) stay registered: a peer that holds them did not let go (%s)",
+                            len(kept), backend, kept[0][1])
             del self.regions[backend]
 
 

@@ -25,7 +25,9 @@ was lost): reuse the request's pages only then.
 
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
-incarnation of it (a restarted rank); a request not done after ``transfer_timeout_s`` fails
+incarnation of it (a restarted rank). A new request that needs a lost rank waits up to
+``heartbeat_timeout_s`` for it to come back (a restarted node can be serving again before
+this rank has looked it up) and then fails naming it; a request not done after ``transfer_timeout_s`` fails
 and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
 so a rank that was killed and came back is reconnected without waiting for the timeout.
@@ -166,6 +168,7 @@ class _Incoming:
     """A request's progress on this rank (loop thread only)."""
 
     receiver: KVReceiver
+    since: float  # when the engine made it
     deadline: float
     counts: dict = field(default_factory=dict)  # prefill rank -> writes landed
     totals: dict = field(default_factory=dict)  # prefill rank -> writes it made (from its last one)
@@ -327,7 +330,8 @@ class DecodeKVManager:
 
     # -- requests -------------------------------------------------------------------------
     def _on_new_receiver(self, receiver: KVReceiver) -> None:
-        self._incoming[receiver.request_id] = _Incoming(receiver, time.monotonic() + self.config.transfer_timeout_s)
+        now = time.monotonic()
+        self._incoming[receiver.request_id] = _Incoming(receiver, now, now + self.config.transfer_timeout_s)
 
     def _on_init(self, receiver: KVReceiver, dst: bytes, prefix: int, state_slot: int) -> None:
         inc = self._incoming.get(receiver.request_id)
@@ -347,7 +351,9 @@ class DecodeKVManager:
         if inc.asked or inc.request is None or inc.receiver.status.state.final:
             return
         peers = [self._peers[r] for r in self.senders]
-        down = [p for p in peers if p.state in (_PeerState.LOST, _PeerState.REFUSED, _PeerState.GONE)]
+        now = time.monotonic()
+        down = [p for p in peers if p.state in (_PeerState.REFUSED, _PeerState.GONE)
+                or (p.state is _PeerState.LOST and now - inc.since >= self.config.heartbeat_timeout_s)]
         if down:
             p = down[0]
             why = p.error or f"prefill rank {p.registration.tp_rank} is {p.state.value}"
@@ -355,9 +361,8 @@ class DecodeKVManager:
             inc.quiesced.update(self.senders)  # nothing was asked: nothing can land
             self._maybe_release(inc)
             return
-        now = time.monotonic()
         if any(p.state is not _PeerState.READY or self._suspect(p, now) for p in peers):
-            return  # a sender is (re)connecting or silent: asked once it is ready (or lost)
+            return  # a sender is (re)connecting, silent or lost but maybe back soon: asked once it is ready
         dst, prefix, state_slot = inc.request
         rid = inc.receiver.request_id
         for p in self._peers.values():
@@ -466,8 +471,9 @@ class DecodeKVManager:
             if inc.receiver.status.state.final:
                 inc.quiesced.add(rank)
                 self._maybe_release(inc)
-            else:
+            elif inc.asked:
                 self._fail(rid, reason, tell_senders=True)
+            # not asked yet: nothing of it went there; it waits for the rank a while (_ask)
 
     def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
         """A ready rank silent for two heartbeat intervals (not lost yet)."""

@@ -137,6 +137,10 @@ class _DecodePeer:
     writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
     last_seen: float
 
+    def batch(self, plan):
+        """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
+        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.expands_strided)
+
 
 @dataclass
 class _Outgoing:
@@ -185,7 +189,7 @@ class PrefillKVManager:
         self._outgoing: dict = {}  # request id -> _Outgoing
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
-        self._failed: dict = {}  # request id -> (time, reason): ended Failed; a late ask is told so
+        self._failed: dict = {}  # request id -> (time, reason): failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
         self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
@@ -309,11 +313,9 @@ class PrefillKVManager:
             if dst.size != src.size:
                 raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                                  f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            writes = [("kv", plan_batch(plan_kv_transfer(self.layout, peer.layout, src, dst), peer.src_regions,
-                                        peer.regions))]
+            writes = [("kv", peer.batch(plan_kv_transfer(self.layout, peer.layout, src, dst)))]
             if self.layout.state_kind is StateKind.NSA_INDEX:
-                writes.append(("state", plan_batch(plan_state_transfer(self.layout, peer.layout, src, dst),
-                                                   peer.src_regions, peer.regions)))
+                writes.append(("state", peer.batch(plan_state_transfer(self.layout, peer.layout, src, dst))))
             if chunk.last:
                 if out.tokens_sent != req.prefix_tokens + dst_all.size:
                     raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
@@ -335,7 +337,7 @@ class PrefillKVManager:
         if self.layout.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
             return []
         plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
-        return [] if plan.empty else [("state", plan_batch(plan, peer.src_regions, peer.regions))]
+        return [] if plan.empty else [("state", peer.batch(plan))]
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
@@ -345,8 +347,9 @@ class PrefillKVManager:
             return
         if out.sender.status.fail(reason):
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            for transfer, _ in out.inflight:
-                transfer.abort()
+            self._failed[request_id] = (time.monotonic(), reason)  # a decode rank that asks later is told
+            for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
+                transfer.cancel()  # Quiesced waits for that, and the loop goes on serving meanwhile
             for key in out.dests:
                 self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
                                                                            f"{reason}"))
@@ -452,14 +455,14 @@ class PrefillKVManager:
 
     def _on_request(self, key: tuple, req: TransferRequest) -> None:
         out = self._outgoing.get(req.request_id)
-        if out is not None:
+        failed = self._failed.get(req.request_id)
+        if failed is not None and (out is None or key not in out.dests):  # it failed before that decode
+            self._send(key, AbortRequest(request_id=req.request_id,  # rank asked: nothing of it went there
+                                         reason=f"prefill rank {self.layout.tp_rank}: {failed[1]}"))
+            self._send(key, Quiesced(request_id=req.request_id))
+        elif out is not None:
             self._attach(out, key, req)
         elif req.request_id in self._aborted_early:
-            self._send(key, Quiesced(request_id=req.request_id))
-        elif req.request_id in self._failed:  # it failed before this rank heard from that decode rank
-            reason = self._failed[req.request_id][1]
-            self._send(key, AbortRequest(request_id=req.request_id, reason=f"prefill rank {self.layout.tp_rank}: "
-                                                                           f"{reason}"))
             self._send(key, Quiesced(request_id=req.request_id))
         else:
             self._early.setdefault(req.request_id, []).append((time.monotonic(), key, req))
@@ -478,6 +481,8 @@ class PrefillKVManager:
 
     # -- loop thread: timers and transfers --------------------------------------------------
     def _tick(self) -> float:
+        for transport in self.endpoints.transports.values():  # nothing is written here, but a holder
+            transport.poll_notifications()  # of decode exports answers their revokes only while called
         now = time.monotonic()
         busy = False
         for rid, out in list(self._outgoing.items()):
@@ -526,7 +531,6 @@ class PrefillKVManager:
         if out.sender.status.state is KVPoll.Failed:
             for key in out.dests:
                 self._send(key, Quiesced(request_id=rid))
-            self._failed[rid] = (time.monotonic(), out.sender.failure)
         del self._outgoing[rid]
         self._senders.pop(rid)
 

@@ -25,6 +25,7 @@ and ``dict`` (msgpack's own types; ``bytes`` travels as bin), checked on decode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -68,6 +69,13 @@ class WireError(ValueError):
 _KINDS: dict = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _schema(cls) -> tuple:
+    """``((name, annotation), ...)`` of a message class's fields, read once per class (every
+    message is checked on construction and on decoding: a few per request)."""
+    return tuple((f.name, str(f.type)) for f in dataclasses.fields(cls))
+
+
 def _check_value(kind: str, name: str, annotation: str, value) -> None:
     want = _TYPES[annotation]
     ok = isinstance(value, want) and not (annotation in ("int", "float") and isinstance(value, bool))
@@ -89,11 +97,11 @@ class Message:
             _KINDS[cls.KIND] = cls
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            _check_value(self.KIND, f.name, str(f.type), getattr(self, f.name))
+        for name, annotation in _schema(type(self)):
+            _check_value(self.KIND, name, annotation, getattr(self, name))
 
     def to_msgpack(self) -> bytes:
-        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body = {name: getattr(self, name) for name, _ in _schema(type(self))}
         return msgpack.packb({"v": PROTOCOL_VERSION, "kind": self.KIND, "body": body}, use_bin_type=True)
 
     @classmethod
@@ -126,7 +134,7 @@ def decode(data) -> Message:
     body = frame["body"]
     if not isinstance(body, dict):
         raise WireError(f"{cls.KIND} body must be a map, got {type(body).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [name for name, _ in _schema(cls)]
     if set(body) != set(names):
         missing, extra = sorted(set(names) - set(body)), sorted(set(body) - set(names))
         raise WireError(f"{cls.KIND} fields must be {sorted(names)}: missing {missing}, unexpected {extra}")

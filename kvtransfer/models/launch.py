@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -25,7 +24,7 @@ import torch.multiprocessing as tmp
 
 from kvtransfer.models.config import EngineConfig
 from kvtransfer.models.engine import Engine
-from kvtransfer.models.parallel import TPGroup, close_tp, init_tp, rank_device
+from kvtransfer.models.parallel import TPGroup, close_tp, init_tp, rank_device, rendezvous
 from kvtransfer.models.registry import ModelSpec
 
 RANK_TIMEOUT_S = 600.0
@@ -44,12 +43,6 @@ class RankOutcome:
     rank: int
     result: Optional[bytes] = None
     error: Optional[str] = None  # the rank's traceback, or None on success
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(spec: ModelSpec, tp: TPGroup, ec: EngineConfig, job: Callable[[Engine], Any]) -> Any:
@@ -83,8 +76,8 @@ def run(spec: ModelSpec, tp_size: int, ec: EngineConfig, job: Callable[[Engine],
     threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, port, threads, spec, ec, job, results), daemon=True)
+    store = rendezvous()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, store.port, threads, spec, ec, job, results), daemon=True)
              for r in range(tp_size)]
     for p in procs:
         p.start()

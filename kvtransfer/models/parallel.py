@@ -70,15 +70,24 @@ def shard_blocks(w: torch.Tensor, sizes: Sequence[int], tp: TPGroup, dim: int = 
     return torch.cat([shard(b, tp, dim) for b in blocks], dim=dim)
 
 
+def rendezvous() -> "dist.TCPStore":
+    """Where a TP group meets: a TCPStore on a port the kernel picks, held by the process that
+    starts the ranks (keep it alive while they run; its ``port`` goes to :func:`init_tp`). A port
+    picked first and bound later by a rank could be taken by another process in between."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def init_tp(rank: int, size: int, port: int, device: str, gpu: Optional[int] = None) -> TPGroup:
-    """Join the TP group: gloo on CPU, NCCL on CUDA (rank ``r`` uses ``cuda:r``, or ``cuda:gpu``)."""
+    """Join the TP group that meets at the :func:`rendezvous` on ``port``: gloo on CPU, NCCL on
+    CUDA (rank ``r`` uses ``cuda:r``, or ``cuda:gpu``)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank if gpu is None else gpu)
     if size == 1:
         return TPGroup(0, 1)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return TPGroup(rank, size)
 
 

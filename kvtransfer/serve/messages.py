@@ -30,7 +30,7 @@ class NodeSpec:
     transport: str  # "auto" | "nixl" | "nvlink"
     host: str  # the address control sockets bind and announce
     bootstrap: str  # prefill: this node's bootstrap service address
-    dist_port: int  # torch.distributed rendezvous of the TP group
+    dist_port: int  # the TP group's rendezvous (models.parallel.rendezvous), set as the ranks start
     threads: int  # torch threads per rank
     instance: str  # the node's name in the control plane (decode: every rank of the node shares it)
     control: Dict[str, float] = field(default_factory=dict)  # ControlConfig timeouts

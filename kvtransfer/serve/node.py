@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtransfer._args import positive_int
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, free_port, http_server, port_socket
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
 
 log = logging.getLogger("kvtransfer.serve.node")
 
@@ -111,7 +112,7 @@ def resolve(args) -> tuple:
     spec = NodeSpec(role=args.role, model=name.value, tp_size=args.tp, page_size=args.page_size, dtype=dtype.value,
                     device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
-                    bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=free_port(),
+                    bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=0,
                     threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
     return spec, config, ec, bootstrap_port
 
@@ -123,12 +124,17 @@ class Ranks:
         self.spec = spec
         self.children: list = []
         self.ready: list = []
+        self.store = None  # the TP group's rendezvous, held while the ranks run
 
     def start(self, timeout_s: float) -> None:
         from kvtransfer._procs import Child
+        from kvtransfer.models.parallel import rendezvous
         from kvtransfer.serve.messages import RankReady
         from kvtransfer.serve.worker import rank_main
 
+        if self.spec.tp_size > 1:
+            self.store = rendezvous()
+            self.spec = dataclasses.replace(self.spec, dist_port=self.store.port)
         for r in range(self.spec.tp_size):
             self.children.append(Child.spawn(rank_main, (self.spec, r), name=f"{self.spec.role} rank {r}"))
         self.ready = [c.recv(RankReady, "it was up", timeout=timeout_s) for c in self.children]
@@ -157,6 +163,7 @@ class Ranks:
 
         for i, child in enumerate(self.children):
             child.stop(Shutdown() if i == 0 else None, timeout=15.0)
+        self.store = None
 
 
 class Node:

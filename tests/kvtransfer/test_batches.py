@@ -52,6 +52,25 @@ def test_strided_batch_writes_the_plans_bytes_through_the_maps(src_tp, dst_tp):
     assert set(batch.dst_region.tolist()) <= set(d_ids.tolist())
 
 
+@pytest.mark.parametrize("src_tp, dst_tp, page", [(1, 1, 16), (2, 1, 16), (1, 2, 1)])
+def test_the_flat_form_is_the_strided_form_coalesced(src_tp, dst_tp, page):
+    """For a peer that does not expand a StridedBatch on the device (NIXL), ``strided=False``
+    gives the plan's merged ranges directly: the same entries as ``coalesced()``, in order."""
+    rng = np.random.default_rng(src_tp + 3 * dst_tp + page)
+    src, dst = _mha(0, src_tp, page), _mha(0, dst_tp, page)
+    contiguous = np.arange(32, 72)
+    for src_slots, dst_slots in ((contiguous, contiguous + 64),
+                                 (rng.permutation(np.arange(16, 256))[:40], rng.permutation(np.arange(16, 256))[:40])):
+        plan = plan_kv_transfer(src, dst, src_slots, dst_slots)
+        (s_map, _), (d_map, _) = _maps(src, 7), _maps(dst, 40)
+        flat = plan_batch(plan, s_map, d_map, strided=False)
+        assert isinstance(flat, WriteBatch)
+        want = plan_batch(plan, s_map, d_map).coalesced()
+        for f in FIELDS:
+            np.testing.assert_array_equal(getattr(flat, f), getattr(want, f))
+            assert getattr(flat, f).dtype == np.int64
+
+
 def test_sectioned_state_pages_take_the_flat_batch():
     def nsa(page_size):
         lay = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=page_size, layer_ids=range(2),

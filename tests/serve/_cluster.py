@@ -21,7 +21,7 @@ def wait_ready(servers: List[Server], timeout_s: float = READY_TIMEOUT_S) -> Non
     pending = list(servers)
     while pending:
         for s in list(pending):
-            assert s.proc.poll() is None, f"{s.name} exited with {s.proc.returncode}: {s.tail(8)}"
+            assert s.starting(), f"{s.name} exited with {s.proc.returncode}: {s.tail(8)}"
             try:
                 if httpx.get(f"{s.url}/health", timeout=2.0).status_code == 200:
                     pending.remove(s)
@@ -74,6 +74,7 @@ class Cluster:
         self.logdir = tempfile.mkdtemp(prefix="kvt-serve-test-")
         self.model, self.prefill_tp, self.pages = model, prefill_tp, pages
         self.node_args = list(node_args)
+        # picked here; a server whose port is taken before it binds moves to fresh ones (Server.starting)
         self.ports: Dict[str, int] = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
         self.servers: Dict[str, Server] = {}
         try:
@@ -82,23 +83,29 @@ class Cluster:
             if colocated:
                 self.servers["colocated"] = self._node("colocated", 1, 16)
             wait_ready(list(self.servers.values()))
+            self.ports.update({name: s.port for name, s in self.servers.items()},
+                              bootstrap=int(self.servers["prefill"].flag("--bootstrap-port")))
             self.servers["router"] = Server("router", ["router", "--prefill", self.url("prefill"), "--decode",
                                                        self.url("decode"), "--port", str(self.ports["router"]),
                                                        "--health-interval", "0.3", *router_args],
                                             self.logdir, self.ports["router"])
             wait_ready([self.servers["router"]])
+            self.ports["router"] = self.servers["router"].port
         except BaseException:  # a cluster that did not come up leaves nothing running
             self.stop()
             raise
 
-    def _node(self, role: str, tp: int, page: int, extra=()) -> Server:
+    def _node(self, role: str, tp: int, page: int, extra=(), move_ports: bool = True) -> Server:
         return Server(f"{role} node", ["serve", "--role", role, "--model", self.model, "--tp", str(tp), "--page-size",
                                        str(page), "--port", str(self.ports[role]), "--device", "cpu",
-                                       *self.node_args, *extra], self.logdir, self.ports[role])
+                                       *self.node_args, *extra], self.logdir, self.ports[role], move_ports)
 
     def start_prefill(self) -> Server:
+        """The prefill node; started again after the cluster is up, it keeps its ports (the router
+        and the decode node know it by them)."""
         s = self.servers["prefill"] = self._node("prefill", self.prefill_tp, self.pages[0],
-                                                 ("--bootstrap-port", str(self.ports["bootstrap"])))
+                                                 ("--bootstrap-port", str(self.ports["bootstrap"])),
+                                                 move_ports="router" not in self.servers)
         return s
 
     def url(self, name: str) -> str:

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvtransfer.demo import Server
+from kvtransfer.demo import Server, stop_all
 from kvtransfer.serve.http import free_port
 from tests.serve._cluster import Cluster, chat, group_is_gone, group_members, port_is_free, wait_ready
 
@@ -77,7 +77,7 @@ def test_a_rank_that_dies_fails_requests_and_the_node_exits(tmp_path):
         log = open(node.log_path).read()
         assert "colocated rank" in log and "died (killed by SIGKILL)" in log
         assert group_is_gone(node.proc.pid), group_members(node.proc.pid)
-        assert port_is_free(port)
+        assert port_is_free(node.port)
     finally:
         node.stop()
 
@@ -92,7 +92,7 @@ def test_start_and_sigterm_leave_no_process_or_port(tmp_path):
         os.killpg(node.proc.pid, signal.SIGTERM)
         assert node.proc.wait(30) == 0
         assert group_is_gone(node.proc.pid), f"left behind: {group_members(node.proc.pid)}"
-        assert port_is_free(port) and port_is_free(boot)
+        assert port_is_free(node.port) and port_is_free(int(node.flag("--bootstrap-port")))
     finally:
         node.stop()
 
@@ -123,6 +123,36 @@ def test_a_port_in_use_is_one_line():
         assert out.stderr.strip() == f"kvtransfer serve: error: port 127.0.0.1:{port} is not free: Address already in use"
         out = _run("router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", str(port))
         assert out.returncode == 2 and "is not free" in out.stderr
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_moves_to_fresh_ports(tmp_path):
+    """The demo, the benchmark and these tests pick free ports and hand them to new processes;
+    another process may bind one first. The server then starts again on fresh ports."""
+    import socket
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        args = ["router", "--prefill", dead, "--decode", dead, "--port", str(busy), "--startup-timeout", "60"]
+        moving, staying = Server("router", args, str(tmp_path), busy), Server("fixed", args, str(tmp_path), busy,
+                                                                              move_ports=False)
+        try:
+            deadline = time.monotonic() + 60
+            while moving.port == busy:
+                assert moving.starting(), moving.tail()
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert moving.retries == 1 and moving.flag("--port") == str(moving.port) != str(busy)
+            assert moving.url == f"http://127.0.0.1:{moving.port}"
+            while port_is_free(moving.port):  # the new process binds its new port
+                assert moving.starting() and time.monotonic() < deadline, moving.tail()
+                time.sleep(0.1)
+            staying.proc.wait(60)
+            assert not staying.starting() and staying.port == busy and "is not free" in staying.tail()
+        finally:
+            stop_all([moving, staying])
 
 
 def test_a_router_given_a_dead_node_says_which():

@@ -7,8 +7,10 @@ that the data was already in place when the notification was seen.
 
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
 The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
-:class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Bye`; from the parent
-:class:`Dump`, :class:`Deregister`, :class:`Quit`.
+:class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Bye`; from the
+parent :class:`Dump`, :class:`Deregister`, :class:`Quit`. A deregistered region can be freed
+(``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
+pool's would; dumping it afterwards is an error.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class Dumped:
 @dataclass(frozen=True)
 class Exported:
     export: bytes  # a fresh export (after a deregister)
+    digest: str = ""  # sha256 of the region as deregister left it (before any free)
+    seconds: float = 0.0  # how long deregister took
+
+
+@dataclass(frozen=True)
+class Refused:
+    error: str  # deregister raised: "<exception type>: <message>" (the region stays registered)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class Dump:
 @dataclass(frozen=True)
 class Deregister:
     region: int
+    free: bool = False  # release the region's memory once deregistered
+    force: bool = False  # deregister(force=True)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,9 @@ class _Buffers:
             return [transport.register(a.ctypes.data, a.nbytes) for a in self.arrays]
         return [transport.register_tensor(t) for t in self.arrays]
 
+    def free(self, index: int) -> None:
+        self.arrays[index] = None  # the only reference: the allocator takes the memory back
+
     def read(self, index: int, offset: int = 0, length: int | None = None) -> bytes:
         a = self.arrays[index]
         end = len(a) if length is None else offset + length
@@ -132,8 +146,18 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False, staged
             if isinstance(cmd, Dump):
                 conn.send(Dumped(buffers.read(ids.index(cmd.region))))
             elif isinstance(cmd, Deregister):
-                transport.deregister(cmd.region)
-                conn.send(Exported(transport.export()))
+                start = time.monotonic()
+                try:
+                    transport.deregister(cmd.region, force=cmd.force)
+                except Exception as exc:  # RevokeTimeout: reported, the receiver keeps serving
+                    conn.send(Refused(f"{type(exc).__name__}: {exc}"))
+                    continue
+                seconds = time.monotonic() - start
+                index = ids.index(cmd.region)
+                held = digest([buffers.read(index)])
+                if cmd.free:
+                    buffers.free(index)
+                conn.send(Exported(transport.export(), held, seconds))
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
     conn.send(Bye())

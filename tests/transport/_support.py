@@ -2,6 +2,7 @@
 
 - :func:`assert_interpreted_ok`: run a script under Triton's interpreter in a fresh Python;
 - :class:`Receiver`: the NIXL loopback receiver process (``_nixl_peer.serve``) and its pipe;
+- :class:`Writer`: a NIXL loopback writer process (``_nixl_writer.serve``) and its pipe;
 - byte references: :func:`assert_same`, :func:`entries`;
 - the two-GPU helpers: KV-shaped batches (:func:`kv_batch`, :func:`kv_strided`), a local
   nvlink transport connected to a :class:`~transport.remote.RemoteBuffers`
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvtransfer._procs import exit_text
-from tests.transport import _nixl_peer
+from tests.transport import _nixl_peer, _nixl_writer
 from transport.base import StridedBatch, TransferStatus, WriteBatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,6 +74,29 @@ def entries(b: StridedBatch) -> list[tuple]:
 # -- the NIXL receiver process ------------------------------------------------------------------------
 
 
+def _next_message(proc, conn, who: str, kind, timeout: float, pump, take):
+    """The next message of type ``kind`` (a type or a tuple of them) from a child process;
+    ``take(msg)`` keeps what it collects (True: not the answer). ``pump()`` (a local transport's
+    ``poll_notifications``: a side answers revokes only while it is called) runs between polls."""
+    deadline = time.monotonic() + timeout
+    names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    while time.monotonic() < deadline:
+        if pump is not None:
+            pump()
+        if conn.poll(0 if pump is not None else 0.05):
+            msg = conn.recv()
+            if take(msg):
+                continue
+            if not isinstance(msg, kind):
+                raise AssertionError(f"expected {names} from the {who}, got {msg!r:.200}")
+            return msg
+        if not proc.is_alive() and not conn.poll(0):
+            raise AssertionError(f"{who} died before its {names} ({exit_text(proc)})")
+        if pump is not None:
+            time.sleep(1e-3)
+    raise AssertionError(f"no {names} from the {who} within {timeout} s ({exit_text(proc)})")
+
+
 class Receiver:
     """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
     ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
@@ -97,19 +121,11 @@ class Receiver:
         self.notes.append((msg.payload, msg.digest))
         return True
 
-    def _expect(self, kind: type, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.conn.poll(0.05):
-                msg = self.conn.recv()
-                if self._take(msg):
-                    continue
-                if not isinstance(msg, kind):
-                    raise AssertionError(f"expected {kind.__name__} from the receiver, got {msg!r:.80}")
-                return msg
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise AssertionError(f"receiver died before its {kind.__name__} ({exit_text(self.proc)})")
-        raise AssertionError(f"no {kind.__name__} from the receiver within {timeout} s ({exit_text(self.proc)})")
+    def _expect(self, kind, timeout, pump=None):
+        """The next message of type ``kind`` (a type or a tuple of them); notifications are
+        collected meanwhile and ``pump()`` (a local transport's ``poll_notifications``: a
+        writer answers the receiver's revokes only while it is called) runs between polls."""
+        return _next_message(self.proc, self.conn, "receiver", kind, timeout, pump, self._take)
 
     def wait_notes(self, count, timeout=30.0):
         deadline = time.monotonic() + timeout
@@ -126,9 +142,19 @@ class Receiver:
         self.conn.send(_nixl_peer.Dump(region))
         return np.frombuffer(self._expect(_nixl_peer.Dumped, 30.0).data, dtype=np.uint8)
 
-    def deregister(self, region) -> bytes:
-        self.conn.send(_nixl_peer.Deregister(region))
-        return self._expect(_nixl_peer.Exported, 30.0).export
+    def deregister(self, region, pump=None, free=False, force=False, timeout=30.0) -> bytes:
+        """The receiver deregisters ``region`` (and frees it: ``free``); its fresh export.
+        ``pump``: what keeps the local writers answering meanwhile (see :meth:`_expect`)."""
+        msg = self.deregistered(region, pump, free, force, timeout)
+        if isinstance(msg, _nixl_peer.Refused):
+            raise AssertionError(f"the receiver could not deregister region {region}: {msg.error}")
+        return msg.export
+
+    def deregistered(self, region, pump=None, free=False, force=False, timeout=30.0):
+        """Deregister as :meth:`deregister`; the receiver's answer: ``Exported`` (with the
+        region's digest as deregister left it and how long it took) or ``Refused``."""
+        self.conn.send(_nixl_peer.Deregister(region, free, force))
+        return self._expect((_nixl_peer.Exported, _nixl_peer.Refused), timeout, pump)
 
     def stop(self):
         if self.proc.is_alive():
@@ -136,6 +162,74 @@ class Receiver:
                 os.kill(self.proc.pid, signal.SIGCONT)  # in case a test stopped it
                 self.conn.send(_nixl_peer.Quit())
                 self._expect(_nixl_peer.Bye, 10.0)
+            except (AssertionError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class Writer:
+    """A spawned NIXL writer process (:mod:`tests.transport._nixl_writer`) and its pipe.
+
+    Every wait takes ``pump``, the local owner transport's ``poll_notifications``: the owner
+    records the writer's hold and answers in its calls, so it must be called meanwhile."""
+
+    def __init__(self, seed: int, nbytes: int, env=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_nixl_writer.serve, args=(child, seed, nbytes), kwargs={"env": env})
+        self.proc.start()
+        child.close()
+        self.source = _nixl_writer.source_bytes(seed, nbytes)
+        self.finished: dict[int, _nixl_writer.Finished] = {}
+        self.name = self.expect(_nixl_writer.Ready, 60.0).name
+
+    def expect(self, kind, timeout=30.0, pump=None):
+        """The next message of type ``kind``; ``Finished`` reports are collected meanwhile."""
+        def take(msg) -> bool:
+            if isinstance(msg, _nixl_writer.Finished) and kind is not _nixl_writer.Finished:
+                self.finished[msg.tag] = msg
+                return True
+            return False
+
+        return _next_message(self.proc, self.conn, "writer", kind, timeout, pump, take)
+
+    def connect(self, export: bytes, pump=None) -> None:
+        self.conn.send(_nixl_writer.Connect(export))
+        self.expect(_nixl_writer.Connected, pump=pump)
+
+    def write(self, tag: int, region: int, offset: int, length: int, pump=None) -> "_nixl_writer.Posted":
+        """Start a write (its first one waits for the owner's hold acknowledgement: ``pump``)."""
+        self.conn.send(_nixl_writer.Write(tag, region, offset, length))
+        return self.expect(_nixl_writer.Posted, pump=pump)
+
+    def wait_finished(self, tag: int, timeout=30.0, pump=None) -> "_nixl_writer.Finished":
+        deadline = time.monotonic() + timeout
+        while tag not in self.finished:
+            msg = self.expect(_nixl_writer.Finished, max(0.0, deadline - time.monotonic()), pump)
+            self.finished[msg.tag] = msg
+        return self.finished[tag]
+
+    def idle(self, pump: bool) -> None:
+        self.conn.send(_nixl_writer.Idle(pump))
+
+    def close_peer(self, pump=None) -> None:
+        self.conn.send(_nixl_writer.ClosePeer())
+        self.expect(_nixl_writer.Connected, pump=pump)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.conn.send(_nixl_writer.Quit())
+                self.expect(_nixl_writer.Bye, 10.0)
             except (AssertionError, OSError, EOFError):
                 pass
         self.proc.join(5)

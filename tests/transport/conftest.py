@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.transport._support import Receiver
+from tests.transport._support import Receiver, Writer
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,18 @@ def writer(monkeypatch):
     yield make
     for t in made:
         t.close()
+
+
+@pytest.fixture
+def writer_proc():
+    """A factory of NIXL writer processes (:class:`Writer`), stopped at teardown."""
+    started = []
+
+    def start(seed, nbytes, env=None):
+        w = Writer(seed, nbytes, env)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()

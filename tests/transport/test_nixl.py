@@ -349,7 +349,7 @@ def test_bad_batches_and_deregistered_regions(writer, receiver):
     # the receiver drops its region 1 and re-exports; the new snapshot replaces the old peer,
     # and what was posted through the old one still completes
     before = peer.write(wb(sid, 4096, 0, 4096, 4096))
-    fresh = t.connect(rx.deregister(1))
+    fresh = t.connect(rx.deregister(1, pump=t.poll_notifications))  # t answers the revoke meanwhile
     before.wait(30)
     with pytest.raises(TransportClosed, match="closed"):
         peer.write(wb(sid, 0, 0, 0, 64))
@@ -526,6 +526,17 @@ def test_agent_names_must_be_unique(writer, monkeypatch):
 # -- what abort() and FAILED guarantee ---------------------------------------------------------
 
 
+def nothing_lands_later(rx, peer, fresh, fresh_id, how: str) -> None:
+    """After an ended write: the receiver's region 0 no longer changes, and a rewrite of all of
+    it from ``fresh`` waited DONE is what it holds afterwards."""
+    ended = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte of the ended write
+    assert_same(rx.dump(0), ended, f"destination after the {how} write ended")
+    peer.write(wb(fresh_id, 0, 0, 0, fresh.nbytes)).wait(30)
+    time.sleep(0.3)
+    assert_same(rx.dump(0), fresh, f"destination after the {how} write and a DONE rewrite")
+
+
 @pytest.mark.parametrize("num_threads", [0, 2, 4])
 def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver, num_threads):
     """Receiver stopped with a 16 MiB write of 4 KiB ranges in flight; ``abort()`` (the
@@ -545,12 +556,29 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
     # while the receiver is stopped, the request cannot be finished: bytes of it would land later
     assert waited >= delay, f"abort() returned after {waited:.3f} s, before the stopped receiver ran again"
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
-    at_abort = rx.dump(0)
-    time.sleep(0.3)  # room for a late byte of the aborted write
-    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
-    peer.write(wb(fresh_id, 0, 0, 0, nbytes)).wait(30)
+    nothing_lands_later(rx, peer, fresh, fresh_id, "aborted")
+
+
+def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(writer, receiver):
+    """``cancel()`` is abort() for a loop that serves others meanwhile: it returns while the
+    stopped receiver still holds the write back, the write stays PENDING until NIXL no longer
+    runs it, then ends FAILED ("aborted"), and after that no byte of it lands."""
+    nbytes = 16 * MiB
+    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 27, peer_loss_timeout_s=20.0)
+    fresh, fresh_id = host_region(peer._transport, nbytes, 37)
+    tr = stalled_write(rx, peer, sid, nbytes, rng)
+    start = time.monotonic()
+    tr.cancel()
+    assert time.monotonic() - start < 0.2, "cancel() waited for the stopped receiver"
     time.sleep(0.3)
-    assert_same(rx.dump(0), fresh, "destination after the aborted write and a DONE rewrite")
+    assert tr.status() is TransferStatus.PENDING  # the stopped receiver still holds bytes of it back
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while tr.status() is TransferStatus.PENDING:
+        assert time.monotonic() < deadline, "a cancelled write never ended"
+        time.sleep(0.001)
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    nothing_lands_later(rx, peer, fresh, fresh_id, "cancelled")
 
 
 def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):

@@ -25,7 +25,7 @@ except ImportError as exc:  # NIXL is an optional extra
 from tests.transport import _nixl_peer  # noqa: E402
 from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained  # noqa: E402
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
-from transport.base import TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
+from transport.base import RegionRevoked, TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
 from transport.nixl_staged.sender import DeferredWrite, LaneState, StagedTransfer, chunk_bounds  # noqa: E402
 from transport.nixl_staged.wire import (  # noqa: E402
@@ -129,15 +129,20 @@ def test_a_receiver_that_refuses_a_lane_gets_direct_writes(writer, receiver):
     direct.wait(30)
 
 
-def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receiver):
-    """A stale export: the receiver checks each chunk's rows against its OWN regions, refuses
-    the chunk, lands nothing of it, and the write FAILS naming why."""
+def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receiver, monkeypatch):
+    """A stale export: the writer answered the revocation, so a staged write naming the region
+    raises RegionRevoked at once; and should a writer not know of it (one the receiver gave up
+    on with ``deregister(force=True)``), the receiver checks each chunk's rows against its OWN
+    regions, refuses the chunk, lands nothing of it, and the write FAILS naming why."""
     dst_sizes = [4 * MiB, 4 * MiB]
     rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
     rng = np.random.default_rng(4)
     entries = small_rows(rng, 200, src.size, [4 * MiB])
     peer.write(wb(sid, *entries[1:])).wait(60)  # lane open
-    rx.deregister(1)
+    rx.deregister(1, pump=t.poll_notifications)  # t answers the revoke meanwhile
+    with pytest.raises(RegionRevoked, match="region 1 of peer .* was revoked"):
+        peer.write(wb(sid, entries[1], 1, entries[3], entries[4]))
+    monkeypatch.setattr(t._holds, "check", lambda owner, dst_region: None)  # a writer that missed the revoke
     never = _nixl_peer.payload(1, [])
     stale = peer.write(wb(sid, entries[1], 1, entries[3], entries[4]), notify=never)
     with pytest.raises(TransferFailed, match=r"refused chunk \d+: batch entry 0: destination \(this "

@@ -17,12 +17,12 @@ A chunk in a staging slot (``[slot_bytes]``, written by one NIXL write)::
 from __future__ import annotations
 
 import struct
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 from typing import Optional, Union
 
-import msgpack
 import numpy as np
 
+from transport import notif_frames as frames
 from transport.nixl_staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
 
 __all__ = ["MAGIC", "Hello", "Welcome", "Chunk", "Credit", "encode", "decode", "ChunkHeader", "data_start",
@@ -91,22 +91,13 @@ _KINDS = (Hello, Welcome, Chunk, Credit)
 
 
 def encode(msg: Message) -> bytes:
-    return MAGIC + msgpack.packb([_KINDS.index(type(msg)), list(astuple(msg))], use_bin_type=True)
+    return frames.encode(MAGIC, _KINDS, msg)
 
 
 def decode(payload: bytes) -> Optional[Message]:
     """The message in ``payload``, None for an owner's notification; :class:`ProtocolError`
     for a staged payload that does not decode."""
-    if not payload.startswith(MAGIC):
-        return None
-    try:
-        kind, values = msgpack.unpackb(payload[len(MAGIC):], raw=False)
-        cls = _KINDS[kind]
-        if len(values) != len(fields(cls)):
-            raise ValueError(f"{len(values)} fields, {cls.__name__} has {len(fields(cls))}")
-        return cls(*values)
-    except Exception as exc:
-        raise ProtocolError(f"staged message of {len(payload)} bytes does not decode: {exc}") from None
+    return frames.decode(MAGIC, _KINDS, payload, ProtocolError, "staged message")
 
 
 def data_start(rows: int) -> int:

@@ -54,6 +54,22 @@ notification leaves as soon as the copy ends; ``wait()`` sleeps until the transf
 notification; the kernel, once launched, still runs to completion, and a failed transfer keeps
 its tables until its copy ends.
 
+Deregistering exported memory (no revocation here)
+--------------------------------------------------
+``deregister`` only forgets the region here: it revokes nothing. A peer that connected to an
+export opened the CUDA IPC handle of the region's whole allocation and keeps that mapping until
+its ``NvlinkPeer.close()`` (which waits for its copies in flight, then unmaps) or its process
+ends; its kernel stores go straight to the GPU memory, which this side cannot refuse. A write
+through a peer that still holds an older export therefore still lands after ``deregister``:
+in the caching allocator's block (torch keeps freed blocks for reuse: another tensor's bytes
+get overwritten, silently), or, once the allocation is ``cudaFree``-d while mapped elsewhere,
+into memory CUDA calls undefined behaviour. Until this backend carries revocation (its mailbox
+socket would need messages from receiver to writer; it has none), the rule of the contract
+holds as the caller's duty: before deregistering and freeing a region, make every peer that
+connected to an export naming it close that peer, and wait for its acknowledgement or its
+loss -- the control plane's ``Goodbye`` does exactly that; the nixl backend does it itself
+(:mod:`transport.nixl_revoke`).
+
 What this backend refuses (the caller falls back to NIXL)
 ---------------------------------------------------------
 :class:`NvlinkUnsupported` for host memory, a peer on another host or in this process, and a

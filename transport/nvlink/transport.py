@@ -100,6 +100,8 @@ class NvlinkTransport(Transport):
         return self._registry.add(ptr, length, device, handle=exp).region_id
 
     def deregister(self, region_id: int) -> None:
+        """Forget the region. No revocation: peers that opened its IPC handle can still write
+        into it until they close (see "Deregistering exported memory" in :mod:`transport.nvlink`)."""
         self._check_open()
         self._registry.remove(region_id)  # an IPC export holds nothing to release
 

@@ -118,6 +118,35 @@ def test_abort_from_prefill_fails_decode_and_releases(bootstrap, ranks):
     assert decode.call(Released("p-abort")) < 10
 
 
+def test_an_ask_that_comes_after_prefill_aborted_is_told_at_once(bootstrap, ranks):
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap))
+    prefill.call(Prefill("late-ask", 20, (10, 10), hold_last=True))
+    prefill.call(Abort("late-ask", "out of memory"))
+    assert prefill.call(Wait("late-ask")) == ("Failed", "out of memory")
+    decode.call(Receive("late-ask", 20))
+    state, reason = decode.call(Wait("late-ask", timeout_s=10))
+    assert state == "Failed" and "prefill rank 0: out of memory" in reason
+    assert decode.call(Released("late-ask")) < 10
+
+
+def test_a_request_made_while_its_prefill_rank_is_away_waits_for_the_rank_to_come_back(bootstrap, ranks):
+    patient = {**FAST, "heartbeat_timeout_s": 20.0}  # how long a request waits for a lost rank
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap, config=patient))
+    prefill.close()  # says goodbye: lost at once
+    deadline = time.monotonic() + 10
+    while decode.call(Stats())["ready_senders"]:
+        assert time.monotonic() < deadline, "the decode rank did not see its prefill rank leave"
+        time.sleep(0.05)
+    decode.call(Receive("across", 24))
+    assert decode.call(Wait("across", timeout_s=0.5)) == ("Bootstrapping", None)  # held, not failed
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))  # a new incarnation registers
+    prefill.call(Prefill("across", 24, (24,)))
+    assert decode.call(Wait("across")) == ("Success", None)
+    assert decode.call(Verify("across"))[0] == 0
+
+
 def test_layouts_that_cannot_exchange_data_fail_the_handshake_naming_both(bootstrap, ranks):
     ranks(prefill_spec(bootstrap, 0, 1, kind="mha"))
     with pytest.raises(RuntimeError, match=r"HandshakeError.*refused decode rank 0: layouts differ in kind: "

@@ -1,0 +1,268 @@
+"""Revocation (issue 11, item 2): no byte of a writer holding an older export lands in memory
+its owner deregistered and freed, and deregister never hangs on a peer.
+
+Two processes over loopback UCX (tcp kept in ``UCX_TLS``, ``UCX_NET_DEVICES=lo``), the real
+NIXL transport on both sides: a receiver process (``_nixl_peer``) with this process writing, or
+this process owning the memory and writer processes (``_nixl_writer``) writing into it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from transport._nixl_import import load_nixl_api
+
+try:
+    load_nixl_api()
+except ImportError as exc:  # NIXL is an optional extra
+    pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
+
+from tests.transport import _nixl_peer, _nixl_writer  # noqa: E402
+from tests.transport._support import assert_same  # noqa: E402
+from transport.base import RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch  # noqa: E402
+from transport.nixl_staged import StagedNixlConfig  # noqa: E402
+
+MiB = 1 << 20
+TCP_ONLY = {"UCX_TLS": "tcp,self"}  # a write stays in flight until the owner progresses it
+DIRECT = StagedNixlConfig(enabled=False)
+
+
+def wb(src_region, src_offset, dst_region, dst_offset, length) -> WriteBatch:
+    arrays = np.broadcast_arrays(*(np.atleast_1d(np.asarray(a, dtype=np.int64)) for a in
+                                   (src_region, src_offset, dst_region, dst_offset, length)))
+    return WriteBatch.of(*arrays)
+
+
+def refusal(peer, batch) -> str:
+    """Why a write to a revoked region is refused: RegionRevoked at once when this side knew
+    already, else a FAILED transfer once the owner's answer to the hold names the region gone
+    (which one comes first is a race between the owner's messages)."""
+    try:
+        tr = peer.write(batch)
+    except RegionRevoked as exc:
+        return str(exc)
+    assert tr.status() is TransferStatus.FAILED, f"a write to a revoked region went through: {tr.status()}"
+    return tr.error
+
+
+def owned(transport, nbytes):
+    """A zeroed host region of ``transport``: (array, region id)."""
+    data = np.zeros(nbytes, dtype=np.uint8)  # [nbytes]
+    return data, transport.register(data.ctypes.data, data.nbytes)
+
+
+@pytest.mark.parametrize("env", [{}, TCP_ONLY], ids=["tcp-self-sm", "tcp-self"])
+def test_a_write_to_a_freed_region_fails_and_lands_nothing(writer, receiver, env):
+    """The issue's sequence: the receiver deregisters and frees a 64 MiB region (and
+    deregisters a 64 KiB one it keeps) while this writer still holds the export naming them;
+    the writer's later writes to them raise RegionRevoked naming the region, the receiver
+    stays alive and no byte lands in the kept one; its live region still takes writes.
+    (Before revocation, over tcp alone the write into the freed 64 MiB killed the receiver
+    with SIGSEGV; with sm, cma failed it as a "remote disconnect".)"""
+    rx = receiver([64 * MiB, 64 * 1024, 4096], env=env)
+    t = writer(env=env, staged=DIRECT)
+    src = np.random.default_rng(1).integers(0, 256, 64 * MiB, dtype=np.uint8)  # [64 MiB]
+    sid = t.register(src.ctypes.data, src.nbytes)
+    peer = t.connect(rx.export)
+    for region, size in ((0, 64 * MiB), (1, 64 * 1024)):
+        peer.write(wb(sid, 0, region, 0, size)).wait(30)
+    rx.deregister(0, pump=t.poll_notifications, free=True)  # t answers the revoke meanwhile
+    rx.deregister(1, pump=t.poll_notifications)
+    kept = rx.dump(1)
+    assert_same(kept, src[:64 * 1024], "region 1 as deregistered")
+    for batch, region in ((wb(sid, 0, 0, 0, 64 * MiB), 0), (wb(sid, 0, 1, 0, 64 * 1024), 1),
+                          (wb(sid, [0, 0], [2, 0], [0, 0], [4096, 4096]), 0)):
+        with pytest.raises(RegionRevoked, match=rf"region {region} of peer '{re.escape(peer.name)}' was revoked: "
+                                                r"its owner deregistered it .*nothing was written"):
+            peer.write(batch)
+    time.sleep(0.3)  # room for a late byte
+    assert rx.proc.is_alive(), "the receiver died"
+    assert_same(rx.dump(1), kept, "the deregistered region 1 after the refused writes")
+    assert_same(rx.dump(2), np.zeros(4096, np.uint8), "region 2 after a refused batch that named it")
+    peer.write(wb(sid, 100, 2, 0, 4096)).wait(30)
+    assert_same(rx.dump(2), src[100:4196], "the live region 2")
+
+
+def test_a_connect_to_an_export_older_than_a_deregister_writes_nothing(writer, receiver):
+    """The owner deregistered a region before this writer connected with an export naming it:
+    the owner's HoldAck names it gone, and the write fails, naming it, without a byte landing."""
+    rx = receiver([64 * 1024, 4096])
+    stale = rx.export
+    rx.deregister(0)  # nobody holds it yet: no wait
+    t = writer(staged=DIRECT)
+    src = np.random.default_rng(2).integers(0, 256, 64 * 1024, dtype=np.uint8)  # [64 KiB]
+    sid = t.register(src.ctypes.data, src.nbytes)
+    peer = t.connect(stale)
+    tr = peer.write(wb(sid, 0, 0, 0, 64 * 1024))
+    assert tr.status() is TransferStatus.FAILED
+    assert re.search(r"region 0 of peer '.*' was revoked", tr.error), tr.error
+    with pytest.raises(RegionRevoked, match="region 0 of peer"):  # known at once from now on
+        peer.write(wb(sid, 0, 0, 0, 64))
+    assert_same(rx.dump(0), np.zeros(64 * 1024, np.uint8), "the region deregistered before the connect")
+    peer.write(wb(sid, 0, 1, 0, 4096)).wait(30)  # the live region of the same export
+
+
+def test_a_writer_with_a_write_in_flight_is_waited_for(writer, writer_proc):
+    """This process owns a 64 MiB region; a writer process posts a 64 MiB write into it over
+    tcp and keeps polling; deregister issued right after the post returns only once the write
+    has landed whole (the writer's write ends DONE, the region holds every byte)."""
+    owner = writer(env=TCP_ONLY, revoke_timeout_s=20.0)
+    mem, rid = owned(owner, 64 * MiB)
+    w = writer_proc(3, 64 * MiB, env=TCP_ONLY)
+    w.connect(owner.export())
+    posted = w.write(1, rid, 0, 64 * MiB, pump=owner.poll_notifications)  # waits for the hold's ack
+    assert posted.status == "PENDING", posted
+    start = time.monotonic()
+    owner.deregister(rid)
+    took = time.monotonic() - start
+    assert_same(mem, w.source, f"the region when deregister returned (after {took:.3f} s)")
+    assert w.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    assert rid not in owner.regions
+
+
+def test_a_dead_writer_does_not_hang_deregister(writer, writer_proc):
+    """A writer holding the export is killed: deregister finds it dead (a probe write reports
+    the disconnect) and releases the region well before the revoke timeout."""
+    owner = writer(revoke_timeout_s=30.0)
+    mem, rid = owned(owner, 1 * MiB)
+    w = writer_proc(4, 1 * MiB)
+    w.connect(owner.export())
+    w.write(1, rid, 0, 1 * MiB, pump=owner.poll_notifications)
+    assert w.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    w.kill()
+    start = time.monotonic()
+    owner.deregister(rid)
+    took = time.monotonic() - start
+    assert took < 10.0, f"deregister took {took:.1f} s with a dead holder (revoke timeout 30 s)"
+    assert rid not in owner.regions
+
+
+def test_every_writer_answers_or_deregister_refuses_naming_the_silent_one(writer, writer_proc):
+    """Three writers hold the export and have written; two keep calling their transports, one
+    only waits on its pipe (it cannot answer). deregister refuses after the timeout, naming only
+    the silent one, the region still registered; that writer's next write raises RegionRevoked
+    (it sees the revoke before it posts) and, once it runs, a second deregister goes through."""
+    owner = writer(revoke_timeout_s=1.5)
+    mem, rid = owned(owner, 3 * 4096)
+    _, other = owned(owner, 4096)
+    writers = [writer_proc(10 + i, 4096) for i in range(3)]
+    for i, w in enumerate(writers):
+        w.connect(owner.export())
+        w.write(i, rid, i * 4096, 4096, pump=owner.poll_notifications)
+        assert w.wait_finished(i, pump=owner.poll_notifications).status == "DONE"
+    for i, w in enumerate(writers):
+        assert_same(mem[i * 4096:(i + 1) * 4096], w.source, f"writer {i}'s page")
+    silent = writers[2]
+    silent.idle(pump=False)
+    time.sleep(0.2)  # it is waiting on its pipe now
+    start = time.monotonic()
+    with pytest.raises(RevokeTimeout, match=rf"region {rid} is still held by peer\(s\) \['{silent.name}'\]: "
+                                            r"no acknowledgement .* within 1.5 s"):
+        owner.deregister(rid)
+    assert 1.4 < time.monotonic() - start < 6.0
+    assert rid in owner.regions  # refused: the memory stays registered
+    posted = silent.write(9, rid, 0, 4096, pump=owner.poll_notifications)
+    assert posted.status == "RAISED" and re.search(rf"RegionRevoked: region {rid} of peer .* was revoked",
+                                                   posted.error), posted
+    silent.idle(pump=True)
+    owner.deregister(rid)
+    assert rid not in owner.regions
+    assert_same(mem[2 * 4096:], writers[2].source, "the silent writer's page (its refused write landed nothing)")
+    owner.deregister(other)  # every writer answers the revoke of the other region at once
+
+
+def test_a_writer_that_connects_while_the_region_is_revoked_gets_it_as_gone(writer, writer_proc):
+    """A hold that reaches the owner while deregister waits for another (silent) holder is
+    answered with the region gone: the late writer's write fails naming it and lands nothing,
+    and the refusal names only the silent holder."""
+    owner = writer(revoke_timeout_s=2.0)
+    mem, rid = owned(owner, 4096)
+    silent = writer_proc(30, 4096)
+    silent.connect(owner.export())
+    silent.write(1, rid, 0, 4096, pump=owner.poll_notifications)
+    assert silent.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    silent.idle(pump=False)
+    late = writer_proc(31, 4096)
+    export, before = owner.export(), mem.copy()
+
+    def connect_and_write():  # while the owner is inside deregister
+        late.conn.send(_nixl_writer.Connect(export))
+        late.conn.send(_nixl_writer.Write(2, rid, 0, 4096))
+
+    timer = threading.Timer(0.5, connect_and_write)
+    timer.start()
+    with pytest.raises(RevokeTimeout, match=rf"still held by peer\(s\) \['{silent.name}'\]"):
+        owner.deregister(rid)
+    timer.join()
+    late.expect(_nixl_writer.Connected, pump=owner.poll_notifications)
+    posted = late.expect(_nixl_writer.Posted, pump=owner.poll_notifications)
+    assert posted.status == "FAILED" and re.search(rf"region {rid} of peer .* was revoked", posted.error), posted
+    time.sleep(0.2)
+    assert_same(mem, before, "the region after the late writer's write")
+
+
+def test_force_releases_a_region_a_silent_writer_holds(writer, writer_proc):
+    """``force=True``: a silent holder is given up on after the timeout (documented risk), and
+    a holder once silent is not waited for again until it answers."""
+    owner = writer(revoke_timeout_s=1.0)
+    mem, rid = owned(owner, 4096)
+    _, rid2 = owned(owner, 4096)
+    w = writer_proc(20, 4096)
+    w.connect(owner.export())
+    w.write(1, rid, 0, 4096, pump=owner.poll_notifications)
+    w.wait_finished(1, pump=owner.poll_notifications)
+    w.idle(pump=False)
+    time.sleep(0.2)
+    start = time.monotonic()
+    owner.deregister(rid, force=True)
+    assert 0.9 < time.monotonic() - start < 5.0 and rid not in owner.regions
+    start = time.monotonic()
+    with pytest.raises(RevokeTimeout, match=f"region {rid2} is still held by peer"):
+        owner.deregister(rid2)  # silent already: refused without another full wait
+    assert time.monotonic() - start < 0.9
+
+
+def test_a_closed_peer_releases_its_hold(writer, receiver):
+    """``Peer.close()`` tells the owner to forget this writer: the receiver's deregister then
+    waits for nobody, though this process does not call its transport meanwhile (the control
+    plane's goodbye relies on it)."""
+    rx = receiver([4096, 4096])
+    t = writer(staged=DIRECT)
+    src = np.random.default_rng(5).integers(0, 256, 4096, dtype=np.uint8)  # [4096]
+    sid = t.register(src.ctypes.data, src.nbytes)
+    peer = t.connect(rx.export)
+    peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    peer.close()
+    done = rx.deregistered(0)  # no pump: this process does nothing meanwhile
+    assert isinstance(done, _nixl_peer.Exported), done
+    assert done.seconds < 1.0, f"deregister waited {done.seconds:.2f} s for a writer that closed its peer"
+    again = t.connect(rx.export)  # an old export: region 0 is gone
+    assert re.search(r"region 0 of peer .* was revoked", refusal(again, wb(sid, 0, 0, 0, 64)))
+    again.write(wb(sid, 0, 1, 0, 4096)).wait(30)
+    assert_same(rx.dump(1), src, "region 1")
+
+
+def test_a_closed_owner_is_written_to_no_more(writer, writer_proc):
+    """The owner closes its transport (waiting for nobody) while its process and memory live
+    on: the holder, told so, refuses its next write to it, and the memory does not change."""
+    owner = writer()
+    mem, rid = owned(owner, 4096)
+    w = writer_proc(40, 4096)
+    w.connect(owner.export())
+    w.write(1, rid, 0, 4096, pump=owner.poll_notifications)
+    assert w.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    mem[:] = 0
+    start = time.monotonic()
+    owner.close()
+    assert time.monotonic() - start < 2.0
+    time.sleep(0.2)  # the holder reads the owner's message meanwhile (it keeps polling)
+    posted = w.write(2, rid, 0, 4096)
+    assert posted.status == "RAISED" and f"region {rid} of peer" in posted.error \
+        and "its owner closed its transport" in posted.error, posted
+    time.sleep(0.2)
+    assert_same(mem, np.zeros(4096, np.uint8), "the closed owner's memory")
