@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np

@@ -15,7 +15,6 @@ pending write ended), :class:`Bye`.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np

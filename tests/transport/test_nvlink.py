@@ -300,6 +300,33 @@ def test_mailbox_delivers_whole_frames_in_order():
     out.close()
 
 
+def test_outbox_alive_from_several_threads_at_once():
+    """The caller's thread (a write checks the peer before launching) and the progress thread
+    (before each notification) ask at the same time: every answer is True, none raises
+    (Python's poll objects refuse a second concurrent poll())."""
+    inbox = _Inbox()
+    out = _Outbox(inbox.name, timeout_s=5.0, sender="writer")
+    start, answers, errors = threading.Barrier(8), [], []
+
+    def ask():
+        start.wait()
+        try:
+            answers.append(all([out.alive() for _ in range(20000)]))
+        except Exception as exc:  # noqa: BLE001 -- the test reports what a thread raised
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and answers == [True] * 8
+    inbox.close()
+    time.sleep(0.05)
+    assert not out.alive()
+    out.close()
+
+
 def test_outbox_to_a_missing_mailbox_is_unreachable():
     # NvlinkPeer turns this into NvlinkUnsupported (the caller falls back to NIXL).
     with pytest.raises(MailboxUnreachable, match="cannot reach the peer's notification socket"):

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import uuid
 
 from transport.base import Notification, TransportError
@@ -121,18 +122,28 @@ class Outbox:
         except OSError as exc:
             self._sock.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our name: {exc}") from None
-        self._poll = select.poll()  # registered once: alive() is one poll(2) per call
-        self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        # one poll object per calling thread, registered once: alive() is one poll(2) per call, and
+        # the caller's thread and the progress thread may call it at once (a poll object refuses that)
+        self._polls = threading.local()
+
+    def _poller(self) -> select.poll:
+        try:
+            return self._polls.poll
+        except AttributeError:
+            poll = self._polls.poll = select.poll()
+            poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            return poll
 
     def alive(self) -> bool:
-        """False once the peer closed its end (the peer never writes, so readable = EOF)."""
+        """False once the peer closed its end (the peer never writes, so readable = EOF).
+        Any thread may call it, several at once."""
         try:
-            if not self._poll.poll(0):
+            if not self._poller().poll(0):
                 return True
             return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except (BlockingIOError, InterruptedError):
             return True
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed here (no descriptor to register)
             return False
 
     def send(self, payload: bytes) -> None:
