@@ -337,8 +337,8 @@ for i in range(12):  # slots change per write; the ring (48) wraps every few wri
     flat = b.expand()
     for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
         want[dr][do:do + n] = src[sr][so:so + n]
-    start, src_top, dst_top = ring.stage(b.src_slot, b.dst_slot)
-    assert (src_top, dst_top) == (b.src_slot.max(), b.dst_slot.max())
+    start, fits = ring.stage(b.src_slot, b.dst_slot, plan.src_limit, plan.dst_limit)
+    assert fits
     event = copy.enqueue_split(plan, S, ring, start, 4)
     assert isinstance(event, Event) and event.stream is copy._stream
     for d, w in zip(dst, want):
@@ -347,8 +347,20 @@ assert plan.src_limit == 15 and plan.dst_limit == 15
 assert Api.copies == 12 and ring.space.live <= 12
 too_far = StridedBatch.of(*pairs.values(), [16], [0])
 assert not check_slots(too_far, plan.src_limit, plan.dst_limit)
-start, src_top, dst_top = ring.stage(np.array([3, -1]), np.array([2, 5]))  # negative: past any limit
-assert src_top > plan.src_limit and dst_top == 5
+for src, dst, fits in (([3, -1], [2, 5], False), ([3, 1], [2, -5], False),  # negative: past any limit
+                       ([15, 1], [2, 5], True), ([16, 1], [2, 5], False), ([1], [15], True), ([1], [16], False)):
+    start, ok = ring.stage(np.array(src), np.array(dst), plan.src_limit, plan.dst_limit)
+    assert ok is fits, (src, dst)
+    ring.space.hold(start, None)
+    start, ok = ring.stage(np.array(src), np.array(dst), plan.src_limit, plan.dst_limit + 1000)  # limits differ
+    assert ok is (fits or (max(dst) >= 16 and min(dst) >= 0 and 0 <= min(src) and max(src) <= 15)), (src, dst)
+    ring.space.hold(start, None)
+long = np.arange(40) % 16  # past the short lists: a ufunc reduction
+start, ok = ring.stage(long[:20], long[20:], plan.src_limit, plan.dst_limit)
+assert ok
+ring.space.hold(start, None)
+start, ok = ring.stage(long[:20], np.concatenate([long[20:39], [16]]), plan.src_limit, plan.dst_limit)
+assert not ok
 ring.space.hold(start, None)
 print("ENQUEUE-OK")
 """
@@ -449,6 +461,52 @@ def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
     finally:
         queue.outbox.close()
         inbox.close()
+
+
+class _Yielding(Progress):
+    """Progress whose flags hand the GIL over at every read and write: the writer's and the
+    thread's steps interleave at exactly the points where a wake could be lost."""
+
+    def _flag(name):  # noqa: N805 -- a property factory in the class body
+        def get(self):
+            time.sleep(0)
+            return self.__dict__[name]
+
+        def put(self, value):
+            time.sleep(0)
+            self.__dict__[name] = value
+
+        return property(get, put)
+
+    _idle = _flag("idle")
+    _kicked = _flag("kicked")
+
+
+def test_progress_wake_is_never_lost_while_the_thread_goes_to_sleep():
+    """A write wakes the thread with a flag while it runs and a notify only while it sleeps: a
+    wake that comes while the thread is on its way to sleep is still seen. Each write comes as
+    soon as the one before was seen (the thread then heads for sleep), the GIL changing hands at
+    each flag; a lost wake leaves its write unseen."""
+    lock, pending, seen = threading.Lock(), [], []
+
+    def advance():
+        with lock:
+            seen.extend(pending)
+            pending.clear()
+        return False
+
+    progress = _Yielding(advance)
+    try:
+        for i in range(2000):
+            with lock:
+                pending.append(i)
+            progress.wake()
+            deadline = time.monotonic() + 2
+            while len(seen) <= i and time.monotonic() < deadline:
+                time.sleep(0)
+            assert len(seen) == i + 1, f"write {i} not seen: its wake was lost"
+    finally:
+        progress.stop()
 
 
 # -- two processes on two GPUs: the direct path ---------------------------------------------------------
@@ -644,6 +702,24 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
     while len(got) < 3 and time.monotonic() < deadline:
         got += inbox.poll()
     assert [n.payload for n in got] == [b"n0", b"n1", b"n2"]
+
+
+def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
+    """A plan built with a launcher (the GPU peer's: ``kernel.SplitLaunch`` over the ring) is
+    launched through it with the ring span's start and the slot count, nothing else."""
+    from transport.nvlink.fastpath import build_plan
+    from transport.nvlink.tables import base_table
+
+    peer, launches, general, _, _ = fake_peer
+    bound = []
+    registry = peer._owner._registry
+    peer.pair_plans = PairCache(4, lambda: registry.sizes, lambda b: build_plan(
+        b, registry.sizes, peer._peer_sizes, registry.derived(base_table), peer._mapping.bases(0), lambda h: h,
+        peer._config.kernel, pin=False, bind=lambda table, p, shape: lambda start, n, stream: bound.append(
+            (table is not None, p, start, n, stream.cuda_stream))))
+    peer.write_strided(_kv([1, 2, 3], [4, 5, 6]), b"a").wait(timeout=5)
+    peer.write_strided(_kv([7], [8]), b"b").wait(timeout=5)
+    assert bound == [(True, 4, 0, 3, 7), (True, 4, 6, 1, 7)] and launches == [] and general == []
 
 
 def test_direct_path_refuses_slots_out_of_bounds_with_the_pair_named(fake_peer):

@@ -71,13 +71,19 @@ def slot_limits(batch: StridedBatch, local: RegionSizes, peer: RegionSizes) -> t
             _side_limit(peer, batch.dst_region, batch.dst_offset, batch.dst_stride, batch.length))
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def pair_key(batch: StridedBatch) -> bytes:
     """The pair part of ``batch`` as one bytes key (the slots left out). The arrays are int64
     (``StridedBatch``'s invariant), so equal keys mean equal pairs; any other dtype is
     converted first."""
-    arrays = [getattr(batch, f) for f in _PAIR_FIELDS]
-    if any(a.dtype != np.int64 for a in arrays):
-        arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
+    b = batch
+    arrays = (b.src_region, b.src_offset, b.src_stride, b.dst_region, b.dst_offset, b.dst_stride, b.length)
+    for a in arrays:
+        if a.dtype is not _INT64 and a.dtype != _INT64:
+            arrays = tuple(np.asarray(x, dtype=np.int64) for x in arrays)
+            break
     return b"".join([a.tobytes() for a in arrays])
 
 
@@ -96,7 +102,8 @@ def check_slots(batch: StridedBatch, src_limit: int, dst_limit: int) -> bool:
 @dataclass(frozen=True)
 class PairPlan:
     """One pair set, resident: see the module doc. ``device_table`` is the ``[5 * P]`` pair part
-    on the GPU (``host_table``: its pinned source, kept while the plan lives)."""
+    on the GPU (``host_table``: its pinned source, kept while the plan lives); ``launcher``
+    launches the split kernel over it and the transport's ring of slots."""
 
     num_pairs: int
     slot_bytes: int  # bytes of one slot over all pairs (sum of length)
@@ -107,6 +114,7 @@ class PairPlan:
     dst_limit: int
     host_table: object  # pinned int64 tensor [5 * P]
     device_table: object  # int64 tensor [5 * P] on the local GPU
+    launcher: Optional[kern.SplitLaunch] = None  # the launch over device_table and the ring (None: not bound)
 
 
 class PairCache:
@@ -119,6 +127,7 @@ class PairCache:
         self._generation, self._build = generation, build
         self._seen: object = None
         self._plans: OrderedDict[bytes, PairPlan] = OrderedDict()
+        self._last: Optional[tuple[bytes, PairPlan]] = None  # the plan found last, and its key
         self.builds = 0  # plans built (tests and benchmarks read it)
 
     def __len__(self) -> int:
@@ -129,24 +138,29 @@ class PairCache:
         pair fits no slot (nothing cached)."""
         gen = self._generation()
         if gen is not self._seen:
-            self._plans.clear()
+            self.clear()
             self._seen = gen
         key = pair_key(batch)
+        last = self._last
+        if last is not None and last[0] == key:  # the same pairs as the last write: one memcmp, no hash
+            return last[1]
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
-            return plan
-        plan = self._build(batch)
-        if plan is None:  # some pair fits no slot: not cached, the caller names the pair
-            return None
-        self.builds += 1
-        self._plans[key] = plan
-        while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
+        else:
+            plan = self._build(batch)
+            if plan is None:  # some pair fits no slot: not cached, the caller names the pair
+                return None
+            self.builds += 1
+            self._plans[key] = plan
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        self._last = (key, plan)
         return plan
 
     def clear(self) -> None:
         self._plans.clear()
+        self._last = None
 
 
 class RingSpace:
@@ -212,6 +226,16 @@ class RingSpace:
 _TAKEN = object()  # a span taken and not yet given its fence
 
 
+_SHORT = 32  # up to this many elements, Python's max over a list beats a ufunc reduction (its call costs ~2 us)
+
+
+def _top(slots: np.ndarray, start: int, end: int) -> int:
+    """The largest of ``slots[start:end]`` (non-empty)."""
+    if end - start <= _SHORT:
+        return max(slots[start:end].tolist())
+    return int(np.maximum.reduce(slots[start:end]))
+
+
 def _event_done(event) -> bool:
     try:
         return bool(event.query())
@@ -239,6 +263,7 @@ class SlotRing:
         self.space = RingSpace(int(host.numel()), _event_done, _event_wait)
         self.host, self.dev = host, dev  # [capacity] int64 each
         self._host_np = host.numpy()
+        self._host_u64 = self._host_np.view(np.uint64)
         self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
 
     @classmethod
@@ -253,18 +278,25 @@ class SlotRing:
     def fits(self, n: int) -> bool:
         return self.space.fits(n)
 
-    def stage(self, src_slot: np.ndarray, dst_slot: np.ndarray) -> tuple[int, int, int]:
+    def stage(self, src_slot: np.ndarray, dst_slot: np.ndarray, src_limit: int, dst_limit: int) -> tuple[int, bool]:
         """Copy the ``[S]`` source then destination slots into a free span of the host ring;
-        return its start and the largest source and destination slot, read as unsigned (a
-        negative slot reads past any limit): the bounds check and the copy in one visit. The
+        return its start and whether every slot lies in ``[0, limit]`` of its side (read as
+        unsigned, a negative slot is past any limit): the bounds check and the copy in one
+        visit, one reduction over both sides when both are below the smaller limit. The
         caller uploads the span (:meth:`upload`) or frees it (``space.hold(start, None)``)."""
         n = src_slot.size
         start = self.space.take(2 * n)
-        span = self._host_np[start: start + 2 * n]  # [2 * S]: source slots, destination slots
-        span[:n] = src_slot
-        span[n:] = dst_slot
-        top = np.maximum.reduce(span.view(np.uint64).reshape(2, n), axis=1)  # [2]
-        return start, int(top[0]), int(top[1])
+        end = start + 2 * n
+        self._host_np[start: start + n] = src_slot
+        self._host_np[start + n: end] = dst_slot
+        if n == 0:
+            return start, True
+        slots = self._host_u64  # [capacity] the ring read as unsigned
+        if _top(slots, start, end) <= min(src_limit, dst_limit):
+            return start, True
+        if src_limit == dst_limit:
+            return start, False
+        return start, _top(slots, start, start + n) <= src_limit and _top(slots, start + n, end) <= dst_limit
 
     def upload(self, start: int, n: int, stream_handle: int) -> None:
         """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw
@@ -288,11 +320,13 @@ class SlotRing:
 
 def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
                src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object],
-               config: kern.KernelConfig, pin: bool = True) -> Optional[PairPlan]:
+               config: kern.KernelConfig, pin: bool = True,
+               bind: Optional[Callable[[object, int, kern.LaunchPlan], kern.SplitLaunch]] = None) -> Optional[PairPlan]:
     """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
     caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the
     GPU; ``config``: the kernel's launch shape; ``pin``: the host table in pinned memory (tests
-    without CUDA say False)."""
+    without CUDA say False); ``bind(device table, num_pairs, launch shape)``: the plan's
+    launcher (None: none, writes launch through :func:`~transport.nvlink.kernel.scatter_strided_split`)."""
     import torch
 
     src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
@@ -304,5 +338,6 @@ def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: Region
     table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
                                      empty, empty, out=host.numpy())
     max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)
-    return PairPlan(p, int(batch.length.sum()), max_len, path, kern.plan_shape(max_len, path, config),
-                    src_limit, dst_limit, host, upload(host))
+    shape, device_table = kern.plan_shape(max_len, path, config), upload(host)
+    return PairPlan(p, int(batch.length.sum()), max_len, path, shape, src_limit, dst_limit, host, device_table,
+                    bind(device_table, p, shape) if bind is not None else None)

@@ -94,6 +94,7 @@ __all__ = [
     "StageMode",
     "KernelConfig",
     "LaunchPlan",
+    "SplitLaunch",
     "build_row_table",
     "build_strided_table",
     "choose_path",
@@ -563,3 +564,40 @@ def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slot
     _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), grid, pairs,
          device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, 0, rows, num_tiles, 0, 0),
          _constexprs(0, plan), num_warps)
+
+
+_I32_MAX = (1 << 31) - 1
+
+
+class SplitLaunch:
+    """:func:`scatter_strided_split` over fixed tables -- a pair set's resident pair part
+    ``pairs`` (``[5 * num_pairs]``) and a ring ``slots`` that holds each write's slot part at
+    some ``slot_base`` -- checked once here (:func:`check_split_tables`); a call launches the
+    copy of ``num_pairs * num_slots`` rows with only the slot part's place and count (the
+    launch bound once, :meth:`~transport.nvlink.launch.Relauncher.bind`). Tensors on GPU
+    ``device`` (an int) only."""
+
+    def __init__(self, pairs, slots, num_pairs: int, plan: LaunchPlan, device: int, num_warps: int = 4):
+        import torch
+
+        check_split_tables(pairs, slots, num_pairs, 0, 0, torch.device("cuda", device))
+        self.num_pairs, self.plan, self._ring_size = num_pairs, plan, int(slots.numel())
+        self._launch = _kernel(False, _scatter_strided_body).bind(device, num_warps, (pairs, slots),
+                                                                  _constexprs(0, plan))
+
+    def __call__(self, slot_base: int, num_slots: int, stream) -> None:
+        """Launch on the torch ``stream`` (its device current in CUDA) over the slot part at
+        ``slots[slot_base : slot_base + 2 * num_slots]`` (both Python ints)."""
+        if not 0 <= slot_base <= self._ring_size - 2 * num_slots:
+            raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {self._ring_size} elements")
+        rows = self.num_pairs * num_slots
+        if rows == 0:
+            return
+        num_tiles = -(-rows // self.plan.block_r)
+        programs = self.plan.num_programs
+        ints = (slot_base, self.num_pairs, num_slots, 0, rows, num_tiles, 0, 0)  # rows and slot_base the largest
+        grid = min(programs, num_tiles) if programs else num_tiles
+        if rows <= _I32_MAX and slot_base <= _I32_MAX:
+            self._launch.launch_i32(grid, stream, ints)
+        else:
+            self._launch(grid, stream, ints)

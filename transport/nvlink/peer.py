@@ -18,6 +18,7 @@ from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
 from transport.nvlink.fastpath import PairCache, build_plan
 from transport.nvlink.job import PreparedWrite
+from transport.nvlink.kernel import SplitLaunch
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
 from transport.nvlink.pending import PendingQueue
@@ -108,8 +109,9 @@ class NvlinkPeer(Peer):
                       engine: NvlinkEngine) -> Optional[NvlinkTransfer]:
         """The direct path of ``batch``, or None when it takes the general one (no ring, slots
         past the ring, an empty batch, or the staged engine)."""
-        num_slots = batch.num_slots
-        if num_slots == 0 or batch.num_pairs == 0:
+        src_slot = batch.src_slot
+        num_slots = src_slot.size
+        if num_slots == 0 or batch.length.size == 0:
             return None
         ring = self._owner._slot_ring()
         if ring is None or not ring.fits(2 * num_slots):
@@ -118,11 +120,11 @@ class NvlinkPeer(Peer):
         if plan is None:
             self.tables.check_bounds(batch)  # names the first pair that fits no slot
             raise ValueError("batch out of bounds")  # not reached: the two checks agree
-        if self._route.lane_for(engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots,
-                                plan.max_len) is not None:
+        if engine is not NvlinkEngine.KERNEL and self._route.lane_for(
+                engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots, plan.max_len) is not None:
             return None
-        start, src_top, dst_top = ring.stage(batch.src_slot, batch.dst_slot)  # the slots' bounds, read once
-        if src_top > plan.src_limit or dst_top > plan.dst_limit:
+        start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
+        if not fits:
             ring.space.hold(start, None)
             self._refuse_slots(batch, plan)
         if not self._queue.outbox.alive():
@@ -159,11 +161,13 @@ class NvlinkPeer(Peer):
 
     def _build_pairs(self, batch: StridedBatch):
         """A :class:`~transport.nvlink.fastpath.PairPlan` of ``batch``'s pairs (None: some pair
-        fits no slot), its table uploaded on the copy stream."""
+        fits no slot), its table uploaded on the copy stream, its launch bound over the ring."""
+        ring, device, num_warps = self._owner._slot_ring(), self.device, self._config.kernel.num_warps
         return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
-                          self._owner._registry.derived(base_table), self._mapping.bases(self.device),
-                          lambda host: self._copy._table_on(host, self.device, self._copy.stream),
-                          self._config.kernel)
+                          self._owner._registry.derived(base_table), self._mapping.bases(device),
+                          lambda host: self._copy._table_on(host, device, self._copy.stream), self._config.kernel,
+                          bind=None if ring is None else lambda table, num_pairs, shape: SplitLaunch(
+                              table, ring.dev, num_pairs, shape, device, num_warps))
 
     def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         notify = self._check_notify(notify)  # idempotent: bytes stay bytes

@@ -35,17 +35,28 @@ class Progress:
         self._cond = threading.Condition()
         self._stop = False
         self._kicked = False  # a write arrived since the thread last looked
+        self._idle = False  # the thread is (about to be) asleep on _cond: a wake must notify
         self._thread: Optional[threading.Thread] = None
 
     def wake(self) -> None:
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._kicked = True
-            self._cond.notify()
+        """Have the thread call ``advance()`` again (started by the first call). While the thread
+        runs or waits on an event, a flag it reads before it would sleep; only a sleeping
+        thread is notified (a lock and a futex wake)."""
+        self._kicked = True  # before reading _idle; the thread sets _idle before reading _kicked
+        if self._idle or self._thread is None:
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                self._kicked = True
+                self._cond.notify()
 
     def _run(self) -> None:
+        # A write tracks its transfer, then sets _kicked, then reads _idle; this thread sets
+        # _idle, then reads _kicked, then sleeps (both under the GIL, in that order). If it
+        # read _kicked unset, the write's read of _idle came later and saw it set: the write
+        # notifies, under the lock this thread holds until it waits. So no write is left
+        # pending with the thread asleep.
         while True:
             with self._cond:
                 if self._stop:
@@ -62,8 +73,10 @@ class Progress:
             with self._cond:
                 if self._stop:
                     return
+                self._idle = True
                 if not self._kicked:
                     self._cond.wait(self.POLL_S if busy else None)
+                self._idle = False
 
     def stop(self) -> None:
         with self._cond:

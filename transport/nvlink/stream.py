@@ -17,12 +17,27 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from transport.nvlink import ipc
+from transport.nvlink import kernel as kern
 
 if TYPE_CHECKING:
     from transport.nvlink.fastpath import PairPlan, SlotRing
     from transport.nvlink.job import PreparedWrite
 
 __all__ = ["CopyStream"]
+
+
+_CURRENT: list = []  # the function that gives the raw current stream, found at the first call
+
+
+def _current_stream_handle(device: int) -> int:
+    """The raw handle of torch's current stream on ``device``: the private call Triton's launcher
+    uses (no Stream object made), else through ``torch.cuda.current_stream``."""
+    if not _CURRENT:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _CURRENT.append(raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _CURRENT[0](device)
 
 
 class CopyStream:
@@ -82,9 +97,7 @@ class CopyStream:
     def _wait_caller(self, stream) -> None:
         """The copy stream waits for the work queued so far on the caller's current stream (one
         reused raw event: record, wait; the device is current)."""
-        import torch
-
-        current = torch.cuda.current_stream(self.device).cuda_stream
+        current = _current_stream_handle(self.device)
         if current == stream.cuda_stream:
             return
         if self._order_event is None:
@@ -99,8 +112,6 @@ class CopyStream:
         fenced with it (or freed once nothing can read it, on an error)."""
         import torch
 
-        from transport.nvlink import kernel as kern
-
         api, device, stream = self._api, self.device, self.stream
         prev = api.get_device()  # one call when the caller drives this GPU, three when not
         if prev != device:
@@ -110,8 +121,11 @@ class CopyStream:
             if self._wait_current:
                 self._wait_caller(stream)
             ring.upload(start, 2 * num_slots, stream.cuda_stream)
-            kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
-                                       device, num_warps, checked=True, stream=stream)
+            if plan.launcher is not None:  # the launch bound at the plan's making
+                plan.launcher(start, num_slots, stream)
+            else:
+                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
+                                           device, num_warps, checked=True, stream=stream)
             event = torch.cuda.Event()
             event.record(stream)
         finally:
