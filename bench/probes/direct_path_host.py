@@ -17,12 +17,15 @@ With ``--cuda``: a real nvlink transport on GPU 0 and a receiver process on GPU 
 (``transport.remote.RemoteBuffers``, as ``kvtransfer bench nvlink``). Prints
 
 - ``steps``: the median of each step of ``peer.write_strided`` (the direct path), each timed by
-  a wrapper around it (nested steps indented; ``glue`` is the parent's time outside its
-  children), and the median of the whole call without the wrappers;
+  a wrapper around it (nested steps indented; ``the rest of X``: X's time outside the steps
+  listed under it), and the median of the whole call without the wrappers (wall clock and the
+  calling thread's CPU time: a gap between them is time spent waiting for the GIL or a core);
 - ``after the call``: per write, the medians from the call to its return, to the progress
   thread's ``event.synchronize()`` returning (the kernel included), to the notification's send
   returning, to the receiver's poll returning it (the receiver stamps arrivals on the host's
-  monotonic clock, polling without sleeping), with the kernel's own time (CUDA events) beside;
+  monotonic clock, polling without sleeping), with the kernel's own time (CUDA events, the GPU
+  kept busy before it so that the launch is not timed) and which thread sent the notification
+  (the caller's ``wait()`` sends it when the copy was done at its first look);
 - raw costs of the CUDA calls the path makes, through each runtime binding (cuda-python, ctypes),
   and how late a thread sees a completed event (spin vs blocking-sync).
 """

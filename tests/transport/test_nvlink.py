@@ -300,6 +300,22 @@ def test_mailbox_delivers_whole_frames_in_order():
     out.close()
 
 
+def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
+    """A receiver that stops reading fills the socket; the send then waits for room at most the
+    outbox's timeout and raises (the pending queue fails the transfer: peer lost)."""
+    inbox = _Inbox()
+    out = _Outbox(inbox.name, timeout_s=0.3, sender="writer")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"the peer's mailbox took no bytes for 0.3 s"):
+        for _ in range(100000):
+            out.send(b"x" * 1024)
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert out.alive()  # full, not gone: what came is still readable
+    got = inbox.poll()
+    assert got and got[0] == Notification("writer", b"x" * 1024)
+    out.close(), inbox.close()
+
+
 def test_outbox_alive_from_several_threads_at_once():
     """The caller's thread (a write checks the peer before launching) and the progress thread
     (before each notification) ask at the same time: every answer is True, none raises

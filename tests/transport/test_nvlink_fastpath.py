@@ -445,6 +445,22 @@ def test_progress_sends_the_notification_once_the_event_fires_without_polling():
         inbox.close()
 
 
+def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_notification():
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=5)
+    try:
+        tagged = queue.track(NvlinkTransfer(queue, _BlockingEvent(), b"landed"))
+        silent = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
+        inbox.close()
+        time.sleep(0.05)
+        tagged._event.fire(), silent._event.fire()
+        assert tagged.status() is TransferStatus.FAILED and silent.status() is TransferStatus.FAILED
+        assert "peer 'cpu-peer' lost while sending the notification" in tagged.error
+        assert silent.error == "peer 'cpu-peer' lost before the notification could be sent"
+    finally:
+        queue.outbox.close()
+
+
 def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
     inbox = Inbox()
     queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)

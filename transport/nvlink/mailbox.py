@@ -16,6 +16,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import uuid
 
 from transport.base import Notification, TransportError
@@ -42,62 +43,85 @@ def host_id() -> str:
 class Inbox:
     """The receiving end: a listening abstract Unix socket and the writers connected to it."""
 
+    _CHUNK = 1 << 16
+
     def __init__(self):
         self.name = f"kvtransfer-nvlink-{os.getpid()}-{uuid.uuid4().hex}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._sock.setblocking(False)
-        self._conns: list[list] = []  # [socket, bytearray of unparsed bytes, sender name or None]
+        self._listen_fd = self._sock.fileno()
+        self._conns: dict[int, list] = {}  # fd -> [socket, bytearray of unparsed bytes, sender name or None]
         self._ready = select.poll()  # the listening socket and every connection: one poll(2) per call
         self._ready.register(self._sock, select.POLLIN)
 
     def poll(self) -> list[Notification]:
-        """Whole notifications received since the last call, per connection in sending order."""
-        if not self._ready.poll(0):  # nothing to accept, read or close
+        """Whole notifications received since the last call, per connection in sending order.
+        One ``poll(2)``; then only what it named: new connections accepted (and read once),
+        ready connections read until a short read."""
+        ready = self._ready.poll(0)
+        if not ready:  # nothing to accept, read or close
             return []
+        out: list[Notification] = []
+        for fd, _ in ready:
+            if fd == self._listen_fd:
+                for entry in self._accept():
+                    self._read(entry, out)
+            elif fd in self._conns:
+                self._read(self._conns[fd], out)
+        return out
+
+    def _accept(self) -> list:
+        new = []
         while True:
             try:
                 conn, _ = self._sock.accept()
             except BlockingIOError:
-                break
+                return new
             conn.setblocking(False)
-            self._conns.append([conn, bytearray(), None])
+            entry = [conn, bytearray(), None]
+            self._conns[conn.fileno()] = entry
             self._ready.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
-        out: list[Notification] = []
-        for entry in list(self._conns):
-            conn, buf = entry[0], entry[1]
-            closed = False
-            while True:
-                try:
-                    chunk = conn.recv(1 << 16)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    closed = True
-                    break
-                if not chunk:
-                    closed = True
-                    break
-                buf += chunk
-            while len(buf) >= _FRAME.size:
-                (n,) = _FRAME.unpack_from(buf)
-                if len(buf) < _FRAME.size + n:
-                    break
-                frame = bytes(buf[_FRAME.size : _FRAME.size + n])
-                del buf[: _FRAME.size + n]
-                if entry[2] is None:  # the connection's first frame names its sender
-                    entry[2] = frame.decode("utf-8", errors="replace")
-                else:
-                    out.append(Notification(entry[2], frame))
-            if closed:
-                self._ready.unregister(conn)
-                conn.close()
-                self._conns.remove(entry)
-        return out
+            new.append(entry)
+
+    def _read(self, entry: list, out: list) -> None:
+        """Read what ``entry``'s connection holds, append its whole frames to ``out``; close it
+        at end-of-file or an error."""
+        conn, buf = entry[0], entry[1]
+        closed = False
+        while True:
+            try:
+                chunk = conn.recv(self._CHUNK)
+            except BlockingIOError:
+                break
+            except OSError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            buf += chunk
+            if len(chunk) < self._CHUNK:  # drained (more that comes now: the next poll(2) says so)
+                break
+        while len(buf) >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(buf)
+            if len(buf) < _FRAME.size + n:
+                break
+            frame = bytes(buf[_FRAME.size : _FRAME.size + n])
+            del buf[: _FRAME.size + n]
+            if entry[2] is None:  # the connection's first frame names its sender
+                entry[2] = frame.decode("utf-8", errors="replace")
+            else:
+                out.append(Notification(entry[2], frame))
+        if closed:
+            fd = conn.fileno()
+            self._ready.unregister(conn)
+            conn.close()
+            self._conns.pop(fd, None)
 
     def close(self) -> None:
-        for conn, *_ in self._conns:
+        for conn, *_ in self._conns.values():
             conn.close()
         self._conns.clear()
         self._sock.close()
@@ -118,10 +142,14 @@ class Outbox:
                 "is it on this host and in this network namespace?"
             ) from None
         try:
-            self.send(sender.encode("utf-8"))
+            self._sock.sendall(_FRAME.pack(len(sender.encode("utf-8"))) + sender.encode("utf-8"))
         except OSError as exc:
             self._sock.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our name: {exc}") from None
+        # From here the socket is non-blocking and send() bounds its own waits: a socket with a
+        # timeout would poll(2) before every send(2) (CPython does), twice the system calls.
+        self._timeout_s = timeout_s
+        self._sock.setblocking(False)
         # one poll object per calling thread, registered once: alive() is one poll(2) per call, and
         # the caller's thread and the progress thread may call it at once (a poll object refuses that)
         self._polls = threading.local()
@@ -147,7 +175,31 @@ class Outbox:
             return False
 
     def send(self, payload: bytes) -> None:
-        self._sock.sendall(_FRAME.pack(len(payload)) + payload)
+        """Send one frame: one ``send(2)`` while the socket has room, else waits for room up to
+        the timeout (``TimeoutError``; ``OSError`` when the peer is gone). One sender at a time
+        (the pending queue's lock)."""
+        data = _FRAME.pack(len(payload)) + payload
+        try:
+            sent = self._sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self._send_rest(memoryview(data)[sent:])
+
+    def _send_rest(self, rest: memoryview) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        room = select.poll()
+        room.register(self._sock, select.POLLOUT)
+        while rest:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the peer's mailbox took no bytes for {self._timeout_s} s")
+            if not room.poll(max(1, int(left * 1000))):
+                continue
+            try:
+                rest = rest[self._sock.send(rest):]
+            except BlockingIOError:
+                continue
 
     def close(self) -> None:
         self._sock.close()
