@@ -9,7 +9,7 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
                        one KV head), page size 1, all 160 buffers
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
-(CUDA events, median), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
+(CUDA events, median; its launch's host time not timed), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
 scatter; one prepared write, :meth:`NvlinkPeer.prepare`, posted again and again with its
 tables resident on both GPUs; CUDA events, median), ``write()`` = ``peer.write(batch).wait()``
 wall time including the bounds check, the row-table gather and its host-to-device copy
@@ -27,10 +27,11 @@ transport has one, else a prepared write.
 Fixed cost per write (second table): ``write_strided()`` (kernel engine) call to the
 notification seen by the receiver process, which polls without sleeping and stamps arrivals on
 the host's monotonic clock (``RemoteBuffers.start_stamp_notify``), median; minus the strided
-kernel's own time for the same batch (CUDA events, resident table). ``ns/slot``: what a case's
-fixed cost adds to that of a one-row write (1 pair x 1 slot), per slot. The one-row write's
-fixed cost is also measured through NIXL when it is importable (one descriptor, the receiver
-progressing NIXL as it polls).
+kernel's own time for the same batch (CUDA events, resident table, the GPU kept busy while it
+is launched so that the launch's host time is not counted as the kernel's: it is part of the
+fixed cost). ``ns/slot``: what a case's fixed cost adds to that of a one-row write (1 pair x
+1 slot), per slot. The one-row write's fixed cost is also measured through NIXL when it is
+importable (one descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
@@ -117,9 +118,14 @@ def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
     return cases
 
 
-def _median_ms_events(fn, reps: int, warmup: int) -> float:
-    """Median milliseconds of the GPU work ``fn`` enqueues (CUDA events)."""
-    return time_cuda(fn, reps, warmup).median * 1e3
+BUSY_CYCLES = 1_000_000  # ~0.5 ms of GPU clock queued before a timed launch: its host time is not timed
+
+
+def _median_ms_events(fn, reps: int, warmup: int, one_launch: bool = False) -> float:
+    """Median milliseconds of the GPU work ``fn`` enqueues (CUDA events). ``one_launch``: ``fn``
+    is one kernel launch, timed with the GPU kept busy while it enqueues (the kernel alone,
+    not the host time of its launch, which a one-row write would otherwise be mostly)."""
+    return time_cuda(fn, reps, warmup, busy_cycles=BUSY_CYCLES if one_launch else 0).median * 1e3
 
 
 def _has_direct(peer) -> bool:
@@ -238,7 +244,8 @@ class _Bench:
         path = kern.choose_path(rows_dev.cpu().numpy())
         plan = kern.plan_launch(rows_dev.shape[1], int(case.length.max()), path, cfg)
         with self.torch.cuda.device(device):
-            return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup)
+            return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup,
+                                     one_launch=True)
 
     def strided_kernel_ms(self, sb) -> tuple[float, float]:
         """The strided kernel alone on a resident table (CUDA events, median), and the host
@@ -255,7 +262,7 @@ class _Bench:
         cfg = self.configs[0]
         with self.torch.cuda.device(self.src_dev):
             ms = _median_ms_events(lambda: kern.scatter_strided(table_dev, sb.num_pairs, sb.num_slots, plan, self.src_dev,
-                                                                cfg.num_warps), args.reps, args.warmup)
+                                                                cfg.num_warps), args.reps, args.warmup, one_launch=True)
         return ms, statistics.median(host)
 
     def staged_ms(self, sb) -> float:
