@@ -420,55 +420,53 @@ class _BlockingEvent:
         self._fired.wait(10)
 
 
-def test_progress_sends_the_notification_once_the_event_fires_without_polling():
+@pytest.fixture
+def settling():
+    """A mailbox, a pending queue writing to it and a progress thread over the queue."""
     inbox = Inbox()
     queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30)
     progress = Progress(queue.advance, queue.oldest_event)
-    try:
-        event = _BlockingEvent()
-        t = queue.track(NvlinkTransfer(queue, event, b"landed"))
-        progress.wake()
-        time.sleep(0.05)
-        assert t._status is TransferStatus.PENDING and event.synchronized == 1  # one wait, no polling loop
-        waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
-        waiter.start()
-        event.fire()
-        waiter.join(5)
-        assert not waiter.is_alive() and t.status() is TransferStatus.DONE
-        got, deadline = [], time.monotonic() + 2
-        while not got and time.monotonic() < deadline:
-            got = inbox.poll()
-        assert [n.payload for n in got] == [b"landed"]
-    finally:
-        progress.stop()
-        queue.outbox.close()
-        inbox.close()
+    yield inbox, queue, progress
+    progress.stop()
+    queue.outbox.close()
+    inbox.close()
 
 
-def test_every_waiter_wakes_when_the_transfer_settles():
-    inbox = Inbox()
-    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30)
-    progress = Progress(queue.advance, queue.oldest_event)
-    try:
-        event = _BlockingEvent()
-        t = queue.track(NvlinkTransfer(queue, event, b"landed"))
-        progress.wake()
-        woke = []
-        waiters = [threading.Thread(target=lambda: (t.wait(timeout=5), woke.append(1))) for _ in range(3)]
-        for w in waiters:
-            w.start()
-        time.sleep(0.05)
-        assert woke == []
-        event.fire()
-        for w in waiters:
-            w.join(5)
-        assert woke == [1, 1, 1]
-        t.wait(timeout=0.01)  # settled: returns at once, however often
-        t.wait(timeout=0.01)
-    finally:
-        progress.stop()
-        queue.outbox.close()
-        inbox.close()
+def test_progress_sends_the_notification_once_the_event_fires_without_polling(settling):
+    inbox, queue, progress = settling
+    event = _BlockingEvent()
+    t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+    progress.wake()
+    time.sleep(0.05)
+    assert t._status is TransferStatus.PENDING and event.synchronized == 1  # one wait, no polling loop
+    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+    waiter.start()
+    event.fire()
+    waiter.join(5)
+    assert not waiter.is_alive() and t.status() is TransferStatus.DONE
+    got, deadline = [], time.monotonic() + 2
+    while not got and time.monotonic() < deadline:
+        got = inbox.poll()
+    assert [n.payload for n in got] == [b"landed"]
+
+
+def test_every_waiter_wakes_when_the_transfer_settles(settling):
+    _, queue, progress = settling
+    event = _BlockingEvent()
+    t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+    progress.wake()
+    woke = []
+    waiters = [threading.Thread(target=lambda: (t.wait(timeout=5), woke.append(1))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    assert woke == []
+    event.fire()
+    for w in waiters:
+        w.join(5)
+    assert woke == [1, 1, 1]
+    t.wait(timeout=0.01)  # settled: returns at once, however often
+    t.wait(timeout=0.01)
 
 
 def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_notification():
