@@ -17,6 +17,7 @@ from tests.transport._support import (
     assert_interpreted_ok,
     check_landed,
     kv_batch,
+    kv_strided,
     local_pair,
     write_landed,
 )
@@ -417,13 +418,22 @@ def test_two_processes_unaligned_rows(remote, unit):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_two_processes_ctypes_ipc_api(remote):
-    """The libcudart fallback exports and opens handles as cuda-python does."""
+    """The libcudart fallback exports and opens handles as cuda-python does, and runs the
+    direct path's calls (the caller's stream recorded and waited for, the slots' upload)."""
+    import torch
+
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, NvlinkConfig(ipc_api="ctypes"))
     try:
         batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(7))
         peer.write(batch, notify=b"ctypes").wait(timeout=60)
         check_landed(remote, src, dst_rids, batch, buf_bytes, b"ctypes")
+        strided = kv_strided(sorted(src), dst_rids, 1, False, np.random.default_rng(8))
+        remote.fill(dst_rids, 0x5A)
+        with torch.cuda.stream(torch.cuda.Stream(peer.device)):  # a caller's stream that is not the copy stream
+            peer.write_strided(strided, notify=b"ctypes direct").wait(timeout=60)
+        assert peer.pair_plans.builds == 1
+        check_landed(remote, src, dst_rids, strided.expand(), buf_bytes, b"ctypes direct")
     finally:
         t.close()
 
@@ -608,3 +618,71 @@ def test_cuda_error_and_lost_peer_fail_the_transfer(cpu_peer):
     t._event.fired = True
     with pytest.raises(TransferFailed, match="lost"):
         t.wait(timeout=5)
+
+
+# -- the CUDA runtime bindings' hot calls (stand-in runtimes: their return conventions) ----------------
+
+
+class _CudaError(int):
+    """cuda-python's cudaError_t: an int enum (members compared by identity on success)."""
+
+    cudaSuccess = None  # set below
+    value = property(int)
+
+
+_CudaError.cudaSuccess = _CudaError(0)
+
+
+class _FakeCudaPythonRuntime:
+    """cuda-python's runtime module as the hot calls see it: each call returns ``(err, *out)``."""
+
+    cudaError_t = _CudaError
+
+    def __init__(self, fail: int = 0):
+        self.calls, self._err = [], _CudaError.cudaSuccess if fail == 0 else _CudaError(fail)
+
+    @staticmethod
+    def cudaMemcpyKind(v):
+        return ("kind", v)
+
+    def cudaMemcpyAsync(self, *a):
+        self.calls.append(("memcpy", *a))
+        return (self._err,)
+
+    def cudaEventRecord(self, *a):
+        self.calls.append(("record", *a))
+        return (self._err,)
+
+    def cudaStreamWaitEvent(self, *a):
+        self.calls.append(("wait", *a))
+        return (self._err,)
+
+    def cudaGetDevice(self):
+        return (self._err, 3)
+
+
+def _cuda_python_api(rt):
+    from transport.nvlink import ipc
+
+    api = object.__new__(ipc._CudaPythonApi)
+    api.rt, api.drv = rt, None
+    api._success, api._kind_default = rt.cudaError_t.cudaSuccess, rt.cudaMemcpyKind(4)
+    return api
+
+
+def test_cuda_python_hot_calls_pass_their_arguments_and_name_a_failure():
+    from transport.nvlink.ipc import CudaIpcError
+
+    rt = _FakeCudaPythonRuntime()
+    api = _cuda_python_api(rt)
+    api.memcpy_async(0x1000, 0x2000, 64, 7)
+    api.event_record("ev", 7)
+    api.stream_wait_event(8, "ev")
+    assert api.get_device() == 3
+    assert rt.calls == [("memcpy", 0x1000, 0x2000, 64, ("kind", 4), 7), ("record", "ev", 7), ("wait", 8, "ev", 0)]
+    bad = _cuda_python_api(_FakeCudaPythonRuntime(fail=700))
+    with pytest.raises(CudaIpcError, match=r"cudaMemcpyAsync\(0x1000, 0x2000, 64\) failed"):
+        bad.memcpy_async(0x1000, 0x2000, 64, 7)
+    for call, args in (("event_record", ("ev", 7)), ("stream_wait_event", (8, "ev")), ("get_device", ())):
+        with pytest.raises(CudaIpcError, match=r"cuda(EventRecord|StreamWaitEvent|GetDevice) failed"):
+            getattr(bad, call)(*args)
