@@ -9,9 +9,11 @@
 #               each table sits beside the peer copy of its own run
 #   regression  bench nvlink at 16,384 tokens (pages 1, 16), this tree only
 #   tests       pytest -m gpu over the transport tests (NVLink, strided, direct path, launcher)
+#   probe       bench/probes/direct_path_host.py --cuda at 1,024 and 16,384 tokens: the host time of a
+#               direct-path write step by step, the timeline after the call, raw CUDA call costs
 set -o pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|tests]...}" && pwd); shift
+old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|tests|probe]...}" && pwd); shift
 OUT=${OUT:-$here/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(compare tests)
@@ -39,7 +41,13 @@ for what in "${steps[@]}"; do
                 -p no:cacheprovider -o addopts= tests/transport/test_nvlink.py tests/transport/test_nvlink_fastpath.py \
                 tests/transport/test_strided.py tests/transport/test_nvlink_staged.py tests/transport/test_triton_launch.py) \
                 2>&1 | tee "$OUT/gpu_tests_transport.log" || rc=1 ;;
-        *) echo "unknown step $what (compare | regression | tests)" >&2; exit 2 ;;
+        probe)
+            for tokens in 1024 16384; do
+                (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 \
+                    bench/probes/direct_path_host.py --cuda --tokens $tokens --reps 200) \
+                    2>&1 | tee "$OUT/direct_path_host_${tokens}.log" || rc=1
+            done ;;
+        *) echo "unknown step $what (compare | regression | tests | probe)" >&2; exit 2 ;;
     esac
 done
 exit $rc
