@@ -359,6 +359,7 @@ class RegionSizes:
         self.sizes = np.full(top + 1, -1, dtype=np.int64)  # [max id + 1] bytes
         for rid, reg in table.items():
             self.sizes[rid] = reg.length
+        self.listed = self.sizes.tolist()  # the same as Python ints: what a small batch is checked against
         self.ids = sorted(table)
 
     def of(self, region: np.ndarray) -> np.ndarray:
@@ -378,12 +379,24 @@ def check_ranges(region, offset, length, table, side: str) -> None:
     _check_side(region, offset, length, table, side)
 
 
+SMALL_BATCH = 32  # up to this many entries, per-entry Python beats numpy's fixed cost per call (~2 µs vs ~20)
+
+
 def _check_side(region, offset, length, table, side: str, what: str = "entry") -> None:
     if region.size == 0:
         return
-    lo, top = int(region.min()), int(region.max())
     if not isinstance(table, RegionSizes):
         table = RegionSizes(table)
+    if region.size <= SMALL_BATCH:  # a small request's batch: the same checks, in Python ints (no wrap)
+        sizes, rows = table.listed, list(zip(region.tolist(), offset.tolist(), length.tolist()))
+        for i, (r, _, _) in enumerate(rows):
+            if r >= len(sizes) or sizes[r] < 0:
+                _unregistered(what, i, side, r, table)
+        for i, (r, o, n) in enumerate(rows):
+            if o > sizes[r] - n:
+                _outside(what, i, side, r, o, n, sizes[r])
+        return
+    lo, top = int(region.min()), int(region.max())
     # ``offset + length <= size`` is checked as ``offset <= size - length``: offsets and lengths
     # are non-negative int64 (lengths >= 1), so the subtraction cannot wrap where the sum could.
     # Fast path (a few reductions, no gather): every id in [lo, top] is registered and the
@@ -397,17 +410,20 @@ def _check_side(region, offset, length, table, side: str, what: str = "entry") -
     bad = np.flatnonzero(known < 0)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(
-            f"batch {what} {i}: {side} region {int(region[i])} is not registered "
-            f"(known ids: {table.ids[:16]})"
-        )
+        _unregistered(what, i, side, int(region[i]), table)
     over = np.flatnonzero(offset > known - length)
     if over.size:
         i = int(over[0])
-        raise ValueError(
-            f"batch {what} {i}: {side} range [{int(offset[i])}, {int(offset[i]) + int(length[i])}) "
-            f"is outside region {int(region[i])} of {int(known[i])} bytes"
-        )
+        _outside(what, i, side, int(region[i]), int(offset[i]), int(length[i]), int(known[i]))
+
+
+def _unregistered(what: str, i: int, side: str, region: int, table: RegionSizes) -> None:
+    raise ValueError(f"batch {what} {i}: {side} region {region} is not registered (known ids: {table.ids[:16]})")
+
+
+def _outside(what: str, i: int, side: str, region: int, offset: int, length: int, size: int) -> None:
+    raise ValueError(f"batch {what} {i}: {side} range [{offset}, {offset + length}) is outside region {region} "
+                     f"of {size} bytes")
 
 
 _PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
