@@ -343,11 +343,18 @@ def _slots(name: str, slots, lo: int, hi: int):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     out = arr.astype(_I64, copy=False)
     if out.size:
-        a, b = int(out.min()), int(out.max())
+        if out.size <= SMALL_REQUEST:
+            values = out.tolist()
+            a, b = min(values), max(values)
+        else:
+            a, b = int(out.min()), int(out.max())
         if a < lo or b >= hi:
             raise ValueError(f"{name} must lie in [{lo}, {hi}) (page 0 is padding), got values in [{a}, {b}]")
     return out, out is not slots and out.flags.owndata
 
+
+SMALL_REQUEST = 64  # up to this many tokens, slots are checked and cut into runs in Python ints:
+# a few numpy calls cost more than the whole loop (~2 µs each on a small VM)
 
 # The hot path reuses per-thread work arrays: a fresh multi-MB array per request costs a page
 # fault per 4 KiB touched (milliseconds on a VM); a reused one does not. Nothing read from
@@ -405,6 +412,8 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
     n = src.size
     if n == 0:
         return np.zeros(0, _I64), np.zeros(0, _I64), np.zeros(0, _I64)
+    if n <= SMALL_REQUEST:
+        return _runs_small(src, dst, src_ps, dst_ps, sectioned)
     brk = np.logical_or(_steps(src, "brk_src"), _steps(dst, "brk_dst"), out=_scratch("brk", n - 1, np.bool_))
     if sectioned:
         brk |= (src[1:] % src_ps == 0) | (dst[1:] % dst_ps == 0)
@@ -422,6 +431,25 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
     if not sectioned and run_src.size > 1:
         run_src, run_dst, run_len = _chain(run_src, run_dst, run_len)
     return run_src, run_dst, run_len
+
+
+def _runs_small(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned: bool):
+    """:func:`_runs` for a few tokens, in Python ints (numpy's cost per call would dominate)."""
+    s, d = src.tolist(), dst.tolist()
+    n = len(s)
+    starts = [0] + [i for i in range(1, n) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1
+                    or (sectioned and (s[i] % src_ps == 0 or d[i] % dst_ps == 0))]
+    if len(starts) == n:  # no two tokens share a run: the slots are the runs
+        run_src, run_dst, run_len = src, dst, np.ones(n, dtype=_I64)
+    else:
+        ends = starts[1:] + [n]
+        run_src = np.array([s[i] for i in starts], dtype=_I64)
+        run_dst = np.array([d[i] for i in starts], dtype=_I64)
+        run_len = np.array([e - b for b, e in zip(starts, ends)], dtype=_I64)
+    firsts = [s[i] for i in starts]
+    if sectioned or all(a < b for a, b in zip(firsts, firsts[1:])):  # increasing: nothing to chain
+        return run_src, run_dst, run_len
+    return _chain(run_src, run_dst, run_len)
 
 
 def _chain(run_src, run_dst, run_len):
