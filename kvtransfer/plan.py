@@ -187,10 +187,12 @@ class TransferPlan:
             return tuple(np.zeros(0, _I64) for _ in range(5))
         whole = self._whole
         parts = []
-        if whole.any():  # one entry per (pair, run)
-            parts.append(self._expand(whole, self.run_src, self.run_dst, self.run_len))
-        if not whole.all():  # one entry per (pair, token)
-            tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)
+        if whole.all():  # one entry per (pair, run): every pair (full rows, as at equal TP)
+            parts.append(self._expand(None, self.run_src, self.run_dst, self.run_len))
+        else:
+            if whole.any():  # one entry per (pair, run)
+                parts.append(self._expand(whole, self.run_src, self.run_dst, self.run_len))
+            tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)  # one per (pair, token)
             parts.append(self._expand(~whole, tok_src, tok_dst, None))
         out = [np.concatenate([p[i] for p in parts]) for i in range(5)] if len(parts) > 1 else list(parts[0])
         if self.sectioned:  # few entries (one per page and section): sort them
@@ -215,25 +217,29 @@ class TransferPlan:
                 self.length, tok_src, tok_dst)
 
     def _expand(self, sel, src_slots, dst_slots, run_len):
+        """Entries of the pairs ``sel`` selects (None: every pair) x the given slots."""
+        def pick(a):  # [b] the selected pairs' column
+            return a if sel is None else a[sel]
+
         def addr(slots, base, row, page, ps):  # [b, n], built in place (the arrays are large)
             s = slots[None, :]
             if ps == 1:
-                out = np.multiply(s, page[sel, None])
+                out = np.multiply(s, pick(page)[:, None])
             else:
-                out = np.multiply(s // ps, page[sel, None])
-                out += (s % ps) * row[sel, None]
-            out += base[sel, None]
+                out = np.multiply(s // ps, pick(page)[:, None])
+                out += (s % ps) * pick(row)[:, None]
+            out += pick(base)[:, None]
             return out
 
         n = src_slots.size
         so = addr(src_slots, self.src_base, self.src_row, self.src_page, self.src_page_size)  # [b, n]
         do = addr(dst_slots, self.dst_base, self.dst_row, self.dst_page, self.dst_page_size)  # [b, n]
         if run_len is None:  # [b * n]: a pair's length for each of its tokens, or of its runs
-            ln = np.repeat(self.length[sel], n)
+            ln = np.repeat(pick(self.length), n)
         else:
-            ln = (self.length[sel, None] * run_len[None, :]).ravel()
-        sb = np.repeat(self.src_buf[sel], n)
-        db = np.repeat(self.dst_buf[sel], n)
+            ln = np.multiply(pick(self.length)[:, None], run_len[None, :]).ravel()
+        sb = np.repeat(pick(self.src_buf), n)
+        db = np.repeat(pick(self.dst_buf), n)
         return sb, so.ravel(), db, do.ravel(), ln
 
 
