@@ -7,9 +7,9 @@ its :class:`Hold`:
 
 - the owner answers the Hello with ``HoldAck(0, gone)``: the peer posts no copy before it
   (:meth:`Hold.wait_ready`, at most ``NvlinkConfig.revoke_timeout_s``), and ``gone`` (regions
-  deregistered already, or being revoked) joins its revoked regions;
+  deregistered already, or being revoked) joins its revoked regions, unmapped at once;
 - a ``Revoke(seq, regions)`` adds them to the revoked regions at once (a later write naming
-  them raises ``RegionRevoked``: :meth:`Hold.check`, a truth test while none is revoked) and
+  them raises ``RegionRevoked``: :meth:`Hold.refuse`, a truth test while none is revoked) and
   takes a snapshot, under :attr:`Hold.lock`, of the completion events of every copy of this
   peer that may still run (pending transfers and failed ones whose copy has not ended). Writes
   check the revoked regions and post under the same lock, so no copy into those regions can
@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from transport.base import RegionRevoked
 from transport.nvlink.pending import PendingQueue, running
 from transport.revocation.holder import Revoked
 from transport.revocation.wire import HoldAck, ProtocolError, Revoke, RevokeAck, decode, encode
@@ -85,9 +86,12 @@ class Hold:
         return (f"peer {self.owner!r} did not acknowledge this transport's hold of its export within {timeout_s:g} s "
                 "(an nvlink receiver answers in poll_notifications() and deregister(); nothing was written)")
 
-    def check(self, dst_region: np.ndarray) -> Optional[str]:
-        """Why a write naming ``dst_region`` is refused (revoked), else None. Under :attr:`lock`."""
-        return self.revoked.check(self.owner, dst_region) if self.revoked else None
+    def refuse(self, dst_region: np.ndarray) -> None:
+        """``RegionRevoked`` when ``dst_region`` ([n] ids of the owner's) names a revoked region.
+        Called under :attr:`lock`, which stays held until the copy is posted and tracked."""
+        why = self.revoked.check(self.owner, dst_region) if self.revoked else None
+        if why is not None:
+            raise RegionRevoked(why)
 
     # -- the mailbox thread ---------------------------------------------------------------------------
 
@@ -101,6 +105,8 @@ class Hold:
             if isinstance(msg, HoldAck):
                 with self.lock:
                     self.revoked.drop(msg.gone)
+                if msg.gone:  # no copy went yet: unmap what the export named and the owner no longer has
+                    self.mapping.drop(msg.gone)
                 self.acked = True
                 self._ready.set()
             elif isinstance(msg, Revoke):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Optional, Union
 
-from transport.base import Peer, Region, RegionRevoked, RegionSizes, StridedBatch, TransportClosed, WriteBatch
+from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
 from transport.nvlink.holds import Hold
@@ -140,9 +140,7 @@ class NvlinkPeer(Peer):
             if why is not None:
                 return NvlinkTransfer(self._queue, None, None, error=why)
         with hold.lock:
-            why = hold.check(job.dst_region)
-            if why is not None:
-                raise RegionRevoked(why)
+            hold.refuse(job.dst_region)
             try:
                 if job.device_tables is None:
                     job.device_tables = self._copy.upload(job)
