@@ -7,7 +7,8 @@
 - byte references: :func:`assert_same`, :func:`entries`;
 - the two-GPU helpers: KV-shaped batches (:func:`kv_batch`, :func:`kv_strided`), a local
   nvlink transport connected to a :class:`~transport.remote.RemoteBuffers`
-  (:func:`local_pair`) and the check that a write landed (:func:`write_landed`).
+  (:func:`local_pair`), the check that a write landed (:func:`write_landed`) and a copy held
+  back on the GPU (:func:`gpu_sleep`).
 """
 
 from __future__ import annotations
@@ -262,6 +263,19 @@ def connect_once_drained(transport, export: bytes, timeout: float = 20.0):
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256
 TOKEN = HEADS * HEAD_DIM * 2  # bytes of one bf16 token row
+
+
+def gpu_sleep(seconds: float) -> None:
+    """Queue a kernel that spins about ``seconds`` on the current stream (an nvlink copy stream
+    waits for it: the next write's copy starts that much later)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    torch.cuda._sleep(int(10**7 * seconds * 1e3 / start.elapsed_time(end)))
 
 
 def local_pair(remote, num_bufs, buf_bytes, config=None):

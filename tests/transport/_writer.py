@@ -123,14 +123,9 @@ def _delay(backend: str, transport, seconds: float) -> None:
         return
     if backend != "nvlink":
         raise ValueError(f"a delayed copy needs the nvlink backend, not {backend!r}")
-    import torch
+    from tests.transport._support import gpu_sleep  # not at the top: _support imports this module
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10**7)
-    end.record()
-    end.synchronize()
-    torch.cuda._sleep(int(10**7 * seconds * 1e3 / start.elapsed_time(end)))
+    gpu_sleep(seconds)
 
 
 def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=None) -> None:

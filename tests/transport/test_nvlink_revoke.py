@@ -383,3 +383,138 @@ def test_a_stopped_writer_is_silent_and_answers_once_it_runs_again(owner, writer
     posted = w.write(2, rids[0], 0, 4096)
     assert posted.status == "RAISED" and re.search(rf"RegionRevoked: region {rids[0]} of peer .* was revoked",
                                                    posted.error), posted
+
+
+# -- two processes on two GPUs ---------------------------------------------------------------------
+
+GPU_BUF = 1 << 20
+
+
+def _full(src_rid: int, dst_rid: int, nbytes: int = GPU_BUF) -> WriteBatch:
+    return WriteBatch.of([src_rid], [0], [dst_rid], [0], [nbytes])
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_a_writer_holding_an_older_export_gets_region_revoked(remote):
+    """The receiver frees a region this process wrote and allocates a buffer of the same size
+    (the caching allocator hands it the freed block): this process still holds the export
+    naming the freed region, and its write raises RegionRevoked instead of landing in the new
+    buffer. (Before revocation, it landed there, silently.)"""
+    from tests.transport._support import local_pair
+
+    t, peer, src, dst_rids = local_pair(remote, 2, GPU_BUF)
+    try:
+        s = sorted(src)
+        peer.write(_full(s[0], dst_rids[0]), notify=b"revoke-before").wait(60)
+        assert remote.wait_notify(b"revoke-before", 60.0) == t.name
+        remote.free([dst_rids[0]])  # its deregister waits for this process's mailbox thread
+        reused = remote.alloc([GPU_BUF], 0x33)
+        with pytest.raises(RegionRevoked, match=rf"region {dst_rids[0]} of peer '{re.escape(peer.name)}' was "
+                                                r"revoked: its owner deregistered it"):
+            peer.write(_full(s[0], dst_rids[0]))
+        time.sleep(0.2)
+        assert (remote.fetch(reused)[0] == 0x33).all(), "a write through the older export reached the new buffer"
+        peer.write(_full(s[1], dst_rids[1]), notify=b"revoke-live").wait(60)  # the live region still takes writes
+        assert remote.wait_notify(b"revoke-live", 60.0) == t.name
+        remote.free(reused + dst_rids[1:])
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_deregister_waits_for_a_write_in_flight(remote):
+    """A write queued behind a one-second kernel is in flight when the receiver deregisters
+    its destination: deregister returns only after the write's bytes landed (the region's
+    digest as deregister returned is the source's), and nothing lands after it (a later write
+    raises RegionRevoked, the digest stays). (Before revocation, deregister returned at once.)"""
+    import torch
+
+    from tests.transport._support import gpu_sleep, local_pair
+    from transport.remote import digest
+
+    t, peer, src, dst_rids = local_pair(remote, 1, GPU_BUF)
+    try:
+        (s0,) = src
+        peer.write(_full(s0, dst_rids[0], 64)).wait(60)  # the hold is acknowledged: no wait below
+        torch.cuda.set_device(0)
+        gpu_sleep(1.0)
+        tr = peer.write(_full(s0, dst_rids[0]), notify=b"in-flight")
+        assert tr.status() is TransferStatus.PENDING
+        ((took, at_return),) = remote.deregister([dst_rids[0]])
+        assert took > 0.5, f"deregister returned after {took:.3f} s, while the write was still queued"
+        assert at_return == digest(src[s0]), "the write in flight had not landed when deregister returned"
+        tr.wait(60)
+        with pytest.raises(RegionRevoked, match=f"region {dst_rids[0]} of peer"):
+            peer.write(_full(s0, dst_rids[0]))
+        time.sleep(0.2)
+        assert remote.digest([dst_rids[0]]) == [at_return]
+        remote.free([dst_rids[0]])
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_a_writer_killed_mid_revoke_counts_as_lost(writer_proc):
+    """This process owns the memory; a writer process on cuda:1 queues a write into it behind
+    a 30 s kernel, so it cannot acknowledge the revoke; it is killed one second into
+    deregister, which then returns (lost) long before the 60 s revoke timeout, the region
+    never written."""
+    import torch
+
+    torch.cuda.set_device(0)
+    mem = torch.full((GPU_BUF,), 0x11, dtype=torch.uint8, device="cuda:0")
+    owner = NvlinkTransport(NvlinkConfig(revoke_timeout_s=60.0))
+    try:
+        rid = owner.register_tensor(mem)
+        w = writer_proc(5, GPU_BUF, backend="nvlink", device=1)
+        w.connect(owner.export(), pump=owner.poll_notifications)
+        posted = w.write(1, rid, 0, GPU_BUF, pump=owner.poll_notifications, delay_s=30.0)
+        assert posted.status == "PENDING", posted
+        killer = threading.Timer(1.0, w.kill)
+        killer.start()
+        took = timed(owner.deregister, rid)
+        killer.join()
+        assert 0.9 < took < 20.0, f"deregister took {took:.1f} s (writer killed after 1 s, revoke timeout 60 s)"
+        assert rid not in owner.regions
+        time.sleep(0.5)
+        assert (mem.cpu() == 0x11).all(), "a copy the killed writer had queued landed after deregister"
+    finally:
+        owner.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_a_late_connect_with_a_stale_export_cannot_write_the_revoked_region(remote):
+    """The receiver deregisters a region (keeping its memory) before this process connects with
+    an export taken earlier: the write to that region raises RegionRevoked and lands nothing,
+    the other region of the export takes writes. (Before revocation, the write landed.)"""
+    import torch
+
+    from transport.nvlink import NvlinkTransport as Transport
+
+    dst = remote.alloc([GPU_BUF, GPU_BUF], 0x5A)
+    stale = remote.export()["nvlink"]
+    ((took, _),) = remote.deregister([dst[0]])
+    assert took < 1.0  # nobody holds it
+    torch.cuda.set_device(0)
+    t = Transport()
+    try:
+        buf = torch.randint(0, 256, (GPU_BUF,), dtype=torch.uint8, device="cuda:0")
+        sid = t.register_tensor(buf)
+        peer = t.connect(stale)
+        with pytest.raises(RegionRevoked, match=rf"region {dst[0]} of peer '{re.escape(peer.name)}' was revoked"):
+            peer.write(_full(sid, dst[0]))  # waits for the receiver's answer to the hold, which names it gone
+        with pytest.raises(ValueError, match="reserved for revocation"):
+            peer.write(_full(sid, dst[1]), notify=wire.MAGIC + b"x")
+        peer.write(_full(sid, dst[1]), notify=b"stale-live").wait(60)
+        assert remote.wait_notify(b"stale-live", 60.0) == t.name
+        time.sleep(0.2)
+        got = remote.fetch(dst)
+        assert (got[0] == 0x5A).all(), "the write through the stale export landed in the deregistered region"
+        np.testing.assert_array_equal(got[1], buf.cpu().numpy())
+    finally:
+        t.close()
+    remote.free(dst)
