@@ -198,6 +198,8 @@ class MailboxThread:
                     new, self._new = self._new, []
                 for hold in new:
                     fd = hold.outbox.fileno()
+                    if fd < 0:  # closed before this thread saw it: nothing to read
+                        continue
                     holds[fd] = hold
                     polled.add(fd)
                     poller.register(fd, select.POLLIN)
