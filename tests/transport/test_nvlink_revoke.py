@@ -145,6 +145,38 @@ def test_deregister_waits_for_the_copy_in_flight_then_the_writer_refuses_the_reg
     assert peer.write(wb(rids[1])).status() is TransferStatus.PENDING  # the live region still takes copies
 
 
+def test_writes_racing_a_revoke_all_end_before_deregister_returns(owner, cpu_writer):
+    """A thread writes into the region without pause (each stand-in copy runs 20 ms) while it
+    is deregistered: every copy it posted has ended when deregister returns (the revoke's
+    snapshot and the writes' check share the hold's lock), and from the revoke on each write
+    raises RegionRevoked."""
+    t, rids = owner([4096])
+    writer = cpu_writer()
+    writer.copy_s = 0.02
+    peer = writer.connect(t.export())
+    with polling(t):
+        peer.write(wb(rids[0]))
+    refused, stop = [], threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                peer.write(wb(rids[0]))
+            except RegionRevoked as exc:
+                refused.append(str(exc))
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    time.sleep(0.1)
+    t.deregister(rids[0])
+    returned = time.monotonic()
+    stop.set()
+    thread.join()
+    assert len(peer.events) > 1 and refused
+    late = [e.due - returned for e in peer.events if e.due > returned]
+    assert not late, f"{len(late)} copies into the region still ran when deregister returned (up to {max(late):.4f} s)"
+
+
 def test_a_connect_with_an_export_older_than_a_deregister_cannot_write_the_region(owner, cpu_writer):
     """The race of a late connect: the region was deregistered (nobody held it: at once) before
     this writer connected with an export naming it; the owner's answer to its Hello names the

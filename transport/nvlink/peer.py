@@ -62,12 +62,12 @@ class NvlinkPeer(Peer):
         except BaseException:
             self._release()
             raise
-        self._hold = Hold(name, self._queue, self._mapping)
-        owner._mailbox.add(self._hold)  # its thread reads the peer's answer to the Hello, and revokes
         device = self._copy.device
         self.tables = WriteTables(owner._registry, RegionSizes(self.regions), self._mapping, device, self._config)
         self._route = EngineRoute(self._config, name, peer_gpu if peer_gpu != device else None, owner._lane,
                                   self._mapping)
+        self._hold = Hold(name, self._queue, self._mapping)
+        owner._mailbox.add(self._hold)  # its thread reads the peer's answer to the Hello, and revokes
 
     @property
     def device(self) -> int:
