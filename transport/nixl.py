@@ -106,7 +106,7 @@ from transport.base import (
     unpack_descriptor,
 )
 from transport.nixl_revoke import Holders, Holds
-from transport.nixl_revoke import wire as revoke_wire
+from transport.revocation import wire as revoke_wire
 from transport.nixl_staged import wire as staged_wire
 from transport.nixl_staged.config import StagedNixlConfig
 from transport.nixl_staged.receiver import ReceiverLanes

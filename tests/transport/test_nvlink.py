@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.transport._nvlink_cpu import StandInEvent as _Event
 from tests.transport._support import (
     LAYERS,
     SLOTS,
@@ -296,7 +297,7 @@ def test_mailbox_delivers_whole_frames_in_order():
     assert out.alive()
     inbox.close()
     time.sleep(0.05)
-    assert not out.alive()
+    assert out.receive() == [] and not out.alive()  # the end, as the mailbox thread reads it
     out.close()
 
 
@@ -470,18 +471,6 @@ def test_dead_peer_does_not_hang_the_writer():
 
 
 # -- transfer progress: a real mailbox, a stand-in for the CUDA event (no GPU here) -------------
-
-
-class _Event:
-    """Stands in for ``torch.cuda.Event``: ``query()`` is True once ``fired``."""
-
-    def __init__(self, error: Exception | None = None):
-        self.fired, self.error = False, error
-
-    def query(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.fired
 
 
 @pytest.fixture

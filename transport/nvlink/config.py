@@ -44,6 +44,10 @@ class NvlinkConfig:
     staged: the staged engine for large batches (:mod:`transport.nvlink.staged`).
     wait_current_stream: the copy stream waits for the caller's current stream first.
     max_notify_bytes: largest notification payload.
+    revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
+        region to acknowledge its revocation (or be found gone) before it refuses
+        (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
+        acknowledge its hold (:mod:`transport.nvlink.holds`).
     """
 
     peer_timeout_s: float = 10.0
@@ -54,9 +58,10 @@ class NvlinkConfig:
     staged: StagedConfig = field(default_factory=StagedConfig)
     wait_current_stream: bool = True
     max_notify_bytes: int = 1 << 20
+    revoke_timeout_s: float = 5.0
 
     def __post_init__(self):
-        for name in ("peer_timeout_s", "transfer_timeout_s"):
+        for name in ("peer_timeout_s", "transfer_timeout_s", "revoke_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
