@@ -457,7 +457,7 @@ def test_gpu_a_writer_holding_an_older_export_gets_region_revoked(remote):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_gpu_deregister_waits_for_a_write_in_flight(remote):
-    """A write queued behind a one-second kernel is in flight when the receiver deregisters
+    """A write queued behind a kernel of a few seconds is in flight when the receiver deregisters
     its destination: deregister returns only after the write's bytes landed (the region's
     digest as deregister returned is the source's), and nothing lands after it (a later write
     raises RegionRevoked, the digest stays). (Before revocation, deregister returned at once.)"""
@@ -469,13 +469,15 @@ def test_gpu_deregister_waits_for_a_write_in_flight(remote):
     t, peer, src, dst_rids = local_pair(remote, 1, GPU_BUF)
     try:
         (s0,) = src
-        peer.write(_full(s0, dst_rids[0], 64)).wait(60)  # the hold is acknowledged: no wait below
+        # the same write once first: the hold is acknowledged, the mapping open and the engine
+        # built (each can take a good part of a second, or synchronize, on its first use)
+        peer.write(_full(s0, dst_rids[0])).wait(60)
         torch.cuda.set_device(0)
-        gpu_sleep(1.0)
+        gpu_sleep(4.0)  # calibrated on a GPU that may still be clocking up: it may run half as long
         tr = peer.write(_full(s0, dst_rids[0]), notify=b"in-flight")
         assert tr.status() is TransferStatus.PENDING
         ((took, at_return),) = remote.deregister([dst_rids[0]])
-        assert took > 0.5, f"deregister returned after {took:.3f} s, while the write was still queued"
+        assert took > 1.0, f"deregister returned after {took:.3f} s, while the write was still queued"
         assert at_return == digest(src[s0]), "the write in flight had not landed when deregister returned"
         tr.wait(60)
         with pytest.raises(RegionRevoked, match=f"region {dst_rids[0]} of peer"):
@@ -498,11 +500,16 @@ def test_gpu_a_writer_killed_mid_revoke_counts_as_lost(writer_proc):
 
     torch.cuda.set_device(0)
     mem = torch.full((GPU_BUF,), 0x11, dtype=torch.uint8, device="cuda:0")
+    warm = torch.zeros(GPU_BUF, dtype=torch.uint8, device="cuda:0")
     owner = NvlinkTransport(NvlinkConfig(revoke_timeout_s=60.0))
     try:
-        rid = owner.register_tensor(mem)
+        rid, warm_rid = owner.register_tensor(mem), owner.register_tensor(warm)
         w = writer_proc(5, GPU_BUF, backend="nvlink", device=1)
         w.connect(owner.export(), pump=owner.poll_notifications)
+        # a write of the same size first: the hold acknowledged, the export's mappings opened
+        # (opening one can wait for the device) and the engine built before the delayed write
+        w.write(0, warm_rid, 0, GPU_BUF, pump=owner.poll_notifications)
+        assert w.wait_finished(0, pump=owner.poll_notifications).status == "DONE"
         posted = w.write(1, rid, 0, GPU_BUF, pump=owner.poll_notifications, delay_s=30.0)
         assert posted.status == "PENDING", posted
         killer = threading.Timer(1.0, w.kill)
