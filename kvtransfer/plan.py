@@ -187,10 +187,12 @@ class TransferPlan:
             return tuple(np.zeros(0, _I64) for _ in range(5))
         whole = self._whole
         parts = []
-        if whole.any():  # one entry per (pair, run)
-            parts.append(self._expand(whole, self.run_src, self.run_dst, self.run_len))
-        if not whole.all():  # one entry per (pair, token)
-            tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)
+        if whole.all():  # one entry per (pair, run): every pair (full rows, as at equal TP)
+            parts.append(self._expand(None, self.run_src, self.run_dst, self.run_len))
+        else:
+            if whole.any():  # one entry per (pair, run)
+                parts.append(self._expand(whole, self.run_src, self.run_dst, self.run_len))
+            tok_src, tok_dst = _expand_runs(self.run_src, self.run_dst, self.run_len)  # one per (pair, token)
             parts.append(self._expand(~whole, tok_src, tok_dst, None))
         out = [np.concatenate([p[i] for p in parts]) for i in range(5)] if len(parts) > 1 else list(parts[0])
         if self.sectioned:  # few entries (one per page and section): sort them
@@ -215,25 +217,29 @@ class TransferPlan:
                 self.length, tok_src, tok_dst)
 
     def _expand(self, sel, src_slots, dst_slots, run_len):
+        """Entries of the pairs ``sel`` selects (None: every pair) x the given slots."""
+        def pick(a):  # [b] the selected pairs' column
+            return a if sel is None else a[sel]
+
         def addr(slots, base, row, page, ps):  # [b, n], built in place (the arrays are large)
             s = slots[None, :]
             if ps == 1:
-                out = np.multiply(s, page[sel, None])
+                out = np.multiply(s, pick(page)[:, None])
             else:
-                out = np.multiply(s // ps, page[sel, None])
-                out += (s % ps) * row[sel, None]
-            out += base[sel, None]
+                out = np.multiply(s // ps, pick(page)[:, None])
+                out += (s % ps) * pick(row)[:, None]
+            out += pick(base)[:, None]
             return out
 
         n = src_slots.size
         so = addr(src_slots, self.src_base, self.src_row, self.src_page, self.src_page_size)  # [b, n]
         do = addr(dst_slots, self.dst_base, self.dst_row, self.dst_page, self.dst_page_size)  # [b, n]
         if run_len is None:  # [b * n]: a pair's length for each of its tokens, or of its runs
-            ln = np.repeat(self.length[sel], n)
+            ln = np.repeat(pick(self.length), n)
         else:
-            ln = (self.length[sel, None] * run_len[None, :]).ravel()
-        sb = np.repeat(self.src_buf[sel], n)
-        db = np.repeat(self.dst_buf[sel], n)
+            ln = np.multiply(pick(self.length)[:, None], run_len[None, :]).ravel()
+        sb = np.repeat(pick(self.src_buf), n)
+        db = np.repeat(pick(self.dst_buf), n)
         return sb, so.ravel(), db, do.ravel(), ln
 
 
@@ -343,11 +349,18 @@ def _slots(name: str, slots, lo: int, hi: int):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     out = arr.astype(_I64, copy=False)
     if out.size:
-        a, b = int(out.min()), int(out.max())
+        if out.size <= SMALL_REQUEST:
+            values = out.tolist()
+            a, b = min(values), max(values)
+        else:
+            a, b = int(out.min()), int(out.max())
         if a < lo or b >= hi:
             raise ValueError(f"{name} must lie in [{lo}, {hi}) (page 0 is padding), got values in [{a}, {b}]")
     return out, out is not slots and out.flags.owndata
 
+
+SMALL_REQUEST = 64  # up to this many tokens, slots are checked and cut into runs in Python ints:
+# a few numpy calls cost more than the whole loop (~2 µs each on a small VM)
 
 # The hot path reuses per-thread work arrays: a fresh multi-MB array per request costs a page
 # fault per 4 KiB touched (milliseconds on a VM); a reused one does not. Nothing read from
@@ -405,6 +418,8 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
     n = src.size
     if n == 0:
         return np.zeros(0, _I64), np.zeros(0, _I64), np.zeros(0, _I64)
+    if n <= SMALL_REQUEST:
+        return _runs_small(src, dst, src_ps, dst_ps, sectioned)
     brk = np.logical_or(_steps(src, "brk_src"), _steps(dst, "brk_dst"), out=_scratch("brk", n - 1, np.bool_))
     if sectioned:
         brk |= (src[1:] % src_ps == 0) | (dst[1:] % dst_ps == 0)
@@ -422,6 +437,25 @@ def _runs(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned:
     if not sectioned and run_src.size > 1:
         run_src, run_dst, run_len = _chain(run_src, run_dst, run_len)
     return run_src, run_dst, run_len
+
+
+def _runs_small(src: np.ndarray, dst: np.ndarray, src_ps: int, dst_ps: int, sectioned: bool):
+    """:func:`_runs` for a few tokens, in Python ints (numpy's cost per call would dominate)."""
+    s, d = src.tolist(), dst.tolist()
+    n = len(s)
+    starts = [0] + [i for i in range(1, n) if s[i] != s[i - 1] + 1 or d[i] != d[i - 1] + 1
+                    or (sectioned and (s[i] % src_ps == 0 or d[i] % dst_ps == 0))]
+    if len(starts) == n:  # no two tokens share a run: the slots are the runs
+        run_src, run_dst, run_len = src, dst, np.ones(n, dtype=_I64)
+    else:
+        ends = starts[1:] + [n]
+        run_src = np.array([s[i] for i in starts], dtype=_I64)
+        run_dst = np.array([d[i] for i in starts], dtype=_I64)
+        run_len = np.array([e - b for b, e in zip(starts, ends)], dtype=_I64)
+    firsts = [s[i] for i in starts]
+    if sectioned or all(a < b for a, b in zip(firsts, firsts[1:])):  # increasing: nothing to chain
+        return run_src, run_dst, run_len
+    return _chain(run_src, run_dst, run_len)
 
 
 def _chain(run_src, run_dst, run_len):

@@ -16,7 +16,7 @@ Each process owns one :class:`Transport` (one per backend). The owner
    export naming a larger id is a :class:`PeerDescriptorError`);
    ``transport.deregister(rid)`` forgets one (``ValueError`` for an id not registered),
    after revoking it from every peer that can still write into it (see "Deregistering
-   written-to memory" below: the nixl backend waits for them, :class:`RevokeTimeout`).
+   written-to memory" below: every backend waits for them, :class:`RevokeTimeout`).
    ``register`` refuses (``ValueError``) a range that overlaps a live region of the same
    memory (host or one CUDA device): each byte has one region id, so registering the same
    buffer twice is a caller's bug, not a second handle. It also refuses pointers in the null
@@ -103,42 +103,48 @@ write to them can still land:
 
 Deregistering written-to memory (stale exports, revocation)
 -----------------------------------------------------------
-A one-sided write cannot be refused by its target, and UCX's loopback transports do not
-check registrations there: a writer holding an export that names a region writes into that
-memory even after the owner deregistered and freed it (crash or heap corruption in the
-owner). So deregistering a region that a connected peer can still address must first revoke
-it from that peer. The nixl backend does this itself (:mod:`transport.nixl_revoke`):
+A one-sided write cannot be refused by its target: a writer holding an export that names a
+region writes into that memory even after the owner deregistered and freed it (UCX's loopback
+transports do not check registrations there: crash or heap corruption in the owner; an nvlink
+peer's kernel stores go through the CUDA IPC mapping it opened: another tensor's bytes
+overwritten, or memory CUDA calls undefined). So deregistering a region that a connected peer
+can still address must first revoke it from that peer. Every backend does this itself, with
+one loop and one set of messages (:mod:`transport.revocation`; :mod:`transport.nixl_revoke`
+over NIXL notifications, :mod:`transport.nvlink` over its mailbox connections):
 
-- ``connect`` tells the export's owner that this transport *holds* it; a direct write is
-  posted only once the owner has recorded the hold, so the owner knows every transport that
-  can write into its memory before a byte of it can land;
+- ``connect`` tells the export's owner that this transport *holds* it; a write is posted only
+  once the owner has recorded the hold (nixl: a direct write; its staged writes are scattered
+  by the owner, who checks its live regions), and the owner's answer names the regions of that
+  export it no longer has, so the owner knows every transport that can write into its memory
+  before a byte of it can land, and a writer connecting with an export older than a
+  deregister cannot write the region (``RegionRevoked``);
 - ``deregister(rid)`` sends each holder that can address ``rid`` a revoke and waits until
   every one of them acknowledged it (the holder drops the region, so a later write naming it
   raises :class:`RegionRevoked` at once, and answers only once none of its writes into it is
-  in flight) or is known dead (its connection reported closed), at most
-  ``NixlConfig.revoke_timeout_s``; only then is the region deregistered, and the caller may
+  in flight; nvlink also unmaps it) or is known dead (nixl: its connection reported closed;
+  nvlink: its mailbox connection ended), at most the backend's ``revoke_timeout_s``
+  (``NixlConfig``, ``NvlinkConfig``); only then is the region deregistered, and the caller may
   free the memory when ``deregister`` returns;
 - a holder that neither answers nor is known dead by then cannot be proven harmless:
   ``deregister`` raises :class:`RevokeTimeout` naming it, and the region stays registered
   (keep the memory; deregister again later). ``deregister(rid, force=True)`` releases it
   anyway: the caller then accepts that the silent holder may still write into the memory.
   A holder that left a revoke unanswered is not waited for again until it answers anything;
-- ``Peer.close()`` (once no write to that owner is pending) and ``close()`` tell the owner
-  to forget this transport; ``close()`` of an owner tells holders its regions are gone but
-  waits for nobody: deregister memory explicitly before ``close()`` when peers may still
+- ``Peer.close()`` (nixl: once no write to that owner is pending) and ``close()`` tell the
+  owner to forget this transport; ``close()`` of an owner tells holders its regions are gone
+  but waits for nobody: deregister memory explicitly before ``close()`` when peers may still
   write, or keep it alive until they are gone.
 
-A holder answers only inside its own calls into its transport (``write``, a transfer's
-``status``/``wait``, ``poll_notifications``, ``connect``, ``Peer.close``): a process that holds
-an export and stays idle must call ``poll_notifications()`` now and then (as a receiver does
-anyway), or close the peer, else its owner's ``deregister`` waits for it until the timeout.
-The same holds for the owner: a writer's first direct write waits (at most the same timeout)
-for the owner to record its hold, which the owner does in ``poll_notifications()``.
+When each side answers: a nixl holder only inside its own calls into its transport (``write``,
+a transfer's ``status``/``wait``, ``poll_notifications``, ``connect``, ``Peer.close``): a
+process that holds an export and stays idle must call ``poll_notifications()`` now and then (as
+a receiver does anyway), or close the peer, else its owner's ``deregister`` waits for it until
+the timeout. An nvlink holder answers from its transport's mailbox thread, whatever its caller
+does. In both, the owner records holds in ``poll_notifications()`` (and ``deregister``): a
+writer's first write after a ``connect`` waits (at most the same timeout) for that.
 
-The nvlink backend opens the peer's CUDA IPC handles; what its ``deregister`` guarantees is
-in :mod:`transport.nvlink` ("Deregistering exported memory"). The control plane also says
-goodbye before a decode rank deregisters (``Goodbye``, answered once no write of the prefill
-rank to it is in flight, after the prefill rank closed its peer).
+The control plane also says goodbye before a decode rank deregisters (``Goodbye``, answered
+once no write of the prefill rank to it is in flight, after the prefill rank closed its peer).
 """
 
 from __future__ import annotations
@@ -359,6 +365,7 @@ class RegionSizes:
         self.sizes = np.full(top + 1, -1, dtype=np.int64)  # [max id + 1] bytes
         for rid, reg in table.items():
             self.sizes[rid] = reg.length
+        self.listed = self.sizes.tolist()  # the same as Python ints: what a small batch is checked against
         self.ids = sorted(table)
 
     def of(self, region: np.ndarray) -> np.ndarray:
@@ -378,12 +385,24 @@ def check_ranges(region, offset, length, table, side: str) -> None:
     _check_side(region, offset, length, table, side)
 
 
+SMALL_BATCH = 32  # up to this many entries, per-entry Python beats numpy's fixed cost per call (~2 µs vs ~20)
+
+
 def _check_side(region, offset, length, table, side: str, what: str = "entry") -> None:
     if region.size == 0:
         return
-    lo, top = int(region.min()), int(region.max())
     if not isinstance(table, RegionSizes):
         table = RegionSizes(table)
+    if region.size <= SMALL_BATCH:  # a small request's batch: the same checks, in Python ints (no wrap)
+        sizes, rows = table.listed, list(zip(region.tolist(), offset.tolist(), length.tolist()))
+        for i, (r, _, _) in enumerate(rows):
+            if r >= len(sizes) or sizes[r] < 0:
+                _unregistered(what, i, side, r, table)
+        for i, (r, o, n) in enumerate(rows):
+            if o > sizes[r] - n:
+                _outside(what, i, side, r, o, n, sizes[r])
+        return
+    lo, top = int(region.min()), int(region.max())
     # ``offset + length <= size`` is checked as ``offset <= size - length``: offsets and lengths
     # are non-negative int64 (lengths >= 1), so the subtraction cannot wrap where the sum could.
     # Fast path (a few reductions, no gather): every id in [lo, top] is registered and the
@@ -397,17 +416,20 @@ def _check_side(region, offset, length, table, side: str, what: str = "entry") -
     bad = np.flatnonzero(known < 0)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(
-            f"batch {what} {i}: {side} region {int(region[i])} is not registered "
-            f"(known ids: {table.ids[:16]})"
-        )
+        _unregistered(what, i, side, int(region[i]), table)
     over = np.flatnonzero(offset > known - length)
     if over.size:
         i = int(over[0])
-        raise ValueError(
-            f"batch {what} {i}: {side} range [{int(offset[i])}, {int(offset[i]) + int(length[i])}) "
-            f"is outside region {int(region[i])} of {int(known[i])} bytes"
-        )
+        _outside(what, i, side, int(region[i]), int(offset[i]), int(length[i]), int(known[i]))
+
+
+def _unregistered(what: str, i: int, side: str, region: int, table: RegionSizes) -> None:
+    raise ValueError(f"batch {what} {i}: {side} region {region} is not registered (known ids: {table.ids[:16]})")
+
+
+def _outside(what: str, i: int, side: str, region: int, offset: int, length: int, size: int) -> None:
+    raise ValueError(f"batch {what} {i}: {side} range [{offset}, {offset + length}) is outside region {region} "
+                     f"of {size} bytes")
 
 
 _PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
@@ -635,11 +657,12 @@ class Transport(abc.ABC):
         return self.register(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device)
 
     @abc.abstractmethod
-    def deregister(self, region_id: int) -> None:
-        """Forget a region; later writes naming it fail with ValueError, and so does
-        ``deregister`` of an id that is not registered. Peers that can still write into it
-        must let go first: the nixl backend revokes it from them and waits (``RevokeTimeout``),
-        the nvlink backend cannot (module docstring, "Deregistering written-to memory")."""
+    def deregister(self, region_id: int, force: bool = False) -> None:
+        """Forget a region; later writes naming it fail with ValueError (``RegionRevoked`` from
+        a peer that held it), and so does ``deregister`` of an id that is not registered. Peers
+        that can still write into it let go first: it is revoked from them, waiting for each
+        one's acknowledgement or loss (``RevokeTimeout``, the region kept, unless ``force``;
+        module docstring, "Deregistering written-to memory")."""
 
     @property
     @abc.abstractmethod

@@ -95,6 +95,7 @@ from transport.base import (
     Region,
     RegionRevoked,
     RegionSizes,
+    SMALL_BATCH,
     Transfer,
     TransferStatus,
     Transport,
@@ -105,7 +106,7 @@ from transport.base import (
     unpack_descriptor,
 )
 from transport.nixl_revoke import Holders, Holds
-from transport.nixl_revoke import wire as revoke_wire
+from transport.revocation import wire as revoke_wire
 from transport.nixl_staged import wire as staged_wire
 from transport.nixl_staged.config import StagedNixlConfig
 from transport.nixl_staged.receiver import ReceiverLanes
@@ -202,9 +203,18 @@ class _RegionTable:
         for rid, reg in regions.items():
             self.ptr[rid] = reg.ptr
             self.dev[rid] = -1 if reg.device is None else reg.device
+        self.listed = (self.ptr.tolist(), self.dev.tolist())  # the same as Python ints, for small batches
 
     def descs(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> tuple[np.ndarray, str]:
         """Return the ``[n, 3]`` uint64 (address, length, device) array and its NIXL memory type."""
+        if 0 < region.size <= SMALL_BATCH:  # a small request's batch: Python ints beat numpy's cost per call
+            ptr, devs = self.listed
+            rows = [(ptr[r] + o, n, devs[r]) for r, o, n in zip(region.tolist(), offset.tolist(), length.tolist())]
+            cuda = [d >= 0 for _, _, d in rows]
+            if any(cuda) and not all(cuda):
+                self._mixed(region, cuda.index(not cuda[0]), side)
+            out = np.array([(a, n, max(d, 0)) for a, n, d in rows], dtype=np.uint64).reshape(-1, 3)
+            return out, "VRAM" if cuda and cuda[0] else "DRAM"
         dev = self.dev[region]  # [n]
         cuda = dev >= 0
         if cuda.all():
@@ -212,16 +222,17 @@ class _RegionTable:
         elif not cuda.any():
             mem = "DRAM"
         else:
-            i = int(np.argmax(cuda != cuda[0]))
-            raise ValueError(
-                f"batch mixes host and CUDA {side} regions (entry 0: region {int(region[0])}, entry {i}: "
-                f"region {int(region[i])}); split it into one batch per memory kind"
-            )
+            self._mixed(region, int(np.argmax(cuda != cuda[0])), side)
         out = np.empty((region.size, 3), dtype=np.uint64)  # [n, (addr, len, dev)]
         out[:, 0] = self.ptr[region] + offset.astype(np.uint64)
         out[:, 1] = length
         out[:, 2] = np.maximum(dev, 0)
         return out, mem
+
+    @staticmethod
+    def _mixed(region: np.ndarray, i: int, side: str) -> None:
+        raise ValueError(f"batch mixes host and CUDA {side} regions (entry 0: region {int(region[0])}, entry {i}: "
+                         f"region {int(region[i])}); split it into one batch per memory kind")
 
 
 class NixlTransfer(Transfer):

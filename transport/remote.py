@@ -160,6 +160,11 @@ class _Free:
 
 
 @dataclass(frozen=True)
+class _Deregister:
+    region_ids: tuple
+
+
+@dataclass(frozen=True)
 class _Digest:
     region_ids: tuple
 
@@ -227,9 +232,18 @@ class _Child:
         if isinstance(msg, _Free):
             for r in msg.region_ids:
                 for t in self.transports.values():
-                    t.deregister(r)
+                    if r in t.regions:
+                        t.deregister(r)
                 del self.bufs[r]
             return None
+        if isinstance(msg, _Deregister):
+            out = []
+            for r in msg.region_ids:
+                start = time.monotonic()
+                for t in self.transports.values():
+                    t.deregister(r)
+                out.append((time.monotonic() - start, digest(self.bufs[r])))
+            return out
         if isinstance(msg, _Digest):
             return [digest(self.bufs[r]) for r in msg.region_ids]
         if isinstance(msg, _Checksum):
@@ -291,7 +305,7 @@ def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> N
     try:
         while True:
             if not conn.poll(1e-3):  # idle: keep reading notifications, so that this exporter
-                child.pump()  # answers its writers' holds and revokes (transport.nixl_revoke)
+                child.pump()  # answers its writers' holds and revokes (transport.revocation)
                 continue
             msg = conn.recv()
             if isinstance(msg, _Exit):
@@ -325,11 +339,18 @@ class RemoteBuffers:
         return self._call(_Alloc(tuple(int(n) for n in sizes), fill))
 
     def free(self, region_ids) -> None:
-        """Deregister buffers from every backend and drop them. Peers that hold an export naming
-        them must have forgotten it first (``Peer.close()``): the nixl backend's deregister
-        waits for a holder that has not (this process blocks meanwhile, so a holder here
-        cannot answer: ``RevokeTimeout``), the nvlink backend cannot (see ``transport.base``)."""
+        """Deregister buffers from every backend (those not deregistered already) and drop them.
+        Each backend revokes them from the peers that hold an export naming them first: a NIXL
+        holder must answer in its own calls into its transport (a driving process that only
+        waits here cannot: ``RevokeTimeout``), so close its peer first; an nvlink holder answers
+        from its mailbox thread (see ``transport.base``)."""
         self._call(_Free(tuple(int(r) for r in region_ids)))
+
+    def deregister(self, region_ids) -> list[tuple[float, str]]:
+        """Deregister buffers from every backend, keeping them (a later :meth:`free` drops them):
+        for each, the seconds its deregister took and the :func:`digest` of its bytes right
+        after it returned (what any peer's copies had written by then)."""
+        return self._call(_Deregister(tuple(int(r) for r in region_ids)))
 
     def export(self) -> dict:
         """Each backend's export bytes, by backend name."""

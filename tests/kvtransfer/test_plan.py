@@ -308,3 +308,39 @@ def test_sparse_run_lookup_matches_the_dense_table(seed, monkeypatch):
     sparse = plan_kv_transfer(lay, lay, np.roll(src, 7), np.roll(dst, 7))
     for got, want in zip(sparse.flatten(), dense.flatten()):
         assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_small_requests_plan_as_the_array_path_does(seed, monkeypatch):
+    """Up to SMALL_REQUEST tokens the slots are checked and cut into runs in Python ints:
+    the plan (runs, ranges, errors) is the one the numpy path builds, sectioned pages
+    (NSA index), out-of-order runs and duplicated sources included."""
+    from kvtransfer import plan as plan_mod
+
+    rng = np.random.default_rng(seed)
+    ps = int(rng.choice([1, 4, 16]))
+    n = int(rng.integers(1, plan_mod.SMALL_REQUEST + 1))
+    nsa = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(2), dtype="bfloat16",
+                               head_dim=576, num_slots=64 * ps).with_nsa_index(index_head_dim=128, num_pages=64)
+    lay = _mha(num_slots=64 * ps, page_size=ps)
+    src = ps + rng.permutation(63 * ps)[:n] if seed % 3 == 0 else ps + np.arange(n)  # scattered or one block
+    dst = 5 * ps + np.arange(n)
+    if seed % 4 == 1:  # a run split in two out of order, on both sides
+        cut = int(rng.integers(0, n))
+        src, dst = np.roll(src, cut), np.roll(dst, cut)
+    if seed % 5 == 2:
+        src[rng.integers(0, n, 2)] = src[0]  # duplicated sources
+    cases = [lambda: plan_kv_transfer(lay, lay, src, dst), lambda: plan_state_transfer(nsa, nsa, src, dst),
+             lambda: plan_kv_transfer(lay, lay, src, np.maximum(dst - 5 * ps, 0)),  # page 0: refused
+             lambda: plan_kv_transfer(lay, lay, src, np.full(n, dst[0]))]  # not distinct (n > 1)
+    paths = (plan_mod.SMALL_REQUEST, 0)
+    for build in cases:
+        seen = []
+        for small in paths:
+            monkeypatch.setattr(plan_mod, "SMALL_REQUEST", small)
+            try:
+                plan = build()
+                seen.append([a.tolist() for a in (plan.run_src, plan.run_dst, plan.run_len, *plan.flatten())])
+            except ValueError as exc:
+                seen.append(str(exc))
+        assert seen[0] == seen[1]

@@ -2,11 +2,13 @@
 
 - :func:`assert_interpreted_ok`: run a script under Triton's interpreter in a fresh Python;
 - :class:`Receiver`: the NIXL loopback receiver process (``_nixl_peer.serve``) and its pipe;
-- :class:`Writer`: a NIXL loopback writer process (``_nixl_writer.serve``) and its pipe;
+- :class:`Writer`: a writer process (``_writer.serve``: NIXL over loopback, nvlink, or nvlink's
+  mailbox with stand-in copies) and its pipe;
 - byte references: :func:`assert_same`, :func:`entries`;
 - the two-GPU helpers: KV-shaped batches (:func:`kv_batch`, :func:`kv_strided`), a local
   nvlink transport connected to a :class:`~transport.remote.RemoteBuffers`
-  (:func:`local_pair`) and the check that a write landed (:func:`write_landed`).
+  (:func:`local_pair`), the check that a write landed (:func:`write_landed`) and a copy held
+  back on the GPU (:func:`gpu_sleep`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvtransfer._procs import exit_text
-from tests.transport import _nixl_peer, _nixl_writer
+from tests.transport import _nixl_peer, _writer
 from transport.base import StridedBatch, TransferStatus, WriteBatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,25 +174,27 @@ class Receiver:
 
 
 class Writer:
-    """A spawned NIXL writer process (:mod:`tests.transport._nixl_writer`) and its pipe.
+    """A spawned writer process (:mod:`tests.transport._writer`, of ``backend`` on CUDA
+    ``device``) and its pipe.
 
     Every wait takes ``pump``, the local owner transport's ``poll_notifications``: the owner
     records the writer's hold and answers in its calls, so it must be called meanwhile."""
 
-    def __init__(self, seed: int, nbytes: int, env=None):
+    def __init__(self, seed: int, nbytes: int, env=None, backend: str = "nixl", device=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_nixl_writer.serve, args=(child, seed, nbytes), kwargs={"env": env})
+        self.proc = ctx.Process(target=_writer.serve, args=(child, seed, nbytes),
+                                kwargs={"env": env, "backend": backend, "device": device})
         self.proc.start()
         child.close()
-        self.source = _nixl_writer.source_bytes(seed, nbytes)
-        self.finished: dict[int, _nixl_writer.Finished] = {}
-        self.name = self.expect(_nixl_writer.Ready, 60.0).name
+        self.source = _writer.source_bytes(seed, nbytes)
+        self.finished: dict[int, _writer.Finished] = {}
+        self.name = self.expect(_writer.Ready, 60.0).name
 
     def expect(self, kind, timeout=30.0, pump=None):
         """The next message of type ``kind``; ``Finished`` reports are collected meanwhile."""
         def take(msg) -> bool:
-            if isinstance(msg, _nixl_writer.Finished) and kind is not _nixl_writer.Finished:
+            if isinstance(msg, _writer.Finished) and kind is not _writer.Finished:
                 self.finished[msg.tag] = msg
                 return True
             return False
@@ -198,27 +202,29 @@ class Writer:
         return _next_message(self.proc, self.conn, "writer", kind, timeout, pump, take)
 
     def connect(self, export: bytes, pump=None) -> None:
-        self.conn.send(_nixl_writer.Connect(export))
-        self.expect(_nixl_writer.Connected, pump=pump)
+        self.conn.send(_writer.Connect(export))
+        self.expect(_writer.Connected, pump=pump)
 
-    def write(self, tag: int, region: int, offset: int, length: int, pump=None) -> "_nixl_writer.Posted":
-        """Start a write (its first one waits for the owner's hold acknowledgement: ``pump``)."""
-        self.conn.send(_nixl_writer.Write(tag, region, offset, length))
-        return self.expect(_nixl_writer.Posted, pump=pump)
+    def write(self, tag: int, region: int, offset: int, length: int, pump=None,
+              delay_s: float = 0.0) -> "_writer.Posted":
+        """Start a write (its first one waits for the owner's hold acknowledgement: ``pump``;
+        ``delay_s``: nvlink's copy starts that long after the post)."""
+        self.conn.send(_writer.Write(tag, region, offset, length, delay_s))
+        return self.expect(_writer.Posted, pump=pump)
 
-    def wait_finished(self, tag: int, timeout=30.0, pump=None) -> "_nixl_writer.Finished":
+    def wait_finished(self, tag: int, timeout=30.0, pump=None) -> "_writer.Finished":
         deadline = time.monotonic() + timeout
         while tag not in self.finished:
-            msg = self.expect(_nixl_writer.Finished, max(0.0, deadline - time.monotonic()), pump)
+            msg = self.expect(_writer.Finished, max(0.0, deadline - time.monotonic()), pump)
             self.finished[msg.tag] = msg
         return self.finished[tag]
 
     def idle(self, pump: bool) -> None:
-        self.conn.send(_nixl_writer.Idle(pump))
+        self.conn.send(_writer.Idle(pump))
 
     def close_peer(self, pump=None) -> None:
-        self.conn.send(_nixl_writer.ClosePeer())
-        self.expect(_nixl_writer.Connected, pump=pump)
+        self.conn.send(_writer.ClosePeer())
+        self.expect(_writer.Connected, pump=pump)
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -228,8 +234,8 @@ class Writer:
         if self.proc.is_alive():
             try:
                 os.kill(self.proc.pid, signal.SIGCONT)
-                self.conn.send(_nixl_writer.Quit())
-                self.expect(_nixl_writer.Bye, 10.0)
+                self.conn.send(_writer.Quit())
+                self.expect(_writer.Bye, 10.0)
             except (AssertionError, OSError, EOFError):
                 pass
         self.proc.join(5)
@@ -257,6 +263,19 @@ def connect_once_drained(transport, export: bytes, timeout: float = 20.0):
 
 HEADS, HEAD_DIM, LAYERS, SLOTS = 8, 128, 32, 256
 TOKEN = HEADS * HEAD_DIM * 2  # bytes of one bf16 token row
+
+
+def gpu_sleep(seconds: float) -> None:
+    """Queue a kernel that spins about ``seconds`` on the current stream (an nvlink copy stream
+    waits for it: the next write's copy starts that much later)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    torch.cuda._sleep(int(10**7 * seconds * 1e3 / start.elapsed_time(end)))
 
 
 def local_pair(remote, num_bufs, buf_bytes, config=None):

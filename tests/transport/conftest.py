@@ -53,11 +53,11 @@ def writer(monkeypatch):
 
 @pytest.fixture
 def writer_proc():
-    """A factory of NIXL writer processes (:class:`Writer`), stopped at teardown."""
+    """A factory of writer processes (:class:`Writer`; NIXL unless ``backend`` says), stopped at teardown."""
     started = []
 
-    def start(seed, nbytes, env=None):
-        w = Writer(seed, nbytes, env)
+    def start(seed, nbytes, env=None, backend="nixl", device=None):
+        w = Writer(seed, nbytes, env, backend, device)
         started.append(w)
         return w
 

@@ -4,6 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
+import transport.base as base
 from transport.base import (
     PeerDescriptorError,
     Region,
@@ -43,7 +44,7 @@ def test_of_converts_broadcasts_and_rejects():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_bounds_check_agrees_with_an_entrywise_reference(seed):
+def test_bounds_check_agrees_with_an_entrywise_reference(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     table = _regions(*rng.integers(1, 1 << 16, size=int(rng.integers(1, 6))))
     if rng.random() < 0.3:  # a deregistered id in the middle
@@ -59,6 +60,16 @@ def test_bounds_check_agrees_with_an_entrywise_reference(seed):
         else:
             with pytest.raises(ValueError, match=r"batch entry \d+: source \(local\)"):
                 batch.check_bounds(local, remote)
+    # small batches are checked in Python ints, larger ones with numpy: both name the same entry
+    said = []
+    for small in (0, 1 << 30):
+        monkeypatch.setattr(base, "SMALL_BATCH", small)
+        try:
+            batch.check_bounds(table, remote)
+            said.append(None)
+        except ValueError as exc:
+            said.append(str(exc))
+    assert said[0] == said[1]
 
 
 def test_bounds_errors_name_entry_and_region():

@@ -375,9 +375,13 @@ def test_close_is_idempotent_and_final(writer):
     peer.close()
 
 
-def test_descriptor_arrays_per_memory_kind():
+@pytest.mark.parametrize("small", [0, 1 << 30], ids=["numpy", "python"])
+def test_descriptor_arrays_per_memory_kind(small, monkeypatch):
+    import transport.nixl as nixl_module
     from transport.base import Region
     from transport.nixl import _RegionTable
+
+    monkeypatch.setattr(nixl_module, "SMALL_BATCH", small)  # the two ways a batch's descriptors are built
 
     table = _RegionTable({0: Region(0, 4096, 100), 1: Region(1, 1 << 20, 100, 1), 2: Region(2, 1 << 30, 100, 0)})
     descs, mem = table.descs(np.array([1, 2, 1]), np.array([5, 0, 7]), np.array([3, 4, 5]), "source")

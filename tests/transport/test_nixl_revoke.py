@@ -3,7 +3,7 @@ its owner deregistered and freed, and deregister never hangs on a peer.
 
 Two processes over loopback UCX (tcp kept in ``UCX_TLS``, ``UCX_NET_DEVICES=lo``), the real
 NIXL transport on both sides: a receiver process (``_nixl_peer``) with this process writing, or
-this process owning the memory and writer processes (``_nixl_writer``) writing into it.
+this process owning the memory and writer processes (``_writer``) writing into it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
-from tests.transport import _nixl_peer, _nixl_writer  # noqa: E402
+from tests.transport import _nixl_peer, _writer  # noqa: E402
 from tests.transport._support import assert_same  # noqa: E402
 from transport.base import RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch  # noqa: E402
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
@@ -191,16 +191,16 @@ def test_a_writer_that_connects_while_the_region_is_revoked_gets_it_as_gone(writ
     export, before = owner.export(), mem.copy()
 
     def connect_and_write():  # while the owner is inside deregister
-        late.conn.send(_nixl_writer.Connect(export))
-        late.conn.send(_nixl_writer.Write(2, rid, 0, 4096))
+        late.conn.send(_writer.Connect(export))
+        late.conn.send(_writer.Write(2, rid, 0, 4096))
 
     timer = threading.Timer(0.5, connect_and_write)
     timer.start()
     with pytest.raises(RevokeTimeout, match=rf"still held by peer\(s\) \['{silent.name}'\]"):
         owner.deregister(rid)
     timer.join()
-    late.expect(_nixl_writer.Connected, pump=owner.poll_notifications)
-    posted = late.expect(_nixl_writer.Posted, pump=owner.poll_notifications)
+    late.expect(_writer.Connected, pump=owner.poll_notifications)
+    posted = late.expect(_writer.Posted, pump=owner.poll_notifications)
     assert posted.status == "FAILED" and re.search(rf"region {rid} of peer .* was revoked", posted.error), posted
     time.sleep(0.2)
     assert_same(mem, before, "the region after the late writer's write")

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.transport._nvlink_cpu import StandInEvent as _Event
 from tests.transport._support import (
     LAYERS,
     SLOTS,
@@ -297,7 +298,7 @@ def test_mailbox_delivers_whole_frames_in_order():
     assert out.alive()
     inbox.close()
     time.sleep(0.05)
-    assert not out.alive()
+    assert out.receive() == [] and not out.alive()  # the end, as the mailbox thread reads it
     out.close()
 
 
@@ -307,7 +308,7 @@ def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
     inbox = _Inbox()
     out = _Outbox(inbox.name, timeout_s=0.3, sender="writer")
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"the peer's mailbox took no bytes for 0.3 s"):
+    with pytest.raises(TimeoutError):
         for _ in range(100000):
             out.send(b"x" * 1024)
     assert 0.25 < time.monotonic() - t0 < 5
@@ -523,18 +524,6 @@ def test_dead_peer_does_not_hang_the_writer():
 
 
 # -- transfer progress: a real mailbox, a stand-in for the CUDA event (no GPU here) -------------
-
-
-class _Event:
-    """Stands in for ``torch.cuda.Event``: ``query()`` is True once ``fired``."""
-
-    def __init__(self, error: Exception | None = None):
-        self.fired, self.error = False, error
-
-    def query(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.fired
 
 
 @pytest.fixture

@@ -8,10 +8,11 @@ the owner deregistered and freed writes into freed memory (measured: SIGSEGV in 
 64 MiB region, heap corruption for 64 KiB, while the writer saw DONE). So the owner must know
 who can write into a region and make each of them stop before it lets the region go.
 
-Protocol (messages: :mod:`~transport.nixl_revoke.wire`, over NIXL notifications)
-----------------------------------------------------------------------------------
+Protocol (messages: :mod:`~transport.revocation.wire`, over NIXL notifications)
+--------------------------------------------------------------------------------
 Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
-(:mod:`~transport.nixl_revoke.owner`):
+(:mod:`~transport.nixl_revoke.owner`; its revoke loop is :mod:`transport.revocation.owner`'s,
+shared with the nvlink backend):
 
 1. ``connect(export)``: the holder sends ``Hold(seq, regions, metadata, scratch)``. The owner,
    in whatever call reads its notifications, loads the holder's metadata, records it as a

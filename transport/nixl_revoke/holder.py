@@ -1,13 +1,14 @@
-"""The writer's side of the revoke protocol: the exports it holds, by owner.
+"""The NIXL writer's side of the revoke protocol: the exports it holds, by owner.
 
 For each remote agent whose export this transport connected to, a :class:`_Hold` keeps
 
-- the seq of the last :class:`~transport.nixl_revoke.wire.Hold` sent (at each ``connect``) and of
+- the seq of the last :class:`~transport.revocation.wire.Hold` sent (at each ``connect``) and of
   the last one the owner acknowledged: a direct write through a snapshot is posted only once the
   owner has recorded its hold (:meth:`Holds.wait_ready`), so the owner knows every transport that
   can write into its memory before any byte of it can land;
-- the owner's regions revoked here (from a Revoke, or named ``gone`` in a HoldAck): writes
-  naming them fail at once (:meth:`Holds.check`), through every snapshot of that owner;
+- the owner's regions revoked here (from a Revoke, or named ``gone`` in a HoldAck), a
+  :class:`~transport.revocation.holder.Revoked`: writes naming them fail at once
+  (:meth:`Holds.check`), through every snapshot of that owner;
 - the revokes not answered yet: a RevokeAck goes back once no direct write of this transport
   into those regions is pending and no failed request to that owner can still run in NIXL
   (:meth:`Holds.answer`, run whenever this transport reads notifications or a transfer ends).
@@ -25,7 +26,8 @@ from typing import Optional
 import numpy as np
 
 from transport.base import TransferStatus
-from transport.nixl_revoke.wire import Closed, Hold, HoldAck, Release, Revoke, RevokeAck, encode
+from transport.revocation.holder import Revoked
+from transport.revocation.wire import Closed, Hold, HoldAck, Release, Revoke, RevokeAck, encode
 
 __all__ = ["Holds"]
 
@@ -35,14 +37,9 @@ class _Hold:
         self.owner = owner
         self.sent = 0  # seq of the last Hold sent to the owner
         self.acked = 0  # seq of the last HoldAck from it
-        self.revoked: set[int] = set()
-        self.revoked_ids = np.zeros(0, dtype=np.int64)  # [k] sorted, what check() reads
+        self.revoked = Revoked()
         self.asks: list[tuple[int, frozenset]] = []  # (revoke seq, regions) not answered yet
         self.closed = False  # the owner closed its transport: every region of it is gone
-
-    def drop(self, regions) -> None:
-        self.revoked.update(int(r) for r in regions)
-        self.revoked_ids = np.asarray(sorted(self.revoked), dtype=np.int64)
 
 
 class Holds:
@@ -70,7 +67,7 @@ class Holds:
         # What is revoked starts afresh with each snapshot: its HoldAck names what of it is gone
         # (or being revoked), and until then no direct write goes (wait_ready); a restarted owner
         # under the same agent name numbers its regions from 0 again. Unanswered revokes stay.
-        hold.revoked, hold.revoked_ids, hold.closed = set(), np.zeros(0, dtype=np.int64), False
+        hold.revoked, hold.closed = Revoked(), False
         self._seq += 1
         hold.sent = self._seq
         agent = self._t._agent_checked()
@@ -86,14 +83,7 @@ class Holds:
         if hold.closed:
             return (f"region {int(dst_region[0])} of peer {owner!r} was revoked: its owner closed its transport "
                     "(nothing was written)")
-        if not hold.revoked:
-            return None
-        hit = np.isin(dst_region, hold.revoked_ids)  # [n]
-        if not hit.any():
-            return None
-        rid = int(dst_region[int(np.argmax(hit))])
-        return (f"region {rid} of peer {owner!r} was revoked: its owner deregistered it (connect to a newer "
-                "export of the peer; nothing was written)")
+        return hold.revoked.check(owner, dst_region)
 
     def wait_ready(self, owner: str, seq: int, timeout_s: float) -> Optional[str]:
         """Block until ``owner`` acknowledged hold ``seq`` (reading notifications meanwhile);
@@ -126,9 +116,9 @@ class Holds:
         elif isinstance(msg, HoldAck):
             hold.acked = max(hold.acked, msg.seq)
             if msg.gone:
-                hold.drop(msg.gone)
+                hold.revoked.drop(msg.gone)
         elif isinstance(msg, Revoke):
-            hold.drop(msg.regions)
+            hold.revoked.drop(msg.regions)
             hold.asks.append((msg.seq, frozenset(msg.regions)))
 
     @property

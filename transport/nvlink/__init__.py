@@ -35,12 +35,14 @@ Data path (push, on the writer)
 Notification channel (the "mailbox", :mod:`~transport.nvlink.mailbox`)
 ---------------------------------------------------------------------
 Each transport listens on a Unix stream socket in Linux's abstract namespace (named in its
-export; nothing on disk) and each peer keeps one connected socket to it, introduced by the
-writer's name. A notification is one frame sent by the WRITER only after the transfer's CUDA
-event has completed, i.e. after the kernel's stores to the peer's memory are done; the
-receiver's ``poll_notifications`` reads whole frames without blocking and returns each as a
-:class:`~transport.base.Notification` from that writer. The same socket detects a dead peer:
-the receiver never writes to it, so a readable socket means end-of-file.
+export; nothing on disk) and each peer (each ``connect``) keeps one connected socket to it,
+opened by the writer's Hello (its name, the region ids of the export it holds). A notification
+is one frame sent by the WRITER only after the transfer's CUDA event has completed, i.e. after
+the kernel's stores to the peer's memory are done; the receiver's ``poll_notifications`` reads
+whole frames without blocking and returns each as a :class:`~transport.base.Notification` from
+that writer. The receiver writes back on the same socket only for revocation (below); the
+writing transport's mailbox thread reads it, and notes the end of the connection: a dead or
+closed receiver, whose writes then fail at once.
 
 Progress and bounded waits
 --------------------------
@@ -56,21 +58,46 @@ notification leaves as soon as the copy ends; ``wait()`` sleeps until the transf
 notification; the kernel, once launched, still runs to completion, and a failed transfer keeps
 its tables until its copy ends.
 
-Deregistering exported memory (no revocation here)
---------------------------------------------------
-``deregister`` only forgets the region here: it revokes nothing. A peer that connected to an
-export opened the CUDA IPC handle of the region's whole allocation and keeps that mapping until
-its ``NvlinkPeer.close()`` (which waits for its copies in flight, then unmaps) or its process
-ends; its kernel stores go straight to the GPU memory, which this side cannot refuse. A write
-through a peer that still holds an older export therefore still lands after ``deregister``:
-in the caching allocator's block (torch keeps freed blocks for reuse: another tensor's bytes
-get overwritten, silently), or, once the allocation is ``cudaFree``-d while mapped elsewhere,
-into memory CUDA calls undefined behaviour. Until this backend carries revocation (its mailbox
-socket would need messages from receiver to writer; it has none), the rule of the contract
-holds as the caller's duty: before deregistering and freeing a region, make every peer that
-connected to an export naming it close that peer, and wait for its acknowledgement or its
-loss -- the control plane's ``Goodbye`` does exactly that; the nixl backend does it itself
-(:mod:`transport.nixl_revoke`).
+Deregistering exported memory (revocation)
+------------------------------------------
+A peer that connected to an export opened the CUDA IPC handle of each region's allocation; its
+kernel stores go straight to that GPU memory, which this side cannot refuse: after a plain
+``cudaFree`` or a reuse of the caching allocator's block they would land in memory CUDA calls
+undefined, or in another tensor. So ``deregister`` first revokes the region from every peer
+that holds an export naming it (receiver: :mod:`~transport.nvlink.holders`, writer:
+:mod:`~transport.nvlink.holds`; the revoke loop and its messages are :mod:`transport.revocation`'s,
+shared with the nixl backend):
+
+- the receiver answers each connection's Hello (in ``poll_notifications`` or ``deregister``)
+  with ``HoldAck``, naming the export's regions it no longer has (deregistered, or being
+  revoked right now); the peer posts no copy before that answer (its first write waits for it
+  at most ``NvlinkConfig.revoke_timeout_s``, then FAILS naming the receiver) and unmaps those
+  regions: a writer that connects after a ``deregister`` with an older export can never write
+  the region (``RegionRevoked``);
+- ``deregister(rid)`` sends ``Revoke`` on each connection that holds ``rid`` and reads the
+  mailbox until each one answered ``RevokeAck`` or ended. On the writer, the transport's
+  mailbox thread (one per transport, asleep in ``poll(2)`` on its connections: nothing of the
+  writer's caller is needed) marks ``rid`` revoked at once -- a later write naming it raises
+  ``RegionRevoked``; a write checks and posts under the hold's lock, so no copy into it starts
+  after that -- waits for the completion events of the peer's copies that were in flight then
+  (the pending ones and failed ones whose kernel still runs), unmaps the region and answers. A
+  writer that closes the peer (which waits for its copies, unmaps, then ends the connection) or
+  whose process dies ends its connection and is no longer waited for;
+- a writer that neither answers nor ends within ``revoke_timeout_s`` (its process stopped or
+  hung) is silent: ``deregister`` raises ``RevokeTimeout`` naming it and the region stays
+  registered (keep the memory; deregister again later); ``deregister(rid, force=True)``
+  releases it anyway, accepting that the silent writer may still write into it. A silent
+  writer is not waited for again until it answers anything (as in NIXL);
+- ``close()`` ends every connection and waits for nobody: deregister the memory that peers may
+  still write before ``close()``, or keep it alive until they are gone.
+
+Costs: a round trip (until the receiver's next poll) before the first write of each
+``connect``; per write, a lock and a truth test (an ``np.isin`` over the batch's destination
+regions once that peer has revoked some region): no system call; the mailbox thread sleeps in
+``poll(2)`` unless a revoke waits for copies, then looks every millisecond. Not proven here:
+that no copy a killed writer queued can still run once the end of its connection is read (its
+process's sockets and CUDA context are both torn down at exit, in an order this side cannot
+see).
 
 What this backend refuses (the caller falls back to NIXL)
 ---------------------------------------------------------

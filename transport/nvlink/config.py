@@ -49,6 +49,10 @@ class NvlinkConfig:
         first such write; a write whose ``2 * S`` int64 slots exceed it takes the general path.
         0: no direct path (every write prepares its own tables).
     pair_plans: pair sets kept resident on the GPU per peer (least recently used out).
+    revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
+        region to acknowledge its revocation (or be found gone) before it refuses
+        (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
+        acknowledge its hold (:mod:`transport.nvlink.holds`).
     """
 
     peer_timeout_s: float = 10.0
@@ -61,9 +65,10 @@ class NvlinkConfig:
     max_notify_bytes: int = 1 << 20
     slot_ring_bytes: int = 8 << 20
     pair_plans: int = 64
+    revoke_timeout_s: float = 5.0
 
     def __post_init__(self):
-        for name in ("peer_timeout_s", "transfer_timeout_s"):
+        for name in ("peer_timeout_s", "transfer_timeout_s", "revoke_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")

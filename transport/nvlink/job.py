@@ -7,7 +7,9 @@ the staged engine, cuts the chunks; :meth:`PreparedWrite.post` uploads the table
 call and queues the copy, returning one :class:`~transport.nvlink.transfer.NvlinkTransfer` per
 call. ``peer.write(batch)`` is ``prepare``, one ``post`` and ``release``.
 
-Regions are taken as they were at ``prepare``: deregister a region only once no job names it.
+Regions are taken as they were at ``prepare``: deregister a local region only once no job
+names it. A peer's region it revoked (:mod:`transport.nvlink.holds`) refuses every later post
+of a job naming it (``RegionRevoked``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ class PreparedWrite:
     drops the job's tables, transfers in flight keep what they read. Used from the peer's
     owner thread, as the peer is."""
 
-    def __init__(self, peer: "NvlinkPeer", host_table, launch: Launch, nbytes: int,
+    def __init__(self, peer: "NvlinkPeer", host_table, launch: Launch, nbytes: int, dst_region: np.ndarray,
                  lane: Optional[staged.StagedLane] = None, bounds: Optional[np.ndarray] = None,
                  offsets: Optional[np.ndarray] = None):
         self._peer = peer
+        self.dst_region = dst_region  # [n] or [P] the peer's regions it writes (what a post checks against revokes)
         self.host_table = host_table  # pinned int64 tensor: the row table [3 or 4, n] or the strided table
         self.launch = launch
         self.nbytes = nbytes
@@ -104,12 +107,12 @@ def build(peer: "NvlinkPeer", batch: Union[WriteBatch, StridedBatch], engine: Nv
                                  stage=stage, checked=True, stream=stream)
 
         if lane is None:
-            return PreparedWrite(peer, host, launch, batch.nbytes)
+            return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region)
         pair_offset = table[5 * num_pairs + 2 * num_slots:]
         total = int(pair_offset[-1] + batch.length[-1] * num_slots)
         bounds = staged.strided_chunks(pair_offset, batch.length, num_slots, _chunk_starts(config.staged, total))
         offsets = staged.strided_offsets(pair_offset, batch.length, num_slots, bounds)
-        return PreparedWrite(peer, host, launch, batch.nbytes, lane, bounds, offsets)
+        return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region, lane, bounds, offsets)
     lane = route.lane_for(engine, int(batch.length.sum()), n, max_len) if n else None
     host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]
     rows = tables.row_table(batch, out=host.numpy(), checked=True, lane=lane)
@@ -120,7 +123,8 @@ def build(peer: "NvlinkPeer", batch: Union[WriteBatch, StridedBatch], engine: Nv
                           stream=stream)
 
     if lane is None:
-        return PreparedWrite(peer, host, launch, batch.nbytes)
+        return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region)
     total = int(rows[3, -1] + batch.length[-1])
     bounds = staged.row_chunks(rows[3], total, _chunk_starts(config.staged, total))
-    return PreparedWrite(peer, host, launch, batch.nbytes, lane, bounds, np.append(rows[3], total)[bounds])
+    return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region, lane, bounds,
+                         np.append(rows[3], total)[bounds])

@@ -1,25 +1,29 @@
-"""The NVLink engine's notification channel (the "mailbox"), one Unix socket per transport.
+"""The NVLink engine's mailbox: notifications and revocation, one Unix socket per transport.
 
 Each transport listens on a Unix stream socket in Linux's abstract namespace (nothing on
-disk); each peer keeps one connected socket to it. A frame is a 4-byte big-endian length, then
-that many bytes. The first frame on a connection is the sender's name (UTF-8, the ``name`` of
-the writing transport's export); every later frame is one notification payload, which the
-receiver returns as a :class:`~transport.base.Notification` from that sender. The receiver
-never writes to its connections, so a readable socket on the writer's side means end-of-file:
-the peer process is gone.
+disk); each peer (each ``connect``) keeps one connected socket to it. A frame is a 4-byte
+big-endian length, then that many bytes. The first frame on a connection is the writer's
+:class:`~transport.revocation.wire.Hello` (its name, the ``name`` of its export, and the
+region ids of the export it holds); every later frame from the writer is one notification
+payload, which the receiver returns as a :class:`~transport.base.Notification` from that
+writer, or a revocation message (:data:`~transport.revocation.wire.MAGIC` first: notifications
+may not start with it). The receiver writes revocation messages back on the same connection
+(:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
+the writing transport's mailbox thread reads them (:mod:`transport.nvlink.holds`) and notes
+the connection's end: the receiver's process is gone or its transport closed.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import threading
-import time
 import uuid
+from typing import Iterable, Optional
 
 from transport.base import Notification, TransportError
+from transport.revocation import wire
 
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
 
@@ -40,99 +44,150 @@ def host_id() -> str:
     return f"{boot}@{socket.gethostname()}"
 
 
+def _receive(fd: int, buf: bytearray) -> bool:
+    """Append what the non-blocking socket ``fd`` holds to ``buf``; False once its other end
+    closed. (``os.read``: a socket with a timeout would wait in ``recv``.)"""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError:  # reset by the peer
+            return False
+        if not chunk:
+            return False
+        buf += chunk
+
+
+def _frames(buf: bytearray) -> list[bytes]:
+    """The whole frames at the start of ``buf``, taken out of it."""
+    out = []
+    while len(buf) >= _FRAME.size:
+        (n,) = _FRAME.unpack_from(buf)
+        if len(buf) < _FRAME.size + n:
+            break
+        out.append(bytes(buf[_FRAME.size:_FRAME.size + n]))
+        del buf[:_FRAME.size + n]
+    return out
+
+
+class _Connection:
+    """One writer's connection to an :class:`Inbox`: its socket, its name once its Hello came,
+    bytes received and not parsed, frames to send that the socket did not take yet."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.name: Optional[str] = None
+        self.buf = bytearray()
+        self.out = bytearray()
+
+    def send(self, payload: bytes) -> None:
+        """Queue one frame to the writer and send what the socket takes now (the rest at the
+        inbox's next read); a writer that is gone is noticed when its end of file is read."""
+        self.out += _FRAME.pack(len(payload)) + payload
+        self.flush()
+
+    def flush(self) -> None:
+        while self.out:
+            try:
+                n = self.sock.send(self.out)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.out.clear()
+                return
+            del self.out[:n]
+
+
 class Inbox:
-    """The receiving end: a listening abstract Unix socket and the writers connected to it."""
+    """The receiving end: a listening abstract Unix socket and the writers connected to it.
 
-    _CHUNK = 1 << 16
+    ``listener`` (the transport's :class:`~transport.nvlink.holders.MailboxHolders`) gets each
+    connection's Hello (``hello(conn, msg)``), its revocation messages (``message(conn, msg)``)
+    and its end (``closed(conn)``); a connection whose first frame is no Hello is closed (its
+    writer never gets the answer its first write waits for, and sees the end)."""
 
-    def __init__(self):
+    def __init__(self, listener=None):
         self.name = f"kvtransfer-nvlink-{os.getpid()}-{uuid.uuid4().hex}"
+        self.listener = listener
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._sock.setblocking(False)
-        self._listen_fd = self._sock.fileno()
-        self._conns: dict[int, list] = {}  # fd -> [socket, bytearray of unparsed bytes, sender name or None]
-        self._ready = select.poll()  # the listening socket and every connection: one poll(2) per call
-        self._ready.register(self._sock, select.POLLIN)
+        self._conns: list[_Connection] = []
+        self._notes: list[Notification] = []  # read, not yet polled
 
     def poll(self) -> list[Notification]:
-        """Whole notifications received since the last call, per connection in sending order.
-        One ``poll(2)``; then only what it named: new connections accepted (and read once),
-        ready connections read until a short read."""
-        ready = self._ready.poll(0)
-        if not ready:  # nothing to accept, read or close
-            return []
-        out: list[Notification] = []
-        for fd, _ in ready:
-            if fd == self._listen_fd:
-                for entry in self._accept():
-                    self._read(entry, out)
-            elif fd in self._conns:
-                self._read(self._conns[fd], out)
+        """Whole notifications received since the last call, per connection in sending order."""
+        self.read()
+        out, self._notes = self._notes, []
         return out
 
-    def _accept(self) -> list:
-        new = []
+    def read(self) -> None:
+        """Accept and read every connection: notifications are kept for :meth:`poll`, the rest
+        goes to the listener (what ``deregister`` calls while it waits for acknowledgements)."""
         while True:
             try:
-                conn, _ = self._sock.accept()
+                sock, _ = self._sock.accept()
             except BlockingIOError:
-                return new
-            conn.setblocking(False)
-            entry = [conn, bytearray(), None]
-            self._conns[conn.fileno()] = entry
-            self._ready.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
-            new.append(entry)
+                break
+            sock.setblocking(False)
+            self._conns.append(_Connection(sock))
+        for conn in list(self._conns):
+            conn.flush()
+            open_ = _receive(conn.sock.fileno(), conn.buf)
+            for frame in _frames(conn.buf):
+                if not self._take(conn, frame):
+                    open_ = False
+                    break
+            if not open_:
+                self._conns.remove(conn)
+                conn.sock.close()
+                if conn.name is not None and self.listener is not None:
+                    self.listener.closed(conn)
 
-    def _read(self, entry: list, out: list) -> None:
-        """Read what ``entry``'s connection holds, append its whole frames to ``out``; close it
-        at end-of-file or an error."""
-        conn, buf = entry[0], entry[1]
-        closed = False
-        while True:
+    def _take(self, conn: _Connection, frame: bytes) -> bool:
+        """One frame of ``conn``; False when the connection must close (no Hello first)."""
+        if conn.name is None:
             try:
-                chunk = conn.recv(self._CHUNK)
-            except BlockingIOError:
-                break
-            except OSError:
-                closed = True
-                break
-            if not chunk:
-                closed = True
-                break
-            buf += chunk
-            if len(chunk) < self._CHUNK:  # drained (more that comes now: the next poll(2) says so)
-                break
-        while len(buf) >= _FRAME.size:
-            (n,) = _FRAME.unpack_from(buf)
-            if len(buf) < _FRAME.size + n:
-                break
-            frame = bytes(buf[_FRAME.size : _FRAME.size + n])
-            del buf[: _FRAME.size + n]
-            if entry[2] is None:  # the connection's first frame names its sender
-                entry[2] = frame.decode("utf-8", errors="replace")
-            else:
-                out.append(Notification(entry[2], frame))
-        if closed:
-            fd = conn.fileno()
-            self._ready.unregister(conn)
-            conn.close()
-            self._conns.pop(fd, None)
+                msg = wire.decode(frame)
+            except wire.ProtocolError:
+                msg = None
+            if not isinstance(msg, wire.Hello):
+                return False
+            conn.name = msg.name
+            if self.listener is not None:
+                self.listener.hello(conn, msg)
+        elif frame.startswith(wire.MAGIC):
+            try:
+                msg = wire.decode(frame)
+            except wire.ProtocolError:
+                return True  # a revocation message that does not decode carries nothing to act on
+            if self.listener is not None:
+                self.listener.message(conn, msg)
+        else:
+            self._notes.append(Notification(conn.name, frame))
+        return True
 
     def close(self) -> None:
-        for conn, *_ in self._conns.values():
-            conn.close()
+        for conn in self._conns:
+            conn.sock.close()
         self._conns.clear()
         self._sock.close()
 
 
 class Outbox:
-    """The writing end: one connected socket to a peer's inbox, introduced as ``sender``."""
+    """The writing end: one connected socket to a peer's inbox, opened with a Hello naming
+    ``sender`` and the peer's ``regions`` this side holds (the ids of the export it connected
+    to). Notifications go out with :meth:`send` (from any thread); what the peer sends back is
+    read by :meth:`receive`, on the transport's mailbox thread alone."""
 
-    def __init__(self, name: str, timeout_s: float, sender: str):
+    def __init__(self, name: str, timeout_s: float, sender: str, regions: Iterable[int] = ()):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
+        self._sock.settimeout(timeout_s)  # sends wait at most this long (the fd itself is non-blocking)
+        self._send_lock = threading.Lock()  # notifications (progress thread) and acks (mailbox thread)
+        self._buf = bytearray()
+        self.lost = False  # receive() saw the peer close its end
         try:
             self._sock.connect("\0" + name)
         except OSError as exc:
@@ -142,64 +197,39 @@ class Outbox:
                 "is it on this host and in this network namespace?"
             ) from None
         try:
-            self._sock.sendall(_FRAME.pack(len(sender.encode("utf-8"))) + sender.encode("utf-8"))
+            self.send(wire.encode(wire.Hello(sender, sorted(int(r) for r in regions))))
         except OSError as exc:
             self._sock.close()
-            raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our name: {exc}") from None
-        # From here the socket is non-blocking and send() bounds its own waits: a socket with a
-        # timeout would poll(2) before every send(2) (CPython does), twice the system calls.
-        self._timeout_s = timeout_s
-        self._sock.setblocking(False)
-        # one poll object per calling thread, registered once: alive() is one poll(2) per call, and
-        # the caller's thread and the progress thread may call it at once (a poll object refuses that)
-        self._polls = threading.local()
-
-    def _poller(self) -> select.poll:
-        try:
-            return self._polls.poll
-        except AttributeError:
-            poll = self._polls.poll = select.poll()
-            poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-            return poll
+            raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
 
     def alive(self) -> bool:
-        """False once the peer closed its end (the peer never writes, so readable = EOF).
-        Any thread may call it, several at once."""
-        try:
-            if not self._poller().poll(0):
-                return True
-            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except (BlockingIOError, InterruptedError):
-            return True
-        except (OSError, ValueError):  # ValueError: closed here (no descriptor to register)
-            return False
+        """False once the peer closed its end, as :meth:`receive` (the mailbox thread) saw: a
+        flag, no system call."""
+        return not self.lost
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def receive(self) -> list[bytes]:
+        """The whole frames the peer sent since the last call (without blocking); at the peer's
+        end of the connection, :attr:`lost` is set."""
+        if not _receive(self._sock.fileno(), self._buf):
+            self.lost = True
+        return _frames(self._buf)
 
     def send(self, payload: bytes) -> None:
-        """Send one frame: one ``send(2)`` while the socket has room, else waits for room up to
-        the timeout (``TimeoutError``; ``OSError`` when the peer is gone). One sender at a time
-        (the pending queue's lock)."""
-        data = _FRAME.pack(len(payload)) + payload
-        try:
-            sent = self._sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(data):
-            self._send_rest(memoryview(data)[sent:])
+        frame = _FRAME.pack(len(payload)) + payload
+        with self._send_lock:
+            self._sock.sendall(frame)
 
-    def _send_rest(self, rest: memoryview) -> None:
-        deadline = time.monotonic() + self._timeout_s
-        room = select.poll()
-        room.register(self._sock, select.POLLOUT)
-        while rest:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the peer's mailbox took no bytes for {self._timeout_s} s")
-            if not room.poll(max(1, int(left * 1000))):
-                continue
-            try:
-                rest = rest[self._sock.send(rest):]
-            except BlockingIOError:
-                continue
+    def shutdown(self) -> None:
+        """End the connection now (the peer reads its end) without closing the socket, which a
+        mailbox thread may still poll."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
+        self.shutdown()
         self._sock.close()

@@ -6,11 +6,16 @@ for the staged engine, the peer's GPU (its scatter kernel runs there, launched b
 process). Each opening gives a pointer table ``[num peer region ids]`` int64 (region base as
 mapped under that GPU; 0 for ids the peer did not export), which the row and strided tables
 index by region id.
+
+A revoked region (:mod:`transport.nvlink.holds`) is unmapped by :meth:`PeerMapping.drop` and
+skipped by later openings; its table entries become 0. The mailbox thread drops while the
+writer's thread may open the mapping under another GPU: both take the mapping's lock.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import threading
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -34,7 +39,9 @@ class PeerMapping:
                 )
         self._api, self._name, self._regions, self._handles = api, name, regions, dict(handles)
         self._bases: dict[int, np.ndarray] = {}  # GPU -> [num peer region ids] addresses
-        self._opened: list[tuple[bytes, int]] = []  # (handle, GPU it was opened under)
+        self._opened: list[tuple[int, bytes, int]] = []  # (region id, handle, GPU it was opened under)
+        self._dropped: set[int] = set()  # revoked region ids: unmapped, never opened again
+        self._lock = threading.Lock()
 
     def is_open(self, device: int) -> bool:
         return device in self._bases
@@ -45,9 +52,16 @@ class PeerMapping:
         table = self._bases.get(device)
         if table is not None:
             return table
+        with self._lock:
+            table = self._bases.get(device)
+            return table if table is not None else self._open(device)
+
+    def _open(self, device: int) -> np.ndarray:
         top = max(self._regions) if self._regions else -1
         table = np.zeros(top + 1, dtype=np.int64)  # [num peer region ids] addresses
         for rid, (handle, offset, _) in self._handles.items():
+            if rid in self._dropped:
+                continue
             try:
                 base = ipc.open_handle(self._api, handle, device)
             except ipc.CudaIpcError as exc:
@@ -55,7 +69,7 @@ class PeerMapping:
                     f"cannot open peer {self._name!r} region {rid} (peer cuda:{self._regions[rid].device}) "
                     f"on local cuda:{device}: {exc}"
                 ) from None
-            self._opened.append((handle, device))
+            self._opened.append((rid, handle, device))
             table[rid] = base + offset
         self._bases[device] = table
         return table
@@ -64,12 +78,27 @@ class PeerMapping:
     def opened(self) -> bool:
         return bool(self._opened)
 
+    def drop(self, regions: Iterable[int]) -> None:
+        """Unmap ``regions`` (revoked: the caller waited for the copies that use them) under
+        every GPU; later openings skip them."""
+        regions = set(regions)
+        with self._lock:
+            self._dropped |= regions
+            self._close([o for o in self._opened if o[0] in regions])
+            for table in self._bases.values():
+                table[[r for r in regions if r < table.size]] = 0
+
     def close(self) -> None:
         """Unmap every opened handle (the caller first waits for the copies that use them)."""
-        for handle, device in self._opened:
+        with self._lock:
+            self._close(list(self._opened))
+            self._bases.clear()
+
+    def _close(self, opened: list) -> None:
+        for entry in opened:
+            self._opened.remove(entry)
+            _, handle, device = entry
             try:
                 ipc.close_handle(self._api, handle, device)
             except ipc.CudaIpcError:
                 pass  # the mapping is gone with the peer; nothing left to release
-        self._opened.clear()
-        self._bases.clear()

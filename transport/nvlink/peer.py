@@ -2,9 +2,11 @@
 
 :class:`NvlinkPeer` owns, per peer: the mapping of the peer's regions
 (:mod:`~transport.nvlink.mapping`), the engine choice (:mod:`~transport.nvlink.route`), the
-tables (:mod:`~transport.nvlink.tables`), the outbox to the peer's mailbox and the FIFO of
-pending transfers (:mod:`~transport.nvlink.pending`). Writes go through a prepared write
-(:mod:`~transport.nvlink.job`) on the transport's copy stream (:mod:`~transport.nvlink.stream`).
+tables (:mod:`~transport.nvlink.tables`), the outbox to the peer's mailbox, the FIFO of pending
+transfers (:mod:`~transport.nvlink.pending`) and its hold of the peer's export
+(:mod:`~transport.nvlink.holds`: the regions the peer revoked). Writes go through a prepared
+write (:mod:`~transport.nvlink.job`) on the transport's copy stream
+(:mod:`~transport.nvlink.stream`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClo
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
 from transport.nvlink.fastpath import PairCache, build_plan
+from transport.nvlink.holds import Hold
 from transport.nvlink.job import PreparedWrite
 from transport.nvlink.kernel import SplitLaunch
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
@@ -26,6 +29,7 @@ from transport.nvlink.route import EngineRoute
 from transport.nvlink.tables import WriteTables, base_table
 from transport.nvlink.transfer import NvlinkTransfer
 from transport.registry import RegionRegistry
+from transport.revocation import wire as revoke_wire
 
 if TYPE_CHECKING:
     from transport.nvlink.transport import NvlinkTransport
@@ -52,13 +56,15 @@ class NvlinkPeer(Peer):
         self._copy = owner._copy_stream()  # NvlinkUnsupported before the first GPU region
         self._mapping = PeerMapping(owner._api(), name, self.regions, handles)
         self._queue = PendingQueue(name, None, self._config.transfer_timeout_s)
+        self._hold: Optional[Hold] = None
         self._closed = False
         # pair sets resident on the GPU (the direct path of write_strided), rebuilt when the local regions change
         self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs)
         try:
             self._mapping.bases(self._copy.device)
             try:
-                self._queue.outbox = Outbox(mailbox, self._config.peer_timeout_s, sender=owner.name)
+                self._queue.outbox = Outbox(mailbox, self._config.peer_timeout_s, sender=owner.name,
+                                            regions=self.regions)
             except MailboxUnreachable as exc:
                 raise NvlinkUnsupported(str(exc)) from None
         except BaseException:
@@ -69,6 +75,8 @@ class NvlinkPeer(Peer):
         self.tables = WriteTables(owner._registry, self._peer_sizes, self._mapping, device, self._config)
         self._route = EngineRoute(self._config, name, peer_gpu if peer_gpu != device else None, owner._lane,
                                   self._mapping)
+        self._hold = Hold(name, self._queue, self._mapping)
+        owner._mailbox.add(self._hold)  # its thread reads the peer's answer to the Hello, and revokes
 
     @property
     def device(self) -> int:
@@ -123,15 +131,22 @@ class NvlinkPeer(Peer):
         if engine is not NvlinkEngine.KERNEL and self._route.lane_for(
                 engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots, plan.max_len) is not None:
             return None
-        start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
-        if not fits:
-            ring.space.hold(start, None)
-            self._refuse_slots(batch, plan)
-        if not self._queue.outbox.alive():
-            ring.space.hold(start, None)
-            return self._lost()
-        event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
-        transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
+        hold = self._hold
+        if not hold.acked:
+            why = hold.wait_ready(self._config.revoke_timeout_s)
+            if why is not None:
+                return NvlinkTransfer(self._queue, None, None, error=why)
+        with hold.lock:  # as _post: a revoke's snapshot holds every copy that could reach a region it revokes
+            hold.refuse(batch.dst_region)
+            start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
+            if not fits:
+                ring.space.hold(start, None)
+                self._refuse_slots(batch, plan)
+            if not self._queue.outbox.alive():
+                ring.space.hold(start, None)
+                return self._lost()
+            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
+            transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         self._owner._progress.wake()
         return transfer
 
@@ -204,16 +219,26 @@ class NvlinkPeer(Peer):
         return self._post(job, notify)
 
     def _post(self, job: PreparedWrite, notify: Optional[bytes]) -> NvlinkTransfer:
-        """Upload the job's tables (first post only), queue the copy, track the transfer."""
-        try:
-            if job.device_tables is None:
-                job.device_tables = self._copy.upload(job)
-            event = self._copy.enqueue(job, job.device_tables)
-        except BaseException:
-            self._copy.quiesce(job)  # part of it may be queued: nothing may read the tables once they go
-            raise
-        transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify,
-                                                    keep=(job.host_table, *job.device_tables)))
+        """Once the peer acknowledged this hold: refuse a job naming a revoked region
+        (``RegionRevoked``), else upload its tables (first post only), queue the copy and track
+        the transfer -- under the hold's lock, so that a revoke's snapshot of the copies in
+        flight holds every copy that could still reach a region it revokes."""
+        hold = self._hold
+        if not hold.acked:
+            why = hold.wait_ready(self._config.revoke_timeout_s)
+            if why is not None:
+                return NvlinkTransfer(self._queue, None, None, error=why)
+        with hold.lock:
+            hold.refuse(job.dst_region)
+            try:
+                if job.device_tables is None:
+                    job.device_tables = self._copy.upload(job)
+                event = self._copy.enqueue(job, job.device_tables)
+            except BaseException:
+                self._copy.quiesce(job)  # part of it may be queued: nothing may read the tables once they go
+                raise
+            transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify,
+                                                        keep=(job.host_table, *job.device_tables)))
         self._owner._progress.wake()
         return transfer
 
@@ -234,6 +259,8 @@ class NvlinkPeer(Peer):
         notify = bytes(notify)
         if len(notify) > self._config.max_notify_bytes:
             raise ValueError(f"notify must be at most {self._config.max_notify_bytes} bytes, got {len(notify)}")
+        if notify.startswith(revoke_wire.MAGIC):
+            raise ValueError(f"notify must not start with {revoke_wire.MAGIC!r} (reserved for revocation)")
         return notify
 
     def _advance(self) -> bool:
@@ -249,12 +276,15 @@ class NvlinkPeer(Peer):
         self._owner._forget_peer(self)
 
     def _release(self) -> None:
-        """Wait for copies in flight, then unmap the peer's memory and close the socket."""
+        """Wait for copies in flight, then unmap the peer's memory and end the connection (the
+        peer forgets this hold when it reads the end)."""
         self.pair_plans.clear()
         if self._mapping.opened:
             self._copy.synchronize()
             self._owner._sync_lanes()
             self._queue.forget_buried()
             self._mapping.close()
-        if self._queue.outbox is not None:
+        if self._hold is not None:
+            self._owner._mailbox.remove(self._hold)  # its thread closes the socket
+        elif self._queue.outbox is not None:
             self._queue.outbox.close()

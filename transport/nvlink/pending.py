@@ -24,7 +24,15 @@ from transport.base import TransferStatus
 from transport.nvlink.mailbox import Outbox
 from transport.nvlink.transfer import NvlinkTransfer
 
-__all__ = ["PendingQueue"]
+__all__ = ["PendingQueue", "running"]
+
+
+def running(event) -> bool:
+    """The copy behind ``event`` may still run (a CUDA error: nothing will run any more)."""
+    try:
+        return not event.query()
+    except Exception:
+        return False
 
 
 class PendingQueue:
@@ -62,14 +70,14 @@ class PendingQueue:
         """``[(event, tables)]`` still held for copies that may be running."""
         return list(self._graveyard)
 
+    def events(self) -> list:
+        """The completion events of every copy of this peer that may still run: the pending
+        transfers' and the buried ones' (what a revoke waits for, :mod:`transport.nvlink.holds`)."""
+        with self.lock:
+            return [t._event for t in self._pending if t._event is not None] + [e for e, _ in self._graveyard]
+
     def _dig(self) -> None:
         """Release the tables of failed transfers whose copy has finished (or errored)."""
-        def running(event) -> bool:
-            try:
-                return not event.query()
-            except Exception:  # a CUDA error: nothing will run any more
-                return False
-
         self._graveyard = [(e, k) for e, k in self._graveyard if running(e)]
 
     def advance(self) -> bool:

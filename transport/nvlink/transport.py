@@ -3,7 +3,9 @@
 All regions of one transport live on one GPU, the one whose SMs run the copy kernel.
 ``register`` exports a CUDA IPC handle for each region (its allocation's handle plus the
 region's offset, :mod:`transport.nvlink.ipc`); ``connect`` maps a peer's export into an
-:class:`~transport.nvlink.peer.NvlinkPeer`; ``poll_notifications`` reads the mailbox.
+:class:`~transport.nvlink.peer.NvlinkPeer`; ``poll_notifications`` reads the mailbox;
+``deregister`` revokes the region from the peers that hold it first
+(:mod:`transport.nvlink.holders`), whose mailbox threads answer (:mod:`transport.nvlink.holds`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from transport.nvlink import staged
 from transport.nvlink.config import NvlinkConfig, NvlinkUnsupported
 from transport.nvlink.descriptor import BACKEND, gpu_uuid, local_ordinal, parse_descriptor
 from transport.nvlink.fastpath import SlotRing
+from transport.nvlink.holders import MailboxHolders
+from transport.nvlink.holds import MailboxThread
 from transport.nvlink.mailbox import Inbox, host_id
 from transport.nvlink.peer import NvlinkPeer
 from transport.nvlink.progress import Progress
@@ -48,7 +52,9 @@ class NvlinkTransport(Transport):
         self._peers: list[NvlinkPeer] = []
         self._lanes: dict[int, staged.StagedLane] = {}  # peer GPU -> staged lane
         self._ring: Optional[SlotRing] = None  # slots of the direct path, made at its first write
-        self._inbox = Inbox()
+        self._holders = MailboxHolders(self._registry, lambda: self._inbox.read())  # who holds our export
+        self._inbox = Inbox(self._holders)
+        self._mailbox = MailboxThread()  # reads what the owners of the exports we hold send our peers
         self._progress = Progress(lambda: any([p._advance() for p in list(self._peers)]), self._oldest_event)
         self._closed = False
 
@@ -99,10 +105,15 @@ class NvlinkTransport(Transport):
         self._device = device
         return self._registry.add(ptr, length, device, handle=exp).region_id
 
-    def deregister(self, region_id: int) -> None:
-        """Forget the region. No revocation: peers that opened its IPC handle can still write
-        into it until they close (see "Deregistering exported memory" in :mod:`transport.nvlink`)."""
+    def deregister(self, region_id: int, force: bool = False) -> None:
+        """Forget a region once no peer can write into it: it is revoked from every peer that
+        holds an export naming it, waiting for their acknowledgement or the end of their
+        connection (at most ``config.revoke_timeout_s``; :class:`~transport.base.RevokeTimeout`
+        naming the silent ones, the region still registered, unless ``force``). See
+        "Deregistering exported memory" in :mod:`transport.nvlink`."""
         self._check_open()
+        self._registry.get(region_id)
+        self._holders.revoke(region_id, self.config.revoke_timeout_s, force)
         self._registry.remove(region_id)  # an IPC export holds nothing to release
 
     @property
@@ -154,6 +165,7 @@ class NvlinkTransport(Transport):
         self._progress.stop()
         for peer in list(self._peers):
             peer.close()
+        self._mailbox.stop()
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()

@@ -1,12 +1,17 @@
-"""The revoke protocol's messages (:mod:`transport.nixl_revoke`).
+"""The revoke protocol's messages (:mod:`transport.revocation`), shared by the backends.
 
-They ride NIXL notifications (``send_notif``). Each is one frozen dataclass, encoded as
-:data:`MAGIC` + msgpack ``[kind, [fields...]]``; a payload that does not start with
-:data:`MAGIC` is not one of them (an owner's notification or a staged message), and owners
-may not send payloads that start with it (``NixlPeer.write`` refuses them).
+Each is one frozen dataclass, encoded as :data:`MAGIC` + msgpack ``[kind, [fields...]]``
+(:mod:`transport.notif_frames`); a payload that does not start with :data:`MAGIC` is not one
+of them (a notification, a staged message), and writers may not send notifications that start
+with it (``write`` refuses them).
 
-Writer ("holder") -> owner: :class:`Hold`, :class:`RevokeAck`, :class:`Release`.
-Owner -> holder: :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
+- nixl (:mod:`transport.nixl_revoke`), over NIXL notifications (``send_notif``): writer
+  ("holder") -> owner :class:`Hold`, :class:`RevokeAck`, :class:`Release`; owner -> holder
+  :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
+- nvlink (:mod:`transport.nvlink.holders`, :mod:`transport.nvlink.holds`), as frames of the
+  writer's mailbox connection: the writer's first frame is :class:`Hello`, then owner -> writer
+  :class:`HoldAck` and :class:`Revoke`, writer -> owner :class:`RevokeAck` among its
+  notifications. The connection's end stands for Release and Closed.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from typing import Optional, Union
 
 from transport import notif_frames as frames
 
-__all__ = ["MAGIC", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode", "decode",
-           "ProtocolError", "MAX_IDS"]
+__all__ = ["MAGIC", "Hello", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode",
+           "decode", "ProtocolError", "MAX_IDS", "MAX_NAME"]
 
 MAGIC = b"\x00kvt-revoke\x01"
 MAX_IDS = 1 << 20  # region ids one message may name (a transport's lifetime of ids: base.MAX_REGION_ID)
+MAX_NAME = 1024  # characters of a transport's name in a Hello
 
 
 class ProtocolError(ValueError):
@@ -78,8 +84,18 @@ class Closed:
     is gone too)."""
 
 
-Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release, Closed]
-_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed)
+@dataclass(frozen=True)
+class Hello:
+    """Writer -> owner, the first frame of an nvlink mailbox connection (one per ``connect``):
+    I am transport ``name`` and hold an export of yours naming ``regions``. The owner answers
+    ``HoldAck(0, gone)``; the writer writes nothing before it."""
+
+    name: str
+    regions: list
+
+
+Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello]
+_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello)
 
 
 def encode(msg: Message) -> bytes:
@@ -104,6 +120,10 @@ def _check(msg: Message) -> None:
                     isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
                 raise ProtocolError(f"{type(msg).__name__}.{f.name} must be a list of at most {MAX_IDS} "
                                     f"region ids >= 0, got {value!r:.80}")
+        elif f.name == "name":
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
+                raise ProtocolError(f"{type(msg).__name__}.name must be a str of 1 to {MAX_NAME} characters, "
+                                    f"got {value!r:.60}")
         elif f.name == "metadata":
             if not isinstance(value, bytes) or not value:
                 raise ProtocolError(f"{type(msg).__name__}.metadata must be non-empty bytes, got {value!r:.60}")

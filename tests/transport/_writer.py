@@ -1,10 +1,13 @@
-"""A writing NIXL process for the revocation tests (started with multiprocessing "spawn").
+"""A writing process for the revocation tests (started with multiprocessing "spawn").
 
-It owns a :class:`NixlTransport` with one host source region of seeded random bytes, connects
-to the export the parent sends and writes what it is told. Between commands it either keeps
-calling its transport (``Idle(pump=True)``: ``poll_notifications`` and the status of its
+It owns a writing transport (``backend``: ``nixl``, host memory; ``nvlink``, its source on
+CUDA ``device``; ``nvlink-cpu``, the nvlink mailbox with stand-in copies,
+:class:`tests.transport._nvlink_cpu.CpuWriter`) with one source region of seeded random bytes,
+connects to the export the parent sends and writes what it is told. Between commands it either
+keeps calling its transport (``Idle(pump=True)``: ``poll_notifications`` and the status of its
 pending writes, as a live serving process does) or only waits on its pipe (``pump=False``: a
-holder that does not answer revokes). A pending write's end is reported when it comes.
+NIXL holder that does not answer revokes; an nvlink one still does, from its mailbox thread).
+A pending write's end is reported when it comes.
 
 The pipe carries one frozen dataclass per message: from the parent :class:`Connect`,
 :class:`Write`, :class:`Idle`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
@@ -48,6 +51,7 @@ class Write:
     region: int  # the owner's region id
     offset: int  # byte offset in it (the source is read from byte 0)
     length: int
+    delay_s: float = 0.0  # nvlink: the copy starts this long after the post; nvlink-cpu: the stand-in ends then
 
 
 @dataclass(frozen=True)
@@ -84,16 +88,53 @@ class Bye:
     pass
 
 
-def serve(conn, seed: int, nbytes: int, env=None) -> None:
+def _open(backend: str, src: np.ndarray, device):
+    """(the writing transport, its source region id, what must outlive the transport)."""
+    if backend == "nixl":
+        from transport.nixl import NixlConfig, NixlTransport
+        from transport.nixl_staged import StagedNixlConfig
+
+        transport = NixlTransport(NixlConfig(staged=StagedNixlConfig(enabled=False)))
+        return transport, transport.register(src.ctypes.data, src.nbytes), src
+    if backend == "nvlink":
+        import torch
+
+        from transport.nvlink import NvlinkTransport
+
+        torch.cuda.set_device(device)
+        buf = torch.from_numpy(src).to(f"cuda:{device}")  # [nbytes]
+        transport = NvlinkTransport()
+        return transport, transport.register_tensor(buf), buf
+    if backend == "nvlink-cpu":
+        from tests.transport._nvlink_cpu import CpuWriter
+
+        transport = CpuWriter()
+        return transport, transport.register(src.ctypes.data, src.nbytes), src
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _delay(backend: str, transport, seconds: float) -> None:
+    """The next copy starts ``seconds`` after its post (nvlink: a kernel that spins that long on
+    the current stream, which the copy stream waits for); a stand-in copy ends then."""
+    if backend == "nvlink-cpu":
+        transport.copy_s = seconds
+        return
+    if not seconds:
+        return
+    if backend != "nvlink":
+        raise ValueError(f"a delayed copy needs the nvlink backend, not {backend!r}")
+    from tests.transport._support import gpu_sleep  # not at the top: _support imports this module
+
+    gpu_sleep(seconds)
+
+
+def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=None) -> None:
     for key, value in {**LOOPBACK_ENV, **(env or {})}.items():
         os.environ[key] = value
     from transport.base import TransferStatus, WriteBatch
-    from transport.nixl import NixlConfig, NixlTransport
-    from transport.nixl_staged import StagedNixlConfig
 
-    src = source_bytes(seed, nbytes)
-    with NixlTransport(NixlConfig(staged=StagedNixlConfig(enabled=False))) as transport:
-        sid = transport.register(src.ctypes.data, src.nbytes)
+    transport, sid, keep = _open(backend, source_bytes(seed, nbytes), device)
+    with transport:
         conn.send(Ready(transport.name))
         peer, pending, pump = None, {}, True
         while True:
@@ -117,6 +158,7 @@ def serve(conn, seed: int, nbytes: int, env=None) -> None:
                 peer.close()
                 conn.send(Connected())
             elif isinstance(cmd, Write):
+                _delay(backend, transport, cmd.delay_s)
                 try:
                     tr = peer.write(WriteBatch.of([sid], [0], [cmd.region], [cmd.offset], [cmd.length]))
                 except Exception as exc:
@@ -126,4 +168,5 @@ def serve(conn, seed: int, nbytes: int, env=None) -> None:
                 pending[cmd.tag] = tr
             else:
                 raise TypeError(f"unknown command {type(cmd).__name__}")
+    del keep
     conn.send(Bye())
