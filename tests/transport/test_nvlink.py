@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.transport._nvlink_cpu import DropRecorder, wait_until
 from tests.transport._nvlink_cpu import StandInEvent as _Event
 from tests.transport._support import (
     LAYERS,
@@ -40,6 +41,7 @@ from transport.nvlink import (
     parse_descriptor,
 )
 from transport.nvlink import kernel as kern
+from transport.nvlink.holds import Hold, MailboxThread
 from transport.nvlink.mailbox import Inbox as _Inbox
 from transport.nvlink.mailbox import MailboxUnreachable
 from transport.nvlink.mailbox import Outbox as _Outbox
@@ -318,31 +320,50 @@ def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
     out.close(), inbox.close()
 
 
-def test_outbox_alive_from_several_threads_at_once():
+def test_outbox_alive_from_several_threads_while_the_mailbox_thread_reads_the_end():
     """The caller's thread (a write checks the peer before launching) and the progress thread
-    (before each notification) ask at the same time: every answer is True, none raises
-    (Python's poll objects refuse a second concurrent poll())."""
-    inbox = _Inbox()
-    out = _Outbox(inbox.name, timeout_s=5.0, sender="writer")
-    start, answers, errors = threading.Barrier(8), [], []
+    (before a notification without payload) ask alive() while the transport's mailbox thread
+    reads the connection: none raises, each sees True until the mailbox thread has read the
+    end, then False and never True again; alive() reads nothing itself (the owner's answer to
+    the Hello still reaches the mailbox thread)."""
+    transport = NvlinkTransport(NvlinkConfig())  # an owner: its inbox answers the Hello
+    out = _Outbox(transport._inbox.name, timeout_s=5.0, sender="writer")
+    hold = Hold("owner", PendingQueue("owner", out, 60.0), DropRecorder())
+    mailbox = MailboxThread()
+    mailbox.add(hold)
+    start, stop, errors, seen = threading.Barrier(9), threading.Event(), [], []
 
     def ask():
+        first = last = out.alive()
+        flips = 0
         start.wait()
         try:
-            answers.append(all([out.alive() for _ in range(20000)]))
+            while True:
+                done = stop.is_set()  # set once alive() is False: this last look must see it
+                now = out.alive()
+                flips, last = flips + (now != last), now
+                if done:
+                    break
         except Exception as exc:  # noqa: BLE001 -- the test reports what a thread raised
             errors.append(exc)
+        seen.append((first, flips, last))
 
     threads = [threading.Thread(target=ask) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and answers == [True] * 8
-    inbox.close()
-    time.sleep(0.05)
-    assert not out.alive()
-    out.close()
+    try:
+        for t in threads:
+            t.start()
+        start.wait()
+        wait_until("the owner's answer to the Hello", lambda: transport.poll_notifications() == [] and hold.acked)
+        assert out.alive()
+        transport.close()  # its inbox closes the connection
+        wait_until("the mailbox thread reading the end", lambda: not out.alive())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        mailbox.stop()  # closes the outbox
+        transport.close()
+    assert errors == [] and seen == [(True, 1, False)] * 8
 
 
 def test_outbox_to_a_missing_mailbox_is_unreachable():

@@ -20,9 +20,12 @@ from tests.transport._support import (
     kv_strided,
     local_pair,
 )
-from transport.base import Region, RegionSizes, StridedBatch, TransferStatus
+from tests.transport._nvlink_cpu import DropRecorder, stand_in_ipc, wait_until
+from transport.base import Notification, Region, RegionRevoked, RegionSizes, StridedBatch, TransferStatus
+from transport.nvlink import NvlinkTransport, parse_descriptor
 from transport.nvlink.config import NvlinkConfig
 from transport.nvlink.fastpath import NO_LIMIT, PairCache, RingSpace, check_slots, pair_key, slot_limits
+from transport.nvlink.holds import Hold, MailboxThread
 from transport.nvlink.mailbox import Inbox, Outbox
 from transport.nvlink.pending import PendingQueue
 from transport.nvlink.progress import Progress
@@ -470,19 +473,24 @@ def test_every_waiter_wakes_when_the_transfer_settles(settling):
 
 
 def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_notification():
+    """The peer's inbox closes while two copies run; the transport's mailbox thread reads the
+    end of the connection (as in production): the copy with a notification fails at its send,
+    the one without at the look at the peer."""
     inbox = Inbox()
     queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=5)
+    mailbox = MailboxThread()
+    mailbox.add(Hold("cpu-peer", queue, DropRecorder()))
     try:
         tagged = queue.track(NvlinkTransfer(queue, _BlockingEvent(), b"landed"))
         silent = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
         inbox.close()
-        time.sleep(0.05)
+        wait_until("the mailbox thread reading the end", lambda: not queue.outbox.alive())
         tagged._event.fire(), silent._event.fire()
         assert tagged.status() is TransferStatus.FAILED and silent.status() is TransferStatus.FAILED
         assert "peer 'cpu-peer' lost while sending the notification" in tagged.error
         assert silent.error == "peer 'cpu-peer' lost before the notification could be sent"
     finally:
-        queue.outbox.close()
+        mailbox.stop()  # closes the outbox
 
 
 def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
@@ -662,13 +670,17 @@ class _Owner:
     def __init__(self, registry, ring):
         self._registry, self._ring = registry, ring
         self._progress = Progress(lambda: False)
+        self._mailbox = MailboxThread()  # reads the peer owner's answers and the end of the connection
 
     def _slot_ring(self):
         return self._ring
 
 
-class _Mapping:
+class _Mapping(DropRecorder):
+    """The peer's regions as mapped: their bases; the regions its revokes unmapped."""
+
     def __init__(self, bases):
+        super().__init__()
         self._bases = bases
 
     def bases(self, device):
@@ -678,7 +690,11 @@ class _Mapping:
 @pytest.fixture
 def fake_peer(monkeypatch):
     """An ``NvlinkPeer`` over stand-ins for CUDA (runtime calls, stream, event, launch: recorded)
-    with a real mailbox: 4 local and 4 peer regions of 64 KiB, a ring of 64 slots."""
+    connected as in production to a real owner: an ``NvlinkTransport`` named "fake" exporting 4
+    host arrays of 64 KiB through stand-in IPC (:mod:`tests.transport._nvlink_cpu`), whose
+    mailbox answered the peer's Hello; the peer's hold is read by a real mailbox thread. 4 local
+    regions of 64 KiB, a ring of 64 slots. Yields the peer, the launches, the batches the
+    general path took, the owner and the runtime stand-in."""
     import torch
 
     from transport.nvlink import kernel as kern
@@ -696,18 +712,23 @@ def fake_peer(monkeypatch):
     registry = RegionRegistry()
     for i in range(4):
         registry.add(0x100000 * (i + 1), 1 << 16, 0)
-    regions = {i: Region(i, 0x9000000 + 0x100000 * i, 1 << 16, 1) for i in range(4)}
+    stand_in_ipc(monkeypatch)
+    remote = NvlinkTransport(NvlinkConfig(), name="fake")
+    memory = [np.zeros(1 << 16, dtype=np.uint8) for _ in range(4)]
+    assert [remote.register(m.ctypes.data, m.nbytes, device=0) for m in memory] == [0, 1, 2, 3]
+    body, regions, _ = parse_descriptor(remote.export())
     api = _Api()
     api.copies = []
     ring = SlotRing(api, 0, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64))
-    inbox = Inbox()
     peer = object.__new__(NvlinkPeer)
     cfg = NvlinkConfig()
-    peer._owner, peer._config, peer.name, peer.regions = _Owner(registry, ring), cfg, "fake", regions
+    peer._owner, peer._config, peer.name, peer.regions = _Owner(registry, ring), cfg, body["name"], regions
     peer._copy = stream_mod.CopyStream(api, 0, wait_current_stream=True)
     peer._copy._stream = _Stream()
-    peer._mapping = _Mapping(np.array([r.ptr for r in regions.values()], dtype=np.int64))
-    peer._queue = PendingQueue("fake", Outbox(inbox.name, 1.0, sender="fake-writer"), 60.0)
+    peer._mapping = _Mapping(np.array([regions[i].ptr for i in range(4)], dtype=np.int64))
+    peer._queue = PendingQueue("fake", Outbox(body["mailbox"], 1.0, sender="fake-writer", regions=regions), 60.0)
+    peer._hold = Hold("fake", peer._queue, peer._mapping)
+    peer._owner._mailbox.add(peer._hold)
     peer._closed = False
     peer._peer_sizes = RegionSizes(regions)
     peer.tables = WriteTables(registry, peer._peer_sizes, peer._mapping, 0, cfg)
@@ -717,9 +738,11 @@ def fake_peer(monkeypatch):
         cfg.kernel, pin=False))
     general = []
     monkeypatch.setattr(peer, "_write", lambda batch, notify, engine=None: general.append(batch) or "general")
-    yield peer, launches, general, inbox, api
-    peer._queue.outbox.close()
-    inbox.close()
+    wait_until("the owner's answer to the hold", lambda: remote.poll_notifications() == [] and peer._hold.acked)
+    yield peer, launches, general, remote, api
+    peer._owner._mailbox.remove(peer._hold)
+    peer._owner._mailbox.stop()
+    remote.close()
     peer._owner._progress.stop()
 
 
@@ -728,7 +751,7 @@ def _kv(slots_src, slots_dst, pairs=4, row=1024):
 
 
 def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_peer):
-    peer, launches, general, inbox, api = fake_peer
+    peer, launches, general, remote, api = fake_peer
     for i, (s, d) in enumerate((([1, 5, 9], [2, 3, 4]), ([7], [63]), ([0, 1], [10, 11]))):
         tr = peer.write_strided(_kv(s, d), b"n%d" % i)
         tr.wait(timeout=5)
@@ -740,8 +763,8 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
     np.testing.assert_array_equal(pairs_table[:4], 0x100000 * np.arange(1, 5))  # source bases of slot 0
     got, deadline = [], time.monotonic() + 2
     while len(got) < 3 and time.monotonic() < deadline:
-        got += inbox.poll()
-    assert [n.payload for n in got] == [b"n0", b"n1", b"n2"]
+        got += remote.poll_notifications()
+    assert got == [Notification("fake-writer", b"n%d" % i) for i in range(3)]
 
 
 def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
@@ -789,12 +812,31 @@ def test_direct_path_steps_aside_for_the_general_path(fake_peer, monkeypatch):
 
 
 def test_direct_path_to_a_lost_peer_fails_without_launching(fake_peer):
-    peer, launches, _, inbox, _ = fake_peer
-    inbox.close()
-    time.sleep(0.05)
+    """The owner's transport closes: once the peer's mailbox thread has read the end of the
+    connection, a direct write fails at once, launching nothing, and frees its ring span."""
+    peer, launches, _, remote, api = fake_peer
+    remote.close()
+    wait_until("the mailbox thread reading the end", lambda: not peer._queue.outbox.alive())
     tr = peer.write_strided(_kv([1], [1]), b"lost")
-    assert tr.status() is TransferStatus.FAILED and "lost" in tr.error
-    assert launches == []
+    assert tr.status() is TransferStatus.FAILED and tr.error == "peer 'fake' lost (its socket closed)"
+    assert launches == [] and api.copies == []
+    assert peer._owner._ring.space.take(64) == 0  # nothing of the ring is still held for it
+
+
+def test_direct_path_refuses_a_revoked_region_and_launches_nothing(fake_peer):
+    """The owner deregisters region 2, which the peer's mailbox thread acknowledges (unmapping
+    it): a direct write naming it raises RegionRevoked, staging and launching nothing; one that
+    names only live regions still launches, from the ring's first span."""
+    peer, launches, general, remote, api = fake_peer
+    remote.deregister(2)
+    assert peer._mapping.dropped == [{2}]
+    with pytest.raises(RegionRevoked, match=r"region 2 of peer 'fake' was revoked: its owner deregistered it"):
+        peer.write_strided(_kv([1], [1]), b"revoked")
+    with pytest.raises(RegionRevoked, match="region 2 of peer 'fake' was revoked"):
+        peer.write_strided(StridedBatch.of([0, 1], 0, 1024, [3, 2], 0, 1024, 1024, [1], [1]))  # one pair of two
+    assert launches == [] and api.copies == [] and general == []
+    peer.write_strided(StridedBatch.of([0, 1], 0, 1024, [0, 3], 0, 1024, 1024, [4], [5])).wait(timeout=5)
+    assert len(launches) == 1 and launches[0][2] == 0  # the refused writes took no span of the ring
 
 
 def test_plan_pairs_makes_the_pair_set_resident_before_the_first_write(fake_peer):
