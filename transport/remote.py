@@ -143,6 +143,13 @@ class _WaitNotify:
 
 
 @dataclass(frozen=True)
+class _StampNotify:
+    payloads: tuple  # bytes each
+    timeout_s: float
+    backends: tuple = ()  # the transports polled (empty: all)
+
+
+@dataclass(frozen=True)
 class _Fetch:
     region_ids: tuple
 
@@ -218,6 +225,8 @@ class _Child:
             return None
         if isinstance(msg, _WaitNotify):
             return self.wait_notify(msg.payload, msg.timeout_s, interrupted)
+        if isinstance(msg, _StampNotify):
+            return self.stamp_notify(msg.payloads, msg.timeout_s, interrupted, msg.backends)
         if isinstance(msg, _Fetch):
             return [self.bufs[r].cpu().numpy() for r in msg.region_ids]
         if isinstance(msg, _Free):
@@ -260,6 +269,31 @@ class _Child:
             for t in self.transports.values():
                 self.seen.extend(t.poll_notifications())
             time.sleep(1e-4)
+
+    def stamp_notify(self, payloads: tuple, timeout_s: float, interrupted=lambda: False, backends: tuple = ()) -> dict:
+        """``{payload: (sender, time.monotonic() when poll_notifications returned it)}`` for each
+        of ``payloads`` that arrived within ``timeout_s``; polls the ``backends`` transports
+        (empty: all) without sleeping, so the stamp is when the notification became visible
+        (within one poll)."""
+        want, out = set(payloads), {}
+        polled = [t for b, t in self.transports.items() if not backends or b in backends]
+        for note in list(self.seen):
+            if note.payload in want:
+                self.seen.remove(note)
+                out[note.payload] = (note.sender, time.monotonic())
+        deadline = time.monotonic() + timeout_s
+        polls = 0
+        while len(out) < len(want) and time.monotonic() < deadline:
+            for t in polled:
+                for note in t.poll_notifications():
+                    if note.payload in want and note.payload not in out:
+                        out[note.payload] = (note.sender, time.monotonic())
+                    else:
+                        self.seen.append(note)
+            polls += 1
+            if polls % 4096 == 0 and interrupted():
+                break
+        return out
 
     def close(self) -> None:
         for t in self.transports.values():
@@ -329,6 +363,13 @@ class RemoteBuffers:
         """The sender of a notification carrying ``payload``, once it arrived (None: not within
         ``timeout_s``)."""
         return self._call(_WaitNotify(payload, timeout_s))
+
+    def start_stamp_notify(self, payloads, timeout_s: float, backends=()) -> None:
+        """Have the receiver poll (the transports of ``backends``; empty: all) without sleeping
+        until each of ``payloads`` arrived (or ``timeout_s``); :meth:`result` then gives
+        ``{payload: (sender, arrival)}``, ``arrival`` a ``time.monotonic()`` of the receiver
+        (one clock for the processes of a host)."""
+        self._conn.send(_StampNotify(tuple(bytes(p) for p in payloads), timeout_s, tuple(backends)))
 
     def start_wait_notify(self, payload: bytes, timeout_s: float) -> None:
         """:meth:`wait_notify` without waiting for the answer (collect it with :meth:`result`)."""

@@ -119,8 +119,13 @@ def time_wall(fn: Callable[[], object], repeats: int, warmup: int = 0, budget_s:
     return Timing(tuple(samples))
 
 
-def time_cuda(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Timing:
-    """Seconds of the GPU work ``fn()`` enqueues on the current stream, by CUDA events."""
+def time_cuda(fn: Callable[[], object], repeats: int, warmup: int = 0, busy_cycles: int = 0) -> Timing:
+    """Seconds of the GPU work ``fn()`` enqueues on the current stream, by CUDA events.
+
+    ``busy_cycles`` > 0: the stream first spins that many GPU clock cycles (``torch.cuda._sleep``)
+    before the start event, so that the GPU is still busy while ``fn()`` enqueues: the events
+    then time the work alone. Without it, on an idle GPU, the start event completes at once and
+    the sample also holds ``fn()``'s host time up to its launch."""
     import torch
 
     for _ in range(warmup):
@@ -128,6 +133,8 @@ def time_cuda(fn: Callable[[], object], repeats: int, warmup: int = 0) -> Timing
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
         start.record()
         fn()
         end.record()

@@ -213,19 +213,26 @@ class Rig:
         return write
 
     def nvlink_writer(self, engine, batches: list) -> tuple:
-        """A writer through prepared nvlink jobs with ``engine`` (prepared per write, as a
-        request is), and the engine the jobs actually took."""
+        """A writer through the nvlink peer with ``engine``, and the engine it actually took:
+        the kernel engine writes a StridedBatch as kvtransfer does, ``write_strided`` (its
+        direct path: resident pair tables, issue 18), where the peer takes ``engine=``; other
+        batches and engines through prepared jobs (prepared per write, as a request is)."""
+        from transport.base import StridedBatch
+
         peer = self.peers["nvlink"]
         with peer.prepare(batches[0], engine=engine) as job:
             took = job.engine
+        direct = engine.value == "kernel" and hasattr(peer, "pair_plans")
 
         def write(notify):
-            jobs = [peer.prepare(b, engine=engine) for b in batches]
-            try:
-                out = [j.post(notify if i == len(jobs) - 1 else None) for i, j in enumerate(jobs)]
-            finally:
-                for j in jobs:
-                    j.release()
+            out = []
+            for i, b in enumerate(batches):
+                note = notify if i == len(batches) - 1 else None
+                if direct and isinstance(b, StridedBatch):
+                    out.append(peer.write_strided(b, note, engine=engine))
+                    continue
+                with peer.prepare(b, engine=engine) as j:
+                    out.append(j.post(note))
             return out
 
         return write, took

@@ -9,7 +9,7 @@ size, written by this process (GPU 0) into a receiver process's pool (GPU 1). Ca
                        one KV head), page size 1, all 160 buffers
 
 For each case, in the same run: ``kernel`` = the copy kernel alone on a resident row table
-(CUDA events, median), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
+(CUDA events, median; its launch's host time not timed), ``staged`` = the staged engine's pipeline alone (gather, copy engine,
 scatter; one prepared write, :meth:`NvlinkPeer.prepare`, posted again and again with its
 tables resident on both GPUs; CUDA events, median), ``write()`` = ``peer.write(batch).wait()``
 wall time including the bounds check, the row-table gather and its host-to-device copy
@@ -20,7 +20,18 @@ the direct kernel and once with the staged engine (a prepared write with that
 count between two contiguous tensors on GPU 0 and GPU 1 of this process (CUDA events,
 median). The first write of each case is verified: the receiver waits for its notification
 (from this transport), then both sides checksum the rows (position-weighted); so is the first
-``write_strided()`` with each engine (``verified``: write/kernel/staged).
+``write_strided()`` with each engine (``verified``: write/kernel/staged). ``write_strided()``
+with the kernel engine takes the direct path (``transport.nvlink.fastpath``) where the
+transport has one, else a prepared write.
+
+Fixed cost per write (second table): ``write_strided()`` (kernel engine) call to the
+notification seen by the receiver process, which polls without sleeping and stamps arrivals on
+the host's monotonic clock (``RemoteBuffers.start_stamp_notify``), median; minus the strided
+kernel's own time for the same batch (CUDA events, resident table, the GPU kept busy while it
+is launched so that the launch's host time is not counted as the kernel's: it is part of the
+fixed cost). ``ns/slot``: what a case's fixed cost adds to that of a one-row write (1 pair x
+1 slot), per slot. The one-row write's fixed cost is also measured through NIXL when it is
+importable (one descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
@@ -32,7 +43,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,23 +118,41 @@ def build_cases(args, src_rids, dst_rids, head_rids, rng) -> list[Case]:
     return cases
 
 
-def _median_ms_events(fn, reps: int, warmup: int) -> float:
-    """Median milliseconds of the GPU work ``fn`` enqueues (CUDA events)."""
-    return time_cuda(fn, reps, warmup).median * 1e3
+BUSY_CYCLES = 1_000_000  # ~0.5 ms of GPU clock queued before a timed launch: its host time is not timed
+
+
+def _median_ms_events(fn, reps: int, warmup: int, one_launch: bool = False) -> float:
+    """Median milliseconds of the GPU work ``fn`` enqueues (CUDA events). ``one_launch``: ``fn``
+    is one kernel launch, timed with the GPU kept busy while it enqueues (the kernel alone,
+    not the host time of its launch, which a one-row write would otherwise be mostly)."""
+    return time_cuda(fn, reps, warmup, busy_cycles=BUSY_CYCLES if one_launch else 0).median * 1e3
+
+
+def _has_direct(peer) -> bool:
+    """The peer takes ``write_strided(..., engine=)`` and its direct path (issue 18's code)."""
+    return hasattr(peer, "pair_plans")
+
+
+def _strided_write(peer, batch, engine, notify=None):
+    """``write_strided`` with ``engine``: the direct path where the peer has one and the engine
+    is the kernel; else a prepared write with that engine, posted once and released (the same
+    host work as ``write_strided`` before the direct path)."""
+    if engine is not None and engine.value == "kernel" and _has_direct(peer):
+        return peer.write_strided(batch, notify, engine=engine)
+    with peer.prepare(batch, engine=engine) as job:
+        return job.post(notify)
 
 
 def _write_times(peer, batch, reps: int, engine=None) -> tuple[float, float]:
     """Median seconds for a write to return (host-side preparation) and to complete: with
     ``engine`` None, ``peer.write`` (``write_strided`` for a StridedBatch) as a caller runs it;
-    else a prepared write with that engine, prepared, posted once and released (the same host
-    work as ``write_strided``)."""
+    else :func:`_strided_write` with that engine."""
     prep, total = [], []
 
     def write(b):
         if engine is None:
             return (peer.write_strided if isinstance(b, StridedBatch) else peer.write)(b)
-        with peer.prepare(b, engine=engine) as job:
-            return job.post()
+        return _strided_write(peer, b, engine)
 
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -204,8 +232,7 @@ class _Bench:
         if engine is None:
             peer.write(case.batch(), notify=tag).wait(timeout=120)
         else:
-            with peer.prepare(case.strided_batch(), engine=engine) as job:
-                job.post(notify=tag).wait(timeout=120)
+            _strided_write(peer, case.strided_batch(), engine, tag).wait(timeout=120)
         sender = self.remote.wait_notify(tag, 60.0)
         if sender != self.transports["nvlink"].name:
             raise RuntimeError(f"{case.name}: notification from {sender!r}, expected {self.transports['nvlink'].name!r}")
@@ -217,7 +244,8 @@ class _Bench:
         path = kern.choose_path(rows_dev.cpu().numpy())
         plan = kern.plan_launch(rows_dev.shape[1], int(case.length.max()), path, cfg)
         with self.torch.cuda.device(device):
-            return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup)
+            return _median_ms_events(lambda: kern.scatter_rows(rows_dev, plan, device, cfg.num_warps), args.reps, args.warmup,
+                                     one_launch=True)
 
     def strided_kernel_ms(self, sb) -> tuple[float, float]:
         """The strided kernel alone on a resident table (CUDA events, median), and the host
@@ -234,7 +262,7 @@ class _Bench:
         cfg = self.configs[0]
         with self.torch.cuda.device(self.src_dev):
             ms = _median_ms_events(lambda: kern.scatter_strided(table_dev, sb.num_pairs, sb.num_slots, plan, self.src_dev,
-                                                                cfg.num_warps), args.reps, args.warmup)
+                                                                cfg.num_warps), args.reps, args.warmup, one_launch=True)
         return ms, statistics.median(host)
 
     def staged_ms(self, sb) -> float:
@@ -249,6 +277,53 @@ class _Bench:
             with torch.cuda.device(self.src_dev):
                 return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(job.post().event),
                                          self.args.reps, self.args.warmup)
+
+    def landed_s(self, write, reps: int, warmup: int = 2, backend: str = "nvlink") -> list[float]:
+        """Seconds from each ``write(tag)`` call to its notification seen by the receiver, which
+        polls ``backend``'s transport without sleeping and stamps arrivals on the host's
+        monotonic clock; the writes one after the other (each waited for), the first ``warmup``
+        left out."""
+        self._stamps = getattr(self, "_stamps", 0) + 1
+        tags = [f"landed {self._stamps} {i}".encode() for i in range(warmup + reps)]
+        self.remote.start_stamp_notify(tags, 120.0, (backend,))
+        time.sleep(0.05)  # the receiver is polling before the first write
+        starts = []
+        try:
+            for tag in tags:
+                t0 = time.monotonic()
+                write(tag).wait(timeout=120)
+                starts.append(t0)
+        finally:
+            stamps = self.remote.result("stamp_notify")
+        missing = [t for t in tags if t not in stamps]
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(tags)} notifications did not reach the receiver")
+        return [stamps[t][1] - t0 for t, t0 in zip(tags[warmup:], starts[warmup:])]
+
+    def tiny_fixed(self) -> dict:
+        """Fixed cost of a write of one 2 KiB row (1 pair x 1 slot) per backend, microseconds:
+        call to notification seen by the receiver, minus (nvlink) the kernel's own time."""
+        args, out = self.args, {}
+        token_bytes = args.heads * args.head_dim * 2
+        case = self.cases[0]
+        src_rid, dst_rid = int(case.src_region[0]), int(case.dst_region[0])
+        sb = StridedBatch.of(src_rid, 0, token_bytes, dst_rid, 0, token_bytes, token_bytes, [1], [1])
+        kernel_ms, _ = self.strided_kernel_ms(sb)
+        peer = self.peers["nvlink"]
+        engine = self.engines.KERNEL
+        landed = self.landed_s(lambda tag: _strided_write(peer, sb, engine, tag), self.args.fixed_reps)
+        out["nvlink"] = (statistics.median(landed) * 1e6 - kernel_ms * 1e3, kernel_ms * 1e3)
+        if "nixl" in self.peers:
+            from transport.base import WriteBatch
+
+            wb = WriteBatch.of([src_rid], [token_bytes], [dst_rid], [token_bytes], [token_bytes])
+            try:
+                landed = self.landed_s(lambda tag: self.peers["nixl"].write(wb, notify=tag), self.args.fixed_reps,
+                                       backend="nixl")
+                out["nixl"] = (statistics.median(landed) * 1e6, 0.0)
+            except Exception as exc:  # NIXL's figure must not cost the table
+                out["nixl"] = f"failed: {type(exc).__name__}: {exc}"
+        return out
 
     def copy_ms(self, nbytes: int) -> float:
         a, b = self.pc_src[:nbytes], self.pc_dst[:nbytes]
@@ -271,11 +346,13 @@ class _Bench:
                 engines[engine.value] = (ok, *_write_times(peer, strided, reps, engine=engine))
             skernel_ms, shost_s = self.strided_kernel_ms(strided)
             staged_ms = self.staged_ms(strided)
+            kernel_engine = self.engines.KERNEL
+            landed = self.landed_s(lambda tag: _strided_write(peer, strided, kernel_engine, tag), self.args.fixed_reps)
             checks = [verified] + [v[0] for v in engines.values()]
             out.append(dict(case=case, nbytes=batch.nbytes, verified=all(checks),
                             checks="/".join("ok" if c else "BAD" for c in checks), kernel=kernel, prep_s=prep_s,
                             write_s=write_s, engines=engines, strided_kernel_ms=skernel_ms, strided_host_s=shost_s,
-                            staged_ms=staged_ms,
+                            staged_ms=staged_ms, landed_s=statistics.median(landed),
                             strided_shape=(strided.num_pairs, strided.num_slots),
                             copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
@@ -370,12 +447,35 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {c:>9.1f} "
               f"{k:>7.1f} {k / c:>6.1%} {st:>7.1f} {st / c:>6.1%} {w:>7.1f} {w / c:>6.1%} {sk:>14.1f} {sk / c:>6.1%} {sg:>14.1f} {sg / c:>6.1%} "
               f"{r['engines']['staged'][1] * 1e3:>7.2f} {r['checks']:>12}")
+    fixed = bench.tiny_fixed()
+    print(f"\nfixed cost per write = write_strided() call -> notification seen by the receiver (it polls without "
+          f"sleeping), minus the strided kernel's own time for the same batch; median of {args.fixed_reps}; "
+          f"{'direct path' if _has_direct(bench.peers['nvlink']) else 'prepared write (no direct path)'}, "
+          "kernel engine")
+    head = (f"{'case':<11} {'pairs':>6} {'slots':>6} {'MiB':>5} {'peer copy':>9} {'landed':>7} {'ratio':>6} "
+            f"{'kernel us':>9} {'landed us':>9} {'fixed us':>8} {'ns/slot':>7}")
+    print(head)
+    print("-" * len(head))
+    tiny = fixed["nvlink"]
+    for r in results:
+        pairs, slots = r["strided_shape"]
+        nbytes, c = r["nbytes"], gbs(r["nbytes"], r["copy_ms"] / 1e3)
+        landed_us, kernel_us = r["landed_s"] * 1e6, r["strided_kernel_ms"] * 1e3
+        fixed_us = landed_us - kernel_us
+        per_slot = (fixed_us - tiny[0]) / slots * 1e3 if slots else float("nan")
+        lg = gbs(nbytes, r["landed_s"])
+        print(f"{r['case'].name:<11} {pairs:>6} {slots:>6} {nbytes / 2**20:>5.0f} {c:>9.1f} {lg:>7.1f} {lg / c:>6.1%} "
+              f"{kernel_us:>9.1f} {landed_us:>9.1f} {fixed_us:>8.1f} {per_slot:>7.1f}")
+    print(f"one-row write (1 pair x 1 slot, 2 KiB): nvlink fixed cost {tiny[0]:.1f} us (kernel {tiny[1]:.1f} us); "
+          + (f"nixl fixed cost {fixed['nixl'][0]:.1f} us" if isinstance(fixed.get("nixl"), tuple)
+             else f"nixl {fixed.get('nixl', 'not importable here, skipped')}"))
     for r in results:
         sb_pairs, sb_slots = r["strided_shape"]
         print(f"write_strided {r['case'].name}: {sb_pairs} pairs x {sb_slots} slots; strided kernel alone "
               f"{gbs(r['nbytes'], r['strided_kernel_ms'] / 1e3):.1f} GB/s (row-table kernel "
-              f"{gbs(r['nbytes'], r['kernel'][bench.configs[0]] / 1e3):.1f}); host bounds + table "
-              f"{r['strided_host_s'] * 1e3:.2f} ms of {r['engines']['kernel'][1] * 1e3:.2f} ms prep")
+              f"{gbs(r['nbytes'], r['kernel'][bench.configs[0]] / 1e3):.1f}); the general path's host bounds + "
+              f"table {r['strided_host_s'] * 1e3:.2f} ms; write_strided() (kernel engine) returned after "
+              f"{r['engines']['kernel'][1] * 1e3:.3f} ms")
 
 
 def main(argv=None) -> int:
@@ -394,6 +494,7 @@ def main(argv=None) -> int:
                     help="also time the kernel limited to these many programs (grid stride), e.g. 16,32,66")
     ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
+    ap.add_argument("--fixed-reps", type=int, default=21, help="writes timed for the fixed cost per write")
     args = ap.parse_args(argv)
     args.pool_tokens = 2 * args.tokens
 

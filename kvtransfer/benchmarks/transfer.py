@@ -7,7 +7,8 @@ and on the same buffers, by each path:
 
     link                 the baseline: a memcpy of the same byte count (host memory), or
                          torch's copy of it from the source GPU to the destination GPU
-    nvlink kernel        the NVLink backend's direct push kernel (GPUs; prepared per write)
+    nvlink kernel        the NVLink backend's direct push kernel (GPUs; ``write_strided``'s
+                         direct path, as kvtransfer writes a plan)
     nvlink staged        its staged engine: gather, copy engine, scatter (two GPUs)
     nixl direct          the NIXL backend as kvtransfer writes a plan (``write_strided``:
                          touching whole-row runs coalesced)

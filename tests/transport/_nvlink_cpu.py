@@ -4,6 +4,7 @@
   arrays (their IPC exports stand-ins: no CUDA call), so that its register, export,
   poll_notifications, deregister and close run as they are, the owner's side of revocation
   included;
+- :func:`wait_until`: polls a condition with a deadline (what the mailbox thread does next);
 - :class:`CpuWriter`: the writing side of the real mailbox (``Outbox``, ``Hold``,
   ``MailboxThread``, ``PendingQueue``, ``NvlinkTransfer``) connected to such an export, whose
   copies are :class:`StandInEvent` s that end when the test says (:meth:`CpuPeer.land`, or
@@ -27,6 +28,14 @@ from transport.nvlink.holds import Hold, MailboxThread
 from transport.nvlink.mailbox import Outbox
 from transport.nvlink.pending import PendingQueue
 from transport.nvlink.transfer import NvlinkTransfer
+
+
+def wait_until(what: str, check, timeout: float = 5.0) -> None:
+    """Return once ``check()`` is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(1e-3)
 
 
 class StandInEvent:

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.transport._nvlink_cpu import DropRecorder, wait_until
 from tests.transport._nvlink_cpu import StandInEvent as _Event
 from tests.transport._support import (
     LAYERS,
@@ -18,6 +19,7 @@ from tests.transport._support import (
     assert_interpreted_ok,
     check_landed,
     kv_batch,
+    kv_strided,
     local_pair,
     write_landed,
 )
@@ -39,6 +41,7 @@ from transport.nvlink import (
     parse_descriptor,
 )
 from transport.nvlink import kernel as kern
+from transport.nvlink.holds import Hold, MailboxThread
 from transport.nvlink.mailbox import Inbox as _Inbox
 from transport.nvlink.mailbox import MailboxUnreachable
 from transport.nvlink.mailbox import Outbox as _Outbox
@@ -301,6 +304,68 @@ def test_mailbox_delivers_whole_frames_in_order():
     out.close()
 
 
+def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
+    """A receiver that stops reading fills the socket; the send then waits for room at most the
+    outbox's timeout and raises (the pending queue fails the transfer: peer lost)."""
+    inbox = _Inbox()
+    out = _Outbox(inbox.name, timeout_s=0.3, sender="writer")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        for _ in range(100000):
+            out.send(b"x" * 1024)
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert out.alive()  # full, not gone: what came is still readable
+    got = inbox.poll()
+    assert got and got[0] == Notification("writer", b"x" * 1024)
+    out.close(), inbox.close()
+
+
+def test_outbox_alive_from_several_threads_while_the_mailbox_thread_reads_the_end():
+    """The caller's thread (a write checks the peer before launching) and the progress thread
+    (before a notification without payload) ask alive() while the transport's mailbox thread
+    reads the connection: none raises, each sees True until the mailbox thread has read the
+    end, then False and never True again; alive() reads nothing itself (the owner's answer to
+    the Hello still reaches the mailbox thread)."""
+    transport = NvlinkTransport(NvlinkConfig())  # an owner: its inbox answers the Hello
+    out = _Outbox(transport._inbox.name, timeout_s=5.0, sender="writer")
+    hold = Hold("owner", PendingQueue("owner", out, 60.0), DropRecorder())
+    mailbox = MailboxThread()
+    mailbox.add(hold)
+    start, stop, errors, seen = threading.Barrier(9), threading.Event(), [], []
+
+    def ask():
+        first = last = out.alive()
+        flips = 0
+        start.wait()
+        try:
+            while True:
+                done = stop.is_set()  # set once alive() is False: this last look must see it
+                now = out.alive()
+                flips, last = flips + (now != last), now
+                if done:
+                    break
+        except Exception as exc:  # noqa: BLE001 -- the test reports what a thread raised
+            errors.append(exc)
+        seen.append((first, flips, last))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        start.wait()
+        wait_until("the owner's answer to the Hello", lambda: transport.poll_notifications() == [] and hold.acked)
+        assert out.alive()
+        transport.close()  # its inbox closes the connection
+        wait_until("the mailbox thread reading the end", lambda: not out.alive())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        mailbox.stop()  # closes the outbox
+        transport.close()
+    assert errors == [] and seen == [(True, 1, False)] * 8
+
+
 def test_outbox_to_a_missing_mailbox_is_unreachable():
     # NvlinkPeer turns this into NvlinkUnsupported (the caller falls back to NIXL).
     with pytest.raises(MailboxUnreachable, match="cannot reach the peer's notification socket"):
@@ -375,13 +440,22 @@ def test_two_processes_unaligned_rows(remote, unit):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_two_processes_ctypes_ipc_api(remote):
-    """The libcudart fallback exports and opens handles as cuda-python does."""
+    """The libcudart fallback exports and opens handles as cuda-python does, and runs the
+    direct path's calls (the caller's stream recorded and waited for, the slots' upload)."""
+    import torch
+
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, NvlinkConfig(ipc_api="ctypes"))
     try:
         batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(7))
         peer.write(batch, notify=b"ctypes").wait(timeout=60)
         check_landed(remote, src, dst_rids, batch, buf_bytes, b"ctypes")
+        strided = kv_strided(sorted(src), dst_rids, 1, False, np.random.default_rng(8))
+        remote.fill(dst_rids, 0x5A)
+        with torch.cuda.stream(torch.cuda.Stream(peer.device)):  # a caller's stream that is not the copy stream
+            peer.write_strided(strided, notify=b"ctypes direct").wait(timeout=60)
+        assert peer.pair_plans.builds == 1
+        check_landed(remote, src, dst_rids, strided.expand(), buf_bytes, b"ctypes direct")
     finally:
         t.close()
 
@@ -554,3 +628,71 @@ def test_cuda_error_and_lost_peer_fail_the_transfer(cpu_peer):
     t._event.fired = True
     with pytest.raises(TransferFailed, match="lost"):
         t.wait(timeout=5)
+
+
+# -- the CUDA runtime bindings' hot calls (stand-in runtimes: their return conventions) ----------------
+
+
+class _CudaError(int):
+    """cuda-python's cudaError_t: an int enum (members compared by identity on success)."""
+
+    cudaSuccess = None  # set below
+    value = property(int)
+
+
+_CudaError.cudaSuccess = _CudaError(0)
+
+
+class _FakeCudaPythonRuntime:
+    """cuda-python's runtime module as the hot calls see it: each call returns ``(err, *out)``."""
+
+    cudaError_t = _CudaError
+
+    def __init__(self, fail: int = 0):
+        self.calls, self._err = [], _CudaError.cudaSuccess if fail == 0 else _CudaError(fail)
+
+    @staticmethod
+    def cudaMemcpyKind(v):
+        return ("kind", v)
+
+    def cudaMemcpyAsync(self, *a):
+        self.calls.append(("memcpy", *a))
+        return (self._err,)
+
+    def cudaEventRecord(self, *a):
+        self.calls.append(("record", *a))
+        return (self._err,)
+
+    def cudaStreamWaitEvent(self, *a):
+        self.calls.append(("wait", *a))
+        return (self._err,)
+
+    def cudaGetDevice(self):
+        return (self._err, 3)
+
+
+def _cuda_python_api(rt):
+    from transport.nvlink import ipc
+
+    api = object.__new__(ipc._CudaPythonApi)
+    api.rt, api.drv = rt, None
+    api._success, api._kind_default = rt.cudaError_t.cudaSuccess, rt.cudaMemcpyKind(4)
+    return api
+
+
+def test_cuda_python_hot_calls_pass_their_arguments_and_name_a_failure():
+    from transport.nvlink.ipc import CudaIpcError
+
+    rt = _FakeCudaPythonRuntime()
+    api = _cuda_python_api(rt)
+    api.memcpy_async(0x1000, 0x2000, 64, 7)
+    api.event_record("ev", 7)
+    api.stream_wait_event(8, "ev")
+    assert api.get_device() == 3
+    assert rt.calls == [("memcpy", 0x1000, 0x2000, 64, ("kind", 4), 7), ("record", "ev", 7), ("wait", 8, "ev", 0)]
+    bad = _cuda_python_api(_FakeCudaPythonRuntime(fail=700))
+    with pytest.raises(CudaIpcError, match=r"cudaMemcpyAsync\(0x1000, 0x2000, 64\) failed"):
+        bad.memcpy_async(0x1000, 0x2000, 64, 7)
+    for call, args in (("event_record", ("ev", 7)), ("stream_wait_event", (8, "ev")), ("get_device", ())):
+        with pytest.raises(CudaIpcError, match=r"cuda(EventRecord|StreamWaitEvent|GetDevice) failed"):
+            getattr(bad, call)(*args)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.transport._nvlink_cpu import CpuWriter, stand_in_ipc
+from tests.transport._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
 from transport.base import Notification, RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch
 from transport.nvlink import NvlinkConfig, NvlinkTransport, parse_descriptor
 from transport.nvlink import ipc
@@ -100,13 +100,6 @@ def listen(transport, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         transport.poll_notifications()
-        time.sleep(1e-3)
-
-
-def wait_until(what: str, check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
         time.sleep(1e-3)
 
 

@@ -33,3 +33,36 @@ def test_host_receiver_writes_digests_frees_and_abandons_a_wait():
     finally:
         writer.close()
         remote.close()
+
+
+def test_receiver_stamps_notifications_on_the_hosts_monotonic_clock():
+    """``start_stamp_notify``: the arrival of each payload on the monotonic clock this process
+    reads too (what ``bench nvlink`` subtracts a write's start from); no GPU needed: the
+    notifications go straight into the receiver's nvlink mailbox."""
+    import time
+
+    from transport.nvlink import parse_descriptor
+    from transport.nvlink.mailbox import Outbox
+
+    remote = RemoteBuffers(None, ("nvlink",))
+    try:
+        body, _, _ = parse_descriptor(remote.export()["nvlink"])
+        out = Outbox(body["mailbox"], 5.0, sender="stamper")
+        try:
+            remote.start_stamp_notify([b"a", b"b"], 30.0, ("nvlink",))
+            t0 = time.monotonic()
+            out.send(b"other")  # not asked for: kept for a later wait
+            out.send(b"a")
+            time.sleep(0.05)
+            t1 = time.monotonic()
+            out.send(b"b")
+            stamps = remote.result()
+            t2 = time.monotonic()
+            assert set(stamps) == {b"a", b"b"}
+            assert stamps[b"a"][0] == stamps[b"b"][0] == "stamper"
+            assert t0 <= stamps[b"a"][1] <= t1 <= stamps[b"b"][1] <= t2
+            assert remote.wait_notify(b"other", 5.0) == "stamper"
+        finally:
+            out.close()
+    finally:
+        remote.close()

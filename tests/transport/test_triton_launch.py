@@ -109,3 +109,116 @@ def test_launch_hooks_take_the_jit():
     finally:
         chain.remove(seen.append)
     assert torch.equal(out, x + 2) and len(seen) == 1 and r.direct_launches == 0
+
+
+# -- a bound launch: the compiled kernel called directly, its fixed arguments built once ----------------
+
+
+class _Param:
+    def __init__(self, name, do_not_specialize):
+        self.name, self.do_not_specialize = name, do_not_specialize
+
+
+class _Compiled:
+    """What the JIT returns, as far as the relauncher looks; ``run`` records its arguments."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, signature, runs):
+        self.src = type("Src", (), {"signature": signature})()
+        self.run = lambda *a: runs.append(a)
+
+
+class _Jit:
+    """A jitted ``(x, out, n, shift, BLOCK)``; ``kernel[grid](...)`` records the JIT launch."""
+
+    params = [_Param("x", False), _Param("out", False), _Param("n", True), _Param("shift", True),
+              _Param("BLOCK", False)]
+
+    def __init__(self):
+        self.jit, self.runs = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit.append((grid, args, kwargs))
+            kinds = {p.name: triton_launch._int_type(a) for p, a in zip(self.params, args) if isinstance(a, int)}
+            return _Compiled(kinds, self.runs)
+        return launch
+
+
+class _Stream:
+    cuda_stream = 99
+
+
+def test_bound_launch_calls_the_compiled_kernel_with_the_fixed_arguments(monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "device", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda *a: contextlib.nullcontext())
+    jit = _Jit()
+    r = Relauncher(jit)
+    x, out = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    bound = r.bind(0, 4, (x, out), (("BLOCK", 64),))
+    bound(3, _Stream(), (100, 5))  # the first launch compiles (through the JIT)
+    assert len(jit.jit) == 1 and jit.runs == [] and r.direct_launches == 0
+    bound(2, _Stream(), (7, -8))
+    bound.launch_i32(1, _Stream(), (9, 10))
+    assert jit.runs == [(2, 1, 1, 99, "fn", "meta", None, None, None, x, out, 7, -8, 64),
+                        (1, 1, 1, 99, "fn", "meta", None, None, None, x, out, 9, 10, 64)]
+    assert r.direct_launches == 2 and len(jit.jit) == 1
+    bound(1, _Stream(), (9, 2**31))  # past int32: another key, through the relauncher (a new JIT launch)
+    assert len(jit.jit) == 2 and len(jit.runs) == 2
+    bound(1, _Stream(), (9, 2**31))  # the relauncher now keeps that one too
+    assert len(jit.jit) == 2 and len(jit.runs) == 3
+
+
+def test_bound_launch_leaves_a_launch_with_hooks_to_the_jit(monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "device", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda *a: contextlib.nullcontext())
+    jit = _Jit()
+    x = torch.zeros(2, dtype=torch.int64)
+    bound = Relauncher(jit).bind(0, 4, (x, x), (("BLOCK", 8),))
+    bound(1, _Stream(), (1, 2))
+    bound(1, _Stream(), (1, 2))
+    assert (len(jit.jit), len(jit.runs)) == (1, 1)
+    monkeypatch.setattr(triton_launch, "_hooks_installed", lambda: True)  # a profiler listens
+    bound(1, _Stream(), (1, 2))
+    assert (len(jit.jit), len(jit.runs)) == (2, 1)
+
+
+def test_split_launch_passes_the_slot_part_and_the_rows(monkeypatch):
+    """``kernel.SplitLaunch``: one bound launch per pair set; per call the slot part's place,
+    the rows and tiles, the grid capped by the plan; a slot part past the ring refused."""
+    from transport.nvlink import kernel as kern
+
+    calls = []
+
+    class _Bound:
+        def launch_i32(self, grid, stream, ints):
+            calls.append(("i32", grid, ints))
+
+        def __call__(self, grid, stream, ints):
+            calls.append(("any", grid, ints))
+
+    class _Launcher:
+        def bind(self, device, num_warps, tensors, constexprs):
+            calls.append(("bind", device, num_warps, len(tensors), dict(constexprs)["BLOCK_R"]))
+            return _Bound()
+
+    monkeypatch.setattr(kern, "_kernel", lambda interpret, body=None: _Launcher())
+    monkeypatch.setattr(kern, "check_split_tables", lambda *a: None)
+    pairs, ring = torch.zeros(5 * 3, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    plan = kern.plan_shape(2048, kern.CopyPath.VEC16, kern.KernelConfig())  # 2 KiB rows: 4 rows a tile
+    launch = kern.SplitLaunch(pairs, ring, 3, plan, 1, 8)
+    launch(10, 7, _Stream())
+    capped = kern.SplitLaunch(pairs, ring, 3, kern.plan_shape(2048, kern.CopyPath.VEC16,
+                                                                kern.KernelConfig(max_programs=2)), 1, 8)
+    capped(0, 7, _Stream())
+    assert calls == [("bind", 1, 8, 2, 4), ("i32", 6, (10, 3, 7, 0, 21, 6, 0, 0)),
+                     ("bind", 1, 8, 2, 4), ("i32", 2, (0, 3, 7, 0, 21, 6, 0, 0))]
+    with pytest.raises(ValueError, match=r"slot part \[60, \+8\) runs past slots of 64 elements"):
+        launch(60, 4, _Stream())
+    launch(0, 0, _Stream())  # no rows: nothing launched
+    assert len(calls) == 4

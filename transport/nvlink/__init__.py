@@ -18,6 +18,15 @@ Data path (push, on the writer)
   current stream (so KV written by the model is complete). A CUDA event recorded after the
   copy marks completion. ``peer.prepare(batch)`` returns that prepared write as a public
   handle, :class:`PreparedWrite`, to post many times (``job.post()``) and ``release()``.
+- The direct path of ``write_strided`` (:mod:`~transport.nvlink.fastpath`), taken whenever
+  the write goes to the direct kernel: the pair part of the strided table (which buffer goes
+  where; the two layouts' business) is built, bounds-reduced to one slot limit per side and
+  uploaded once per pair set, and kept on the GPU (a per-peer cache); a write checks its slots
+  in one pass against those limits, copies them into a pinned ring, uploads them with one
+  ``cudaMemcpyAsync`` and launches the split strided kernel once, through a launch bound once
+  per pair set (``kernel.SplitLaunch``: Triton's compiled launcher called directly): no pinned
+  allocation, no table build, no synchronisation, no Python loop over pairs or slots. ``peer.plan_pairs(batch)``
+  makes a pair set resident ahead of its first write (at handshake).
 - The staged engine (:mod:`~transport.nvlink.staged`) packs rows on the local GPU, moves the
   packed bytes with the copy engine and unpacks them with a kernel this process launches on
   the peer GPU; ``NvlinkEngine.AUTO`` takes it for batches of 2 GiB and more whose rows
@@ -37,10 +46,13 @@ closed receiver, whose writes then fail at once.
 
 Progress and bounded waits
 --------------------------
-``Transfer.status()`` and a small progress thread (:mod:`~transport.nvlink.progress`, started
-on the first write) advance each peer's FIFO of pending transfers
-(:mod:`~transport.nvlink.pending`): query the event; on completion check the peer is alive,
-send the notification (bounded by ``peer_timeout_s``) and mark DONE. A dead peer is FAILED at
+``Transfer.status()`` and a progress thread (:mod:`~transport.nvlink.progress`, one per
+transport, started on the first write) advance each peer's FIFO of pending transfers
+(:mod:`~transport.nvlink.pending`): query the event; on completion send the notification
+(bounded by ``peer_timeout_s``; a peer gone refuses it) or, without one, check the peer is
+alive, and mark DONE. Between advances the
+thread waits on the oldest pending event (``synchronize()``, the GIL released), so the
+notification leaves as soon as the copy ends; ``wait()`` sleeps until the transfer settles. A dead peer is FAILED at
 ``write`` (nothing is launched) or at completion; a copy whose event has not completed after
 ``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and suppresses its
 notification; the kernel, once launched, still runs to completion, and a failed transfer keeps

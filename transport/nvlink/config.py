@@ -44,6 +44,11 @@ class NvlinkConfig:
     staged: the staged engine for large batches (:mod:`transport.nvlink.staged`).
     wait_current_stream: the copy stream waits for the caller's current stream first.
     max_notify_bytes: largest notification payload.
+    slot_ring_bytes: the ring of slots of the direct path of ``write_strided``
+        (:mod:`transport.nvlink.fastpath`), pinned on the host and on the GPU, allocated at the
+        first such write; a write whose ``2 * S`` int64 slots exceed it takes the general path.
+        0: no direct path (every write prepares its own tables).
+    pair_plans: pair sets kept resident on the GPU per peer (least recently used out).
     revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
         region to acknowledge its revocation (or be found gone) before it refuses
         (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
@@ -58,6 +63,8 @@ class NvlinkConfig:
     staged: StagedConfig = field(default_factory=StagedConfig)
     wait_current_stream: bool = True
     max_notify_bytes: int = 1 << 20
+    slot_ring_bytes: int = 8 << 20
+    pair_plans: int = 64
     revoke_timeout_s: float = 5.0
 
     def __post_init__(self):
@@ -74,6 +81,11 @@ class NvlinkConfig:
             raise TypeError(f"staged must be a StagedConfig, got {type(self.staged).__name__}")
         if not isinstance(self.max_notify_bytes, int) or not 0 < self.max_notify_bytes < 1 << 31:
             raise ValueError(f"max_notify_bytes must be an int in (0, 2**31), got {self.max_notify_bytes!r}")
+        if not isinstance(self.slot_ring_bytes, int) or isinstance(self.slot_ring_bytes, bool) \
+                or not 0 <= self.slot_ring_bytes < 1 << 40 or self.slot_ring_bytes % 8:
+            raise ValueError(f"slot_ring_bytes must be a multiple of 8 in [0, 2**40), got {self.slot_ring_bytes!r}")
+        if not isinstance(self.pair_plans, int) or isinstance(self.pair_plans, bool) or self.pair_plans < 1:
+            raise ValueError(f"pair_plans must be an int >= 1, got {self.pair_plans!r}")
 
 
 def check_engine(engine) -> NvlinkEngine:

@@ -126,6 +126,8 @@ class _CudaPythonApi(_CudaApi):
         except ImportError:
             from cuda import cuda as driver, cudart as runtime  # cuda-python < 12.6
         self.rt, self.drv = runtime, driver
+        self._success = runtime.cudaError_t.cudaSuccess  # compared by identity first on the hot calls
+        self._kind_default = runtime.cudaMemcpyKind(_MEMCPY_DEFAULT)
 
     def _ok(self, result, what: str):
         err = result[0]
@@ -134,7 +136,10 @@ class _CudaPythonApi(_CudaApi):
         return result[1:]
 
     def get_device(self) -> int:
-        return int(self._ok(self.rt.cudaGetDevice(), "cudaGetDevice")[0])
+        err, device = self.rt.cudaGetDevice()
+        if err is not self._success and _code(err) != 0:
+            raise CudaIpcError(f"cudaGetDevice failed: {err!r}")
+        return int(device)
 
     def set_device(self, device: int) -> None:
         self._ok(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
@@ -164,8 +169,9 @@ class _CudaPythonApi(_CudaApi):
             raise CudaIpcError(f"cudaDeviceEnablePeerAccess({peer}) failed: {err!r}")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._ok(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.rt.cudaMemcpyKind(_MEMCPY_DEFAULT), stream),
-                 f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
+        err = self.rt.cudaMemcpyAsync(dst, src, nbytes, self._kind_default, stream)[0]
+        if err is not self._success and _code(err) != 0:  # the message only on failure (hot path)
+            raise CudaIpcError(f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes}) failed: {err!r}")
 
     def event_create(self):
         return self._ok(self.rt.cudaEventCreateWithFlags(_EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags")[0]
@@ -174,10 +180,14 @@ class _CudaPythonApi(_CudaApi):
         self._ok(self.rt.cudaEventDestroy(event), "cudaEventDestroy")
 
     def event_record(self, event, stream: int) -> None:
-        self._ok(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
+        err = self.rt.cudaEventRecord(event, stream)[0]
+        if err is not self._success and _code(err) != 0:
+            raise CudaIpcError(f"cudaEventRecord failed: {err!r}")
 
     def stream_wait_event(self, stream: int, event) -> None:
-        self._ok(self.rt.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+        err = self.rt.cudaStreamWaitEvent(stream, event, 0)[0]
+        if err is not self._success and _code(err) != 0:
+            raise CudaIpcError(f"cudaStreamWaitEvent failed: {err!r}")
 
 
 class _Handle(ctypes.Structure):
@@ -221,6 +231,9 @@ class _CtypesApi(_CudaApi):
         rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]
         rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_void_p]
         rt.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        rt.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        rt.cudaStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         drv.cuMemGetAddressRange_v2.argtypes = [
             ctypes.POINTER(ctypes.c_uint64),
             ctypes.POINTER(ctypes.c_size_t),
@@ -270,9 +283,9 @@ class _CtypesApi(_CudaApi):
             self._ok(code, f"cudaDeviceEnablePeerAccess({peer})")
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        code = self.rt.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
-                                       ctypes.c_int(_MEMCPY_DEFAULT), ctypes.c_void_p(stream))
-        self._ok(code, f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
+        code = self.rt.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
+        if code != 0:  # the message only on failure (hot path)
+            self._ok(code, f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
 
     def event_create(self):
         event = ctypes.c_void_p()
@@ -284,11 +297,10 @@ class _CtypesApi(_CudaApi):
         self._ok(self.rt.cudaEventDestroy(event), "cudaEventDestroy")
 
     def event_record(self, event, stream: int) -> None:
-        self._ok(self.rt.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+        self._ok(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
 
     def stream_wait_event(self, stream: int, event) -> None:
-        self._ok(self.rt.cudaStreamWaitEvent(ctypes.c_void_p(stream), event, ctypes.c_uint(0)),
-                 "cudaStreamWaitEvent")
+        self._ok(self.rt.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
 
 
 _APIS: dict[str, _CudaApi] = {}

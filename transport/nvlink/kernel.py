@@ -42,6 +42,11 @@ in O(P + S) by :func:`build_strided_table`::
     table[5 * P : 5 * P + S]  # [S] source slots
     table[5 * P + S :]        # [S] destination slots
 
+The two parts may also live apart (:func:`scatter_strided_split`): the pair part, which
+depends only on the buffer pairs (the two sides' layouts), built and uploaded once and kept on
+the GPU; the slot part (``[2 * S]``: source slots, then destination slots) written per write
+at some element ``slot_base`` of a ring of slots on the GPU (:mod:`transport.nvlink.fastpath`).
+
 Row ``r`` (of ``P * S``, pair-major) is pair ``p = r // S``, slot ``s = r % S``: the kernel
 computes ``src = table[p] + table[5P + s] * table[P + p]`` (and the same for the destination)
 itself, then copies as the row-table kernel does. Its copy path comes from
@@ -89,13 +94,16 @@ __all__ = [
     "StageMode",
     "KernelConfig",
     "LaunchPlan",
+    "SplitLaunch",
     "build_row_table",
     "build_strided_table",
     "choose_path",
     "check_row_table",
     "plan_launch",
+    "plan_shape",
     "scatter_rows",
     "scatter_strided",
+    "scatter_strided_split",
 ]
 
 
@@ -275,6 +283,15 @@ def plan_launch(num_rows: int, max_len: int, path: CopyPath, config: KernelConfi
     return LaunchPlan(path, block_r, block_c, num_tiles, programs, config.load_cache, config.store_cache)
 
 
+def plan_shape(max_len: int, path: CopyPath, config: KernelConfig) -> LaunchPlan:
+    """The tile shape of :func:`plan_launch` for rows of at most ``max_len`` bytes, whatever
+    their number: ``num_tiles`` 0 and ``num_programs`` the config's cap (0: one program per
+    tile), which :func:`scatter_strided_split` applies to each launch's rows."""
+    plan = plan_launch(1, max_len, path, config)
+    return LaunchPlan(path, plan.block_r, plan.block_c, 0, config.max_programs, config.load_cache,
+                      config.store_cache)
+
+
 def _check_device(t, name: str, device) -> None:
     import torch
 
@@ -357,14 +374,15 @@ def _scatter_rows_body(
 
 
 def _scatter_strided_body(
-    tab_ptr, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
+    tab_ptr, slots_ptr, slot_base, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
     STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     """Copy rows ``p * S + s`` of tiles ``pid, pid + num_programs, ...`` (offset by
-    ``row_begin``, below ``row_end``), computing each row's addresses from the pair and slot
-    parts of the strided table (module doc); ``STAGE`` as in the row-table kernel."""
-    slot_ptr = tab_ptr + 5 * n_pairs
+    ``row_begin``, below ``row_end``), computing each row's addresses from the pair part at
+    ``tab_ptr`` and the slot part at ``slots_ptr + slot_base`` (module doc; one table: the same
+    tensor, ``slot_base = 5 * P``); ``STAGE`` as in the row-table kernel."""
+    slot_ptr = slots_ptr + slot_base
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         r = tl.arange(0, BLOCK_R).to(tl.int64) + tile * BLOCK_R + row_begin  # [BLOCK_R] rows (int64)
         ok = r < row_end
@@ -387,7 +405,8 @@ def _scatter_strided_body(
 _KERNELS: dict = {}
 _INTS = {  # the integer parameters of each kernel, all unspecialized (transport.nvlink.launch)
     "_scatter_rows_body": ["n_rows", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
-    "_scatter_strided_body": ["n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage", "stage_origin"],
+    "_scatter_strided_body": ["slot_base", "n_pairs", "n_slots", "row_begin", "row_end", "num_tiles", "stage",
+                              "stage_origin"],
 }
 
 
@@ -506,5 +525,79 @@ def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, dev
     mode, address, origin = _stage_args(stage)
     num_tiles = -(-(end - begin) // plan.block_r)
     _run(_kernel(table.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), table, device,
-         stream, (table, num_pairs, num_slots, begin, end, num_tiles, address, origin), _constexprs(mode, plan),
-         num_warps)
+         stream, (table, table, 5 * num_pairs, num_pairs, num_slots, begin, end, num_tiles, address, origin),
+         _constexprs(mode, plan), num_warps)
+
+
+def check_split_tables(pairs, slots, num_pairs: int, slot_base: int, num_slots: int, device) -> None:
+    """The shape/dtype/device check of a split strided launch: ``pairs`` a contiguous int64
+    ``[5 * num_pairs]`` tensor (the pair part), ``slots`` a contiguous int64 1-D tensor holding
+    the ``[2 * num_slots]`` slot part at element ``slot_base``, both on ``device``."""
+    import torch
+
+    check_strided_table(pairs, num_pairs, 0, device)
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
+    if slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous():
+        raise ValueError(f"slots must be a contiguous 1-D int64 tensor, got {slots.dtype} {list(slots.shape)}")
+    if not 0 <= slot_base <= slots.numel() - 2 * num_slots:
+        raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {slots.numel()} elements")
+    _check_device(slots, "slots", device)
+
+
+def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slots: int, plan: LaunchPlan, device,
+                          num_warps: int = 4, *, checked: bool = False, stream=None) -> None:
+    """Launch the copy of all ``num_pairs * num_slots`` rows of a factored batch whose table is
+    split: the pair part ``pairs`` (``[5 * P]``, resident: built once per buffer-pair set) and
+    the slot part at ``slots[slot_base : slot_base + 2 * S]`` (source slots, then destination
+    slots; uploaded per write). The direct path of a write (no staging). ``plan``: from
+    :func:`plan_launch` or, for any number of rows, :func:`plan_shape`. CPU tensors run in
+    Triton's interpreter; ``checked`` (:func:`check_split_tables` already ran) and ``stream``
+    as for :func:`scatter_rows`."""
+    if not checked:
+        check_split_tables(pairs, slots, num_pairs, slot_base, num_slots, device)
+    rows = num_pairs * num_slots
+    if rows == 0:
+        return
+    num_tiles = -(-rows // plan.block_r)
+    grid = min(plan.num_programs, num_tiles) if plan.num_programs else num_tiles
+    _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), grid, pairs,
+         device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, 0, rows, num_tiles, 0, 0),
+         _constexprs(0, plan), num_warps)
+
+
+_I32_MAX = (1 << 31) - 1
+
+
+class SplitLaunch:
+    """:func:`scatter_strided_split` over fixed tables -- a pair set's resident pair part
+    ``pairs`` (``[5 * num_pairs]``) and a ring ``slots`` that holds each write's slot part at
+    some ``slot_base`` -- checked once here (:func:`check_split_tables`); a call launches the
+    copy of ``num_pairs * num_slots`` rows with only the slot part's place and count (the
+    launch bound once, :meth:`~transport.nvlink.launch.Relauncher.bind`). Tensors on GPU
+    ``device`` (an int) only."""
+
+    def __init__(self, pairs, slots, num_pairs: int, plan: LaunchPlan, device: int, num_warps: int = 4):
+        import torch
+
+        check_split_tables(pairs, slots, num_pairs, 0, 0, torch.device("cuda", device))
+        self.num_pairs, self.plan, self._ring_size = num_pairs, plan, int(slots.numel())
+        self._launch = _kernel(False, _scatter_strided_body).bind(device, num_warps, (pairs, slots),
+                                                                  _constexprs(0, plan))
+
+    def __call__(self, slot_base: int, num_slots: int, stream) -> None:
+        """Launch on the torch ``stream`` (its device current in CUDA) over the slot part at
+        ``slots[slot_base : slot_base + 2 * num_slots]`` (both Python ints)."""
+        if not 0 <= slot_base <= self._ring_size - 2 * num_slots:
+            raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {self._ring_size} elements")
+        rows = self.num_pairs * num_slots
+        if rows == 0:
+            return
+        num_tiles = -(-rows // self.plan.block_r)
+        programs = self.plan.num_programs
+        ints = (slot_base, self.num_pairs, num_slots, 0, rows, num_tiles, 0, 0)  # rows and slot_base the largest
+        grid = min(programs, num_tiles) if programs else num_tiles
+        if rows <= _I32_MAX and slot_base <= _I32_MAX:
+            self._launch.launch_i32(grid, stream, ints)
+        else:
+            self._launch(grid, stream, ints)

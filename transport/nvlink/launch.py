@@ -25,6 +25,12 @@ The direct path is used only where it is known to work: Triton's ``CompiledKerne
 ``run`` / ``function`` / ``packed_metadata`` (Triton 3.3 to 3.9 alike) and no launch hooks (a
 profiler) are installed. Otherwise every launch goes through ``kernel[grid](...)``.
 
+A launch that repeats with the same tensors, constexprs, device and ``num_warps`` -- only its
+integers change, all within int32 -- is bound once (:meth:`Relauncher.bind`): the bound launch
+keeps the compiled kernel and its fixed arguments, and a launch is then one range check of the
+integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
+:mod:`transport.nvlink.fastpath`, where the key and the argument tuples cost more than the launch).
+
 The caller must have made ``device`` current in CUDA (``cudaSetDevice`` or ``torch.cuda.device``):
 the launcher launches in the current context.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["Relauncher"]
+__all__ = ["BoundLaunch", "Relauncher"]
 
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
@@ -48,13 +54,23 @@ def _int_type(v: int) -> str:
     return "u64"
 
 
+_KNOBS: list = []  # triton.knobs once imported (None: this Triton has none)
+
+
 def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # Triton < 3.3: no knobs; stay on the slow path
+    if not _KNOBS:
+        try:
+            from triton import knobs
+        except ImportError:  # Triton < 3.3: no knobs; stay on the slow path
+            knobs = None
+        _KNOBS.append(knobs)
+    knobs = _KNOBS[0]
+    if knobs is None:
         return True
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook  # a HookChain (Triton >= 3.5) or a function
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 class Relauncher:
@@ -68,15 +84,19 @@ class Relauncher:
 
     def _key(self, device: int, num_warps: int, args: tuple, constexprs: tuple) -> Optional[tuple]:
         kinds = []
-        for a in args:
+        for a in args:  # on every launch: the common types first, no hasattr
+            if type(a) is int:
+                kinds.append("i32" if _I32[0] <= a <= _I32[1] else _int_type(a))
+                continue
             if isinstance(a, bool):
                 return None
             if isinstance(a, int):
                 kinds.append(_int_type(a))
-            elif hasattr(a, "data_ptr") and hasattr(a, "dtype"):
-                kinds.append((a.dtype, a.data_ptr() % 16 == 0))
-            else:
+                continue
+            dtype = getattr(a, "dtype", None)
+            if dtype is None or not hasattr(a, "data_ptr"):
                 return None
+            kinds.append((dtype, a.data_ptr() % 16 == 0))
         return (device, num_warps, constexprs, tuple(kinds))
 
     def _keepable(self, compiled, args: tuple, constexprs: tuple) -> bool:
@@ -109,3 +129,44 @@ class Relauncher:
             compiled = self._fn[(grid,)](*args, **dict(constexprs), num_warps=num_warps)
         if key is not None and self._keepable(compiled, args, constexprs):
             self._compiled[key] = compiled
+
+    def bind(self, device: int, num_warps: int, tensors: tuple, constexprs: tuple[tuple[str, Any], ...]) -> "BoundLaunch":
+        """A launch of this kernel with ``tensors`` as its leading arguments, then integers, then
+        ``constexprs``; see :class:`BoundLaunch`."""
+        return BoundLaunch(self, device, num_warps, tuple(tensors), tuple(constexprs))
+
+
+class BoundLaunch:
+    """One kernel's launch with fixed tensors, constexprs, device and ``num_warps``; each call
+    gives the grid, the stream and the integer arguments. Once the relauncher keeps the kernel
+    for this launch's key with int32 integers, a call whose integers are all int32 calls its
+    launcher directly; any other call goes through :class:`Relauncher` (the JIT at first)."""
+
+    def __init__(self, relauncher: Relauncher, device: int, num_warps: int, tensors: tuple, constexprs: tuple):
+        self._relauncher, self._device, self._num_warps = relauncher, device, num_warps
+        self._tensors, self._constexprs = tensors, constexprs
+        self._values = tuple(v for _, v in constexprs)
+        self._compiled = None  # the kept kernel of the all-int32 key
+
+    def __call__(self, grid: int, stream, ints: tuple) -> None:
+        """Launch ``grid`` programs on the torch ``stream`` with integer arguments ``ints``
+        (at least one)."""
+        if _I32[0] <= min(ints) and max(ints) <= _I32[1]:
+            self.launch_i32(grid, stream, ints)
+        else:
+            self._relauncher(grid, stream, self._device, self._tensors + tuple(ints), self._constexprs, self._num_warps)
+
+    def launch_i32(self, grid: int, stream, ints: tuple) -> None:
+        """:meth:`__call__` for ``ints`` the caller knows to be int32 (Python ints)."""
+        compiled = self._compiled
+        if compiled is not None and not _hooks_installed():
+            compiled.run(grid, 1, 1, stream.cuda_stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *self._tensors, *ints, *self._values)
+            self._relauncher.direct_launches += 1
+            return
+        r = self._relauncher
+        args = self._tensors + tuple(ints)
+        r(grid, stream, self._device, args, self._constexprs, self._num_warps)
+        if compiled is None:
+            key = r._key(self._device, self._num_warps, args, self._constexprs)
+            self._compiled = r._compiled.get(key) if key is not None else None

@@ -13,22 +13,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Optional, Union
 
+import numpy as np
+
 from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
+from transport.nvlink.fastpath import PairCache, build_plan
 from transport.nvlink.holds import Hold
 from transport.nvlink.job import PreparedWrite
+from transport.nvlink.kernel import SplitLaunch
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
 from transport.nvlink.pending import PendingQueue
 from transport.nvlink.route import EngineRoute
-from transport.nvlink.tables import WriteTables
+from transport.nvlink.tables import WriteTables, base_table
 from transport.nvlink.transfer import NvlinkTransfer
 from transport.registry import RegionRegistry
 from transport.revocation import wire as revoke_wire
 
 if TYPE_CHECKING:
     from transport.nvlink.transport import NvlinkTransport
+
+_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
 
 __all__ = ["NvlinkPeer"]
 
@@ -52,6 +58,8 @@ class NvlinkPeer(Peer):
         self._queue = PendingQueue(name, None, self._config.transfer_timeout_s)
         self._hold: Optional[Hold] = None
         self._closed = False
+        # pair sets resident on the GPU (the direct path of write_strided), rebuilt when the local regions change
+        self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs)
         try:
             self._mapping.bases(self._copy.device)
             try:
@@ -63,7 +71,8 @@ class NvlinkPeer(Peer):
             self._release()
             raise
         device = self._copy.device
-        self.tables = WriteTables(owner._registry, RegionSizes(self.regions), self._mapping, device, self._config)
+        self._peer_sizes = RegionSizes(self.regions)
+        self.tables = WriteTables(owner._registry, self._peer_sizes, self._mapping, device, self._config)
         self._route = EngineRoute(self._config, name, peer_gpu if peer_gpu != device else None, owner._lane,
                                   self._mapping)
         self._hold = Hold(name, self._queue, self._mapping)
@@ -87,20 +96,100 @@ class NvlinkPeer(Peer):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
         return self._write(batch, notify)
 
-    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None) -> NvlinkTransfer:
-        """A factored write expanded on the GPU: the host checks bounds in O(P + S), stages the
-        ``[5 * P + 2 * S]`` strided table (:mod:`transport.nvlink.kernel`) and launches the
-        strided kernel, which computes each row's addresses; completion as for :meth:`write`."""
+    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None, *,
+                      engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
+        """A factored write expanded on the GPU by the strided kernel, which computes each row's
+        addresses. When it takes the direct kernel (engine KERNEL, or AUTO below the staged
+        engine's sizes), it takes the direct path (:mod:`transport.nvlink.fastpath`): the pair
+        part resident on the GPU since this pair set's first write, the slots checked in one
+        pass against the pairs' slot limits and uploaded from a ring, one launch. Otherwise the
+        host checks bounds in O(P + S) and stages the ``[5 * P + 2 * S]`` strided table
+        (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`. ``engine`` overrides
+        the config's for this write."""
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
-        return self._write(batch, notify)
-
-    def _write(self, batch, notify: Optional[bytes]) -> NvlinkTransfer:
         notify = self._check_notify(notify)
+        engine = self._config.engine if engine is None else check_engine(engine)
+        direct = self._write_direct(batch, notify, engine)
+        return direct if direct is not None else self._write(batch, notify, engine)
+
+    def _write_direct(self, batch: StridedBatch, notify: Optional[bytes],
+                      engine: NvlinkEngine) -> Optional[NvlinkTransfer]:
+        """The direct path of ``batch``, or None when it takes the general one (no ring, slots
+        past the ring, an empty batch, or the staged engine)."""
+        src_slot = batch.src_slot
+        num_slots = src_slot.size
+        if num_slots == 0 or batch.length.size == 0:
+            return None
+        ring = self._owner._slot_ring()
+        if ring is None or not ring.fits(2 * num_slots):
+            return None
+        plan = self.pair_plans.get(batch)
+        if plan is None:
+            self.tables.check_bounds(batch)  # names the first pair that fits no slot
+            raise ValueError("batch out of bounds")  # not reached: the two checks agree
+        if engine is not NvlinkEngine.KERNEL and self._route.lane_for(
+                engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots, plan.max_len) is not None:
+            return None
+        hold = self._hold
+        if not hold.acked:
+            why = hold.wait_ready(self._config.revoke_timeout_s)
+            if why is not None:
+                return NvlinkTransfer(self._queue, None, None, error=why)
+        with hold.lock:  # as _post: a revoke's snapshot holds every copy that could reach a region it revokes
+            hold.refuse(batch.dst_region)
+            start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
+            if not fits:
+                ring.space.hold(start, None)
+                self._refuse_slots(batch, plan)
+            if not self._queue.outbox.alive():
+                ring.space.hold(start, None)
+                return self._lost()
+            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
+            transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
+        self._owner._progress.wake()
+        return transfer
+
+    def plan_pairs(self, batch: StridedBatch) -> None:
+        """Make ``batch``'s pair set resident now (at handshake, once both layouts are known),
+        so that its first ``write_strided`` finds it; the slots are not looked at.
+        ``ValueError`` naming a pair that fits no slot of its regions."""
+        self._check_open()
+        if not isinstance(batch, StridedBatch):
+            raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        if batch.num_pairs and self.pair_plans.get(batch) is None:
+            zero = np.zeros(1, dtype=np.int64)
+            self.tables.check_bounds(StridedBatch(*(getattr(batch, f) for f in _PAIR_FIELDS), zero, zero))
+            raise ValueError("batch out of bounds")  # not reached
+
+    def _refuse_slots(self, batch: StridedBatch, plan) -> None:
+        """``ValueError`` for slots past the pairs' limits: the full check's message, which
+        names the first pair out of bounds, or (negative slots, which it does not look at) one
+        naming the side."""
+        self.tables.check_bounds(batch)
+        for side, slots, limit in (("source", batch.src_slot, plan.src_limit),
+                                   ("destination", batch.dst_slot, plan.dst_limit)):
+            if slots.size and (int(slots.min()) < 0 or int(slots.max()) > limit):
+                raise ValueError(f"batch {side} slots must lie in [0, {limit}] (every pair's region), "
+                                 f"got [{int(slots.min())}, {int(slots.max())}]")
+        raise ValueError("batch out of bounds")  # not reached
+
+    def _build_pairs(self, batch: StridedBatch):
+        """A :class:`~transport.nvlink.fastpath.PairPlan` of ``batch``'s pairs (None: some pair
+        fits no slot), its table uploaded on the copy stream, its launch bound over the ring."""
+        ring, device, num_warps = self._owner._slot_ring(), self.device, self._config.kernel.num_warps
+        return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
+                          self._owner._registry.derived(base_table), self._mapping.bases(device),
+                          lambda host: self._copy._table_on(host, device, self._copy.stream), self._config.kernel,
+                          bind=None if ring is None else lambda table, num_pairs, shape: SplitLaunch(
+                              table, ring.dev, num_pairs, shape, device, num_warps))
+
+    def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
+        notify = self._check_notify(notify)  # idempotent: bytes stay bytes
         self.tables.check_bounds(batch)
         if not self._queue.outbox.alive():
             return self._lost()
-        job = self.prepare(batch, checked=True)
+        job = self.prepare(batch, engine, checked=True)
         try:
             return self._post(job, notify)
         finally:
@@ -189,6 +278,7 @@ class NvlinkPeer(Peer):
     def _release(self) -> None:
         """Wait for copies in flight, then unmap the peer's memory and end the connection (the
         peer forgets this hold when it reads the end)."""
+        self.pair_plans.clear()
         if self._mapping.opened:
             self._copy.synchronize()
             self._owner._sync_lanes()

@@ -2,9 +2,9 @@
 
 Transfers settle in posting order, so notifications reach the peer in the order their writes
 were posted: a finished copy waits for the ones before it. Settling a transfer: query its
-event; on completion check the peer is alive, send the notification (a socket send bounded
-by ``peer_timeout_s``) and mark it DONE. A copy whose event has not completed after
-``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
+event; on completion send the notification (a socket send bounded by ``peer_timeout_s``,
+refused when the peer is gone) or, without one, check the peer is alive; then mark it DONE.
+A copy whose event has not completed after ``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
 the GPU, reading its tables: they are *buried* with its event and released only once that
 event has completed (or errored).
 
@@ -51,6 +51,14 @@ class PendingQueue:
             self._pending.append(transfer)
         return transfer
 
+    def oldest_event(self):
+        """The completion event of the oldest transfer still pending (None: none)."""
+        with self.lock:
+            for t in self._pending:
+                if t._status is TransferStatus.PENDING and t._event is not None:
+                    return t._event
+        return None
+
     def bury(self, event, keep: tuple) -> None:
         """Hold ``keep`` until ``event`` completes (a failed or aborted transfer's tables)."""
         if keep and event is not None:
@@ -96,11 +104,12 @@ class PendingQueue:
                 t._fail(f"copy did not complete within {self.transfer_timeout_s} s")
                 return True
             return False
-        if not self.outbox.alive():
-            t._fail(f"peer {self.name!r} lost before the notification could be sent")
-            return True
-        if t._notify is not None:
-            try:
+        if t._notify is None:
+            if not self.outbox.alive():
+                t._fail(f"peer {self.name!r} lost before the notification could be sent")
+                return True
+        else:
+            try:  # a peer gone refuses the send (EPIPE): no separate look first
                 self.outbox.send(t._notify)
             except OSError as exc:
                 t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")

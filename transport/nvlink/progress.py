@@ -1,10 +1,16 @@
-"""The nvlink backend's progress thread: advances pending transfers while any exist.
+"""The nvlink backend's progress thread: settles pending transfers as their copies complete.
 
-It sleeps until a write wakes it, then calls ``advance()`` (which settles finished transfers:
-notification sent, status DONE or FAILED, and returns True while some remain pending) every
-200 us, and sleeps again once nothing is pending. ``Transfer.status()`` and ``wait()`` advance
-the same FIFOs (:mod:`transport.nvlink.pending`) from the caller's thread; both sides take
-the FIFO's lock.
+It sleeps (on a lock, the "bell") until a write wakes it, then calls ``advance()`` (which settles finished transfers:
+notification sent, status DONE or FAILED, and returns True while some remain pending). While
+some remain, it waits on the completion event of the oldest one (``oldest_event()``) with the
+event's ``synchronize()``, which releases the GIL: the notification goes out as soon as the
+copy ends, without a caller polling and without a Python loop spinning. One thread per
+transport, whatever the number of transfers. It sleeps again once nothing is pending.
+
+``Transfer.status()`` and ``wait()`` advance the same FIFOs (:mod:`transport.nvlink.pending`)
+from the caller's thread; both sides take the FIFO's lock, and no lock is held while the thread
+waits on an event. A copy that never completes keeps this thread in ``synchronize()``; callers'
+``status()`` / ``wait()`` still fail it at its deadline (``transfer_timeout_s``).
 """
 
 from __future__ import annotations
@@ -16,42 +22,69 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """A daemon thread calling ``advance()`` while it reports pending work."""
+    """A daemon thread calling ``advance()`` while it reports pending work, waiting between
+    calls on ``oldest_event()`` (None: nothing to wait on; it then polls every ``POLL_S``)."""
 
     POLL_S = 2e-4
 
-    def __init__(self, advance: Callable[[], bool], name: str = "nvlink-progress"):
+    def __init__(self, advance: Callable[[], bool], oldest_event: Callable[[], object] = lambda: None,
+                 name: str = "nvlink-progress"):
         self._advance = advance
+        self._oldest_event = oldest_event
         self._name = name
-        self._cond = threading.Condition()
+        self._start_lock = threading.Lock()
+        self._bell = threading.Lock()  # held while nothing rang: the sleeping thread blocks acquiring it
+        self._bell.acquire()
         self._stop = False
         self._kicked = False  # a write arrived since the thread last looked
+        self._idle = False  # the thread is (about to be) asleep on the bell: a wake must ring it
         self._thread: Optional[threading.Thread] = None
 
     def wake(self) -> None:
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._kicked = True
-            self._cond.notify()
+        """Have the thread call ``advance()`` again (started by the first call). While the thread
+        runs or waits on an event, a flag it reads before it would sleep; only a sleeping
+        thread is woken (the bell released: one futex wake, no Python lock)."""
+        self._kicked = True  # before reading _idle; the thread sets _idle before reading _kicked
+        if self._idle:
+            self._ring()
+        elif self._thread is None:
+            with self._start_lock:
+                if self._thread is None and not self._stop:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+
+    def _ring(self) -> None:
+        try:
+            self._bell.release()
+        except RuntimeError:  # rung already, not yet heard: once is enough
+            pass
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._stop:
-                    return
-                self._kicked = False
+        # A write tracks its transfer, then sets _kicked, then reads _idle; this thread sets
+        # _idle, then reads _kicked, then sleeps on the bell (each under the GIL, in that
+        # order). If it read _kicked unset, the write's read of _idle came later and saw it
+        # set: the write rings, before or while the thread sleeps, and either way the bell's
+        # acquire returns. So no write is left pending with the thread asleep. A ring nobody
+        # waited for costs one more look.
+        while not self._stop:
+            self._kicked = False
             busy = self._advance()
-            with self._cond:
-                if self._stop:
-                    return
-                if not self._kicked:
-                    self._cond.wait(self.POLL_S if busy else None)
+            event = self._oldest_event() if busy else None
+            if event is not None:
+                try:
+                    event.synchronize()  # the GIL is released while the copy runs
+                    continue
+                except Exception:  # a CUDA error (the next advance() fails the transfer): poll
+                    pass
+            if self._stop:
+                return
+            self._idle = True
+            if not self._kicked:
+                self._bell.acquire(timeout=self.POLL_S if busy else -1)
+            self._idle = False
 
     def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
+        self._stop = True
+        self._ring()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -1,5 +1,9 @@
 """The transport's copy stream on its GPU: table uploads, launches, the completion event.
 
+The direct path of ``write_strided`` (:mod:`transport.nvlink.fastpath`) enqueues with
+:meth:`CopyStream.enqueue_split`: a raw event orders the copy stream after the caller's, the
+slots go up from the pinned ring, one launch reads the resident pair table.
+
 Every peer of one transport enqueues on the same stream, which first waits for the caller's
 current stream (``wait_current_stream``: KV written by the model is complete before it is
 read). Tables go up by one raw ``cudaMemcpyAsync`` each (torch's stream contexts cost more
@@ -13,11 +17,27 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from transport.nvlink import ipc
+from transport.nvlink import kernel as kern
 
 if TYPE_CHECKING:
+    from transport.nvlink.fastpath import PairPlan, SlotRing
     from transport.nvlink.job import PreparedWrite
 
 __all__ = ["CopyStream"]
+
+
+_CURRENT: list = []  # the function that gives the raw current stream, found at the first call
+
+
+def _current_stream_handle(device: int) -> int:
+    """The raw handle of torch's current stream on ``device``: the private call Triton's launcher
+    uses (no Stream object made), else through ``torch.cuda.current_stream``."""
+    if not _CURRENT:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _CURRENT.append(raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _CURRENT[0](device)
 
 
 class CopyStream:
@@ -26,6 +46,7 @@ class CopyStream:
     def __init__(self, api, device: int, wait_current_stream: bool):
         self._api, self.device, self._wait_current = api, device, wait_current_stream
         self._stream = None
+        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for
 
     @property
     def stream(self):
@@ -73,6 +94,49 @@ class CopyStream:
                         lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
                         lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
 
+    def _wait_caller(self, stream) -> None:
+        """The copy stream waits for the work queued so far on the caller's current stream (one
+        reused raw event: record, wait; the device is current)."""
+        current = _current_stream_handle(self.device)
+        if current == stream.cuda_stream:
+            return
+        if self._order_event is None:
+            self._order_event = self._api.event_create()
+        self._api.event_record(self._order_event, current)
+        self._api.stream_wait_event(stream.cuda_stream, self._order_event)
+
+    def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int):
+        """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
+        pairs resident in ``plan``: the wait for the caller's stream, the slots' upload, one
+        launch, the event. Returns the event (recorded after the copy); the ring's span is
+        fenced with it (or freed once nothing can read it, on an error)."""
+        import torch
+
+        api, device, stream = self._api, self.device, self.stream
+        prev = api.get_device()  # one call when the caller drives this GPU, three when not
+        if prev != device:
+            api.set_device(device)
+        event = None
+        try:
+            if self._wait_current:
+                self._wait_caller(stream)
+            ring.upload(start, 2 * num_slots, stream.cuda_stream)
+            if plan.launcher is not None:  # the launch bound at the plan's making
+                plan.launcher(start, num_slots, stream)
+            else:
+                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
+                                           device, num_warps, checked=True, stream=stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        finally:
+            if event is None:  # part of it may be queued: let the span go only once nothing reads it
+                with contextlib.suppress(Exception):
+                    self.synchronize()
+            ring.space.hold(start, event)
+            if prev != device:
+                api.set_device(prev)
+        return event
+
     def quiesce(self, job: "PreparedWrite") -> None:
         """Wait for everything queued (after a failed enqueue: part of it may be queued, and
         nothing may read the tables once they go)."""
@@ -84,3 +148,12 @@ class CopyStream:
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for the stream, release the raw event (idempotent)."""
+        self.synchronize()
+        if self._order_event is not None:
+            with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
+                self._api.event_destroy(self._order_event)
+            self._order_event = None
+

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from transport.base import Transfer, TransferStatus
+from transport.base import Transfer, TransferFailed, TransferStatus, TransferTimeout
 
 if TYPE_CHECKING:
     from transport.nvlink.pending import PendingQueue
@@ -20,10 +21,11 @@ class NvlinkTransfer(Transfer):
     DONE once the event has completed and the notification is sent, FAILED on a CUDA error, a
     lost peer, the transfer timeout or :meth:`abort`."""
 
-    # A 640 MiB copy takes 1.7 ms on NVLink: even a 50 us sleep (Linux's timer slack) costs a
-    # few percent, so wait() polls yielding the GIL, without sleeping; it keeps one core busy
-    # while it waits (poll status() from an event loop to avoid that).
+    # wait() sleeps until the transfer settles (the progress thread settles it as soon as the
+    # copy's event completes: :mod:`transport.nvlink.progress`), waking every WAIT_SLICE_S to
+    # advance the FIFO itself, so deadlines hold even if that thread is stuck.
     max_poll_sleep_s = 0.0
+    WAIT_SLICE_S = 0.01
 
     def __init__(self, queue: "PendingQueue", event, notify: Optional[bytes], keep=(), error: Optional[str] = None):
         self._queue = queue
@@ -33,6 +35,7 @@ class NvlinkTransfer(Transfer):
         self._deadline = time.monotonic() + queue.transfer_timeout_s
         self._status = TransferStatus.FAILED if error else TransferStatus.PENDING
         self._error = error
+        self._settled: Optional[threading.Lock] = None  # made by the first wait(), held until settled
 
     @property
     def event(self):
@@ -49,6 +52,37 @@ class NvlinkTransfer(Transfer):
     def error(self) -> Optional[str]:
         return self._error
 
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until DONE (``TransferFailed`` on failure, ``TransferTimeout`` after ``timeout``
+        s), sleeping -- no core busy -- until the transfer settles."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st is TransferStatus.DONE:
+                return
+            if st is TransferStatus.FAILED:
+                raise TransferFailed(self._error or "transfer failed")
+            left = self.WAIT_SLICE_S if deadline is None else min(self.WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TransferTimeout(f"transfer still pending after {timeout} s")
+            settled = self._settled_lock()
+            if settled.acquire(timeout=left):
+                self._open(settled)  # open for good: other waiters pass too
+
+    def _settled_lock(self) -> threading.Lock:
+        """A lock held until :meth:`_done` / :meth:`_fail` release it (a waiter sleeps acquiring
+        it), made at the first wait -- a Lock, not a ``threading.Event``, whose making costs
+        ten times more. Both run under the queue's lock, so it is made free when the transfer
+        settled before."""
+        if self._settled is None:
+            with self._queue.lock:
+                if self._settled is None:
+                    lock = threading.Lock()
+                    if self._status is TransferStatus.PENDING:
+                        lock.acquire()
+                    self._settled = lock
+        return self._settled
+
     def abort(self) -> None:
         with self._queue.lock:
             if self._status is TransferStatus.PENDING:
@@ -58,6 +92,16 @@ class NvlinkTransfer(Transfer):
         self._status, self._error = TransferStatus.FAILED, why
         self._queue.bury(self._event, self._keep)  # the GPU may still read the tables
         self._keep = ()
+        self._open()
 
     def _done(self) -> None:
         self._status, self._keep = TransferStatus.DONE, ()
+        self._open()
+
+    def _open(self, settled: Optional[threading.Lock] = None) -> None:
+        settled = self._settled if settled is None else settled
+        if settled is not None:
+            try:
+                settled.release()
+            except RuntimeError:  # free already
+                pass

@@ -19,6 +19,7 @@ from transport.nvlink import ipc
 from transport.nvlink import staged
 from transport.nvlink.config import NvlinkConfig, NvlinkUnsupported
 from transport.nvlink.descriptor import BACKEND, gpu_uuid, local_ordinal, parse_descriptor
+from transport.nvlink.fastpath import SlotRing
 from transport.nvlink.holders import MailboxHolders
 from transport.nvlink.holds import MailboxThread
 from transport.nvlink.mailbox import Inbox, host_id
@@ -50,10 +51,11 @@ class NvlinkTransport(Transport):
         self._copy: Optional[CopyStream] = None
         self._peers: list[NvlinkPeer] = []
         self._lanes: dict[int, staged.StagedLane] = {}  # peer GPU -> staged lane
+        self._ring: Optional[SlotRing] = None  # slots of the direct path, made at its first write
         self._holders = MailboxHolders(self._registry, lambda: self._inbox.read())  # who holds our export
         self._inbox = Inbox(self._holders)
         self._mailbox = MailboxThread()  # reads what the owners of the exports we hold send our peers
-        self._progress = Progress(lambda: any([p._advance() for p in list(self._peers)]))
+        self._progress = Progress(lambda: any([p._advance() for p in list(self._peers)]), self._oldest_event)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -76,6 +78,13 @@ class NvlinkTransport(Transport):
             self._lanes[peer_gpu] = staged.open_lane(self._api(), self._copy_stream().device, peer_gpu,
                                                      self.config.staged)
         return self._lanes[peer_gpu]
+
+    def _slot_ring(self) -> Optional[SlotRing]:
+        """The ring of slots of the direct path (None: configured off), shared by every peer:
+        all of them enqueue on the one copy stream."""
+        if self._ring is None and self.config.slot_ring_bytes:
+            self._ring = SlotRing.allocate(self._api(), self._copy_stream().device, self.config.slot_ring_bytes // 8)
+        return self._ring
 
     def _sync_lanes(self) -> None:
         for lane in self._lanes.values():
@@ -132,6 +141,15 @@ class NvlinkTransport(Transport):
         self._peers.append(peer)
         return peer
 
+    def _oldest_event(self):
+        """The event of the oldest pending transfer of some peer (None: none pending); the
+        progress thread waits on it."""
+        for peer in list(self._peers):
+            event = peer._queue.oldest_event()
+            if event is not None:
+                return event
+        return None
+
     def _forget_peer(self, peer: NvlinkPeer) -> None:
         if peer in self._peers:
             self._peers.remove(peer)
@@ -151,5 +169,8 @@ class NvlinkTransport(Transport):
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        if self._copy is not None:
+            self._copy.close()  # nothing reads the ring once it goes
+        self._ring = None
         self._inbox.close()
         self._registry.clear()

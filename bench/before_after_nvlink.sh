@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 18's tables on two GPUs, before and after, in one device call (logs in $OUT):
+#   bench/before_after_nvlink.sh OLD_TREE [steps...]
+# OLD_TREE: a checkout of the code before the direct path (the device call's repository root,
+# when this tree travels as a carried folder of it). Steps (default: compare tests):
+#   compare     bench nvlink at 1,024 tokens (pages 1, 16, head slices) and 4,096 tokens (page 1,
+#               head slices), with OLD_TREE's transport and then this tree's; both runs use this
+#               tree's benchmark (the same measurements, the fixed cost per write included), so
+#               each table sits beside the peer copy of its own run
+#   regression  bench nvlink at 16,384 tokens (pages 1, 16), this tree only
+#   tests       pytest -m gpu over the transport tests (NVLink, strided, direct path, launcher)
+#   probe       bench/probes/direct_path_host.py --cuda at 1,024 and 16,384 tokens: the host time of a
+#               direct-path write step by step, the timeline after the call, raw CUDA call costs
+set -o pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|tests|probe]...}" && pwd); shift
+OUT=${OUT:-$here/gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(compare tests)
+before=/tmp/kvt-before
+rc=0
+bench() {  # tree label args...
+    local tree=$1 label=$2; shift 2
+    (cd "$tree" && PYTHONPATH=$tree${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m kvtransfer bench nvlink "$@") \
+        2>&1 | tee "$OUT/nvlink_${label}.log" || rc=1
+}
+for what in "${steps[@]}"; do
+    case "$what" in
+        compare)
+            rm -rf "$before" && mkdir -p "$before"
+            cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$before/"
+            cp "$here/transport/remote.py" "$before/transport/remote.py"  # the receiver's arrival stamps
+            for tokens in 1024 4096; do
+                pages=$([ $tokens = 1024 ] && echo 1,16 || echo 1)
+                bench "$before" "before_${tokens}" --tokens $tokens --page-sizes $pages
+                bench "$here" "after_${tokens}" --tokens $tokens --page-sizes $pages
+            done ;;
+        regression) bench "$here" after_16384 --tokens 16384 --page-sizes 1,16 ;;
+        tests)
+            (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m pytest -q -m gpu \
+                -p no:cacheprovider -o addopts= tests/transport/test_nvlink.py tests/transport/test_nvlink_fastpath.py \
+                tests/transport/test_strided.py tests/transport/test_nvlink_staged.py tests/transport/test_triton_launch.py) \
+                2>&1 | tee "$OUT/gpu_tests_transport.log" || rc=1 ;;
+        probe)
+            for tokens in 1024 16384; do
+                (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 \
+                    bench/probes/direct_path_host.py --cuda --tokens $tokens --reps 200) \
+                    2>&1 | tee "$OUT/direct_path_host_${tokens}.log" || rc=1
+            done ;;
+        *) echo "unknown step $what (compare | regression | tests | probe)" >&2; exit 2 ;;
+    esac
+done
+exit $rc

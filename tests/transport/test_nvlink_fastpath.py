@@ -1,0 +1,851 @@
+"""The direct path of ``write_strided`` (``transport.nvlink.fastpath``): slot limits against the
+full bounds check, the pair cache, the ring's bookkeeping, the split strided kernel under
+Triton's interpreter, the progress thread waiting on events; and, on two GPUs (marked), many
+direct writes of changing slots, bounds refused, the ring wrapping, regions changing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.transport._support import (
+    LAYERS,
+    SLOTS,
+    TOKEN,
+    assert_interpreted_ok,
+    check_landed,
+    kv_strided,
+    local_pair,
+)
+from tests.transport._nvlink_cpu import DropRecorder, stand_in_ipc, wait_until
+from transport.base import Notification, Region, RegionRevoked, RegionSizes, StridedBatch, TransferStatus
+from transport.nvlink import NvlinkTransport, parse_descriptor
+from transport.nvlink.config import NvlinkConfig
+from transport.nvlink.fastpath import NO_LIMIT, PairCache, RingSpace, check_slots, pair_key, slot_limits
+from transport.nvlink.holds import Hold, MailboxThread
+from transport.nvlink.mailbox import Inbox, Outbox
+from transport.nvlink.pending import PendingQueue
+from transport.nvlink.progress import Progress
+from transport.nvlink.transfer import NvlinkTransfer
+
+
+def _random_batch(rng, num_pairs=5, num_slots=7, regions=3, zero_stride=False):
+    stride = rng.integers(0 if zero_stride else 1, 300, num_pairs)
+    return StridedBatch.of(
+        rng.integers(0, regions, num_pairs), rng.integers(0, 500, num_pairs), stride,
+        rng.integers(0, regions, num_pairs), rng.integers(0, 500, num_pairs), rng.integers(0, 300, num_pairs),
+        rng.integers(1, 200, num_pairs), rng.integers(0, 40, num_slots), rng.integers(0, 40, num_slots),
+    )
+
+
+def _in_bounds(b, local, remote) -> bool:
+    try:
+        b.check_bounds(local, remote)
+    except ValueError:
+        return False
+    return True
+
+
+# -- slot limits: one pass over the slots, the full check's verdict --------------------------------
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_slot_limits_agree_with_the_full_bounds_check(seed):
+    rng = np.random.default_rng(1000 + seed)
+    b = _random_batch(rng, num_pairs=int(rng.integers(1, 7)), num_slots=int(rng.integers(1, 9)),
+                      zero_stride=seed % 3 == 0)
+    local = {r: Region(r, 4096 * (r + 1), int(rng.integers(2000, 16000)), 0) for r in range(3)}
+    remote = {r: Region(r, 4096 * (r + 1), int(rng.integers(2000, 16000)), 1) for r in range(3) if r != seed % 5}
+    src_limit, dst_limit = slot_limits(b, RegionSizes(local), RegionSizes(remote))
+    assert check_slots(b, src_limit, dst_limit) == _in_bounds(b, local, remote)
+    # the limits are tight: one slot more on a side is refused by the full check too
+    for side, limit in (("src", src_limit), ("dst", dst_limit)):
+        if 0 <= limit < NO_LIMIT:
+            slots = {"src_slot": b.src_slot, "dst_slot": b.dst_slot}
+            other = "dst" if side == "src" else "src"
+            slots[f"{other}_slot"] = np.zeros(1, dtype=np.int64)
+            slots[f"{side}_slot"] = np.array([limit], dtype=np.int64)
+            at = StridedBatch(*(getattr(b, f) for f in _PAIRS), **slots)
+            beyond = StridedBatch(*(getattr(b, f) for f in _PAIRS), **{**slots, f"{side}_slot": np.array([limit + 1])})
+            zero_ok = _in_bounds(StridedBatch(*(getattr(b, f) for f in _PAIRS), np.zeros(1, np.int64),
+                                              np.zeros(1, np.int64)), local, remote)
+            assert _in_bounds(at, local, remote) == zero_ok
+            assert not _in_bounds(beyond, local, remote)
+
+
+_PAIRS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+
+
+def test_slot_limits_name_unknown_regions_and_zero_strides():
+    local = RegionSizes({0: Region(0, 4096, 1000, 0)})
+    remote = RegionSizes({0: Region(0, 4096, 1000, 1)})
+    assert slot_limits(StridedBatch.of(0, 100, 100, 0, 0, 0, 50, [1], [1]), local, remote) == (8, NO_LIMIT)
+    assert slot_limits(StridedBatch.of(0, 0, 10, 3, 0, 10, 50, [1], [1]), local, remote)[1] == -1  # unknown id
+    assert slot_limits(StridedBatch.of(0, 990, 10, 0, 0, 10, 50, [1], [1]), local, remote)[0] == -1  # past it
+    assert slot_limits(StridedBatch.of([], [], [], [], [], [], [], [1], [1]), local, remote) == (NO_LIMIT, NO_LIMIT)
+    ok = StridedBatch.of(0, 100, 100, 0, 0, 10, 50, [1], [1])
+    for name, bad in (("src_offset", -8), ("src_stride", -100)):  # past of()'s checks: no slot fits
+        fields = {f: getattr(ok, f) for f in _PAIRS}
+        fields[name] = np.array([bad])
+        assert slot_limits(StridedBatch(**fields, src_slot=ok.src_slot, dst_slot=ok.dst_slot), local, remote)[0] == -1
+
+
+def test_check_slots_refuses_negative_slots_even_past_of():
+    b = StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [1, 2], [3, 4])
+    assert check_slots(b, 4, 4) and not check_slots(b, 1, 4) and not check_slots(b, 4, 3)
+    neg = StridedBatch(*(getattr(b, f) for f in _PAIRS), np.array([1, -1]), b.dst_slot)  # not through of()
+    assert not check_slots(neg, 10, 10)
+    assert check_slots(StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [], []), -1, -1)  # no slots, nothing to check
+
+
+# -- the pair cache -------------------------------------------------------------------------------
+
+
+def test_pair_key_leaves_the_slots_out():
+    a = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [1, 2], [3, 4])
+    b = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [5, 6, 7], [1, 1, 1])
+    c = StridedBatch.of([0, 1], 0, 64, [2, 3], 8, 64, 64, [1, 2], [3, 4])
+    assert pair_key(a) == pair_key(b) != pair_key(c)
+
+
+def test_pair_cache_builds_once_per_pair_set_and_forgets_on_region_change():
+    gen = [object()]
+    built = []
+
+    def build(batch):
+        built.append(pair_key(batch))
+        return None if batch.length[0] == 13 else ("plan", len(built))
+
+    cache = PairCache(2, lambda: gen[0], build)
+    a = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [1, 2], [3, 4])
+    a2 = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 64, [9], [9])
+    b = StridedBatch.of([0, 1], 0, 64, [2, 3], 0, 64, 32, [1], [1])
+    c = StridedBatch.of([0], 0, 64, [2], 0, 64, 16, [1], [1])
+    assert cache.get(a) == cache.get(a2) == ("plan", 1) and cache.builds == 1
+    cache.get(b)
+    cache.get(a)  # a most recent: c evicts b
+    cache.get(c)
+    assert len(cache) == 2 and cache.builds == 3
+    cache.get(a)
+    assert cache.builds == 3
+    cache.get(b)
+    assert cache.builds == 4
+    gen[0] = object()  # the local regions changed: every plan is stale
+    cache.get(a)
+    assert cache.builds == 5
+    bad = StridedBatch.of([0], 0, 64, [2], 0, 64, 13, [1], [1])
+    assert cache.get(bad) is None and cache.get(bad) is None and cache.builds == 5  # never cached
+
+
+def test_pair_cache_goes_by_the_bytes_not_the_arrays():
+    """A read-only view of an array that changes is a new pair set (identity would be stale)."""
+    built = []
+    cache = PairCache(4, lambda: None, lambda b: built.append(1) or len(built))
+    offsets = np.array([0, 64], dtype=np.int64)
+    view = offsets.view()
+    view.flags.writeable = False
+    b = StridedBatch(np.array([0, 1]), view, np.array([64, 64]), np.array([2, 3]), np.array([0, 0]),
+                     np.array([64, 64]), np.array([64, 64]), np.array([1]), np.array([2]))
+    assert cache.get(b) == 1
+    offsets[1] = 128  # the same read-only view now says something else
+    assert cache.get(b) == 2 and len(built) == 2
+
+
+# -- the ring's bookkeeping -------------------------------------------------------------------------
+
+
+class _Fence:
+    def __init__(self):
+        self.passed = False
+
+
+def _ring(capacity):
+    waited = []
+
+    def wait(f):
+        waited.append(f)
+        f.passed = True
+
+    return RingSpace(capacity, lambda f: f.passed, wait), waited
+
+
+def test_ring_hands_out_spans_in_order_and_wraps():
+    ring, waited = _ring(100)
+    fences = []
+    starts = []
+    for n in (30, 30, 30):
+        starts.append(ring.take(n))
+        fences.append(_Fence())
+        ring.hold(starts[-1], fences[-1])
+    assert starts == [0, 30, 60]
+    fences[0].passed = True
+    assert ring.take(20) == 0  # 10 left at the end: wraps to 0, span 0 has passed
+    assert waited == [] and ring.waits == 0
+    ring.hold(0, None)
+    assert ring.take(20) == 20  # overlaps span [30, 60), still held: waits for its fence
+    assert waited == [fences[1]] and ring.waits == 1
+    ring.hold(20, _Fence())
+    assert ring.take(0) == 40 and ring.live <= 4
+
+
+def test_ring_refuses_what_it_cannot_hold():
+    ring, _ = _ring(10)
+    assert ring.fits(10) and not ring.fits(11)
+    with pytest.raises(ValueError, match="a span of 11 elements does not fit a ring of 10"):
+        ring.take(11)
+    start = ring.take(6)
+    with pytest.raises(RuntimeError, match="taken again before its fence was given"):
+        ring.take(6)  # wraps onto the span just taken, which has no fence yet
+    ring.hold(start, None)
+    assert ring.take(6) == 0
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        RingSpace(0, bool, print)
+
+
+def test_ring_never_hands_out_a_span_whose_fence_is_pending():
+    """Random sizes, fences passing in order at random times: no two live spans overlap."""
+    rng = np.random.default_rng(4)
+    ring, _ = _ring(64)
+    live = []  # (start, end, fence)
+    for _ in range(2000):
+        n = int(rng.integers(0, 40))
+        start = ring.take(n)
+        pending = [(s, e) for s, e, f in live if not f.passed and e > s]
+        assert all(e <= start or start + n <= s for s, e in pending) or n == 0
+        f = _Fence()
+        ring.hold(start, f)
+        live.append((start, start + n, f))
+        for s, e, g in live[: int(rng.integers(0, 3))]:
+            g.passed = True
+        live = [x for x in live if not x[2].passed][-40:]
+
+
+# -- the split strided kernel under Triton's interpreter --------------------------------------------
+
+_SPLIT_SCRIPT = r"""
+import numpy as np, torch
+from transport.nvlink import kernel as kern
+from transport.base import StridedBatch
+rng = np.random.default_rng(8)
+src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
+dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
+src_base = np.array([t.data_ptr() for t in src])
+dst_base = np.array([t.data_ptr() for t in dst])
+ring = torch.full((64,), -7, dtype=torch.int64)  # the slots of other writes around this one's
+for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=32)),
+                          (1, 203, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=16, max_programs=3))):
+    P, S = 4, 5
+    length = rng.integers(1, 6, P) * unit
+    b = StridedBatch.of(rng.integers(0, 2, P), rng.integers(0, 20, P) * unit, stride * 2, [0, 0, 1, 1],
+                        np.array([0, 96, 0, 96]) + (3 if unit == 1 else 0), stride, length,
+                        rng.integers(0, 6, S), rng.permutation(12)[:S])
+    flat = b.expand()
+    for d in dst:
+        d.random_(0, 256)
+    want = [d.clone() for d in dst]
+    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
+        want[dr][do:do + n] = src[sr][so:so + n]
+    pairs = tuple(getattr(b, f) for f in ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset",
+                                           "dst_stride", "length"))
+    empty = np.zeros(0, dtype=np.int64)
+    pair_table = torch.from_numpy(kern.build_strided_table(src_base, dst_base, pairs, empty, empty))
+    base = 17
+    ring[base:base + S] = torch.from_numpy(b.src_slot)
+    ring[base + S:base + 2 * S] = torch.from_numpy(b.dst_slot)
+    path = kern.choose_path(pair_table.numpy())
+    assert path.value == unit, (path, unit)
+    plan = kern.plan_shape(int(length.max()), path, cfg)  # as the direct path launches: any number of rows
+    kern.scatter_strided_split(pair_table, ring, base, P, S, plan, "cpu")
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("split", unit, (d != w).nonzero()[:5])
+print("SPLIT-KERNEL-OK")
+"""
+
+
+def test_split_strided_kernel_under_triton_interpreter():
+    """The pair part and the slot part apart (the slots at an offset of a ring): the same bytes
+    as the reference."""
+    assert_interpreted_ok(_SPLIT_SCRIPT, "SPLIT-KERNEL-OK")
+
+
+@pytest.mark.parametrize("max_programs", [0, 3, 132])
+@pytest.mark.parametrize("max_len", [1, 16, 256, 2048, 32768, 131072])
+def test_plan_shape_launches_any_row_count_as_plan_launch_does(max_programs, max_len):
+    from transport.nvlink import kernel as kern
+
+    cfg = kern.KernelConfig(max_programs=max_programs)
+    for path in kern.CopyPath:
+        shape = kern.plan_shape(max_len, path, cfg)
+        for rows in (1, 7, 160, 1000, 163840, 2_621_440):
+            full = kern.plan_launch(rows, max_len, path, cfg)
+            tiles = -(-rows // shape.block_r)
+            grid = min(shape.num_programs, tiles) if shape.num_programs else tiles
+            assert (shape.block_r, shape.block_c, tiles, grid) == (full.block_r, full.block_c, full.num_tiles,
+                                                                    full.num_programs)
+
+
+_ENQUEUE_SCRIPT = r"""
+import ctypes, numpy as np, torch
+from transport.base import RegionSizes, Region, StridedBatch
+from transport.nvlink import kernel as kern
+from transport.nvlink import stream as stream_mod
+from transport.nvlink.fastpath import SlotRing, build_plan, check_slots
+
+class Api:  # the CUDA runtime calls of the direct path, on host memory (copies at once)
+    copies = 0
+    def get_device(self): return 0
+    def set_device(self, d): raise AssertionError("the device is current already")
+    def event_create(self): return object()
+    def event_record(self, e, s): pass
+    def stream_wait_event(self, s, e): pass
+    def memcpy_async(self, dst, src, n, s):
+        Api.copies += 1
+        ctypes.memmove(dst, src, n)
+
+class Event:  # torch.cuda.Event: the copy ran at once
+    def record(self, stream): self.stream = stream
+    def query(self): return True
+    def synchronize(self): pass
+
+class Stream:
+    cuda_stream = 7
+
+torch.cuda.Event = Event
+api = Api()
+copy = stream_mod.CopyStream(api, 0, wait_current_stream=False)
+copy._stream = Stream()
+ring = SlotRing(api, 0, torch.zeros(48, dtype=torch.int64), torch.full((48,), -1, dtype=torch.int64))
+rng = np.random.default_rng(2)
+src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4096, 4096)]
+dst = [torch.randint(0, 256, (4096,), dtype=torch.uint8) for _ in range(3)]
+sizes_src = RegionSizes({i: Region(i, t.data_ptr(), t.numel(), 0) for i, t in enumerate(src)})
+sizes_dst = RegionSizes({i: Region(i, t.data_ptr(), t.numel(), 1) for i, t in enumerate(dst)})
+src_base = np.array([t.data_ptr() for t in src]); dst_base = np.array([t.data_ptr() for t in dst])
+cfg = kern.KernelConfig(tile_bytes=256, max_block_c_bytes=64)
+# three pairs of 64 B rows in 256 B slots (pair p writes bytes [64 p, +64) of each destination slot)
+pairs = dict(src_region=[0, 1, 1], src_offset=[0, 64, 128], src_stride=256, dst_region=[0, 2, 1],
+             dst_offset=[0, 64, 128], dst_stride=256, length=64)
+plans = []
+for i in range(12):  # slots change per write; the ring (48) wraps every few writes
+    S = int(rng.integers(1, 9))
+    b = StridedBatch.of(*pairs.values(), rng.choice(16, S, replace=False), rng.choice(16, S, replace=False))
+    if not plans:
+        plans.append(build_plan(b, sizes_src, sizes_dst, src_base, dst_base, lambda h: h.clone(), cfg, pin=False))
+    plan = plans[0]
+    assert check_slots(b, plan.src_limit, plan.dst_limit), (plan.src_limit, plan.dst_limit)
+    want = [d.clone() for d in dst]
+    flat = b.expand()
+    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
+        want[dr][do:do + n] = src[sr][so:so + n]
+    start, fits = ring.stage(b.src_slot, b.dst_slot, plan.src_limit, plan.dst_limit)
+    assert fits
+    event = copy.enqueue_split(plan, S, ring, start, 4)
+    assert isinstance(event, Event) and event.stream is copy._stream
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("enqueue_split", i, (d != w).nonzero()[:5])
+assert plan.src_limit == 15 and plan.dst_limit == 15
+assert Api.copies == 12 and ring.space.live <= 12
+too_far = StridedBatch.of(*pairs.values(), [16], [0])
+assert not check_slots(too_far, plan.src_limit, plan.dst_limit)
+for src, dst, fits in (([3, -1], [2, 5], False), ([3, 1], [2, -5], False),  # negative: past any limit
+                       ([15, 1], [2, 5], True), ([16, 1], [2, 5], False), ([1], [15], True), ([1], [16], False)):
+    start, ok = ring.stage(np.array(src), np.array(dst), plan.src_limit, plan.dst_limit)
+    assert ok is fits, (src, dst)
+    ring.space.hold(start, None)
+    start, ok = ring.stage(np.array(src), np.array(dst), plan.src_limit, plan.dst_limit + 1000)  # limits differ
+    assert ok is (fits or (max(dst) >= 16 and min(dst) >= 0 and 0 <= min(src) and max(src) <= 15)), (src, dst)
+    ring.space.hold(start, None)
+long = np.arange(40) % 16  # past the short lists: a ufunc reduction
+start, ok = ring.stage(long[:20], long[20:], plan.src_limit, plan.dst_limit)
+assert ok
+ring.space.hold(start, None)
+start, ok = ring.stage(long[:20], np.concatenate([long[20:39], [16]]), plan.src_limit, plan.dst_limit)
+assert not ok
+ring.space.hold(start, None)
+print("ENQUEUE-OK")
+"""
+
+
+def test_direct_enqueue_on_host_memory_under_triton_interpreter():
+    """The direct path's enqueue (``CopyStream.enqueue_split``: the ring, the slot upload, the
+    split kernel, the event) with the CUDA calls standing in on host memory: every write of
+    changing slots lands exactly, the ring wrapping."""
+    assert_interpreted_ok(_ENQUEUE_SCRIPT, "ENQUEUE-OK")
+
+
+def test_split_tables_checks_name_what_was_expected():
+    import torch
+
+    from transport.nvlink import kernel as kern
+
+    pairs = torch.zeros(10, dtype=torch.int64)
+    ring = torch.zeros(16, dtype=torch.int64)
+    kern.check_split_tables(pairs, ring, 2, 4, 6, "cpu")
+    with pytest.raises(ValueError, match=r"slot part \[6, \+12\) runs past slots of 16 elements"):
+        kern.check_split_tables(pairs, ring, 2, 6, 6, "cpu")
+    with pytest.raises(ValueError, match="slots must be a contiguous 1-D int64 tensor"):
+        kern.check_split_tables(pairs, ring.int(), 2, 0, 1, "cpu")
+    with pytest.raises(TypeError, match="slots must be a torch.Tensor, got ndarray"):
+        kern.check_split_tables(pairs, ring.numpy(), 2, 0, 1, "cpu")
+    with pytest.raises(ValueError, match=r"table must have shape \[5 \* 3 \+ 2 \* 0\] = \[15\], got \[10\]"):
+        kern.check_split_tables(pairs, ring, 3, 0, 1, "cpu")
+
+
+def test_config_checks_the_direct_path_settings():
+    assert NvlinkConfig(slot_ring_bytes=0).slot_ring_bytes == 0
+    with pytest.raises(ValueError, match="slot_ring_bytes must be a multiple of 8"):
+        NvlinkConfig(slot_ring_bytes=12)
+    with pytest.raises(ValueError, match="pair_plans must be an int >= 1, got 0"):
+        NvlinkConfig(pair_plans=0)
+
+
+# -- the progress thread waits on the oldest event, and wait() sleeps until settled ------------------
+
+
+class _BlockingEvent:
+    """Stands in for ``torch.cuda.Event``: ``synchronize()`` blocks until ``fire()``."""
+
+    def __init__(self):
+        self._fired = threading.Event()
+        self.synchronized = 0
+
+    def fire(self):
+        self._fired.set()
+
+    def query(self) -> bool:
+        return self._fired.is_set()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._fired.wait(10)
+
+
+@pytest.fixture
+def settling():
+    """A mailbox, a pending queue writing to it and a progress thread over the queue."""
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30)
+    progress = Progress(queue.advance, queue.oldest_event)
+    yield inbox, queue, progress
+    progress.stop()
+    queue.outbox.close()
+    inbox.close()
+
+
+def test_progress_sends_the_notification_once_the_event_fires_without_polling(settling):
+    inbox, queue, progress = settling
+    event = _BlockingEvent()
+    t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+    progress.wake()
+    time.sleep(0.05)
+    assert t._status is TransferStatus.PENDING and event.synchronized == 1  # one wait, no polling loop
+    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+    waiter.start()
+    event.fire()
+    waiter.join(5)
+    assert not waiter.is_alive() and t.status() is TransferStatus.DONE
+    got, deadline = [], time.monotonic() + 2
+    while not got and time.monotonic() < deadline:
+        got = inbox.poll()
+    assert [n.payload for n in got] == [b"landed"]
+
+
+def test_every_waiter_wakes_when_the_transfer_settles(settling):
+    _, queue, progress = settling
+    event = _BlockingEvent()
+    t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+    progress.wake()
+    woke = []
+    waiters = [threading.Thread(target=lambda: (t.wait(timeout=5), woke.append(1))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    assert woke == []
+    event.fire()
+    for w in waiters:
+        w.join(5)
+    assert woke == [1, 1, 1]
+    t.wait(timeout=0.01)  # settled: returns at once, however often
+    t.wait(timeout=0.01)
+
+
+def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_notification():
+    """The peer's inbox closes while two copies run; the transport's mailbox thread reads the
+    end of the connection (as in production): the copy with a notification fails at its send,
+    the one without at the look at the peer."""
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=5)
+    mailbox = MailboxThread()
+    mailbox.add(Hold("cpu-peer", queue, DropRecorder()))
+    try:
+        tagged = queue.track(NvlinkTransfer(queue, _BlockingEvent(), b"landed"))
+        silent = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
+        inbox.close()
+        wait_until("the mailbox thread reading the end", lambda: not queue.outbox.alive())
+        tagged._event.fire(), silent._event.fire()
+        assert tagged.status() is TransferStatus.FAILED and silent.status() is TransferStatus.FAILED
+        assert "peer 'cpu-peer' lost while sending the notification" in tagged.error
+        assert silent.error == "peer 'cpu-peer' lost before the notification could be sent"
+    finally:
+        mailbox.stop()  # closes the outbox
+
+
+def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
+    inbox = Inbox()
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)
+    try:
+        from transport.base import TransferFailed, TransferTimeout
+
+        t = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout, match="still pending after 0.05 s"):
+            t.wait(timeout=0.05)
+        with pytest.raises(TransferFailed, match="did not complete within 0.2 s"):
+            t.wait(timeout=5)
+        assert time.monotonic() - t0 < 2
+    finally:
+        queue.outbox.close()
+        inbox.close()
+
+
+class _Yielding(Progress):
+    """Progress whose flags hand the GIL over at every read and write: the writer's and the
+    thread's steps interleave at exactly the points where a wake could be lost."""
+
+    def _flag(name):  # noqa: N805 -- a property factory in the class body
+        def get(self):
+            time.sleep(0)
+            return self.__dict__[name]
+
+        def put(self, value):
+            time.sleep(0)
+            self.__dict__[name] = value
+
+        return property(get, put)
+
+    _idle = _flag("idle")
+    _kicked = _flag("kicked")
+
+
+def test_progress_wake_is_never_lost_while_the_thread_goes_to_sleep():
+    """A write wakes the thread with a flag while it runs and a notify only while it sleeps: a
+    wake that comes while the thread is on its way to sleep is still seen. Each write comes as
+    soon as the one before was seen (the thread then heads for sleep), the GIL changing hands at
+    each flag; a lost wake leaves its write unseen."""
+    lock, pending, seen = threading.Lock(), [], []
+
+    def advance():
+        with lock:
+            seen.extend(pending)
+            pending.clear()
+        return False
+
+    progress = _Yielding(advance)
+    try:
+        for i in range(2000):
+            with lock:
+                pending.append(i)
+            progress.wake()
+            deadline = time.monotonic() + 2
+            while len(seen) <= i and time.monotonic() < deadline:
+                time.sleep(0)
+            assert len(seen) == i + 1, f"write {i} not seen: its wake was lost"
+    finally:
+        progress.stop()
+
+
+# -- two processes on two GPUs: the direct path ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_writes_changing_slots_exactly(remote):
+    """Many writes of one pair set with different slots: one plan, every write's bytes exact,
+    its notification after them; page 16 and head slices (a second plan)."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote, 2 * LAYERS, buf_bytes)
+    try:
+        peer.plan_pairs(kv_strided(sorted(src), dst_rids, 1, False, np.random.default_rng(0)))  # as at handshake
+        assert peer.pair_plans.builds == 1
+        with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[522240, 526336\) is outside"):
+            peer.plan_pairs(StridedBatch.of(sorted(src)[0], 0, TOKEN, dst_rids[0], buf_bytes - 2048, TOKEN, 4096,
+                                            [1], [1]))
+        for i, (page, head) in enumerate([(1, False), (1, False), (1, False), (16, False), (1, True), (1, True)]):
+            b = kv_strided(sorted(src), dst_rids, page, head, np.random.default_rng(50 + i), tokens=32 + 8 * i)
+            remote.fill(dst_rids, 0x5A)
+            tr = peer.write_strided(b, notify=b"direct %d" % i)
+            tr.wait(timeout=60)
+            assert tr.status() is TransferStatus.DONE
+            check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"direct %d" % i, sender=t.name)
+        assert peer.pair_plans.builds == 3  # page 1, page 16, head slices: one plan each
+        from transport.nvlink import kernel as kern
+
+        assert kern._KERNELS[(False, "_scatter_strided_body")].direct_launches > 0  # past the JIT
+        with pytest.raises(ValueError, match=r"batch pair \d+: destination \(peer\) range .* is outside region"):
+            peer.write_strided(StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN, [1], [SLOTS]))
+        with pytest.raises(ValueError, match=r"batch pair 0: source \(local\) region 999 is not registered"):
+            peer.write_strided(StridedBatch.of(999, 0, TOKEN, dst_rids[0], 0, TOKEN, TOKEN, [1], [1]))
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_ring_wraps_under_many_writes_in_flight(remote):
+    """A ring of 64 slots and writes of 10: it wraps many times with writes in flight; every
+    notification arrives in order and the last write's bytes are exact."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, NvlinkConfig(slot_ring_bytes=64 * 8))
+    try:
+        rng = np.random.default_rng(3)
+        transfers, batches = [], []
+        for i in range(40):
+            b = StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN,
+                                rng.choice(np.arange(1, SLOTS), 5, replace=False),
+                                rng.choice(np.arange(1, SLOTS), 5, replace=False))
+            transfers.append(peer.write_strided(b, notify=b"ring %d" % i))
+            batches.append(b)
+        for tr in transfers:
+            tr.wait(timeout=60)
+        assert t._ring.space.waits > 0 or t._ring.space.live <= 6
+        remote.fill(dst_rids, 0x5A)
+        tr = peer.write_strided(batches[-1], notify=b"ring last")
+        tr.wait(timeout=60)
+        check_landed(remote, src, dst_rids, batches[-1].expand(), buf_bytes, b"ring last", sender=t.name)
+        for i in range(40):
+            assert remote.wait_notify(b"ring %d" % i, 10.0) == t.name
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_direct_path_follows_region_changes_and_can_be_off(remote):
+    """A region registered after a plan was built empties the cache (its bases may move); with
+    ``slot_ring_bytes=0`` writes take the general path, with the same bytes."""
+    import torch
+
+    buf_bytes = SLOTS * TOKEN
+    for config in (NvlinkConfig(), NvlinkConfig(slot_ring_bytes=0)):
+        t, peer, src, dst_rids = local_pair(remote, 2, buf_bytes, config)
+        try:
+            b = StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN, [1, 2, 3], [4, 5, 6])
+            peer.write_strided(b, notify=b"before").wait(timeout=60)
+            extra = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
+            t.register_tensor(extra)
+            remote.fill(dst_rids, 0x5A)
+            peer.write_strided(b, notify=b"after").wait(timeout=60)
+            check_landed(remote, src, dst_rids, b.expand(), buf_bytes, b"after", sender=t.name)
+            assert peer.pair_plans.builds == (2 if config.slot_ring_bytes else 0)
+        finally:
+            t.close()
+
+
+# -- the peer's direct path with CUDA standing in (no GPU): what it launches, when it steps aside -------
+
+
+class _Api:
+    def get_device(self): return 0
+    def set_device(self, d): raise AssertionError("the device is current already")
+    def event_create(self): return object()
+    def event_record(self, e, s): pass
+    def stream_wait_event(self, s, e): pass
+    def memcpy_async(self, dst, src, n, s): self.copies.append((dst, src, n, s))
+
+
+class _DoneEvent:
+    def record(self, stream): pass
+    def query(self): return True
+    def synchronize(self): pass
+
+
+class _Stream:
+    cuda_stream = 7
+
+
+class _Owner:
+    def __init__(self, registry, ring):
+        self._registry, self._ring = registry, ring
+        self._progress = Progress(lambda: False)
+        self._mailbox = MailboxThread()  # reads the peer owner's answers and the end of the connection
+
+    def _slot_ring(self):
+        return self._ring
+
+
+class _Mapping(DropRecorder):
+    """The peer's regions as mapped: their bases; the regions its revokes unmapped."""
+
+    def __init__(self, bases):
+        super().__init__()
+        self._bases = bases
+
+    def bases(self, device):
+        return self._bases
+
+
+@pytest.fixture
+def fake_peer(monkeypatch):
+    """An ``NvlinkPeer`` over stand-ins for CUDA (runtime calls, stream, event, launch: recorded)
+    connected as in production to a real owner: an ``NvlinkTransport`` named "fake" exporting 4
+    host arrays of 64 KiB through stand-in IPC (:mod:`tests.transport._nvlink_cpu`), whose
+    mailbox answered the peer's Hello; the peer's hold is read by a real mailbox thread. 4 local
+    regions of 64 KiB, a ring of 64 slots. Yields the peer, the launches, the batches the
+    general path took, the owner and the runtime stand-in."""
+    import torch
+
+    from transport.nvlink import kernel as kern
+    from transport.nvlink import stream as stream_mod
+    from transport.nvlink.fastpath import SlotRing, build_plan
+    from transport.nvlink.peer import NvlinkPeer
+    from transport.nvlink.route import EngineRoute
+    from transport.nvlink.tables import WriteTables, base_table
+    from transport.registry import RegionRegistry
+
+    launches = []
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(kern, "scatter_strided_split", lambda *a, **k: launches.append(a))
+    registry = RegionRegistry()
+    for i in range(4):
+        registry.add(0x100000 * (i + 1), 1 << 16, 0)
+    stand_in_ipc(monkeypatch)
+    remote = NvlinkTransport(NvlinkConfig(), name="fake")
+    memory = [np.zeros(1 << 16, dtype=np.uint8) for _ in range(4)]
+    assert [remote.register(m.ctypes.data, m.nbytes, device=0) for m in memory] == [0, 1, 2, 3]
+    body, regions, _ = parse_descriptor(remote.export())
+    api = _Api()
+    api.copies = []
+    ring = SlotRing(api, 0, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64))
+    peer = object.__new__(NvlinkPeer)
+    cfg = NvlinkConfig()
+    peer._owner, peer._config, peer.name, peer.regions = _Owner(registry, ring), cfg, body["name"], regions
+    peer._copy = stream_mod.CopyStream(api, 0, wait_current_stream=True)
+    peer._copy._stream = _Stream()
+    peer._mapping = _Mapping(np.array([regions[i].ptr for i in range(4)], dtype=np.int64))
+    peer._queue = PendingQueue("fake", Outbox(body["mailbox"], 1.0, sender="fake-writer", regions=regions), 60.0)
+    peer._hold = Hold("fake", peer._queue, peer._mapping)
+    peer._owner._mailbox.add(peer._hold)
+    peer._closed = False
+    peer._peer_sizes = RegionSizes(regions)
+    peer.tables = WriteTables(registry, peer._peer_sizes, peer._mapping, 0, cfg)
+    peer._route = EngineRoute(cfg, "fake", None, None, peer._mapping)
+    peer.pair_plans = PairCache(cfg.pair_plans, lambda: registry.sizes, lambda b: build_plan(
+        b, registry.sizes, peer._peer_sizes, registry.derived(base_table), peer._mapping.bases(0), lambda h: h,
+        cfg.kernel, pin=False))
+    general = []
+    monkeypatch.setattr(peer, "_write", lambda batch, notify, engine=None: general.append(batch) or "general")
+    wait_until("the owner's answer to the hold", lambda: remote.poll_notifications() == [] and peer._hold.acked)
+    yield peer, launches, general, remote, api
+    peer._owner._mailbox.remove(peer._hold)
+    peer._owner._mailbox.stop()
+    remote.close()
+    peer._owner._progress.stop()
+
+
+def _kv(slots_src, slots_dst, pairs=4, row=1024):
+    return StridedBatch.of(np.arange(pairs), 0, row, np.arange(pairs), 0, row, row, slots_src, slots_dst)
+
+
+def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_peer):
+    peer, launches, general, remote, api = fake_peer
+    for i, (s, d) in enumerate((([1, 5, 9], [2, 3, 4]), ([7], [63]), ([0, 1], [10, 11]))):
+        tr = peer.write_strided(_kv(s, d), b"n%d" % i)
+        tr.wait(timeout=5)
+        assert tr.status() is TransferStatus.DONE
+    assert general == [] and peer.pair_plans.builds == 1
+    pairs_table, ring_dev, start, num_pairs, num_slots, plan = launches[-1][:6]
+    assert (num_pairs, num_slots) == (4, 2) and plan.block_r >= 1
+    assert [n for _, _, n, _ in api.copies] == [8 * 6, 8 * 2, 8 * 4]  # 2 S slots each, nothing else per write
+    np.testing.assert_array_equal(pairs_table[:4], 0x100000 * np.arange(1, 5))  # source bases of slot 0
+    got, deadline = [], time.monotonic() + 2
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += remote.poll_notifications()
+    assert got == [Notification("fake-writer", b"n%d" % i) for i in range(3)]
+
+
+def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
+    """A plan built with a launcher (the GPU peer's: ``kernel.SplitLaunch`` over the ring) is
+    launched through it with the ring span's start and the slot count, nothing else."""
+    from transport.nvlink.fastpath import build_plan
+    from transport.nvlink.tables import base_table
+
+    peer, launches, general, _, _ = fake_peer
+    bound = []
+    registry = peer._owner._registry
+    peer.pair_plans = PairCache(4, lambda: registry.sizes, lambda b: build_plan(
+        b, registry.sizes, peer._peer_sizes, registry.derived(base_table), peer._mapping.bases(0), lambda h: h,
+        peer._config.kernel, pin=False, bind=lambda table, p, shape: lambda start, n, stream: bound.append(
+            (table is not None, p, start, n, stream.cuda_stream))))
+    peer.write_strided(_kv([1, 2, 3], [4, 5, 6]), b"a").wait(timeout=5)
+    peer.write_strided(_kv([7], [8]), b"b").wait(timeout=5)
+    assert bound == [(True, 4, 0, 3, 7), (True, 4, 6, 1, 7)] and launches == [] and general == []
+
+
+def test_direct_path_refuses_slots_out_of_bounds_with_the_pair_named(fake_peer):
+    peer, launches, general, _, _ = fake_peer
+    with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[0, 66560\) is outside region 0 of 65536"):
+        peer.write_strided(_kv([1], [64]))  # 64 x 1 KiB: one slot past the 64 KiB region
+    neg = _kv([1], [2])
+    neg = StridedBatch(*(getattr(neg, f) for f in _PAIRS), np.array([-3]), neg.dst_slot)  # past of()'s check
+    with pytest.raises(ValueError, match=r"batch source slots must lie in \[0, 63\] .*, got \[-3, -3\]"):
+        peer.write_strided(neg)
+    with pytest.raises(ValueError, match=r"batch pair 0: source \(local\) region 9 is not registered"):
+        peer.write_strided(StridedBatch.of(9, 0, 1024, 0, 0, 1024, 1024, [1], [1]))
+    assert launches == [] and general == []
+    peer.write_strided(_kv(np.arange(30), np.arange(30))).wait(timeout=5)  # the refused spans were freed
+    assert len(launches) == 1
+
+
+def test_direct_path_steps_aside_for_the_general_path(fake_peer, monkeypatch):
+    peer, launches, general, _, _ = fake_peer
+    assert peer.write_strided(_kv(np.arange(33), np.arange(33))) == "general"  # 66 slots: past the ring of 64
+    assert peer.write_strided(_kv([], [])) == "general"  # nothing to launch
+    monkeypatch.setattr(peer._route, "lane_for", lambda *a: object())  # the staged engine takes it
+    assert peer.write_strided(_kv([1], [1])) == "general"
+    monkeypatch.setattr(peer._owner, "_slot_ring", lambda: None)  # slot_ring_bytes=0
+    assert peer.write_strided(_kv([1], [1])) == "general"
+    assert launches == [] and len(general) == 4
+
+
+def test_direct_path_to_a_lost_peer_fails_without_launching(fake_peer):
+    """The owner's transport closes: once the peer's mailbox thread has read the end of the
+    connection, a direct write fails at once, launching nothing, and frees its ring span."""
+    peer, launches, _, remote, api = fake_peer
+    remote.close()
+    wait_until("the mailbox thread reading the end", lambda: not peer._queue.outbox.alive())
+    tr = peer.write_strided(_kv([1], [1]), b"lost")
+    assert tr.status() is TransferStatus.FAILED and tr.error == "peer 'fake' lost (its socket closed)"
+    assert launches == [] and api.copies == []
+    assert peer._owner._ring.space.take(64) == 0  # nothing of the ring is still held for it
+
+
+def test_direct_path_refuses_a_revoked_region_and_launches_nothing(fake_peer):
+    """The owner deregisters region 2, which the peer's mailbox thread acknowledges (unmapping
+    it): a direct write naming it raises RegionRevoked, staging and launching nothing; one that
+    names only live regions still launches, from the ring's first span."""
+    peer, launches, general, remote, api = fake_peer
+    remote.deregister(2)
+    assert peer._mapping.dropped == [{2}]
+    with pytest.raises(RegionRevoked, match=r"region 2 of peer 'fake' was revoked: its owner deregistered it"):
+        peer.write_strided(_kv([1], [1]), b"revoked")
+    with pytest.raises(RegionRevoked, match="region 2 of peer 'fake' was revoked"):
+        peer.write_strided(StridedBatch.of([0, 1], 0, 1024, [3, 2], 0, 1024, 1024, [1], [1]))  # one pair of two
+    assert launches == [] and api.copies == [] and general == []
+    peer.write_strided(StridedBatch.of([0, 1], 0, 1024, [0, 3], 0, 1024, 1024, [4], [5])).wait(timeout=5)
+    assert len(launches) == 1 and launches[0][2] == 0  # the refused writes took no span of the ring
+
+
+def test_plan_pairs_makes_the_pair_set_resident_before_the_first_write(fake_peer):
+    peer, launches, _, _, _ = fake_peer
+    peer.plan_pairs(_kv([1], [1]))
+    assert peer.pair_plans.builds == 1
+    peer.write_strided(_kv([3, 4], [5, 6])).wait(timeout=5)
+    assert peer.pair_plans.builds == 1 and len(launches) == 1
+    with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[65000, 66024\) is outside"):
+        peer.plan_pairs(StridedBatch.of(0, 0, 1024, 0, 65000, 1024, 1024, [5], [5]))
+    with pytest.raises(TypeError, match="batch must be a StridedBatch, got list"):
+        peer.plan_pairs([])

@@ -1,0 +1,343 @@
+"""The direct path of a factored write in microseconds: resident pair tables, a ring of slots.
+
+Why
+---
+A KV write is buffer pairs x token slots (``StridedBatch``). The pair part -- which buffer
+goes to which, offsets, strides, row bytes -- depends only on the two sides' layouts, and is
+the same for every request between two ranks; only the slot arrays (a few KiB) change. The
+general path (:mod:`transport.nvlink.job`) rebuilds, re-checks and re-uploads all of it per
+write, in a fresh pinned buffer. Here that work is done once per pair set and kept:
+
+Once per pair set (per peer, :class:`PairCache`)
+------------------------------------------------
+:class:`PairPlan`: the ``[5 * P]`` pair part of the strided table (``transport.nvlink.kernel``)
+on the GPU, its copy path (the pairs' alignment), the longest row, the bytes per slot, and per
+side the largest slot that every pair allows (:func:`slot_limits`): the bounds of all ``P * S``
+entries then reduce to ``0 <= min(slots)`` and ``max(slots) <= limit``, one vectorised pass over
+the slots. A plan is found by the pair arrays' bytes (not by the arrays' identity: a read-only
+array may be a view of one that changes); the cache is emptied when the local regions change
+(their sizes and bases are built into the plan).
+
+Per write (:class:`SlotRing`)
+-----------------------------
+The ``[2 * S]`` slot part goes into a ring of pinned host memory (where one reduction over it
+gives both sides' largest slot for the bounds check) and, by one
+``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
+kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span
+of the ring is reused once the write that holds it has completed (its event; the host copy ran
+before the kernel on the same stream). The ring is allocated once per transport, at the first
+write that uses it; a slot part larger than the ring takes the general path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from transport.base import RegionSizes, StridedBatch
+from transport.nvlink import kernel as kern
+
+__all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "check_slots", "pair_key", "slot_limits"]
+
+NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits
+_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+
+
+def _side_limit(sizes: RegionSizes, region: np.ndarray, offset: np.ndarray, stride: np.ndarray,
+                length: np.ndarray) -> int:
+    """The largest slot ``s`` with ``offset + s * stride + length <= size`` for every pair
+    (-1: some pair fits no slot, its region unknown, its range past the region, or a negative
+    offset or stride, which ``StridedBatch.of`` refuses and a batch built past it may hold)."""
+    if region.size == 0:
+        return NO_LIMIT
+    room = sizes.of(region) - offset - length  # [P] bytes left after slot 0's range; < 0: none fits
+    if (room < 0).any() or (offset < 0).any() or (stride < 0).any():
+        return -1
+    moving = stride > 0
+    if not moving.any():
+        return NO_LIMIT
+    return int((room[moving] // stride[moving]).min())
+
+
+def slot_limits(batch: StridedBatch, local: RegionSizes, peer: RegionSizes) -> tuple[int, int]:
+    """Per side, the largest source and destination slot that every pair of ``batch`` allows
+    in its region (``-1``: some pair allows none; :data:`NO_LIMIT`: any). A batch is in bounds
+    iff its slots are non-negative and at most these: the same verdict as
+    ``batch.check_bounds(local, peer)``, which names the first bad pair."""
+    return (_side_limit(local, batch.src_region, batch.src_offset, batch.src_stride, batch.length),
+            _side_limit(peer, batch.dst_region, batch.dst_offset, batch.dst_stride, batch.length))
+
+
+_INT64 = np.dtype(np.int64)
+
+
+def pair_key(batch: StridedBatch) -> bytes:
+    """The pair part of ``batch`` as one bytes key (the slots left out). The arrays are int64
+    (``StridedBatch``'s invariant), so equal keys mean equal pairs; any other dtype is
+    converted first."""
+    b = batch
+    arrays = (b.src_region, b.src_offset, b.src_stride, b.dst_region, b.dst_offset, b.dst_stride, b.length)
+    for a in arrays:
+        if a.dtype is not _INT64 and a.dtype != _INT64:
+            arrays = tuple(np.asarray(x, dtype=np.int64) for x in arrays)
+            break
+    return b"".join([a.tobytes() for a in arrays])
+
+
+def check_slots(batch: StridedBatch, src_limit: int, dst_limit: int) -> bool:
+    """True when every slot of ``batch`` is in ``[0, limit]`` of its side: one pass per array
+    (viewed as unsigned, a negative slot is past any limit, which is below 2**63)."""
+    if batch.num_slots == 0:
+        return True
+    s, d = batch.src_slot, batch.dst_slot
+    if s.dtype != np.int64 or d.dtype != np.int64:
+        s, d = np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64)
+    return bool(src_limit >= 0 and dst_limit >= 0 and int(s.view(np.uint64).max()) <= src_limit
+                and int(d.view(np.uint64).max()) <= dst_limit)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """One pair set, resident: see the module doc. ``device_table`` is the ``[5 * P]`` pair part
+    on the GPU (``host_table``: its pinned source, kept while the plan lives); ``launcher``
+    launches the split kernel over it and the transport's ring of slots."""
+
+    num_pairs: int
+    slot_bytes: int  # bytes of one slot over all pairs (sum of length)
+    max_len: int  # the longest row
+    path: kern.CopyPath
+    launch: kern.LaunchPlan  # the tile shape, for any number of slots (kern.plan_shape)
+    src_limit: int
+    dst_limit: int
+    host_table: object  # pinned int64 tensor [5 * P]
+    device_table: object  # int64 tensor [5 * P] on the local GPU
+    launcher: Optional[kern.SplitLaunch] = None  # the launch over device_table and the ring (None: not bound)
+
+
+class PairCache:
+    """Plans by pair set, least recently used out past ``capacity``; emptied when ``generation()``
+    (the local regions' identity) changes. ``build(batch)`` makes a plan (or raises)."""
+
+    def __init__(self, capacity: int, generation: Callable[[], object],
+                 build: Callable[[StridedBatch], Optional[PairPlan]]):
+        self.capacity = capacity
+        self._generation, self._build = generation, build
+        self._seen: object = None
+        self._plans: OrderedDict[bytes, PairPlan] = OrderedDict()
+        self._last: Optional[tuple[bytes, PairPlan]] = None  # the plan found last, and its key
+        self.builds = 0  # plans built (tests and benchmarks read it)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, batch: StridedBatch) -> Optional[PairPlan]:
+        """The plan of ``batch``'s pairs (built at the first sight of them), or None when some
+        pair fits no slot (nothing cached)."""
+        gen = self._generation()
+        if gen is not self._seen:
+            self.clear()
+            self._seen = gen
+        key = pair_key(batch)
+        last = self._last
+        if last is not None and last[0] == key:  # the same pairs as the last write: one memcmp, no hash
+            return last[1]
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        else:
+            plan = self._build(batch)
+            if plan is None:  # some pair fits no slot: not cached, the caller names the pair
+                return None
+            self.builds += 1
+            self._plans[key] = plan
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        self._last = (key, plan)
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._last = None
+
+
+class RingSpace:
+    """The bookkeeping of a ring of ``capacity`` elements: spans handed out one after the other,
+    each held until its fence has passed.
+
+    ``done(fence)`` says whether a fence has passed (a fence of None has); ``wait(fence)``
+    blocks until it has. :meth:`take` returns the start of a free span of ``n`` elements,
+    waiting for the oldest fences that still hold it; :meth:`hold` attaches the fence that
+    frees it. Spans are taken in order, wrapping to 0 when the rest of the ring is too short."""
+
+    def __init__(self, capacity: int, done: Callable[[object], bool], wait: Callable[[object], None]):
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self._done, self._wait = done, wait
+        self._head = 0
+        self._live: deque[list] = deque()  # [start, end, fence] in the order taken
+        self.waits = 0  # times a take had to wait for a fence (tests read it)
+
+    def fits(self, n: int) -> bool:
+        return 0 <= n <= self.capacity
+
+    def take(self, n: int) -> int:
+        """The start of ``n`` free elements (``ValueError`` past the capacity). The span is held,
+        fenceless, until :meth:`hold` gives its fence."""
+        if not self.fits(n):
+            raise ValueError(f"a span of {n} elements does not fit a ring of {self.capacity}")
+        start = self._head if self._head + n <= self.capacity else 0
+        end = start + n
+        while self._live and self._live[0][2] is not _TAKEN and self._passed(self._live[0][2]):
+            self._live.popleft()
+        for sp in self._live if n else ():
+            if not (sp[0] < end and start < sp[1]) or sp[2] is None:
+                continue
+            if sp[2] is _TAKEN:
+                raise RuntimeError("a ring span was taken again before its fence was given (hold() missing)")
+            if not self._done(sp[2]):
+                self.waits += 1
+                self._wait(sp[2])
+            sp[2] = None  # passed
+        self._head = end
+        if n:
+            self._live.append([start, end, _TAKEN])
+        return start
+
+    def hold(self, start: int, fence: object) -> None:
+        """Attach ``fence`` to the span taken at ``start`` (None: free it now)."""
+        for sp in reversed(self._live):
+            if sp[0] == start and sp[2] is _TAKEN:
+                sp[2] = fence
+                return
+
+    def _passed(self, fence) -> bool:
+        return fence is None or self._done(fence)
+
+    @property
+    def live(self) -> int:
+        """Spans still held."""
+        return len(self._live)
+
+
+_TAKEN = object()  # a span taken and not yet given its fence
+
+
+_SHORT = 32  # up to this many elements, Python's max over a list beats a ufunc reduction (its call costs ~2 us)
+
+
+def _top(slots: np.ndarray, start: int, end: int) -> int:
+    """The largest of ``slots[start:end]`` (non-empty)."""
+    if end - start <= _SHORT:
+        return max(slots[start:end].tolist())
+    return int(np.maximum.reduce(slots[start:end]))
+
+
+def _event_done(event) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:  # a CUDA error: nothing will run any more
+        return True
+
+
+def _event_wait(event) -> None:
+    try:
+        event.synchronize()
+    except Exception:
+        pass
+
+
+class SlotRing:
+    """A ring of int64 slots in pinned host memory and, at the same element offsets, on a GPU
+    (module doc). ``put`` copies the arrays in and queues the host-to-device copy on a stream."""
+
+    def __init__(self, api, device: int, host, dev):
+        """``host``: int64 tensor ``[capacity]`` in pinned memory; ``dev``: the same on GPU
+        ``device`` (:meth:`allocate` makes both)."""
+        if host.numel() != dev.numel():
+            raise ValueError(f"host and device rings differ: {host.numel()} and {dev.numel()} elements")
+        self._api, self.device = api, device
+        self.space = RingSpace(int(host.numel()), _event_done, _event_wait)
+        self.host, self.dev = host, dev  # [capacity] int64 each
+        self._host_np = host.numpy()
+        self._host_u64 = self._host_np.view(np.uint64)
+        self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
+
+    @classmethod
+    def allocate(cls, api, device: int, capacity: int) -> "SlotRing":
+        """A ring of ``capacity`` slots: pinned host memory and memory on GPU ``device``."""
+        import torch
+
+        host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
+        dev = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", device))  # [capacity]
+        return cls(api, device, host, dev)
+
+    def fits(self, n: int) -> bool:
+        return self.space.fits(n)
+
+    def stage(self, src_slot: np.ndarray, dst_slot: np.ndarray, src_limit: int, dst_limit: int) -> tuple[int, bool]:
+        """Copy the ``[S]`` source then destination slots into a free span of the host ring;
+        return its start and whether every slot lies in ``[0, limit]`` of its side (read as
+        unsigned, a negative slot is past any limit): the bounds check and the copy in one
+        visit, one reduction over both sides when both are below the smaller limit. The
+        caller uploads the span (:meth:`upload`) or frees it (``space.hold(start, None)``)."""
+        n = src_slot.size
+        start = self.space.take(2 * n)
+        end = start + 2 * n
+        self._host_np[start: start + n] = src_slot
+        self._host_np[start + n: end] = dst_slot
+        if n == 0:
+            return start, True
+        slots = self._host_u64  # [capacity] the ring read as unsigned
+        if _top(slots, start, end) <= min(src_limit, dst_limit):
+            return start, True
+        if src_limit == dst_limit:
+            return start, False
+        return start, _top(slots, start, start + n) <= src_limit and _top(slots, start + n, end) <= dst_limit
+
+    def upload(self, start: int, n: int, stream_handle: int) -> None:
+        """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw
+        ``stream_handle`` (current device: this ring's). The caller gives the span its fence
+        with ``space.hold(start, event)``."""
+        self._api.memcpy_async(self._dev_ptr + 8 * start, self._host_ptr + 8 * start, 8 * n, stream_handle)
+
+    def put(self, arrays: tuple, stream_handle: int) -> int:
+        """Copy ``arrays`` (int64, back to back) into a free span and queue its upload; return
+        the span's start (fence it with ``space.hold(start, event)``)."""
+        n = sum(a.size for a in arrays)
+        start = self.space.take(n)
+        at = start
+        for a in arrays:
+            self._host_np[at: at + a.size] = a
+            at += a.size
+        if n:
+            self.upload(start, n, stream_handle)
+        return start
+
+
+def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
+               src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object],
+               config: kern.KernelConfig, pin: bool = True,
+               bind: Optional[Callable[[object, int, kern.LaunchPlan], kern.SplitLaunch]] = None) -> Optional[PairPlan]:
+    """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
+    caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the
+    GPU; ``config``: the kernel's launch shape; ``pin``: the host table in pinned memory (tests
+    without CUDA say False); ``bind(device table, num_pairs, launch shape)``: the plan's
+    launcher (None: none, writes launch through :func:`~transport.nvlink.kernel.scatter_strided_split`)."""
+    import torch
+
+    src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
+    if src_limit < 0 or dst_limit < 0:
+        return None
+    p = batch.num_pairs
+    empty = np.zeros(0, dtype=np.int64)
+    host = torch.empty(5 * p, dtype=torch.int64, pin_memory=pin)  # [5 * P] the pair part
+    table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
+                                     empty, empty, out=host.numpy())
+    max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)
+    shape, device_table = kern.plan_shape(max_len, path, config), upload(host)
+    return PairPlan(p, int(batch.length.sum()), max_len, path, shape, src_limit, dst_limit, host, device_table,
+                    bind(device_table, p, shape) if bind is not None else None)
