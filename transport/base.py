@@ -151,8 +151,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import msgpack
 import numpy as np
@@ -543,10 +544,15 @@ class StridedBatch:
         rest = self._subset(~whole, self.src_slot, self.dst_slot).expand()
         return WriteBatch(*(np.concatenate([getattr(merged, f), getattr(rest, f)]) for f in _BATCH_FIELDS))
 
+    @property
+    def pairs(self) -> tuple:
+        """The seven ``[P]`` pair arrays in constructor order (``src_region`` .. ``length``):
+        ``StridedBatch(*batch.pairs, src_slot, dst_slot)`` is the same pairs over other slots."""
+        return tuple(getattr(self, f) for f in _PAIR_FIELDS)
+
     def _subset(self, keep: np.ndarray, src_slot: np.ndarray, dst_slot: np.ndarray) -> "StridedBatch":
         """The pairs where ``keep`` ([P] bool) holds, over the given slots."""
-        pairs = (getattr(self, f)[keep] for f in _PAIR_FIELDS)
-        return StridedBatch(*pairs, src_slot, dst_slot)
+        return StridedBatch(*(a[keep] for a in self.pairs), src_slot, dst_slot)
 
 
 class Transfer(abc.ABC):
@@ -578,24 +584,34 @@ class Transfer(abc.ABC):
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until DONE; raise TransferFailed on failure, TransferTimeout after ``timeout`` s."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
-        sleep = 0.0
+        pause = self._pauses()
         while True:
             st = self.status()
             if st is TransferStatus.DONE:
                 return
             if st is TransferStatus.FAILED:
                 raise TransferFailed(self.error or "transfer failed")
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise TransferTimeout(f"transfer still pending after {timeout} s")
-            # Spin briefly, then back off to ``max_poll_sleep_s`` so a 2-core machine keeps a
-            # core for the backend's progress thread. 0: never sleep, only yield the GIL (a
-            # Linux sleep lasts at least the 50 us timer slack).
+            pause(left)
+
+    def _pauses(self) -> Callable[[Optional[float]], None]:
+        """How one :meth:`wait` pauses between polls: a function of the seconds left to its
+        deadline (None: no deadline). Here: spin briefly, then back off to
+        ``max_poll_sleep_s`` so a 2-core machine keeps a core for the backend's progress
+        thread (0: never sleep, only yield the GIL; a Linux sleep lasts at least the 50 us
+        timer slack). A backend that can sleep until its transfer settles overrides it."""
+        sleep = 0.0
+
+        def pause(left: Optional[float]) -> None:
+            nonlocal sleep
             if sleep or not self.max_poll_sleep_s:
                 time.sleep(sleep)
             sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+
+        return pause
 
 
 class Peer(abc.ABC):

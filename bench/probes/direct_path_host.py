@@ -72,9 +72,7 @@ def make_batch(src_rids, dst_rids, tokens, page, pool_pages, rng):
 
 
 def one_slot(batch):
-    return StridedBatch(*(getattr(batch, f) for f in ("src_region", "src_offset", "src_stride", "dst_region",
-                                                      "dst_offset", "dst_stride", "length")),
-                        batch.src_slot[:1].copy(), batch.dst_slot[:1].copy())
+    return StridedBatch(*batch.pairs, batch.src_slot[:1].copy(), batch.dst_slot[:1].copy())
 
 
 # -- stand-ins for CUDA (CPU mode) -----------------------------------------------------------
@@ -431,7 +429,8 @@ def kernel_us(peer, batch, reps=20):
     """The split kernel alone on the resident pairs and ring (CUDA events, median)."""
     plan, ring = peer.pair_plans.get(batch), peer._owner._slot_ring()
     start, fits = ring.stage(batch.src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)
-    assert fits
+    if not fits:
+        raise ValueError(f"the batch's slots leave the pairs' regions (limits {plan.src_limit}, {plan.dst_limit})")
     stream = torch.cuda.current_stream(0)
     ring.upload(start, 2 * batch.num_slots, stream.cuda_stream)
     out = []

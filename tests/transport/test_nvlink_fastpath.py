@@ -5,6 +5,7 @@ direct writes of changing slots, bounds refused, the ring wrapping, regions chan
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -68,15 +69,14 @@ def test_slot_limits_agree_with_the_full_bounds_check(seed):
             other = "dst" if side == "src" else "src"
             slots[f"{other}_slot"] = np.zeros(1, dtype=np.int64)
             slots[f"{side}_slot"] = np.array([limit], dtype=np.int64)
-            at = StridedBatch(*(getattr(b, f) for f in _PAIRS), **slots)
-            beyond = StridedBatch(*(getattr(b, f) for f in _PAIRS), **{**slots, f"{side}_slot": np.array([limit + 1])})
-            zero_ok = _in_bounds(StridedBatch(*(getattr(b, f) for f in _PAIRS), np.zeros(1, np.int64),
+            at = StridedBatch(*b.pairs, **slots)
+            beyond = StridedBatch(*b.pairs, **{**slots, f"{side}_slot": np.array([limit + 1])})
+            zero_ok = _in_bounds(StridedBatch(*b.pairs, np.zeros(1, np.int64),
                                               np.zeros(1, np.int64)), local, remote)
             assert _in_bounds(at, local, remote) == zero_ok
             assert not _in_bounds(beyond, local, remote)
 
 
-_PAIRS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
 
 
 def test_slot_limits_name_unknown_regions_and_zero_strides():
@@ -88,15 +88,13 @@ def test_slot_limits_name_unknown_regions_and_zero_strides():
     assert slot_limits(StridedBatch.of([], [], [], [], [], [], [], [1], [1]), local, remote) == (NO_LIMIT, NO_LIMIT)
     ok = StridedBatch.of(0, 100, 100, 0, 0, 10, 50, [1], [1])
     for name, bad in (("src_offset", -8), ("src_stride", -100)):  # past of()'s checks: no slot fits
-        fields = {f: getattr(ok, f) for f in _PAIRS}
-        fields[name] = np.array([bad])
-        assert slot_limits(StridedBatch(**fields, src_slot=ok.src_slot, dst_slot=ok.dst_slot), local, remote)[0] == -1
+        assert slot_limits(dataclasses.replace(ok, **{name: np.array([bad])}), local, remote)[0] == -1
 
 
 def test_check_slots_refuses_negative_slots_even_past_of():
     b = StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [1, 2], [3, 4])
     assert check_slots(b, 4, 4) and not check_slots(b, 1, 4) and not check_slots(b, 4, 3)
-    neg = StridedBatch(*(getattr(b, f) for f in _PAIRS), np.array([1, -1]), b.dst_slot)  # not through of()
+    neg = StridedBatch(*b.pairs, np.array([1, -1]), b.dst_slot)  # not through of()
     assert not check_slots(neg, 10, 10)
     assert check_slots(StridedBatch.of(0, 0, 8, 0, 0, 8, 8, [], []), -1, -1)  # no slots, nothing to check
 
@@ -229,6 +227,7 @@ _SPLIT_SCRIPT = r"""
 import numpy as np, torch
 from transport.nvlink import kernel as kern
 from transport.base import StridedBatch
+from tests.transport._expected import landed
 rng = np.random.default_rng(8)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
 dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
@@ -242,14 +241,10 @@ for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_
     b = StridedBatch.of(rng.integers(0, 2, P), rng.integers(0, 20, P) * unit, stride * 2, [0, 0, 1, 1],
                         np.array([0, 96, 0, 96]) + (3 if unit == 1 else 0), stride, length,
                         rng.integers(0, 6, S), rng.permutation(12)[:S])
-    flat = b.expand()
     for d in dst:
         d.random_(0, 256)
-    want = [d.clone() for d in dst]
-    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
-        want[dr][do:do + n] = src[sr][so:so + n]
-    pairs = tuple(getattr(b, f) for f in ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset",
-                                           "dst_stride", "length"))
+    want = landed(src, dst, b)
+    pairs = b.pairs
     empty = np.zeros(0, dtype=np.int64)
     pair_table = torch.from_numpy(kern.build_strided_table(src_base, dst_base, pairs, empty, empty))
     base = 17
@@ -290,6 +285,7 @@ def test_plan_shape_launches_any_row_count_as_plan_launch_does(max_programs, max
 _ENQUEUE_SCRIPT = r"""
 import ctypes, numpy as np, torch
 from transport.base import RegionSizes, Region, StridedBatch
+from tests.transport._expected import landed
 from transport.nvlink import kernel as kern
 from transport.nvlink import stream as stream_mod
 from transport.nvlink.fastpath import SlotRing, build_plan, check_slots
@@ -336,10 +332,7 @@ for i in range(12):  # slots change per write; the ring (48) wraps every few wri
         plans.append(build_plan(b, sizes_src, sizes_dst, src_base, dst_base, lambda h: h.clone(), cfg, pin=False))
     plan = plans[0]
     assert check_slots(b, plan.src_limit, plan.dst_limit), (plan.src_limit, plan.dst_limit)
-    want = [d.clone() for d in dst]
-    flat = b.expand()
-    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
-        want[dr][do:do + n] = src[sr][so:so + n]
+    want = landed(src, dst, b)
     start, fits = ring.stage(b.src_slot, b.dst_slot, plan.src_limit, plan.dst_limit)
     assert fits
     event = copy.enqueue_split(plan, S, ring, start, 4)
@@ -790,7 +783,7 @@ def test_direct_path_refuses_slots_out_of_bounds_with_the_pair_named(fake_peer):
     with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[0, 66560\) is outside region 0 of 65536"):
         peer.write_strided(_kv([1], [64]))  # 64 x 1 KiB: one slot past the 64 KiB region
     neg = _kv([1], [2])
-    neg = StridedBatch(*(getattr(neg, f) for f in _PAIRS), np.array([-3]), neg.dst_slot)  # past of()'s check
+    neg = StridedBatch(*neg.pairs, np.array([-3]), neg.dst_slot)  # past of()'s check
     with pytest.raises(ValueError, match=r"batch source slots must lie in \[0, 63\] .*, got \[-3, -3\]"):
         peer.write_strided(neg)
     with pytest.raises(ValueError, match=r"batch pair 0: source \(local\) region 9 is not registered"):

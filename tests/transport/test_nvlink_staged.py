@@ -118,6 +118,7 @@ _INTERPRET_SCRIPT = r"""
 import numpy as np, torch
 from transport.nvlink import kernel as kern, staged
 from transport.base import StridedBatch
+from tests.transport._expected import landed
 rng = np.random.default_rng(5)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
 dst = [torch.zeros(n, dtype=torch.uint8) for n in (5000, 9000)]
@@ -161,10 +162,8 @@ for unit in (16, 1):
     for d in dst:
         d.zero_()
     flat = b.expand()
-    want = [d.clone() for d in dst]
-    for s_, so_, d_, do_, n_ in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
-        want[d_][do_:do_ + n_] = src[s_][so_:so_ + n_]
-    pairs = tuple(getattr(b, f) for f in ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length"))
+    want = landed(src, dst, flat)
+    pairs = b.pairs
     table = kern.build_strided_table(sb, db, pairs, b.src_slot, b.dst_slot, staged=True)
     plan = kern.plan_launch(P * S, int(plen.max()), kern.choose_path(table[:5 * P]), cfg)
     po = table[5 * P + 2 * S:]

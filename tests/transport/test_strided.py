@@ -128,6 +128,7 @@ _INTERPRET_SCRIPT = r"""
 import numpy as np, torch
 from transport.nvlink import kernel as kern
 from transport.base import StridedBatch
+from tests.transport._expected import landed
 rng = np.random.default_rng(5)
 src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
 dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
@@ -146,11 +147,8 @@ for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_
     flat = b.expand()
     for d in dst:
         d.random_(0, 256)
-    want = [d.clone() for d in dst]
-    for sr, so, dr, do, n in zip(flat.src_region, flat.src_offset, flat.dst_region, flat.dst_offset, flat.length):
-        want[dr][do:do + n] = src[sr][so:so + n]
-    pairs = tuple(getattr(b, f) for f in ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset",
-                                           "dst_stride", "length"))
+    want = landed(src, dst, flat)
+    pairs = b.pairs
     table = kern.build_strided_table(src_base, dst_base, pairs, b.src_slot, b.dst_slot)
     path = kern.choose_path(table[:5 * P])
     rows = kern.build_row_table(src_base, flat.src_region, flat.src_offset, dst_base, flat.dst_region,

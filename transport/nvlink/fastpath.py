@@ -37,13 +37,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from transport.base import RegionSizes, StridedBatch
+from transport.base import RegionSizes, SMALL_BATCH, StridedBatch
 from transport.nvlink import kernel as kern
 
 __all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "check_slots", "pair_key", "slot_limits"]
 
 NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits
-_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
 
 
 def _side_limit(sizes: RegionSizes, region: np.ndarray, offset: np.ndarray, stride: np.ndarray,
@@ -78,8 +77,7 @@ def pair_key(batch: StridedBatch) -> bytes:
     """The pair part of ``batch`` as one bytes key (the slots left out). The arrays are int64
     (``StridedBatch``'s invariant), so equal keys mean equal pairs; any other dtype is
     converted first."""
-    b = batch
-    arrays = (b.src_region, b.src_offset, b.src_stride, b.dst_region, b.dst_offset, b.dst_stride, b.length)
+    arrays = batch.pairs
     for a in arrays:
         if a.dtype is not _INT64 and a.dtype != _INT64:
             arrays = tuple(np.asarray(x, dtype=np.int64) for x in arrays)
@@ -226,12 +224,9 @@ class RingSpace:
 _TAKEN = object()  # a span taken and not yet given its fence
 
 
-_SHORT = 32  # up to this many elements, Python's max over a list beats a ufunc reduction (its call costs ~2 us)
-
-
 def _top(slots: np.ndarray, start: int, end: int) -> int:
     """The largest of ``slots[start:end]`` (non-empty)."""
-    if end - start <= _SHORT:
+    if end - start <= SMALL_BATCH:  # Python's max over a list beats a ufunc reduction
         return max(slots[start:end].tolist())
     return int(np.maximum.reduce(slots[start:end]))
 
@@ -335,7 +330,7 @@ def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: Region
     p = batch.num_pairs
     empty = np.zeros(0, dtype=np.int64)
     host = torch.empty(5 * p, dtype=torch.int64, pin_memory=pin)  # [5 * P] the pair part
-    table = kern.build_strided_table(src_base, dst_base, tuple(getattr(batch, f) for f in _PAIR_FIELDS),
+    table = kern.build_strided_table(src_base, dst_base, batch.pairs,
                                      empty, empty, out=host.numpy())
     max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)
     shape, device_table = kern.plan_shape(max_len, path, config), upload(host)

@@ -34,7 +34,6 @@ from transport.revocation import wire as revoke_wire
 if TYPE_CHECKING:
     from transport.nvlink.transport import NvlinkTransport
 
-_PAIR_FIELDS = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
 
 __all__ = ["NvlinkPeer"]
 
@@ -159,7 +158,7 @@ class NvlinkPeer(Peer):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
         if batch.num_pairs and self.pair_plans.get(batch) is None:
             zero = np.zeros(1, dtype=np.int64)
-            self.tables.check_bounds(StridedBatch(*(getattr(batch, f) for f in _PAIR_FIELDS), zero, zero))
+            self.tables.check_bounds(StridedBatch(*batch.pairs, zero, zero))
             raise ValueError("batch out of bounds")  # not reached
 
     def _refuse_slots(self, batch: StridedBatch, plan) -> None:

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from transport.base import Transfer, TransferFailed, TransferStatus, TransferTimeout
+from transport.base import Transfer, TransferStatus
 
 if TYPE_CHECKING:
     from transport.nvlink.pending import PendingQueue
@@ -52,22 +52,15 @@ class NvlinkTransfer(Transfer):
     def error(self) -> Optional[str]:
         return self._error
 
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until DONE (``TransferFailed`` on failure, ``TransferTimeout`` after ``timeout``
-        s), sleeping -- no core busy -- until the transfer settles."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            st = self.status()
-            if st is TransferStatus.DONE:
-                return
-            if st is TransferStatus.FAILED:
-                raise TransferFailed(self._error or "transfer failed")
-            left = self.WAIT_SLICE_S if deadline is None else min(self.WAIT_SLICE_S, deadline - time.monotonic())
-            if left <= 0:
-                raise TransferTimeout(f"transfer still pending after {timeout} s")
+    def _pauses(self):
+        """:meth:`wait` sleeps on the settled lock -- no core busy -- at most WAIT_SLICE_S at a
+        time (then it advances the FIFO itself)."""
+        def pause(left: Optional[float]) -> None:
             settled = self._settled_lock()
-            if settled.acquire(timeout=left):
+            if settled.acquire(timeout=self.WAIT_SLICE_S if left is None else min(self.WAIT_SLICE_S, left)):
                 self._open(settled)  # open for good: other waiters pass too
+
+        return pause
 
     def _settled_lock(self) -> threading.Lock:
         """A lock held until :meth:`_done` / :meth:`_fail` release it (a waiter sleeps acquiring
