@@ -216,7 +216,7 @@ class DecodeKVManager:
     def receiver(self, request_id: str) -> KVReceiver:
         """A new request on this rank; raises DuplicateRequest while ``request_id`` is live."""
         receiver = self._receivers.add(request_id, KVReceiver(self, request_id))
-        self._loop.call(self._on_new_receiver, receiver)
+        self._loop.call(self._on_new_receiver, receiver, wake=False)  # init() wakes the loop
         return receiver
 
     @property

@@ -85,8 +85,12 @@ class KVSender:
         self.status = RequestStatus(request_id)
         self._mgr = manager
         self._last_sent = False
+        self._kicked = False  # the loop was woken since this request was made (making it does not wake it)
 
     def poll(self) -> KVPoll:
+        if not self._kicked:  # the manager learns of this request at its next turn: make that now
+            self._kicked = True
+            self._mgr._loop.wake()
         return self.status.state
 
     @property
@@ -107,7 +111,7 @@ class KVSender:
                                  f"its state_slot (an int > 0), got {state_slot!r}")
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
-        self._last_sent = last
+        self._last_sent, self._kicked = last, True
         self._mgr._loop.call(self._mgr._on_send, self, _Chunk(arr, last, state_slot, aux))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
@@ -211,7 +215,7 @@ class PrefillKVManager:
     def sender(self, request_id: str) -> KVSender:
         """A new request on this rank; raises DuplicateRequest while ``request_id`` is live."""
         sender = self._senders.add(request_id, KVSender(self, request_id))
-        self._loop.call(self._on_new_sender, sender)
+        self._loop.call(self._on_new_sender, sender, wake=False)  # its first poll() or send() wakes the loop
         return sender
 
     def decode_peers(self) -> list:

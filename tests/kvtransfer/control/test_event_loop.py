@@ -1,0 +1,143 @@
+"""The managers' event loop (``kvtransfer.control.common.EventLoop``): jobs, wakes, sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvtransfer.control.common import EventLoop
+
+LONG_S = 30.0  # the tick's pause: nothing below may be waiting for the tick
+
+
+@pytest.fixture
+def sockets():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://loop-test")
+    b.connect("inproc://loop-test")
+    yield a, b
+    a.close(0)
+    b.close(0)
+    ctx.term()
+
+
+def _loop(handlers=None):
+    ticks = []
+
+    def tick():
+        ticks.append(time.monotonic())
+        return LONG_S
+
+    loop = EventLoop("test-loop", handlers or {}, tick)
+    loop.start()
+    return loop, ticks
+
+
+def _settled(loop, ticks) -> None:
+    """Return once the loop has run a job and then slept for 0.1 s without a turn: it is in
+    its long pause (a wake left over from a job that an earlier turn already ran would have
+    made one more turn by then)."""
+    loop.call(lambda: None).result(timeout=5)
+    deadline = time.monotonic() + 5
+    seen = -1
+    while len(ticks) != seen:
+        assert time.monotonic() < deadline, "the loop keeps turning"
+        seen = len(ticks)
+        time.sleep(0.1)
+    assert seen, "the loop did not tick"
+
+
+def test_jobs_run_in_order_on_the_loop_thread_and_report_through_futures():
+    loop, _ = _loop()
+    try:
+        seen = []
+        futs = [loop.call(lambda i=i: (seen.append(i), threading.current_thread().name)[1]) for i in range(5)]
+        boom = loop.call(lambda: 1 / 0)
+        assert [f.result(timeout=5) for f in futs] == ["test-loop"] * 5
+        assert seen == [0, 1, 2, 3, 4]
+        with pytest.raises(ZeroDivisionError):
+            boom.result(timeout=5)
+    finally:
+        loop.close()
+
+
+def test_a_job_queued_without_a_wake_waits_for_the_next_turn():
+    """``wake=False``: the loop, asleep until its tick's pause ends, does not run the job;
+    ``wake()`` (or any later woken call) does."""
+    loop, ticks = _loop()
+    try:
+        _settled(loop, ticks)
+        lazy = loop.call(lambda: "ran", wake=False)
+        time.sleep(0.3)
+        assert not lazy.done(), "a job queued without a wake ran before anything woke the loop"
+        loop.wake()
+        assert lazy.result(timeout=5) == "ran"
+        lazy = loop.call(lambda: "first", wake=False)
+        woken = loop.call(lambda: "second")
+        assert (lazy.result(timeout=5), woken.result(timeout=5)) == ("first", "second")
+    finally:
+        loop.close()
+
+
+def test_a_lazy_job_runs_before_the_message_that_wakes_the_loop(sockets):
+    """A request made without a wake must be known when its peer's message is handled."""
+    a, b = sockets
+    order = []
+
+    def on_message():
+        order.append(a.recv())
+
+    loop, ticks = _loop({a: on_message})
+    try:
+        _settled(loop, ticks)
+        loop.call(order.append, b"job", wake=False)
+        b.send(b"message")
+        deadline = time.monotonic() + 5
+        while len(order) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == [b"job", b"message"]
+    finally:
+        loop.close()
+
+
+def test_a_job_queued_while_a_handler_runs_is_not_left_for_the_next_turn(sockets):
+    """A handler (or another thread meanwhile) queues a job without a wake: it runs in the
+    same turn, not after the tick's long pause."""
+    a, b = sockets
+    done = threading.Event()
+
+    def on_message():
+        a.recv()
+        loop.call(done.set, wake=False)
+
+    loop, ticks = _loop({a: on_message})
+    try:
+        _settled(loop, ticks)
+        b.send(b"go")
+        assert done.wait(5), "the job queued by the handler waited for the next turn"
+    finally:
+        loop.close()
+
+
+def test_close_fails_jobs_it_did_not_run():
+    loop, _ = _loop()
+    loop.call(lambda: None).result(timeout=5)
+    block = threading.Event()
+    loop.call(block.wait, 5)  # the loop is busy with this job
+    late = loop.call(lambda: "never", wake=False)
+    closer = threading.Thread(target=loop.close)
+    closer.start()
+    block.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    if late.done() and late.exception() is None:  # it got in before the stop: that is allowed
+        assert late.result() == "never"
+    else:
+        with pytest.raises(RuntimeError, match="the manager is closed"):
+            late.result(timeout=5)
+    with pytest.raises(RuntimeError, match="the manager is closed"):
+        loop.call(lambda: None).result(timeout=5)
