@@ -23,13 +23,16 @@ except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
 from tests.transport import _nixl_peer  # noqa: E402
-from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained  # noqa: E402
+from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained, entries  # noqa: E402
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
-from transport.base import RegionRevoked, TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
+from transport.base import (  # noqa: E402
+    RegionRevoked, StridedBatch, TransferFailed, TransferStatus, TransportError, WriteBatch)
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
-from transport.nixl_staged.sender import DeferredWrite, LaneState, StagedTransfer, chunk_bounds  # noqa: E402
+from transport.nixl_staged.sender import (  # noqa: E402
+    DeferredWrite, LaneState, StagedTransfer, StridedStagedTransfer, chunk_bounds, strided_bounds)
 from transport.nixl_staged.wire import (  # noqa: E402
-    MAGIC, Chunk, ChunkHeader, ProtocolError, data_start, decode, encode)
+    MAGIC, Chunk, ChunkHeader, DestinationTable, ProtocolError, StridedChunk, StridedHeader, data_start, decode,
+    encode, strided_data_start)
 
 MiB = 1 << 20
 SMALL = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64)
@@ -101,6 +104,76 @@ def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
         tr.wait(60)
     want = reference([src], dst_sizes, first)[0], src[3 * MiB:4 * MiB], reference([src], dst_sizes, third)[2]
     assert rx.wait_notes(3) == [(note, sha([w])) for note, w in zip(notes, want)]
+
+
+TOKEN = 2048  # bytes of one token row of a K or V buffer: 8 heads x 128 x bf16
+
+
+def strided_cases(rng, sid):
+    """Strided batches as a KV request makes them, from one 8 MiB source region into destination
+    regions 0 (8 MiB) and 1 (4 MiB): (name, batch)."""
+    layers2 = 8  # K and V of 4 layers: one buffer of 512 token slots per MiB
+    buffers = np.arange(layers2, dtype=np.int64) * MiB
+    s_slots, d_slots = rng.permutation(np.arange(1, 512))[:300], rng.permutation(np.arange(1, 512))[:300]
+    # MHA at page 1, TP 1 -> 1: a pair per buffer, whole 2 KiB token rows
+    page1 = StridedBatch.of(sid, buffers, TOKEN, 0, buffers, TOKEN, TOKEN, s_slots, d_slots)
+    # TP 8 -> 1: prefill rank 3 holds head 3 (256 B rows, its pool's token stride); decode
+    # buffers hold all 8 heads, head 3 at 768 B into each 2 KiB row
+    heads = StridedBatch.of(sid, buffers // 8, 256, 0, buffers + 3 * 256, TOKEN, 256, s_slots, d_slots)
+    # pairs of odd lengths, one of them 800 KB (it spans many 64 KiB slots); duplicate and
+    # unordered source slots, unordered destination slots
+    odd = StridedBatch.of(sid, np.array([3, MiB + 5, 2 * MiB + 7]), 4096, 1, np.array([5, MiB + 13, 2 * MiB + 7]),
+                          4096, np.array([24, 1000, 4096]), rng.integers(0, 256, 200), rng.permutation(256)[:200])
+    return [("MHA page 1", page1), ("TP 8 -> 1 head slices", heads), ("odd pairs across chunks", odd)]
+
+
+def test_strided_writes_land_byte_for_byte_before_their_notification(writer, receiver):
+    """StridedBatches through ``write_strided`` go staged (O(P + S) per write), each slot
+    carrying the write's destination table; every byte as an entry-by-entry reference says,
+    before the write's notification; a flat staged write on the same lane still works after."""
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(21)
+    want = [np.zeros(n, np.uint8) for n in dst_sizes]
+    whole = [(r, 0, n) for r, n in enumerate(dst_sizes)]
+    for i, (name, batch) in enumerate(strided_cases(rng, sid)):
+        note = _nixl_peer.payload(i, whole)
+        tr = peer.write_strided(batch, notify=note)
+        assert isinstance(tr, StridedStagedTransfer), name
+        assert tr.num_chunks > SMALL.slots, name  # the slots rotate
+        tr.wait(60)
+        for sr, so, dr, do, n in entries(batch):
+            want[dr][do:do + n] = src[so:so + n]
+        assert rx.wait_notes(i + 1)[i] == (note, sha(want)), f"{name}: the notification came before the scatter"
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"destination region {r}")
+    flat = small_rows(rng, 300, src.size, [8 * MiB])
+    note = _nixl_peer.payload(9, [(0, 0, 8 * MiB)])
+    peer.write(wb(sid, *flat[1:]), notify=note).wait(60)
+    for so, do, n in zip(flat[1], flat[3], flat[4]):
+        want[0][do:do + n] = src[so:so + n]
+    assert rx.wait_notes(4)[3] == (note, sha([want[0]]))
+    assert len(t._lanes) == 1 and t._lanes[peer.name].state is LaneState.READY
+
+
+def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver):
+    """Whole-page runs (the coalesced form has 32 KiB ranges) and too few rows go as
+    ``write(batch.coalesced())`` would: direct, the same bytes."""
+    dst_sizes = [8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    pages = StridedBatch.of(sid, 0, TOKEN, 0, 0, TOKEN, TOKEN, np.arange(16, 16 + 64 * 16),
+                            (np.random.default_rng(22).permutation(np.arange(1, 128))[:64, None] * 16
+                             + np.arange(16)).ravel())
+    few = StridedBatch.of(sid, 4 * MiB, TOKEN, 0, 4 * MiB, TOKEN, TOKEN, np.arange(0, 40, 2), np.arange(0, 40, 2))
+    want = np.zeros(8 * MiB, np.uint8)
+    for i, batch in enumerate((pages, few)):
+        tr = peer.write_strided(batch, notify=_nixl_peer.payload(i, [(0, 0, 8 * MiB)]))
+        assert not isinstance(tr, (StagedTransfer, StridedStagedTransfer, DeferredWrite))
+        tr.wait(30)
+        for sr, so, dr, do, n in entries(batch):
+            want[do:do + n] = src[so:so + n]
+        assert rx.wait_notes(i + 1)[i][1] == sha([want])
+    assert not t._lanes
 
 
 def test_batches_outside_the_rule_go_direct(writer, receiver):
