@@ -222,6 +222,16 @@ def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receive
                                              r"receiver\) region 1 is not registered"):
         stale.wait(60)
     assert_same(rx.dump(0), reference([src], [4 * MiB], entries)[0], "region 0 after the refused write")
+    # a strided write's destination table names the region too: refused by the receiver's check
+    # of the table (its first chunk), nothing of the write lands (pair 1 is region 0's)
+    strided = StridedBatch.of(sid, [0, 4096], 8192, [1, 0], [0, 4096], 8192, 4096, np.arange(256),
+                              np.random.default_rng(5).permutation(256))
+    stale = peer.write_strided(strided, notify=never)
+    assert isinstance(stale, StridedStagedTransfer)
+    with pytest.raises(TransferFailed, match=r"refused chunk \d+: batch pair 0: destination \(this "
+                                             r"receiver\) region 1 is not registered"):
+        stale.wait(60)
+    assert_same(rx.dump(0), reference([src], [4 * MiB], entries)[0], "region 0 after the refused strided write")
     after = _nixl_peer.payload(2, [])
     peer.write(wb(sid, *entries[1:]), notify=after).wait(60)  # the lane still works
     assert [n for n, _ in rx.wait_notes(1)] == [after]
@@ -236,9 +246,10 @@ def test_reserved_payloads_are_refused(writer, receiver):
 # -- failures ------------------------------------------------------------------------------------
 
 
-def stalled_staged(writer, receiver, nbytes, seed, **config):
+def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     """tcp only, the lane open and warm; then the receiver is stopped and a staged write of
-    ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight)."""
+    ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight): flat, or
+    (``strided``) as one pair of 4 KiB rows x slots through ``write_strided``."""
     rx, t, src, sid, peer = staged_pair(writer, receiver, [nbytes], src_bytes=nbytes, seed=seed, env=TCP_ONLY,
                                         staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=4), **config)
     n = nbytes // 4096
@@ -246,13 +257,21 @@ def stalled_staged(writer, receiver, nbytes, seed, **config):
     offs = np.arange(n, dtype=np.int64) * 4096
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
     os.kill(rx.proc.pid, signal.SIGSTOP)
-    tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
-    assert isinstance(tr, StagedTransfer) and tr.status() is TransferStatus.PENDING and tr.posted >= 1
+    if strided:
+        tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, np.arange(n), rng.permutation(n)))
+    else:
+        tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
+    kind = StridedStagedTransfer if strided else StagedTransfer
+    assert isinstance(tr, kind) and tr.status() is TransferStatus.PENDING and tr.posted >= 1
     return rx, t, src, sid, peer, tr
 
 
-def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0)
+STRIDED_OR_FLAT = pytest.mark.parametrize("strided", [False, True], ids=["flat", "strided"])
+
+
+@STRIDED_OR_FLAT
+def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0, strided=strided)
     resume = resumed_later(rx, 0.3)
     start = time.monotonic()
     tr.abort()
@@ -271,8 +290,9 @@ def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, re
     assert_same(rx.dump(0), fresh, "destination after a staged rewrite")
 
 
-def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0)
+@STRIDED_OR_FLAT
+def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0, strided=strided)
     start = time.monotonic()
     with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
         tr.wait(30)
@@ -311,8 +331,9 @@ def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline
     assert_same(rx.dump(0), src, "destination after reconnecting")
 
 
-def test_a_killed_receiver_fails_the_staged_write(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0)
+@STRIDED_OR_FLAT
+def test_a_killed_receiver_fails_the_staged_write(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0, strided=strided)
     os.kill(rx.proc.pid, signal.SIGKILL)
     start = time.monotonic()
     rx.proc.join(5)
