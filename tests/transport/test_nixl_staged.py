@@ -388,6 +388,121 @@ def test_messages_and_headers_round_trip_and_refuse_garbage():
         ChunkHeader.parse(slot, slot.size)
 
 
+def test_strided_chunks_fit_their_slots_and_cover_every_row():
+    rng = np.random.default_rng(14)
+    for slots in (1, 7, 300):
+        length = rng.integers(1, 4097, 9)
+        room = 1 << 16
+        bounds = strided_bounds(length, slots, room)
+        assert bounds[0] == 0 and bounds[-1] == length.size * slots and (np.diff(bounds) > 0).all()
+        row_len = np.repeat(length, slots)  # [P * S] pair-major rows
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            assert int(row_len[a:b].sum()) <= room
+            assert b == row_len.size or int(row_len[a:b + 1].sum()) > room  # each chunk is full
+    with pytest.raises(ValueError, match="a row of 70000 bytes does not fit a chunk of 65536 bytes"):
+        strided_bounds(np.array([70000]), 2, 1 << 16)
+
+
+def strided_slot(header: StridedHeader, dest: DestinationTable, size=1 << 16) -> np.ndarray:
+    slot = np.zeros(size, np.uint8)
+    slot[:128] = header.pack()
+    table = dest.pack()
+    slot[128:128 + table.size] = table
+    return slot
+
+
+def test_strided_headers_and_tables_round_trip_and_refuse_garbage():
+    dest = DestinationTable(np.array([0, 1]), np.array([8, 0]), np.array([64, 100]), np.array([24, 100]),
+                            np.array([3, 0, 2]))
+    head = StridedHeader(1, 7, 0, 2, 1, 5, 24 * 2 + 100 * 2, 2, 3)  # rows 1..4: two of 24 B, two of 100 B
+    slot = strided_slot(head, dest)
+    assert StridedHeader.parse(slot, slot.size) == head and head.data_start == strided_data_start(2, 3) == 256
+    got = DestinationTable.parse(slot, head)
+    assert [a.tolist() for a in (got.region, got.offset, got.stride, got.length, got.slot)] == [
+        [0, 1], [8, 0], [64, 100], [24, 100], [3, 0, 2]]
+    assert (got.offset_of(1), got.offset_of(3), got.offset_of(6)) == (24, 72, 372)
+    with pytest.raises(ProtocolError, match="rows \\[1, 5\\) hold 248 bytes, the header says 249"):
+        DestinationTable.parse(slot, StridedHeader(1, 7, 0, 2, 1, 5, 249, 2, 3))
+    for bad, why in ((StridedHeader(1, 7, 0, 2, 4, 4, 10, 2, 3), "holding rows \\[4, 4\\)"),
+                     (StridedHeader(1, 7, 2, 2, 0, 1, 24, 2, 3), "chunk 2 of 2"),
+                     (StridedHeader(1, 7, 0, 2, 0, 7, 24, 2, 3), "rows \\[0, 7\\) of a 2 x 3 write"),
+                     (StridedHeader(1, 7, 0, 2, 0, 1, 1 << 16, 2, 3), "does not fit a 65536-byte slot"),
+                     (StridedHeader(1, 7, 0, 2, 0, 1, 24, 0, 3), "a strided write of 0 pairs")):
+        with pytest.raises(ProtocolError, match=why):
+            StridedHeader.parse(bad.pack(), 1 << 16)
+    with pytest.raises(ProtocolError, match="does not fit a 65536-byte slot"):
+        StridedHeader.parse(StridedHeader(1, 7, 0, 1, 0, 1, 24, 1, 1 << 14).pack(), 1 << 16)  # its table alone
+    with pytest.raises(ProtocolError, match="expected at least"):
+        StridedHeader.parse(slot[:40], slot.size)
+    with pytest.raises(ProtocolError, match="expected b'KVTSTR01'"):
+        StridedHeader.parse(np.concatenate([ChunkHeader(1, 7, 0, 2, 10).pack(), slot[64:128]]), slot.size)
+    with pytest.raises(ProtocolError, match="its table needs"):
+        DestinationTable.parse(slot[:200], head)
+    for field, value, why in (("offset", -8, "negative"), ("length", 0, "has length 0"), ("slot", -1, "negative")):
+        broken = DestinationTable(*(np.where(np.arange(a.size) == 0, value, a) if f == field else a
+                                    for f, a in zip(("region", "offset", "stride", "length", "slot"),
+                                                    (dest.region, dest.offset, dest.stride, dest.length, dest.slot))))
+        with pytest.raises(ProtocolError, match=why):
+            DestinationTable.parse(strided_slot(head, broken), head)
+    assert decode(encode(StridedChunk(1, 7, 0, 2, 1, b"n"))) == StridedChunk(1, 7, 0, 2, 1, b"n")
+
+
+def test_a_strided_table_is_checked_against_the_receivers_regions():
+    from types import SimpleNamespace
+
+    from transport.base import Region, RegionSizes
+
+    regions = {0: Region(0, 1 << 20, 4096), 1: Region(1, 1 << 21, 8192, device=0)}
+    table = SimpleNamespace(sizes=RegionSizes(regions), dev=np.array([-1, 0]))
+
+    def dest(region=0, offset=0, stride=64, length=64, slot=(0, 63)):
+        return DestinationTable(np.array([region]), np.array([offset]), np.array([stride]), np.array([length]),
+                                np.array(slot))
+
+    dest().check(table, None)  # slot 63 ends at byte 4096: inside
+    with pytest.raises(ValueError, match="batch pair 0: destination \\(this receiver\\) range \\[8, 4104\\) is "
+                                         "outside region 0 of 4096 bytes"):
+        dest(offset=8).check(table, None)
+    with pytest.raises(ValueError, match="region 5 is not registered"):
+        dest(region=5).check(table, None)
+    with pytest.raises(ProtocolError, match="not on the lane's memory \\(host\\)"):
+        dest(region=1).check(table, None)
+    with pytest.raises(ProtocolError, match="overflows int64"):
+        dest(stride=1 << 60, slot=(0, 1 << 10)).check(table, None)
+    dest(region=1, slot=(0, 127)).check(table, 0)
+
+
+def test_host_staging_gathers_and_scatters_strided_rows():
+    """Rows ``[begin, end)`` of a strided batch (a range that starts and ends inside pairs),
+    gathered into a slot back to back and scattered out again, against plain loops."""
+    from transport.nixl_staged.copy import HostStaging
+
+    rng = np.random.default_rng(15)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    addr = np.array([3, 100_000, 300_000, 600_000])  # [P] slot 0 of each pair, odd and aligned
+    stride, length = np.array([1024, 2048, 64, 0]), np.array([1000, 2048, 64, 8])
+    s_slot = rng.integers(0, 64, 20)  # duplicates: a row read twice
+    d_slot = rng.permutation(64)[:20]
+    d_addr = np.array([8, 200_000, 400_000, 700_000 + 3])
+    d_stride = np.array([1024, 2048, 64, 8])
+    staging = HostStaging(2, 1 << 20)
+    base = src.ctypes.data
+    rows = staging.strided_rows(base + addr, stride, length, s_slot)
+    begin, end, at = 13, 75, 256
+    staging.gather_strided(1, at, rows, begin, end)
+    p, s = np.divmod(np.arange(begin, end), 20)
+    packed = np.concatenate([src[addr[i] + s_slot[j] * stride[i]:][:length[i]] for i, j in zip(p, s)])
+    assert_same(staging.buf[(1 << 20) + at:][:packed.size], packed, "gathered strided rows")
+    staging.scatter_strided(1, at, staging.strided_rows(dst.ctypes.data + d_addr, d_stride, length, d_slot), begin,
+                            end)
+    want = np.zeros_like(dst)
+    for i, j in zip(p, s):
+        o = d_addr[i] + d_slot[j] * d_stride[i]
+        want[o:o + length[i]] = src[addr[i] + s_slot[j] * stride[i]:][:length[i]]
+    assert_same(dst, want, "scattered strided rows")
+
+
 def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
     from transport.nixl_staged.copy import HostStaging
 
@@ -467,6 +582,70 @@ def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
     assert_interpreted_ok(KERNEL_SCRIPT, "KERNEL STAGING OK")
 
 
+STRIDED_KERNEL_SCRIPT = """
+import numpy as np, torch
+from types import SimpleNamespace
+from transport.base import Region, RegionSizes
+from transport.nixl_staged.copy import KernelStaging
+from transport.nixl_staged.wire import DestinationTable, StridedHeader, strided_data_start
+rng = np.random.default_rng(16)
+src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
+s = src.numpy()
+addr, stride, length = np.array([0, 1024, 4003]), np.array([64, 128, 24]), np.array([64, 48, 24])
+s_slot, d_slot = np.array([3, 0, 3, 7, 1]), np.array([4, 0, 2, 7, 5])  # a duplicate source slot
+d_off, d_stride = np.array([0, 2048, 6001]), np.array([256, 64, 24])
+P, S = 3, 5
+staging = KernelStaging(2, 1 << 16, "cpu")
+rows = staging.strided_rows(src.data_ptr() + addr, stride, length, s_slot)
+at = strided_data_start(P, S)
+begin, end = 3, 12  # starts inside pair 0, ends inside pair 2
+staging.gather_strided(1, at, rows, begin, end)
+staging.ready()
+p, q = np.divmod(np.arange(begin, end), S)
+packed = np.concatenate([s[addr[i] + s_slot[j] * stride[i]:][:length[i]] for i, j in zip(p, q)])
+got = staging.buf.numpy()[(1 << 16) + at:][:packed.size]
+assert (got == packed).all(), "strided gather"
+# the receiver's step: header and destination table in the slot, checked, then one scatter
+pool = torch.zeros(8192, dtype=torch.uint8)
+table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
+                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+dest = DestinationTable(np.zeros(P, np.int64), d_off, d_stride, length, d_slot)
+header = StridedHeader(1, 2, 0, 1, begin, end, packed.size, P, S)
+staging.write_strided_head(1, header, staging.strided_table(dest.pack()))
+got, known = staging.land_strided(1, (1, 2, 0), 1, table, None)
+assert got == header
+want = np.zeros(8192, np.uint8)
+for i, j in zip(p, q):
+    o = d_off[i] + d_slot[j] * d_stride[i]
+    want[o:o + length[i]] = s[addr[i] + s_slot[j] * stride[i]:][:length[i]]
+assert (pool.numpy() == want).all(), "strided land"
+# a later chunk of the same write reuses the checked table: its header only
+pool.zero_()
+staging.write_strided_head(1, header, staging.strided_table(np.zeros(32 * P + 8 * S, np.uint8)))  # table wiped
+assert staging.land_strided(1, (1, 2, 0), 1, table, known)[1] is known
+assert (pool.numpy() == want).all(), "strided land from the kept table"
+bad = DestinationTable(np.zeros(P, np.int64), np.array([0, 2048, 8100]), d_stride, length, d_slot)
+staging.write_strided_head(1, StridedHeader(1, 3, 0, 1, begin, end, packed.size, P, S),
+                           staging.strided_table(bad.pack()))
+pool.zero_()
+try:
+    staging.land_strided(1, (1, 3, 0), 1, table, known)
+    raise AssertionError("a table that leaves its region landed")
+except ValueError as exc:
+    assert "batch pair 2: destination (this receiver) range [8100, 8292) is outside region 0" in str(exc), exc
+assert not pool.any(), "bytes of a refused chunk landed"
+print("STRIDED KERNEL STAGING OK")
+"""
+
+
+def test_kernel_staging_strided_gather_and_scatter_in_tritons_interpreter():
+    """The CUDA lane's strided copies (the NVLink strided kernel in its GATHER / SCATTER modes
+    over a row range that starts and ends inside pairs), the receiver's table check and its
+    reuse for a later chunk, on CPU tensors in Triton's interpreter."""
+    pytest.importorskip("triton")
+    assert_interpreted_ok(STRIDED_KERNEL_SCRIPT, "STRIDED KERNEL STAGING OK")
+
+
 CUDA_ENV = {"UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
 
 
@@ -493,5 +672,37 @@ def test_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver)
     tr.wait(120)
     want = reference([src.numpy()], dst_sizes, entries)
     assert rx.wait_notes(1) == [(note, sha(want))]
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_strided_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
+    """cuda:0 -> cuda:1 through ``write_strided``: the strided GATHER launch on cuda:0 (its
+    table uploaded once per write), one cuda_ipc write per slot, the strided SCATTER launch on
+    cuda:1 in the receiver, then its notification; the cases of the host test."""
+    import torch
+
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=1, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10))
+    torch.cuda.set_device(0)
+    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(17))
+    src_cuda = src.to("cuda:0")
+    torch.cuda.synchronize()
+    t = writer(env=CUDA_ENV, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10, slots=3, min_rows=64))
+    sid = t.register_tensor(src_cuda)
+    peer = t.connect(rx.export)
+    host = src.numpy()
+    want = [np.zeros(n, np.uint8) for n in dst_sizes]
+    whole = [(r, 0, n) for r, n in enumerate(dst_sizes)]
+    for i, (name, batch) in enumerate(strided_cases(np.random.default_rng(18), sid)):
+        note = _nixl_peer.payload(i, whole)
+        tr = peer.write_strided(batch, notify=note)
+        assert isinstance(tr, StridedStagedTransfer), name
+        tr.wait(120)
+        for sr, so, dr, do, n in entries(batch):
+            want[dr][do:do + n] = host[so:so + n]
+        assert rx.wait_notes(i + 1)[i] == (note, sha(want)), name
     for r in range(len(dst_sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
