@@ -641,9 +641,11 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
-    # True where write_strided expands the factored form on the device (NVLink). Elsewhere it
-    # coalesces on the host (the default below), and a caller that can build the flat form
-    # directly (a plan's merged runs) should hand that to write() instead.
+    # True where write_strided takes the factored form at least as well as write() takes its flat
+    # form: NVLink expands it on the device; NIXL with its staged mode on stages it with O(P + S)
+    # host work (else writes coalesced(), which has as many entries as a plan's merged runs).
+    # Where False, write_strided coalesces on the host (the default below), and a caller that can
+    # build the flat form directly (a plan's merged runs) should hand that to write() instead.
     expands_strided: bool = False
 
     @abc.abstractmethod

@@ -19,7 +19,11 @@ bytes have landed.
 Staged writes (:mod:`transport.nixl_staged`, ``NixlConfig.staged``): a batch of many small
 ranges (``StagedNixlConfig.wants``) is gathered into a registered staging lane and written as
 one NIXL write per slot; the receiver scatters it in ``poll_notifications()`` before it hands
-the write's notification over. Every other batch is the one request described here.
+the write's notification over. ``NixlPeer.write_strided`` stages a factored batch
+(``StridedBatch``, P buffer pairs x S slots) the same way with O(P + S) host work per write
+(``StagedNixlConfig.wants_strided``), else writes its coalesced form; with the staged mode on
+the peer says so (``expands_strided``), so kvtransfer hands it a plan's factored form. Every
+other batch is the one request described here.
 
 Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
 (``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
