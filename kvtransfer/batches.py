@@ -15,8 +15,8 @@ One request's bytes, from pool export to the remote pool::
     transfer.wait()
 
 :func:`plan_batch` is the middle step on its own: a :class:`~transport.base.StridedBatch`
-(buffer pairs x token slots, which the NVLink backend expands on the GPU and NIXL coalesces
-into runs) whenever the plan has that form, else (NSA's sectioned index pages) the plan's
+(buffer pairs x token slots, which the NVLink backend expands on the GPU and NIXL's staged mode
+stages with O(pairs + slots) host work; NIXL without it coalesces it into runs) whenever the plan has that form, else (NSA's sectioned index pages) the plan's
 flattened, merged :class:`~transport.base.WriteBatch`.
 """
 

@@ -379,11 +379,12 @@ class RegionSizes:
         return known
 
 
-def check_ranges(region, offset, length, table, side: str) -> None:
+def check_ranges(region, offset, length, table, side: str, what: str = "entry") -> None:
     """``ValueError`` naming the first range ``[offset, offset + length)`` (``[n]`` int64 each)
     outside its region of ``table`` (regions by id, or a :class:`RegionSizes`); ``side`` names
-    whose regions they are. What a receiver checks ranges a peer names with (the NIXL staged mode)."""
-    _check_side(region, offset, length, table, side)
+    whose regions they are, ``what`` an index ("entry", "pair"). What a receiver checks ranges a
+    peer names with (the NIXL staged mode)."""
+    _check_side(region, offset, length, table, side, what)
 
 
 SMALL_BATCH = 32  # up to this many entries, per-entry Python beats numpy's fixed cost per call (~2 µs vs ~20)
@@ -544,6 +545,23 @@ class StridedBatch:
         rest = self._subset(~whole, self.src_slot, self.dst_slot).expand()
         return WriteBatch(*(np.concatenate([getattr(merged, f), getattr(rest, f)]) for f in _BATCH_FIELDS))
 
+    def coalesced_shape(self) -> tuple[int, int]:
+        """``(entries, longest entry in bytes)`` of :meth:`coalesced`, in O(P + S) without
+        building it (what a backend decides a route by)."""
+        n = self.num_slots
+        if len(self) == 0:
+            return 0, 0
+        whole = (self.length == self.src_stride) & (self.length == self.dst_stride)  # [P]
+        runs, longest_run = n, 1
+        if n >= 2 and whole.any():
+            step = (np.diff(self.src_slot) == 1) & (np.diff(self.dst_slot) == 1)  # [S-1]
+            if step.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~step)))  # [R]
+                runs, longest_run = int(starts.size), int(np.diff(np.append(starts, n)).max())
+        merged, rest = self.length[whole], self.length[~whole]
+        longest = max(int(merged.max()) * longest_run if merged.size else 0, int(rest.max()) if rest.size else 0)
+        return int(merged.size) * runs + int(rest.size) * n, longest
+
     @property
     def pairs(self) -> tuple:
         """The seven ``[P]`` pair arrays in constructor order (``src_region`` .. ``length``):
@@ -623,9 +641,11 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
-    # True where write_strided expands the factored form on the device (NVLink). Elsewhere it
-    # coalesces on the host (the default below), and a caller that can build the flat form
-    # directly (a plan's merged runs) should hand that to write() instead.
+    # True where write_strided takes the factored form at least as well as write() takes its flat
+    # form: NVLink expands it on the device; NIXL with its staged mode on stages it with O(P + S)
+    # host work (else writes coalesced(), which has as many entries as a plan's merged runs).
+    # Where False, write_strided coalesces on the host (the default below), and a caller that can
+    # build the flat form directly (a plan's merged runs) should hand that to write() instead.
     expands_strided: bool = False
 
     @abc.abstractmethod

@@ -19,7 +19,11 @@ bytes have landed.
 Staged writes (:mod:`transport.nixl_staged`, ``NixlConfig.staged``): a batch of many small
 ranges (``StagedNixlConfig.wants``) is gathered into a registered staging lane and written as
 one NIXL write per slot; the receiver scatters it in ``poll_notifications()`` before it hands
-the write's notification over. Every other batch is the one request described here.
+the write's notification over. ``NixlPeer.write_strided`` stages a factored batch
+(``StridedBatch``, P buffer pairs x S slots) the same way with O(P + S) host work per write
+(``StagedNixlConfig.wants_strided``), else writes its coalesced form; with the staged mode on
+the peer says so (``expands_strided``), so kvtransfer hands it a plan's factored form. Every
+other batch is the one request described here.
 
 Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
 (``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
@@ -96,6 +100,7 @@ from transport.base import (
     RegionRevoked,
     RegionSizes,
     SMALL_BATCH,
+    StridedBatch,
     Transfer,
     TransferStatus,
     Transport,
@@ -110,7 +115,7 @@ from transport.revocation import wire as revoke_wire
 from transport.nixl_staged import wire as staged_wire
 from transport.nixl_staged.config import StagedNixlConfig
 from transport.nixl_staged.receiver import ReceiverLanes
-from transport.nixl_staged.sender import DeferredWrite, LaneState, SenderLane, StagedTransfer
+from transport.nixl_staged.sender import DeferredWrite, LaneState, SenderLane, StagedTransfer, StridedStagedTransfer
 from transport.registry import RegionRegistry
 
 __all__ = ["NixlConfig", "NixlTransport", "NixlPeer", "NixlTransfer"]
@@ -347,11 +352,53 @@ class NixlPeer(Peer):
         self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
         self._hold_seq = 0  # the Hold sent for this snapshot (transport.nixl_revoke): direct writes wait for its ack
 
+    @property
+    def expands_strided(self) -> bool:
+        """With the staged mode on, :meth:`write_strided` takes a plan's factored form with
+        O(P + S) host work where it goes staged, and otherwise writes its coalesced form, which
+        has as many entries as the plan's own merged runs (a plan's whole-row runs are exactly
+        ``coalesced()``'s): callers should hand it the StridedBatch."""
+        return self._transport.config.staged.enabled
+
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NixlTransfer:
         if self._closed:
             raise TransportClosed(f"peer {self.name!r} is {self._closed}")
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch, got {type(batch).__name__}")
+        notif = self._admit(batch, notify)
+        return notif if isinstance(notif, NixlTransfer) else self._route(batch, notif)
+
+    def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None):
+        """A factored write (:class:`~transport.base.StridedBatch`). Staged
+        (:class:`~transport.nixl_staged.sender.StridedStagedTransfer`, host work O(P + S) per
+        write) when ``StagedNixlConfig.wants_strided`` takes it, each side is on one memory and
+        its destination table fits the lane's slots (``wire.strided_fits``); otherwise its
+        coalesced form as :meth:`write` writes it. Bounds (O(P + S)) and revocation are checked
+        here either way."""
+        if self._closed:
+            raise TransportClosed(f"peer {self.name!r} is {self._closed}")
+        if not isinstance(batch, StridedBatch):
+            raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
+        notif = self._admit(batch, notify)
+        if isinstance(notif, NixlTransfer):
+            return notif
+        transport = self._transport
+        cfg = transport.config.staged
+        lane = transport._lanes.get(self.name)
+        if cfg.wants_strided(batch):
+            kinds = self._kinds(batch)
+            if kinds is not None and (lane is None or (lane.matches(*kinds) and lane.state is not LaneState.REFUSED)):
+                slot_bytes = lane.slot_bytes if lane is not None else cfg.slot_bytes_for(kinds[1])
+                if staged_wire.strided_fits(batch.num_pairs, batch.num_slots, int(batch.length.max()), slot_bytes):
+                    lane = lane or transport._open_lane(self, *kinds)
+                    src_addr = transport._table().ptr[batch.src_region].astype(np.int64) + batch.src_offset  # [P]
+                    return self._queued(lane, StridedStagedTransfer(self, batch, notif, src_addr, lane.slot_bytes))
+        return self._route(batch.coalesced(), notif)
+
+    def _admit(self, batch, notify: Optional[bytes]):
+        """The checks every write passes before it is routed: ``notify`` (its bytes returned),
+        the batch's bounds against both region tables, revoked regions; a FAILED transfer for a
+        peer lost earlier."""
         if notify is not None and (not isinstance(notify, (bytes, bytearray)) or not notify):
             raise TypeError(f"notify must be non-empty bytes or None, got {notify!r:.60}")
         transport = self._transport
@@ -370,6 +417,11 @@ class NixlPeer(Peer):
             raise ValueError(f"notify must not start with {staged_wire.MAGIC!r} (reserved for staged writes)")
         if notif.startswith(revoke_wire.MAGIC):
             raise ValueError(f"notify must not start with {revoke_wire.MAGIC!r} (reserved for revocation)")
+        return notif
+
+    def _route(self, batch: WriteBatch, notif: bytes):
+        """A checked flat batch: staged, queued behind a staged write, or direct."""
+        transport = self._transport
         lane = transport._lanes.get(self.name)
         if len(batch) and transport.config.staged.wants(batch):
             kinds = self._kinds(batch)
@@ -390,8 +442,9 @@ class NixlPeer(Peer):
         self._pending.add(job)
         return lane.submit(job)
 
-    def _kinds(self, batch: WriteBatch) -> Optional[tuple[Optional[int], Optional[int]]]:
-        """(source device, destination device) (None: host) when each side is on one memory, else None."""
+    def _kinds(self, batch) -> Optional[tuple[Optional[int], Optional[int]]]:
+        """(source device, destination device) (None: host) when each side of a batch (flat or
+        strided: its region arrays) is on one memory, else None."""
         kinds = []
         for table, region in ((self._transport._table(), batch.src_region), (self._table, batch.dst_region)):
             dev = table.dev[region]  # [n]

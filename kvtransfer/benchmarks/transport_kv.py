@@ -6,8 +6,11 @@ The request is planned by the real planner (``plan_kv_transfer`` over two MHA
 region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer bench transport``
 (one destination region, digests on request) serves unchanged. In one run, alternating:
 
-- *staged*: the batch through a transport with the staged mode on (``transport.nixl_staged``);
-- *direct*: the same batch through a transport with it off (one NIXL request of all ranges);
+- *staged*: the request as kvtransfer writes it to a NIXL peer with the staged mode on: the
+  plan's :class:`~transport.base.StridedBatch` (``plan_batch``) through ``write_strided``
+  (``transport.nixl_staged``: strided staged writes, O(P + S) host work per write);
+- *direct*: the plan's flat batch through a transport with the staged mode off (one NIXL
+  request of all ranges);
 - *blocks*: the batch's byte count as ``--block`` blocks (default 256 KiB; 64 MiB with
   ``--cuda``) to a permutation of destination blocks: NIXL's rate for large ranges.
 
@@ -15,10 +18,12 @@ Requests: the CPU default is the demo's (16 layers, 8 x 128 bf16, 2,048 tokens, 
 pages 16 -> 64: 1 KiB head-slice rows, 64 MiB from prefill rank 0). ``--cuda`` runs the
 80-layer / 8 x 128 bf16 / 16,384-token request twice, cuda:0 -> cuda:1: page 1 (whole 2 KiB
 token rows, TP 1 -> 1) and as 256 B head slices (TP 8 -> 1, prefill rank 0's head), and adds
-the NVLink engine on the same batch.
+the NVLink engine on the same StridedBatch (``write_strided``, as kvtransfer writes to it).
 
-Every path's bytes are checked once (the receiver's digest against a numpy reference built row
-by row here) before the timed rounds.
+Every path's bytes are checked once (the receiver's digest against a numpy reference of the
+plan's flat ranges, built here) before the timed rounds. Beside the rates: the staged sender's
+``write_strided()`` call time (median; its checks, chunk cuts and table uploads, and the
+gathers of the first slots' chunks, which it posts before it returns).
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from __future__ import annotations
 import hashlib
 import os
 import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtransfer._procs import Child
 from kvtransfer.benchmarks._report import time_once
-from transport.base import WriteBatch
+from transport.base import StridedBatch, WriteBatch
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -64,6 +70,7 @@ class KvBatch:
     src_offset: np.ndarray  # [n]
     dst_offset: np.ndarray  # [n]
     length: np.ndarray  # [n]
+    strided: object = None  # plan_batch's StridedBatch over these regions (region 0 on each side), or None
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +80,15 @@ class KvBatch:
         n = self.length.size
         return WriteBatch.of(np.full(n, src_region), self.src_offset, np.full(n, dst_region), self.dst_offset,
                              self.length)
+
+    def strided_batch(self, src_region: int, dst_region: int):
+        """The request as kvtransfer writes it: the plan's StridedBatch (None: the flat batch)."""
+        if self.strided is None:
+            return None
+        sb = self.strided
+        return StridedBatch(np.full(sb.num_pairs, src_region), sb.src_offset, sb.src_stride,
+                            np.full(sb.num_pairs, dst_region), sb.dst_offset, sb.dst_stride, sb.length,
+                            sb.src_slot, sb.dst_slot)
 
     def apply(self, src: np.ndarray, dst: np.ndarray) -> None:
         """The reference: the rows copied in plain numpy (rows of one length at multiples of it
@@ -98,6 +114,7 @@ def _scattered_slots(rng, page: int, tokens: int) -> tuple[np.ndarray, int]:
 
 def plan_request(req: KvRequest, seed: int = 0) -> KvBatch:
     """The request planned by ``plan_kv_transfer``, prefill rank 0 -> decode rank 0."""
+    from kvtransfer.batches import BufferRegions, plan_batch
     from kvtransfer.layout import PoolKind, RankLayout
     from kvtransfer.plan import plan_kv_transfer
 
@@ -115,8 +132,15 @@ def plan_request(req: KvRequest, seed: int = 0) -> KvBatch:
     dst_row = 2 * req.head_dim * req.heads // min(req.decode_tp, req.heads)
     src_buf, dst_buf = src_num * src_row, dst_num * dst_row  # bytes per buffer
     buffers = 2 * req.layers
+    numbers = BufferRegions.of(range(buffers))  # region id = buffer number: rebased into one region below
+    sb = plan_batch(plan, numbers, numbers)
+    strided = None
+    if isinstance(sb, StridedBatch):  # buffer b lies at b * buffer bytes of the one region on each side
+        strided = StridedBatch(sb.src_region, sb.src_region * src_buf + sb.src_offset, sb.src_stride, sb.dst_region,
+                               sb.dst_region * dst_buf + sb.dst_offset, sb.dst_stride, sb.length, sb.src_slot,
+                               sb.dst_slot)
     return KvBatch(buffers * src_buf, buffers * dst_buf, s_buf * src_buf + s_off, d_buf * dst_buf + d_off,
-                   np.asarray(length, dtype=np.int64))
+                   np.asarray(length, dtype=np.int64), strided)
 
 
 def _median_gbps(nbytes: int, times: list) -> float:
@@ -133,7 +157,8 @@ def run_kv(args, tools) -> list[dict]:
     rows = []
     for req in requests:
         kv = plan_request(req)
-        print(f"{req.name}: {kv.length.size:,} ranges, {kv.nbytes / MiB:.1f} MiB, "
+        shape = f", {kv.strided.num_pairs} pairs x {kv.strided.num_slots:,} slots" if kv.strided is not None else ""
+        print(f"{req.name}: {kv.length.size:,} ranges{shape}, {kv.nbytes / MiB:.1f} MiB, "
               f"{int(kv.length[0])} B rows", flush=True)
         if args.cuda:
             import torch
@@ -142,7 +167,7 @@ def run_kv(args, tools) -> list[dict]:
             src = torch.randint(0, 256, (kv.src_bytes,), dtype=torch.uint8, device="cuda:0")  # [src_bytes]
             torch.cuda.synchronize()
             src_ptr, device, host_src = src.data_ptr(), 0, src.cpu().numpy()
-            staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 64 * MiB, slots=args.slots)
+            staged = StagedNixlConfig(cuda_slot_bytes=args.slot_bytes or 64 * MiB, slots=args.slots)
         else:
             src = np.random.default_rng(1).integers(0, 256, kv.src_bytes, dtype=np.uint8)  # [src_bytes]
             src_ptr, device, host_src = src.ctypes.data, None, src
@@ -152,31 +177,38 @@ def run_kv(args, tools) -> list[dict]:
                                name="receiver")
         try:
             peer_bytes = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
-            paths = {}
+            paths, sids = {}, {}
             for name, cfg in (("staged", staged), ("direct", StagedNixlConfig(enabled=False))):
                 t = NixlTransport(NixlConfig(progress_thread=args.progress_thread, staged=cfg))
                 sid = t.register(src_ptr, kv.src_bytes, device)
                 peer = t.connect(peer_bytes)
                 (dst,) = peer.regions.values()
-                paths[name] = (t, peer, kv.batch(sid, dst.region_id))
+                paths[name], sids[name] = (t, peer, kv.batch(sid, dst.region_id)), sid
             n_blocks = kv.nbytes // args.block
             blocks = np.arange(n_blocks, dtype=np.int64) * args.block  # [n_blocks]
             block_batch = WriteBatch.of(np.full(n_blocks, sid), blocks, np.full(n_blocks, dst.region_id),
                                         np.random.default_rng(2).permutation(blocks), np.full(n_blocks, args.block))
             paths["blocks"] = (t, peer, block_batch)  # through the direct transport (so are a few large ranges)
-            writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
-            _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
             staged_t, staged_peer, _ = paths["staged"]
+            staged_batch = kv.strided_batch(sids["staged"], dst.region_id)
+            calls: list = []  # seconds each staged write_strided() call took (the sender's host time before wait)
+            writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
+            if staged_batch is not None:
+                writes["staged"] = lambda: _timed_call(staged_peer, staged_batch, calls).wait(600)
+            _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
             lane = staged_t._lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
                 raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
             times = {name: [] for name in writes}
+            calls.clear()
             for _ in range(args.iters):  # alternate so all paths see the same background load
                 for name, fn in writes.items():
                     times[name].append(time_once(fn))
             row = {"request": req.name, "ranges": int(kv.length.size), "nbytes": kv.nbytes,
                    **{f"{name}_gbps": _median_gbps(kv.nbytes if name != "blocks" else n_blocks * args.block, ts)
                       for name, ts in times.items()}}
+            if calls:
+                row["staged_call_ms"] = 1e3 * statistics.median(calls)
             if args.cuda:
                 row["nvlink_gbps"] = _nvlink_gbps(kv, src, args.iters)
             rows.append(row)
@@ -203,6 +235,14 @@ def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dic
             raise RuntimeError(f"{name}: destination bytes differ from the reference")
 
 
+def _timed_call(peer, batch, calls: list):
+    """``peer.write_strided(batch)``, its call time appended to ``calls``; the transfer."""
+    start = time.perf_counter()
+    tr = peer.write_strided(batch, notify=b"kv")
+    calls.append(time.perf_counter() - start)
+    return tr
+
+
 def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
     """The NVLink engine on the same batch: this process's cuda:0 into a receiver on cuda:1."""
     from transport.nvlink import NvlinkTransport
@@ -214,9 +254,11 @@ def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
         with NvlinkTransport() as t:
             sid = t.register_tensor(src)
             peer = t.connect(remote.export()["nvlink"])
-            batch = kv.batch(sid, dst_rid)
-            peer.write(batch).wait(600)
-            times = [time_once(lambda: peer.write(batch).wait(600)) for _ in range(iters)]
+            batch = kv.strided_batch(sid, dst_rid)  # as kvtransfer writes to an NVLink peer
+            write = (lambda: peer.write_strided(batch).wait(600)) if batch is not None else \
+                (lambda: peer.write(kv.batch(sid, dst_rid)).wait(600))
+            write()
+            times = [time_once(write) for _ in range(iters)]
     finally:
         remote.close()
     return _median_gbps(kv.nbytes, times)
@@ -228,6 +270,8 @@ def _format(row: dict, block: int) -> str:
     line = (f"  staged NIXL {row['staged_gbps']:7.2f} GB/s   direct NIXL {row['direct_gbps']:7.2f} GB/s   "
             f"NIXL {block // KiB} KiB blocks {row['blocks_gbps']:7.2f} GB/s   staged / blocks "
             f"{100 * row['staged_gbps'] / row['blocks_gbps']:5.1f} %   data ok")
+    if "staged_call_ms" in row:
+        line += f"   staged write_strided() call {row['staged_call_ms']:.1f} ms"
     if "nvlink_gbps" in row:
         line += f"   NVLink engine {row['nvlink_gbps']:7.2f} GB/s"
     return line

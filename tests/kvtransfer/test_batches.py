@@ -139,3 +139,55 @@ def test_register_maps_export_order_and_undoes_a_failure():
     with pytest.raises(ValueError, match="bad pointer 300"):
         BufferRegions.register(bad, ([100, 200], [8, 8], [4, 4]), ([300], [16], [16]))
     assert bad.live == {}
+
+
+def test_a_kv_plan_written_as_the_control_plane_writes_it_lands_byte_for_byte(monkeypatch):
+    """The control plane's road to a NIXL peer with the staged mode on: ``plan_batch(...,
+    strided=peer.expands_strided)`` gives the StridedBatch, ``write_batch`` sends it through
+    ``write_strided`` (a strided staged write), and the decode rank's buffers (a receiver
+    process over loopback NIXL) hold the plan's bytes, as its flat ranges say, when its
+    notification arrives."""
+    from transport._nixl_import import load_nixl_api
+
+    try:
+        load_nixl_api()
+    except ImportError as exc:  # NIXL is an optional extra
+        pytest.skip(f"NIXL is not installed: {exc}")
+    from kvtransfer.batches import write_batch
+    from tests.transport._nixl_peer import LOOPBACK_ENV, payload
+    from tests.transport._support import Receiver, assert_same
+    from transport.nixl import NixlConfig, NixlTransport
+    from transport.nixl_staged import StagedNixlConfig
+    from transport.nixl_staged.sender import StridedStagedTransfer
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    rng = np.random.default_rng(31)
+    common = dict(layer_ids=range(2), dtype="bfloat16", head_dim=16, total_heads=8, num_slots=512)
+    src = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=1, **common)  # 128 B rows
+    dst = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=1, page_size=4, **common)  # 256 B rows
+    plan = plan_kv_transfer(src, dst, rng.permutation(np.arange(1, 512))[:300], rng.permutation(np.arange(4, 512))[:300])
+    src_bytes, dst_bytes = 512 * 128, 512 * 256  # per buffer
+    staged = StagedNixlConfig(slot_bytes=1 << 16, slots=3, min_rows=64)
+    rx = Receiver([dst_bytes] * 4, staged=staged)
+    t = NixlTransport(NixlConfig(staged=staged))
+    try:
+        pools = [rng.integers(0, 256, src_bytes, dtype=np.uint8) for _ in range(4)]
+        s_map = BufferRegions.of([t.register(p.ctypes.data, p.nbytes) for p in pools])
+        peer = t.connect(rx.export)
+        assert peer.expands_strided
+        batch = plan_batch(plan, s_map, BufferRegions.of(range(4)), strided=peer.expands_strided)
+        assert isinstance(batch, StridedBatch)
+        note = payload(1, [(r, 0, dst_bytes) for r in range(4)])
+        tr = write_batch(peer, batch, note)
+        assert isinstance(tr, StridedStagedTransfer)
+        tr.wait(60)
+        want = [np.zeros(dst_bytes, np.uint8) for _ in range(4)]
+        for sb, so, db, do, n in zip(*(a.tolist() for a in plan.flatten())):
+            want[db][do:do + n] = pools[sb][so:so + n]
+        assert [n for n, _ in rx.wait_notes(1)] == [note]
+        for r in range(4):
+            assert_same(rx.dump(r), want[r], f"decode buffer {r}")
+    finally:
+        t.close()
+        rx.stop()

@@ -23,13 +23,16 @@ except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
 from tests.transport import _nixl_peer  # noqa: E402
-from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained  # noqa: E402
+from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained, entries  # noqa: E402
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
-from transport.base import RegionRevoked, TransferFailed, TransferStatus, TransportError, WriteBatch  # noqa: E402
+from transport.base import (  # noqa: E402
+    RegionRevoked, StridedBatch, TransferFailed, TransferStatus, TransportError, WriteBatch)
 from transport.nixl_staged import StagedNixlConfig  # noqa: E402
-from transport.nixl_staged.sender import DeferredWrite, LaneState, StagedTransfer, chunk_bounds  # noqa: E402
+from transport.nixl_staged.sender import (  # noqa: E402
+    DeferredWrite, LaneState, StagedTransfer, StridedStagedTransfer, chunk_bounds, strided_bounds)
 from transport.nixl_staged.wire import (  # noqa: E402
-    MAGIC, Chunk, ChunkHeader, ProtocolError, data_start, decode, encode)
+    MAGIC, Chunk, ChunkHeader, DestinationTable, ProtocolError, StridedChunk, StridedHeader, data_start, decode,
+    encode, strided_data_start)
 
 MiB = 1 << 20
 SMALL = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64)
@@ -103,6 +106,76 @@ def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
     assert rx.wait_notes(3) == [(note, sha([w])) for note, w in zip(notes, want)]
 
 
+TOKEN = 2048  # bytes of one token row of a K or V buffer: 8 heads x 128 x bf16
+
+
+def strided_cases(rng, sid):
+    """Strided batches as a KV request makes them, from one 8 MiB source region into destination
+    regions 0 (8 MiB) and 1 (4 MiB): (name, batch)."""
+    layers2 = 8  # K and V of 4 layers: one buffer of 512 token slots per MiB
+    buffers = np.arange(layers2, dtype=np.int64) * MiB
+    s_slots, d_slots = rng.permutation(np.arange(1, 512))[:300], rng.permutation(np.arange(1, 512))[:300]
+    # MHA at page 1, TP 1 -> 1: a pair per buffer, whole 2 KiB token rows
+    page1 = StridedBatch.of(sid, buffers, TOKEN, 0, buffers, TOKEN, TOKEN, s_slots, d_slots)
+    # TP 8 -> 1: prefill rank 3 holds head 3 (256 B rows, its pool's token stride); decode
+    # buffers hold all 8 heads, head 3 at 768 B into each 2 KiB row
+    heads = StridedBatch.of(sid, buffers // 8, 256, 0, buffers + 3 * 256, TOKEN, 256, s_slots, d_slots)
+    # pairs of odd lengths, one of them 800 KB (it spans many 64 KiB slots); duplicate and
+    # unordered source slots, unordered destination slots
+    odd = StridedBatch.of(sid, np.array([3, MiB + 5, 2 * MiB + 7]), 4096, 1, np.array([5, MiB + 13, 2 * MiB + 7]),
+                          4096, np.array([24, 1000, 4096]), rng.integers(0, 256, 200), rng.permutation(256)[:200])
+    return [("MHA page 1", page1), ("TP 8 -> 1 head slices", heads), ("odd pairs across chunks", odd)]
+
+
+def test_strided_writes_land_byte_for_byte_before_their_notification(writer, receiver):
+    """StridedBatches through ``write_strided`` go staged (O(P + S) per write), each slot
+    carrying the write's destination table; every byte as an entry-by-entry reference says,
+    before the write's notification; a flat staged write on the same lane still works after."""
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(21)
+    want = [np.zeros(n, np.uint8) for n in dst_sizes]
+    whole = [(r, 0, n) for r, n in enumerate(dst_sizes)]
+    for i, (name, batch) in enumerate(strided_cases(rng, sid)):
+        note = _nixl_peer.payload(i, whole)
+        tr = peer.write_strided(batch, notify=note)
+        assert isinstance(tr, StridedStagedTransfer), name
+        assert tr.num_chunks > SMALL.slots, name  # the slots rotate
+        tr.wait(60)
+        for sr, so, dr, do, n in entries(batch):
+            want[dr][do:do + n] = src[so:so + n]
+        assert rx.wait_notes(i + 1)[i] == (note, sha(want)), f"{name}: the notification came before the scatter"
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"destination region {r}")
+    flat = small_rows(rng, 300, src.size, [8 * MiB])
+    note = _nixl_peer.payload(9, [(0, 0, 8 * MiB)])
+    peer.write(wb(sid, *flat[1:]), notify=note).wait(60)
+    for so, do, n in zip(flat[1], flat[3], flat[4]):
+        want[0][do:do + n] = src[so:so + n]
+    assert rx.wait_notes(4)[3] == (note, sha([want[0]]))
+    assert len(t._lanes) == 1 and t._lanes[peer.name].state is LaneState.READY
+
+
+def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver):
+    """Whole-page runs (the coalesced form has 32 KiB ranges) and too few rows go as
+    ``write(batch.coalesced())`` would: direct, the same bytes."""
+    dst_sizes = [8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    pages = StridedBatch.of(sid, 0, TOKEN, 0, 0, TOKEN, TOKEN, np.arange(16, 16 + 64 * 16),
+                            (np.random.default_rng(22).permutation(np.arange(1, 128))[:64, None] * 16
+                             + np.arange(16)).ravel())
+    few = StridedBatch.of(sid, 4 * MiB, TOKEN, 0, 4 * MiB, TOKEN, TOKEN, np.arange(0, 40, 2), np.arange(0, 40, 2))
+    want = np.zeros(8 * MiB, np.uint8)
+    for i, batch in enumerate((pages, few)):
+        tr = peer.write_strided(batch, notify=_nixl_peer.payload(i, [(0, 0, 8 * MiB)]))
+        assert not isinstance(tr, (StagedTransfer, StridedStagedTransfer, DeferredWrite))
+        tr.wait(30)
+        for sr, so, dr, do, n in entries(batch):
+            want[do:do + n] = src[so:so + n]
+        assert rx.wait_notes(i + 1)[i][1] == sha([want])
+    assert not t._lanes
+
+
 def test_batches_outside_the_rule_go_direct(writer, receiver):
     rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB])
     few = peer.write(wb(sid, np.arange(10) * 4096, 0, np.arange(10) * 4096, 4096))
@@ -149,6 +222,16 @@ def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receive
                                              r"receiver\) region 1 is not registered"):
         stale.wait(60)
     assert_same(rx.dump(0), reference([src], [4 * MiB], entries)[0], "region 0 after the refused write")
+    # a strided write's destination table names the region too: refused by the receiver's check
+    # of the table (its first chunk), nothing of the write lands (pair 1 is region 0's)
+    strided = StridedBatch.of(sid, [0, 4096], 8192, [1, 0], [0, 4096], 8192, 4096, np.arange(256),
+                              np.random.default_rng(5).permutation(256))
+    stale = peer.write_strided(strided, notify=never)
+    assert isinstance(stale, StridedStagedTransfer)
+    with pytest.raises(TransferFailed, match=r"refused chunk \d+: batch pair 0: destination \(this "
+                                             r"receiver\) region 1 is not registered"):
+        stale.wait(60)
+    assert_same(rx.dump(0), reference([src], [4 * MiB], entries)[0], "region 0 after the refused strided write")
     after = _nixl_peer.payload(2, [])
     peer.write(wb(sid, *entries[1:]), notify=after).wait(60)  # the lane still works
     assert [n for n, _ in rx.wait_notes(1)] == [after]
@@ -163,9 +246,10 @@ def test_reserved_payloads_are_refused(writer, receiver):
 # -- failures ------------------------------------------------------------------------------------
 
 
-def stalled_staged(writer, receiver, nbytes, seed, **config):
+def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     """tcp only, the lane open and warm; then the receiver is stopped and a staged write of
-    ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight)."""
+    ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight): flat, or
+    (``strided``) as one pair of 4 KiB rows x slots through ``write_strided``."""
     rx, t, src, sid, peer = staged_pair(writer, receiver, [nbytes], src_bytes=nbytes, seed=seed, env=TCP_ONLY,
                                         staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=4), **config)
     n = nbytes // 4096
@@ -173,13 +257,21 @@ def stalled_staged(writer, receiver, nbytes, seed, **config):
     offs = np.arange(n, dtype=np.int64) * 4096
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
     os.kill(rx.proc.pid, signal.SIGSTOP)
-    tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
-    assert isinstance(tr, StagedTransfer) and tr.status() is TransferStatus.PENDING and tr.posted >= 1
+    if strided:
+        tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, np.arange(n), rng.permutation(n)))
+    else:
+        tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
+    kind = StridedStagedTransfer if strided else StagedTransfer
+    assert isinstance(tr, kind) and tr.status() is TransferStatus.PENDING and tr.posted >= 1
     return rx, t, src, sid, peer, tr
 
 
-def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0)
+STRIDED_OR_FLAT = pytest.mark.parametrize("strided", [False, True], ids=["flat", "strided"])
+
+
+@STRIDED_OR_FLAT
+def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0, strided=strided)
     resume = resumed_later(rx, 0.3)
     start = time.monotonic()
     tr.abort()
@@ -198,8 +290,9 @@ def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, re
     assert_same(rx.dump(0), fresh, "destination after a staged rewrite")
 
 
-def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0)
+@STRIDED_OR_FLAT
+def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0, strided=strided)
     start = time.monotonic()
     with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
         tr.wait(30)
@@ -238,8 +331,9 @@ def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline
     assert_same(rx.dump(0), src, "destination after reconnecting")
 
 
-def test_a_killed_receiver_fails_the_staged_write(writer, receiver):
-    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0)
+@STRIDED_OR_FLAT
+def test_a_killed_receiver_fails_the_staged_write(writer, receiver, strided):
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0, strided=strided)
     os.kill(rx.proc.pid, signal.SIGKILL)
     start = time.monotonic()
     rx.proc.join(5)
@@ -292,6 +386,121 @@ def test_messages_and_headers_round_trip_and_refuse_garbage():
     slot[0] = 0
     with pytest.raises(ProtocolError, match="expected b'KVTSTG01'"):
         ChunkHeader.parse(slot, slot.size)
+
+
+def test_strided_chunks_fit_their_slots_and_cover_every_row():
+    rng = np.random.default_rng(14)
+    for slots in (1, 7, 300):
+        length = rng.integers(1, 4097, 9)
+        room = 1 << 16
+        bounds = strided_bounds(length, slots, room)
+        assert bounds[0] == 0 and bounds[-1] == length.size * slots and (np.diff(bounds) > 0).all()
+        row_len = np.repeat(length, slots)  # [P * S] pair-major rows
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            assert int(row_len[a:b].sum()) <= room
+            assert b == row_len.size or int(row_len[a:b + 1].sum()) > room  # each chunk is full
+    with pytest.raises(ValueError, match="a row of 70000 bytes does not fit a chunk of 65536 bytes"):
+        strided_bounds(np.array([70000]), 2, 1 << 16)
+
+
+def strided_slot(header: StridedHeader, dest: DestinationTable, size=1 << 16) -> np.ndarray:
+    slot = np.zeros(size, np.uint8)
+    slot[:128] = header.pack()
+    table = dest.pack()
+    slot[128:128 + table.size] = table
+    return slot
+
+
+def test_strided_headers_and_tables_round_trip_and_refuse_garbage():
+    dest = DestinationTable(np.array([0, 1]), np.array([8, 0]), np.array([64, 100]), np.array([24, 100]),
+                            np.array([3, 0, 2]))
+    head = StridedHeader(1, 7, 0, 2, 1, 5, 24 * 2 + 100 * 2, 2, 3)  # rows 1..4: two of 24 B, two of 100 B
+    slot = strided_slot(head, dest)
+    assert StridedHeader.parse(slot, slot.size) == head and head.data_start == strided_data_start(2, 3) == 256
+    got = DestinationTable.parse(slot, head)
+    assert [a.tolist() for a in (got.region, got.offset, got.stride, got.length, got.slot)] == [
+        [0, 1], [8, 0], [64, 100], [24, 100], [3, 0, 2]]
+    assert (got.offset_of(1), got.offset_of(3), got.offset_of(6)) == (24, 72, 372)
+    with pytest.raises(ProtocolError, match="rows \\[1, 5\\) hold 248 bytes, the header says 249"):
+        DestinationTable.parse(slot, StridedHeader(1, 7, 0, 2, 1, 5, 249, 2, 3))
+    for bad, why in ((StridedHeader(1, 7, 0, 2, 4, 4, 10, 2, 3), "holding rows \\[4, 4\\)"),
+                     (StridedHeader(1, 7, 2, 2, 0, 1, 24, 2, 3), "chunk 2 of 2"),
+                     (StridedHeader(1, 7, 0, 2, 0, 7, 24, 2, 3), "rows \\[0, 7\\) of a 2 x 3 write"),
+                     (StridedHeader(1, 7, 0, 2, 0, 1, 1 << 16, 2, 3), "does not fit a 65536-byte slot"),
+                     (StridedHeader(1, 7, 0, 2, 0, 1, 24, 0, 3), "a strided write of 0 pairs")):
+        with pytest.raises(ProtocolError, match=why):
+            StridedHeader.parse(bad.pack(), 1 << 16)
+    with pytest.raises(ProtocolError, match="does not fit a 65536-byte slot"):
+        StridedHeader.parse(StridedHeader(1, 7, 0, 1, 0, 1, 24, 1, 1 << 14).pack(), 1 << 16)  # its table alone
+    with pytest.raises(ProtocolError, match="expected at least"):
+        StridedHeader.parse(slot[:40], slot.size)
+    with pytest.raises(ProtocolError, match="expected b'KVTSTR01'"):
+        StridedHeader.parse(np.concatenate([ChunkHeader(1, 7, 0, 2, 10).pack(), slot[64:128]]), slot.size)
+    with pytest.raises(ProtocolError, match="its table needs"):
+        DestinationTable.parse(slot[:200], head)
+    for field, value, why in (("offset", -8, "negative"), ("length", 0, "has length 0"), ("slot", -1, "negative")):
+        broken = DestinationTable(*(np.where(np.arange(a.size) == 0, value, a) if f == field else a
+                                    for f, a in zip(("region", "offset", "stride", "length", "slot"),
+                                                    (dest.region, dest.offset, dest.stride, dest.length, dest.slot))))
+        with pytest.raises(ProtocolError, match=why):
+            DestinationTable.parse(strided_slot(head, broken), head)
+    assert decode(encode(StridedChunk(1, 7, 0, 2, 1, b"n"))) == StridedChunk(1, 7, 0, 2, 1, b"n")
+
+
+def test_a_strided_table_is_checked_against_the_receivers_regions():
+    from types import SimpleNamespace
+
+    from transport.base import Region, RegionSizes
+
+    regions = {0: Region(0, 1 << 20, 4096), 1: Region(1, 1 << 21, 8192, device=0)}
+    table = SimpleNamespace(sizes=RegionSizes(regions), dev=np.array([-1, 0]))
+
+    def dest(region=0, offset=0, stride=64, length=64, slot=(0, 63)):
+        return DestinationTable(np.array([region]), np.array([offset]), np.array([stride]), np.array([length]),
+                                np.array(slot))
+
+    dest().check(table, None)  # slot 63 ends at byte 4096: inside
+    with pytest.raises(ValueError, match="batch pair 0: destination \\(this receiver\\) range \\[8, 4104\\) is "
+                                         "outside region 0 of 4096 bytes"):
+        dest(offset=8).check(table, None)
+    with pytest.raises(ValueError, match="region 5 is not registered"):
+        dest(region=5).check(table, None)
+    with pytest.raises(ProtocolError, match="not on the lane's memory \\(host\\)"):
+        dest(region=1).check(table, None)
+    with pytest.raises(ProtocolError, match="overflows int64"):
+        dest(stride=1 << 60, slot=(0, 1 << 10)).check(table, None)
+    dest(region=1, slot=(0, 127)).check(table, 0)
+
+
+def test_host_staging_gathers_and_scatters_strided_rows():
+    """Rows ``[begin, end)`` of a strided batch (a range that starts and ends inside pairs),
+    gathered into a slot back to back and scattered out again, against plain loops."""
+    from transport.nixl_staged.copy import HostStaging
+
+    rng = np.random.default_rng(15)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, np.uint8)
+    addr = np.array([3, 100_000, 300_000, 600_000])  # [P] slot 0 of each pair, odd and aligned
+    stride, length = np.array([1024, 2048, 64, 0]), np.array([1000, 2048, 64, 8])
+    s_slot = rng.integers(0, 64, 20)  # duplicates: a row read twice
+    d_slot = rng.permutation(64)[:20]
+    d_addr = np.array([8, 200_000, 400_000, 700_000 + 3])
+    d_stride = np.array([1024, 2048, 64, 8])
+    staging = HostStaging(2, 1 << 20)
+    base = src.ctypes.data
+    rows = staging.strided_rows(base + addr, stride, length, s_slot)
+    begin, end, at = 13, 75, 256
+    staging.gather_strided(1, at, rows, begin, end)
+    p, s = np.divmod(np.arange(begin, end), 20)
+    packed = np.concatenate([src[addr[i] + s_slot[j] * stride[i]:][:length[i]] for i, j in zip(p, s)])
+    assert_same(staging.buf[(1 << 20) + at:][:packed.size], packed, "gathered strided rows")
+    staging.scatter_strided(1, at, staging.strided_rows(dst.ctypes.data + d_addr, d_stride, length, d_slot), begin,
+                            end)
+    want = np.zeros_like(dst)
+    for i, j in zip(p, s):
+        o = d_addr[i] + d_slot[j] * d_stride[i]
+        want[o:o + length[i]] = src[addr[i] + s_slot[j] * stride[i]:][:length[i]]
+    assert_same(dst, want, "scattered strided rows")
 
 
 def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
@@ -373,6 +582,70 @@ def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
     assert_interpreted_ok(KERNEL_SCRIPT, "KERNEL STAGING OK")
 
 
+STRIDED_KERNEL_SCRIPT = """
+import numpy as np, torch
+from types import SimpleNamespace
+from transport.base import Region, RegionSizes
+from transport.nixl_staged.copy import KernelStaging
+from transport.nixl_staged.wire import DestinationTable, StridedHeader, strided_data_start
+rng = np.random.default_rng(16)
+src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
+s = src.numpy()
+addr, stride, length = np.array([0, 1024, 4003]), np.array([64, 128, 24]), np.array([64, 48, 24])
+s_slot, d_slot = np.array([3, 0, 3, 7, 1]), np.array([4, 0, 2, 7, 5])  # a duplicate source slot
+d_off, d_stride = np.array([0, 2048, 6001]), np.array([256, 64, 24])
+P, S = 3, 5
+staging = KernelStaging(2, 1 << 16, "cpu")
+rows = staging.strided_rows(src.data_ptr() + addr, stride, length, s_slot)
+at = strided_data_start(P, S)
+begin, end = 3, 12  # starts inside pair 0, ends inside pair 2
+staging.gather_strided(1, at, rows, begin, end)
+staging.ready()
+p, q = np.divmod(np.arange(begin, end), S)
+packed = np.concatenate([s[addr[i] + s_slot[j] * stride[i]:][:length[i]] for i, j in zip(p, q)])
+got = staging.buf.numpy()[(1 << 16) + at:][:packed.size]
+assert (got == packed).all(), "strided gather"
+# the receiver's step: header and destination table in the slot, checked, then one scatter
+pool = torch.zeros(8192, dtype=torch.uint8)
+table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
+                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+dest = DestinationTable(np.zeros(P, np.int64), d_off, d_stride, length, d_slot)
+header = StridedHeader(1, 2, 0, 1, begin, end, packed.size, P, S)
+staging.write_strided_head(1, header, staging.strided_table(dest.pack()))
+got, known = staging.land_strided(1, (1, 2, 0), 1, table, None)
+assert got == header
+want = np.zeros(8192, np.uint8)
+for i, j in zip(p, q):
+    o = d_off[i] + d_slot[j] * d_stride[i]
+    want[o:o + length[i]] = s[addr[i] + s_slot[j] * stride[i]:][:length[i]]
+assert (pool.numpy() == want).all(), "strided land"
+# a later chunk of the same write reuses the checked table: its header only
+pool.zero_()
+staging.write_strided_head(1, header, staging.strided_table(np.zeros(32 * P + 8 * S, np.uint8)))  # table wiped
+assert staging.land_strided(1, (1, 2, 0), 1, table, known)[1] is known
+assert (pool.numpy() == want).all(), "strided land from the kept table"
+bad = DestinationTable(np.zeros(P, np.int64), np.array([0, 2048, 8100]), d_stride, length, d_slot)
+staging.write_strided_head(1, StridedHeader(1, 3, 0, 1, begin, end, packed.size, P, S),
+                           staging.strided_table(bad.pack()))
+pool.zero_()
+try:
+    staging.land_strided(1, (1, 3, 0), 1, table, known)
+    raise AssertionError("a table that leaves its region landed")
+except ValueError as exc:
+    assert "batch pair 2: destination (this receiver) range [8100, 8292) is outside region 0" in str(exc), exc
+assert not pool.any(), "bytes of a refused chunk landed"
+print("STRIDED KERNEL STAGING OK")
+"""
+
+
+def test_kernel_staging_strided_gather_and_scatter_in_tritons_interpreter():
+    """The CUDA lane's strided copies (the NVLink strided kernel in its GATHER / SCATTER modes
+    over a row range that starts and ends inside pairs), the receiver's table check and its
+    reuse for a later chunk, on CPU tensors in Triton's interpreter."""
+    pytest.importorskip("triton")
+    assert_interpreted_ok(STRIDED_KERNEL_SCRIPT, "STRIDED KERNEL STAGING OK")
+
+
 CUDA_ENV = {"UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
 
 
@@ -399,5 +672,37 @@ def test_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver)
     tr.wait(120)
     want = reference([src.numpy()], dst_sizes, entries)
     assert rx.wait_notes(1) == [(note, sha(want))]
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_strided_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
+    """cuda:0 -> cuda:1 through ``write_strided``: the strided GATHER launch on cuda:0 (its
+    table uploaded once per write), one cuda_ipc write per slot, the strided SCATTER launch on
+    cuda:1 in the receiver, then its notification; the cases of the host test."""
+    import torch
+
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=1, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10))
+    torch.cuda.set_device(0)
+    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(17))
+    src_cuda = src.to("cuda:0")
+    torch.cuda.synchronize()
+    t = writer(env=CUDA_ENV, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10, slots=3, min_rows=64))
+    sid = t.register_tensor(src_cuda)
+    peer = t.connect(rx.export)
+    host = src.numpy()
+    want = [np.zeros(n, np.uint8) for n in dst_sizes]
+    whole = [(r, 0, n) for r, n in enumerate(dst_sizes)]
+    for i, (name, batch) in enumerate(strided_cases(np.random.default_rng(18), sid)):
+        note = _nixl_peer.payload(i, whole)
+        tr = peer.write_strided(batch, notify=note)
+        assert isinstance(tr, StridedStagedTransfer), name
+        tr.wait(120)
+        for sr, so, dr, do, n in entries(batch):
+            want[dr][do:do + n] = host[so:so + n]
+        assert rx.wait_notes(i + 1)[i] == (note, sha(want)), name
     for r in range(len(dst_sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")

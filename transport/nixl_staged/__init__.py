@@ -33,6 +33,15 @@ receiver fails the write at its deadline (``NixlConfig.deadline_s``) and the age
 sender's notifications keep their order: a direct write issued while a staged one is still
 posting queues behind it.
 
+Strided writes (``NixlPeer.write_strided``: P buffer pairs x S slots, a KV request's natural
+form) take the same road with host work O(P + S) per write instead of O(rows): a chunk is a
+range of the pair-major rows, cut in O(P); the sender gathers it in one step per pair part
+(host) or one launch of the NVLink strided kernel in its GATHER mode (CUDA, the write's table
+uploaded once); each slot carries the write's destination table (P pairs, S slots: 32 P + 8 S
+bytes, 0.2 % of a 64 MiB slot for 160 x 16,384) instead of a row table; the receiver checks the
+table once per write (O(P + S), against its own regions) and scatters each chunk in one step
+(:mod:`~transport.nixl_staged.wire`, :mod:`~transport.nixl_staged.copy`).
+
 When (``StagedNixlConfig.wants``): at least ``min_rows`` ranges, none longer than
 ``max_row_bytes``, all sources on one memory (host or one GPU) and all destinations on one;
 else the write goes direct. One lane per remote agent: its memory kinds are those of the
@@ -40,8 +49,10 @@ first staged write; a write of other kinds goes direct.
 
 Costs
 -----
-- Memory: ``slots * slot_bytes`` registered bytes per lane on EACH side (defaults 4 x 4 MiB =
-  16 MiB), on the batch's memory (host or GPU); a receiver keeps at most ``max_lanes`` lanes.
+- Memory: ``slots`` x the slot size registered bytes per lane on EACH side, on the batch's
+  memory (host or GPU): 4 x 4 MiB = 16 MiB for lanes into host memory, 4 x 64 MiB = 256 MiB
+  for lanes into a GPU (``cuda_slot_bytes``); a receiver keeps at most ``max_lanes`` host and
+  ``max_cuda_lanes`` GPU lanes (``StagedNixlConfig``).
 - Bytes: 16 bytes of row table per range on the wire (1.6 % for 1 KiB rows, 6 % for 256 B).
 - Time: a Hello / Welcome round trip at the first staged write to a peer; host copies run on
   the owner's thread (the sender's gather in ``status()``/``wait()``, the receiver's scatter

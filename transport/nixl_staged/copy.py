@@ -15,6 +15,19 @@ A :class:`Staging` is ``slots`` slots of ``slot_bytes`` (one chunk each: :mod:`~
 
 Rows are given as absolute addresses (``[rows]`` int64) and lengths (``[rows]`` int64); the
 caller has checked them against its registered regions.
+
+Strided writes (:mod:`~transport.nixl_staged.wire`, "strided chunk") name one side of their rows
+as a :class:`StridedRows`: per pair the address of slot 0, the stride and the row length
+(``[P]`` each), per column the slot (``[S]``); row ``p * S + s`` is ``length[p]`` bytes at
+``addr[p] + slot[s] * stride[p]``, and sits in the staging at its offset ``off(r)`` (pair-major,
+back to back). ``gather_strided`` / ``scatter_strided`` copy rows ``[begin, end)`` of it:
+
+- host: one vectorised copy per pair part in the range (the rows of one pair are one strided
+  ``[positions, row]`` view of the memory they span, indexed by slot): O(pairs) Python steps;
+- CUDA: ONE launch of the NVLink strided kernel in its staged mode (``scatter_strided`` with
+  ``Stage(GATHER | SCATTER, slot address, off(begin))``) over the write's strided table,
+  uploaded once per write, on this staging's stream; the stream (not the device) is
+  synchronized before NIXL reads the slot or the notification goes out.
 """
 
 from __future__ import annotations
@@ -27,9 +40,10 @@ import numpy as np
 
 from transport.base import check_ranges
 from transport.nixl_staged.config import CHUNK_HEADER_BYTES
-from transport.nixl_staged.wire import ChunkHeader, ProtocolError, data_start
+from transport.nixl_staged.wire import (STRIDED_HEADER_BYTES, ChunkHeader, DestinationTable, ProtocolError,
+                                        StridedHeader, data_start)
 
-__all__ = ["Staging", "HostStaging", "KernelStaging", "make_staging"]
+__all__ = ["Staging", "HostStaging", "KernelStaging", "StridedRows", "Landed", "make_staging"]
 
 
 def _merged(addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +99,53 @@ def _check_header(header: ChunkHeader, expect: tuple, k: int) -> None:
                             f"notification names chunk {expect[2]} of write {expect[1]} (lane {expect[0]})")
 
 
+class StridedRows:
+    """One side of a strided write's rows (module doc), as numpy arrays on the host; a
+    :class:`KernelStaging` adds its device table (``table``) and copy path bits (``bits``)."""
+
+    def __init__(self, addr: np.ndarray, stride: np.ndarray, length: np.ndarray, slot: np.ndarray):
+        self.addr, self.stride, self.length, self.slot = addr, stride, length, slot  # [P] x 3, [S]
+        self.pairs, self.slots = int(length.size), int(slot.size)
+        self.pair_offset = np.zeros(self.pairs, dtype=np.int64)  # [P] off(p * S)
+        np.cumsum(length[:-1] * self.slots, out=self.pair_offset[1:])
+        self.table = None  # the device table (KernelStaging)
+        self.bits = 0  # OR of every address, stride, length and pair offset (KernelStaging's copy path)
+
+    def offset_of(self, row: int) -> int:
+        """``off(row)``, the staging offset of row ``row`` in ``[0, P * S]``."""
+        p, s = divmod(int(row), self.slots)
+        if p == self.pairs:
+            return int(self.pair_offset[-1] + self.length[-1] * self.slots)
+        return int(self.pair_offset[p]) + s * int(self.length[p])
+
+    def parts(self, begin: int, end: int):
+        """``(pair, first slot, end slot, staging offset from off(begin))`` of each pair part of rows
+        ``[begin, end)``: one step per pair in the range."""
+        origin = self.offset_of(begin)
+        for p in range(begin // self.slots, (end - 1) // self.slots + 1):
+            s0 = max(begin - p * self.slots, 0)
+            s1 = min(end - p * self.slots, self.slots)
+            yield p, s0, s1, int(self.pair_offset[p]) + s0 * int(self.length[p]) - origin
+
+
+class Landed:
+    """What a receiver keeps of a strided write after its first chunk (the header that brought
+    the table, the rows as this staging copies them), so later chunks read only their header."""
+
+    def __init__(self, header: StridedHeader, rows: StridedRows):
+        self.header, self.rows = header, rows
+
+
+def _pair_view(base: int, stride: int, row: int, positions: int, elem: int):
+    """``[positions, row / elem]`` torch view of rows of ``row`` bytes every ``stride`` bytes from ``base``."""
+    import torch
+
+    span = (positions - 1) * stride + row
+    dtype = np.int64 if elem == 8 else np.uint8
+    flat = torch.from_numpy(np.frombuffer(_raw(base, span), dtype=dtype))  # [span / elem]
+    return flat.as_strided((positions, row // elem), (stride // elem, 1))
+
+
 class Staging:
     """``slots`` x ``slot_bytes`` of staging memory at :attr:`ptr` (host: ``device`` None)."""
 
@@ -137,13 +198,70 @@ class Staging:
         self.scatter(k, data_start(header.rows), addr, length)
         return header
 
+    # -- strided writes (module doc) -------------------------------------------------------------
+
+    def strided_rows(self, addr, stride, length, slot) -> StridedRows:
+        """A strided write's side (``[P]`` x 3, ``[S]`` int64) as this staging copies it (host:
+        as it is; CUDA: its table uploaded, once per write)."""
+        return StridedRows(addr, stride, length, slot)
+
+    def strided_table(self, table: np.ndarray):
+        """A strided write's destination table bytes (``[32 P + 8 S]`` uint8, what every chunk
+        carries) as :meth:`write_strided_head` takes them (uploaded once per write on a GPU)."""
+        return table
+
+    def write_strided_head(self, k: int, header: StridedHeader, table) -> None:
+        """Header and destination table (from :meth:`strided_table`) at the head of slot ``k``."""
+        self._put(k, header.pack())
+        self._put(k, table, STRIDED_HEADER_BYTES)
+
+    def land_strided(self, k: int, expect: tuple, chunks: int, table,
+                     known: Optional[Landed]) -> tuple[StridedHeader, Landed]:
+        """Check the strided chunk in slot ``k`` and scatter it (the receiver's step). ``expect``:
+        the (lane, write, chunk) its notification names, ``chunks`` the write's chunk count it
+        names; ``table``: the receiver's region table
+        (``sizes``, ``ptr``, ``dev`` by id); ``known``: what the write's earlier chunk left (None:
+        this is its first chunk here). The destination table is read and checked only when
+        ``known`` is not of this write: every pair inside a registered region on this staging's
+        memory for its furthest slot, else :class:`ProtocolError` / ``ValueError`` and nothing of
+        the chunk lands. Returns the header and what later chunks of the write reuse."""
+        header = StridedHeader.parse(self._get(k, STRIDED_HEADER_BYTES), self.slot_bytes)
+        _check_header(header, expect, k)
+        if header.chunks != chunks:
+            raise ProtocolError(f"slot {k} holds a chunk of a {header.chunks}-chunk write, the notification says "
+                                f"{chunks} chunks")
+        if known is None or not known.header.same_write(header):
+            dest = DestinationTable.parse(self._get(k, header.data_start), header)
+            dest.check(table, self.device)
+            addr = table.ptr[dest.region].astype(np.int64) + dest.offset  # [P] slot 0 of each pair
+            known = Landed(header, self.strided_rows(addr, dest.stride, dest.length, dest.slot))
+        else:
+            nbytes = known.rows.offset_of(header.end) - known.rows.offset_of(header.begin)
+            if nbytes != header.nbytes:
+                raise ProtocolError(f"rows [{header.begin}, {header.end}) hold {nbytes} bytes, the header says "
+                                    f"{header.nbytes}")
+        self.scatter_strided(k, header.data_start, known.rows, header.begin, header.end)
+        return header, known
+
+    def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        """Rows ``[begin, end)`` of ``rows`` into slot ``k`` from byte ``at``, back to back (may
+        be queued: :meth:`ready` before the slot is read)."""
+        raise NotImplementedError
+
+    def ready(self) -> None:
+        """Return once the copies queued into the slots are in place (host: they already are)."""
+
+    def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        """Slot ``k``'s bytes from ``at`` out to rows ``[begin, end)`` of ``rows``."""
+        raise NotImplementedError
+
     def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         raise NotImplementedError
 
     def scatter(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _put(self, k: int, head: np.ndarray) -> None:
+    def _put(self, k: int, head, at: int = 0) -> None:
         raise NotImplementedError
 
     def _get(self, k: int, n: int) -> np.ndarray:
@@ -161,8 +279,8 @@ class HostStaging(Staging):
         self.buf = np.zeros(self.nbytes, dtype=np.uint8)  # [slots * slot_bytes], zeroed: pages exist
         self.ptr = self.buf.ctypes.data
 
-    def _put(self, k: int, head: np.ndarray) -> None:
-        at = k * self.slot_bytes
+    def _put(self, k: int, head: np.ndarray, at: int = 0) -> None:
+        at += k * self.slot_bytes
         self.buf[at: at + head.size] = head
 
     def _get(self, k: int, n: int) -> np.ndarray:
@@ -203,6 +321,33 @@ class HostStaging(Staging):
             src = src[(b - a) * row:]
 
 
+    def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        import torch
+
+        out = self.buf[k * self.slot_bytes + at:]
+        with _one_torch_thread():
+            for p, s0, s1, o in rows.parts(begin, end):
+                row, stride, slot = int(rows.length[p]), int(rows.stride[p]), rows.slot[s0:s1]
+                low = int(slot.min())
+                base = int(rows.addr[p]) + low * stride
+                elem = 8 if not (base | stride | row | (out.ctypes.data + o)) & 7 else 1
+                src = _pair_view(base, stride, row, int(slot.max()) - low + 1, elem)  # [positions, row / elem]
+                dst = out[o: o + (s1 - s0) * row].view(np.int64 if elem == 8 else np.uint8)
+                torch.index_select(src, 0, torch.from_numpy(slot - low), out=torch.from_numpy(dst).view(s1 - s0, -1))
+
+    def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        src = self.buf[k * self.slot_bytes + at:]
+        for p, s0, s1, o in rows.parts(begin, end):
+            row, stride, slot = int(rows.length[p]), int(rows.stride[p]), rows.slot[s0:s1]
+            low = int(slot.min())
+            positions = int(slot.max()) - low + 1
+            base = int(rows.addr[p]) + low * stride
+            void = np.dtype((np.void, row))
+            dst = np.ndarray((positions,), dtype=void, buffer=_raw(base, (positions - 1) * stride + row),
+                             strides=(stride,))  # [positions] rows of `row` bytes
+            dst[slot - low] = src[o: o + (s1 - s0) * row].view(void)
+
+
 class KernelStaging(Staging):
     """Staging on one CUDA device (or "cpu": Triton's interpreter, tests)."""
 
@@ -214,12 +359,89 @@ class KernelStaging(Staging):
         self.device = self._torch_device.index if self._torch_device.type == "cuda" else None
         self.buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self._torch_device)  # [slots * slot_bytes]
         self.ptr = self.buf.data_ptr()
+        # strided copies run on a stream of their own, synchronized alone (never the whole device)
+        self._stream = torch.cuda.Stream(self._torch_device) if self._torch_device.type == "cuda" else None
 
-    def _put(self, k: int, head: np.ndarray) -> None:
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """This device and the strided copies' stream current (a no-op on the CPU)."""
+        if self._stream is None:
+            yield
+            return
         import torch
 
-        at = k * self.slot_bytes
-        self.buf[at: at + head.size].copy_(torch.from_numpy(head))  # write_head waits for it
+        with torch.cuda.device(self._torch_device), torch.cuda.stream(self._stream):
+            yield
+
+    def _put(self, k: int, head, at: int = 0) -> None:
+        import torch
+
+        at += k * self.slot_bytes
+        src = torch.from_numpy(head) if isinstance(head, np.ndarray) else head
+        self.buf[at: at + src.numel()].copy_(src)  # write_head waits for it
+
+    # -- strided writes ------------------------------------------------------------------------
+
+    def strided_rows(self, addr, stride, length, slot) -> StridedRows:
+        """:meth:`Staging.strided_rows` with the kernel's strided table (``[6 P + 2 S]``, the
+        same rows on both of its sides, so one table serves the gather and the scatter) uploaded
+        on this staging's stream, once per write. A sender's stream first waits for the work
+        already queued on the caller's current stream (what produced the source bytes)."""
+        import torch
+
+        rows = StridedRows(addr, stride, length, slot)
+        p, n = rows.pairs, rows.slots
+        table = np.empty(6 * p + 2 * n, dtype=np.int64)  # [6 P + 2 S] (transport.nvlink.kernel, "Strided table")
+        table[: 5 * p].reshape(5, p)[:] = (addr, stride, addr, stride, length)
+        table[5 * p: 5 * p + n] = slot
+        table[5 * p + n: 5 * p + 2 * n] = slot
+        table[5 * p + 2 * n:] = rows.pair_offset
+        rows.bits = int(np.bitwise_or.reduce(table[: 5 * p])) | int(np.bitwise_or.reduce(rows.pair_offset))
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._torch_device))
+        with self._on_stream():
+            rows.table = torch.from_numpy(table).to(self._torch_device, non_blocking=False)
+        return rows
+
+    def strided_table(self, table: np.ndarray):
+        """The destination table's bytes on this device, uploaded once per write."""
+        import torch
+
+        with self._on_stream():
+            return torch.from_numpy(table).to(self._torch_device)
+
+    def write_strided_head(self, k: int, header: StridedHeader, table) -> None:
+        """Header (from the host) and table (a device copy) into slot ``k``, on the stream:
+        :meth:`ready` before NIXL reads the slot."""
+        with self._on_stream():
+            super().write_strided_head(k, header, table)
+
+    def ready(self) -> None:
+        """Wait until what was queued for the slots (gather, head) is in place: this staging's
+        stream only."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        """One launch, queued on the stream (the sender calls :meth:`ready` before its post)."""
+        self._strided(k, at, rows, begin, end, gather=True)
+
+    def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        """One launch; returns once its bytes are in place (before the Credit / notification)."""
+        self._strided(k, at, rows, begin, end, gather=False)
+        self.ready()
+
+    def _strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, gather: bool) -> None:
+        from transport.nvlink.kernel import CopyPath, KernelConfig, Stage, StageMode, plan_launch, scatter_strided
+
+        stage_at = self.slot_ptr(k) + at
+        bits = rows.bits | stage_at  # off(r) - off(begin) shares the pair offsets' and lengths' alignment
+        path = CopyPath.VEC16 if not bits & 15 else CopyPath.VEC8 if not bits & 7 else CopyPath.BYTES
+        plan = plan_launch(end - begin, int(rows.length.max()), path, KernelConfig())
+        stage = Stage(StageMode.GATHER if gather else StageMode.SCATTER, stage_at, rows.offset_of(begin))
+        with self._on_stream():
+            scatter_strided(rows.table, rows.pairs, rows.slots, plan, self._torch_device, begin=begin, end=end,
+                            stage=stage, checked=True, stream=self._stream)
 
     def _get(self, k: int, n: int) -> np.ndarray:
         at = k * self.slot_bytes

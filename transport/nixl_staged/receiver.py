@@ -14,6 +14,13 @@ notifications), on the owner's thread:
   whatever order they came), its ``notify`` is queued for the owner, so a notification still
   means the bytes are in place. A chunk that fails the checks lands nothing and is answered
   with the error (the write then never notifies).
+- :class:`~transport.nixl_staged.wire.StridedChunk`: the same for a chunk of a strided write,
+  except that the rows are named by the write's destination table (every chunk carries it):
+  it is read and checked (every pair inside a registered region of the lane's memory for its
+  furthest slot, O(P + S)) at the write's first chunk here and kept, with the table the scatter
+  uses (on a GPU: uploaded once), until the write's last chunk is scattered, a later write
+  starts on the lane (a lane's writes run one after the other), or the lane is dropped; later
+  chunks are checked against it by their header alone and scattered in one step.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from __future__ import annotations
 from typing import Optional
 
 from transport.base import Notification
-from transport.nixl_staged.copy import Staging, make_staging
-from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, Welcome, encode
+from transport.nixl_staged.copy import Landed, Staging, make_staging
+from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode
 
 __all__ = ["ReceiverLanes"]
 
@@ -32,6 +39,14 @@ class _Lane:
         self.staging, self.reg, self.device = staging, reg, device
         self.scattered: dict[int, int] = {}  # write seq -> its chunks scattered so far
         self.held: dict[int, bytes] = {}  # write seq -> its notify, until every chunk is scattered
+        self.strided: dict[int, Landed] = {}  # write seq -> its checked destination table (strided writes)
+
+    def known(self, seq: int) -> Optional[Landed]:
+        """The strided write ``seq``'s table from an earlier chunk; tables of earlier writes are
+        dropped (a lane's writes run one after the other: none of their chunks is still to come)."""
+        for old in [q for q in self.strided if q < seq]:
+            del self.strided[old]
+        return self.strided.get(seq)
 
     def landed(self, msg: Chunk) -> Optional[bytes]:
         """Count a scattered chunk; the write's notify once all its chunks are (else None)."""
@@ -41,6 +56,7 @@ class _Lane:
         if done < msg.chunks:
             return None
         del self.scattered[msg.seq]
+        self.strided.pop(msg.seq, None)
         return self.held.pop(msg.seq, None)
 
 
@@ -76,11 +92,15 @@ class ReceiverLanes:
             return  # cannot answer: the sender's write fails at its deadline
         device = None if msg.device == -1 else msg.device
         error = ""
-        if len(self._lanes) >= cfg.max_lanes:
-            error = f"this receiver holds {len(self._lanes)} lanes (max_lanes {cfg.max_lanes})"
-        elif msg.slots < 2 or msg.slot_bytes < 1 << 16 or msg.slots * msg.slot_bytes > cfg.lane_bytes:
+        held = sum((lane.device is None) == (device is None) for lane in self._lanes.values())
+        most = cfg.slots * cfg.slot_bytes_for(device)
+        kind = "host" if device is None else "CUDA"
+        if held >= cfg.lanes_for(device):
+            error = (f"this receiver holds {held} {kind} lanes "
+                     f"({'max_lanes' if device is None else 'max_cuda_lanes'} {cfg.lanes_for(device)})")
+        elif msg.slots < 2 or msg.slot_bytes < 1 << 16 or msg.slots * msg.slot_bytes > most:
             error = (f"a lane of {msg.slots} x {msg.slot_bytes} bytes; this receiver allows at most "
-                     f"{cfg.lane_bytes} bytes per lane")
+                     f"{most} bytes per lane on {kind} memory")
         elif device is not None and not any(r.device == device for r in self._t.regions.values()):
             error = f"no region of this receiver is on cuda:{device}"
         if not error:
@@ -102,8 +122,14 @@ class ReceiverLanes:
         try:
             if not 0 <= msg.slot < lane.staging.slots:
                 raise ProtocolError(f"slot {msg.slot} of a {lane.staging.slots}-slot lane")
-            lane.staging.land(msg.slot, (msg.lane, msg.seq, msg.index), self._t._table())
+            expect = (msg.lane, msg.seq, msg.index)
+            if isinstance(msg, StridedChunk):
+                _, lane.strided[msg.seq] = lane.staging.land_strided(msg.slot, expect, msg.chunks, self._t._table(),
+                                                                     lane.known(msg.seq))
+            else:
+                lane.staging.land(msg.slot, expect, self._t._table())
         except (ProtocolError, ValueError, TypeError) as exc:
+            lane.strided.pop(msg.seq, None)  # a later chunk of it checks its own table again
             self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)))
             return
         notify = lane.landed(msg)

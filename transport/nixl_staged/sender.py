@@ -10,6 +10,12 @@ of jobs, the writes to that agent in the order ``write`` was called:
   notification. The slot is free again when the receiver's Credit says it scattered it. The
   transfer is DONE when every chunk is credited (the receiver delivered ``notify`` before it
   sent the last Credit).
+- :class:`StridedStagedTransfer`: a strided write (``P`` buffer pairs x ``S`` slots, rows
+  pair-major) the same way, with host work O(P + S) per write: chunks are row ranges cut in
+  O(P + chunks) (:func:`strided_bounds`), each gathered in one step per pair part (host) or
+  one kernel launch (CUDA) from the write's strided table (uploaded once), its slot headed by
+  the write's destination table (packed, and on a GPU uploaded, once per write), posted as
+  :class:`~transport.nixl_staged.wire.StridedChunk`.
 - :class:`DeferredWrite`: a direct write issued while a staged one is still in the FIFO; it is
   posted when its turn comes.
 
@@ -30,11 +36,13 @@ from typing import Optional
 
 import numpy as np
 
-from transport.base import Transfer, TransferStatus
+from transport.base import StridedBatch, Transfer, TransferStatus, WriteBatch
 from transport.nixl_staged.copy import Staging, make_staging
-from transport.nixl_staged.wire import Chunk, ChunkHeader, Credit, Hello, Welcome, data_start, encode
+from transport.nixl_staged.wire import (Chunk, ChunkHeader, Credit, DestinationTable, Hello, StridedChunk,
+                                        StridedHeader, Welcome, data_start, encode, strided_data_start)
 
-__all__ = ["SenderLane", "StagedTransfer", "DeferredWrite", "chunk_bounds", "LaneState"]
+__all__ = ["SenderLane", "StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds",
+           "strided_bounds", "LaneState"]
 
 
 class LaneState(enum.Enum):
@@ -56,6 +64,28 @@ def chunk_bounds(length: np.ndarray, slot_bytes: int) -> np.ndarray:
         end = max(int(np.searchsorted(cost, base + cap, side="right")), start + 1)
         bounds.append(end)
         start = end
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def strided_bounds(length: np.ndarray, slots: int, room: int) -> np.ndarray:
+    """Row bounds ``[0, ..., P * S]`` of the chunks of a ``P`` x ``slots`` write (rows pair-major,
+    pair ``p``'s of ``length[p]`` bytes) that each carry at most ``room`` bytes of rows; one step
+    per pair and per chunk. Every length must fit ``room``."""
+    bounds, row, used = [0], 0, 0
+    for n in length.tolist():
+        if n > room:
+            raise ValueError(f"a row of {n} bytes does not fit a chunk of {room} bytes")
+        left = slots
+        while left:
+            fit = (room - used) // n
+            if fit == 0:  # this chunk is full
+                bounds.append(row)
+                used = 0
+                continue
+            take = min(fit, left)
+            row, left, used = row + take, left - take, used + take * n
+    if bounds[-1] != row:
+        bounds.append(row)
     return np.asarray(bounds, dtype=np.int64)
 
 
@@ -82,7 +112,8 @@ class _Job(Transfer):
         return self._inner.error if self._inner is not None else self._error
 
     def go_direct(self) -> None:
-        self._inner = self._peer._direct(self._batch, self._notify)
+        batch = self._batch if isinstance(self._batch, WriteBatch) else self._batch.coalesced()
+        self._inner = self._peer._direct(batch, self._notify)
 
     def fail(self, error: str) -> None:
         if self._inner is None and self._status is TransferStatus.PENDING:
@@ -130,39 +161,29 @@ class DeferredWrite(_Job):
             self.fail("aborted")  # never posted: nothing of it can land
 
 
-class StagedTransfer(_Job):
-    """A write through the lane's staging (module doc)."""
+class _StagedJob(_Job):
+    """A write through the lane's staging (module doc): its chunks ``bounds``, what is posted and
+    answered; a kind of staged write fills a slot with its next chunk (:meth:`fill`)."""
 
-    def __init__(self, peer, batch, notify: bytes, src_addr: np.ndarray, order: Optional[np.ndarray],
-                 slot_bytes: int):
+    bounds: np.ndarray  # [num_chunks + 1] row bounds of the chunks
+
+    def __init__(self, peer, batch, notify: bytes):
         super().__init__(peer, batch, notify)
-        pick = (lambda a: a) if order is None else (lambda a: a[order])
-        self.src_addr = pick(src_addr)  # [n] absolute source addresses, in staging order
-        self.dst_region = pick(batch.dst_region)  # [n]
-        self.dst_offset = pick(batch.dst_offset)  # [n]
-        self.length = pick(batch.length)  # [n]
-        self._run_start: Optional[np.ndarray] = None
-        self._adopted: Optional[tuple] = None
-        self.bounds = chunk_bounds(self.length, slot_bytes)  # [num_chunks + 1]
         self.seq = 0
         self.posted = 0  # chunks posted
         self.credited = 0  # chunks the receiver answered
         self.aborting = False
 
-    @property
-    def run_start(self) -> np.ndarray:
-        """``[n]`` row i starts a source run (it does not continue row i - 1 in memory)."""
-        if self._run_start is None:
-            self._run_start = np.ones(self.length.size, dtype=bool)
-            self._run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
-        return self._run_start
+    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
+        """Chunk ``posted`` into ``slot`` of ``lane``'s staging, in place for NIXL to read:
+        ``(local, remote, notification)``, the write's ``[k, 2]`` (address, bytes) ranges on
+        each side and its Chunk."""
+        raise NotImplementedError
 
-    def adopted(self, staging: Staging) -> tuple:
-        """(sources, destination offsets, destination regions, lengths) as ``staging`` copies
-        them (on a GPU: uploaded once per write)."""
-        if self._adopted is None:
-            self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
-        return self._adopted
+    def note(self, kind: type, lane: "SenderLane", slot: int) -> Chunk:
+        """The notification of chunk ``posted`` in ``slot`` (the write's ``notify`` on the last)."""
+        last = self.posted + 1 == self.num_chunks
+        return kind(lane.id, self.seq, self.posted, self.num_chunks, slot, self._notify if last and self._notify else None)
 
     @property
     def num_chunks(self) -> int:
@@ -204,10 +225,104 @@ class StagedTransfer(_Job):
             self._status, self._error = TransferStatus.FAILED, "aborted"
 
 
+class StagedTransfer(_StagedJob):
+    """A flat batch (one row per range) through the lane's staging (module doc)."""
+
+    def __init__(self, peer, batch, notify: bytes, src_addr: np.ndarray, order: Optional[np.ndarray],
+                 slot_bytes: int):
+        super().__init__(peer, batch, notify)
+        pick = (lambda a: a) if order is None else (lambda a: a[order])
+        self.src_addr = pick(src_addr)  # [n] absolute source addresses, in staging order
+        self.dst_region = pick(batch.dst_region)  # [n]
+        self.dst_offset = pick(batch.dst_offset)  # [n]
+        self.length = pick(batch.length)  # [n]
+        self._run_start: Optional[np.ndarray] = None
+        self._adopted: Optional[tuple] = None
+        self.bounds = chunk_bounds(self.length, slot_bytes)  # [num_chunks + 1]
+
+    @property
+    def run_start(self) -> np.ndarray:
+        """``[n]`` row i starts a source run (it does not continue row i - 1 in memory)."""
+        if self._run_start is None:
+            self._run_start = np.ones(self.length.size, dtype=bool)
+            self._run_start[1:] = self.src_addr[1:] != self.src_addr[:-1] + self.length[:-1]
+        return self._run_start
+
+    def adopted(self, staging: Staging) -> tuple:
+        """(sources, destination offsets, destination regions, lengths) as ``staging`` copies
+        them (on a GPU: uploaded once per write)."""
+        if self._adopted is None:
+            self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
+        return self._adopted
+
+    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
+        a, b = int(self.bounds[self.posted]), int(self.bounds[self.posted + 1])
+        length = self.length[a:b]
+        rows, nbytes = b - a, int(length.sum())
+        at = data_start(rows)
+        staging = lane.staging
+        mine, theirs = staging.slot_ptr(slot), lane.remote_ptr + slot * lane.slot_bytes
+        wire = False
+        if lane.src_device is None:  # host: rows that follow each other in memory form runs
+            starts = np.flatnonzero(self.run_start[a:b])  # [runs] first row of each run (row a: always)
+            if starts.size == 0 or starts[0] != 0:
+                starts = np.concatenate(([0], starts))
+            wire = nbytes >= lane.wire_gather_bytes * starts.size
+        if wire:
+            # long source runs: the wire gathers them (a descriptor per run), no local copy
+            offs = np.zeros(rows, dtype=np.int64)  # [rows] staging offsets
+            np.cumsum(length[:-1], out=offs[1:])
+            run_bytes = np.diff(np.append(offs[starts], nbytes))  # [runs]
+            local = np.stack([np.append(mine, self.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
+            remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
+        else:
+            src, _, _, ln = (x[a:b] for x in self.adopted(staging))
+            staging.gather(slot, at, src, ln)
+            local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
+            remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
+        _, dst_offset, dst_region, ln = (x[a:b] for x in self.adopted(staging))
+        staging.write_head(slot, ChunkHeader(lane.id, self.seq, self.posted, rows, nbytes), dst_offset, dst_region, ln)
+        return local, remote, self.note(Chunk, lane, slot)
+
+
+class StridedStagedTransfer(_StagedJob):
+    """A :class:`~transport.base.StridedBatch` through the lane's staging (module doc): rows
+    ``p * S + s`` pair-major, a chunk a row range. ``src_addr``: ``[P]`` absolute source address
+    of each pair's slot 0 (the batch's bounds already checked)."""
+
+    def __init__(self, peer, batch: StridedBatch, notify: bytes, src_addr: np.ndarray, slot_bytes: int):
+        super().__init__(peer, batch, notify)
+        p, n = batch.num_pairs, batch.num_slots
+        self.shape = (p, n)
+        self.src = (src_addr, batch.src_stride, batch.length, batch.src_slot)  # [P] x 3, [S]
+        self.dest = DestinationTable(batch.dst_region, batch.dst_offset, batch.dst_stride, batch.length,
+                                     batch.dst_slot)
+        self.at = strided_data_start(p, n)  # where a chunk's rows start in its slot
+        self.bounds = strided_bounds(batch.length, n, slot_bytes - self.at)  # [num_chunks + 1], O(P + chunks)
+        self._rows = None  # the source rows as the lane's staging copies them (its table uploaded once)
+        self._head = None  # the destination table's bytes (uploaded once on a GPU)
+
+    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
+        staging = lane.staging
+        if self._rows is None:  # once per write
+            self._rows = staging.strided_rows(*self.src)
+            self._head = staging.strided_table(self.dest.pack())
+        a, b = int(self.bounds[self.posted]), int(self.bounds[self.posted + 1])
+        nbytes = self._rows.offset_of(b) - self._rows.offset_of(a)
+        staging.gather_strided(slot, self.at, self._rows, a, b)
+        header = StridedHeader(lane.id, self.seq, self.posted, self.num_chunks, a, b, nbytes, *self.shape)
+        staging.write_strided_head(slot, header, self._head)
+        staging.ready()  # the gather and the head are in the slot before NIXL reads it
+        size = self.at + nbytes
+        local = np.array([[staging.slot_ptr(slot), size]], dtype=np.int64)  # [1, (address, bytes)]
+        remote = np.array([[lane.remote_ptr + slot * lane.slot_bytes, size]], dtype=np.int64)
+        return local, remote, self.note(StridedChunk, lane, slot)
+
+
 class _Slot:
     __slots__ = ("job", "index", "handle")
 
-    def __init__(self, job: StagedTransfer, index: int, handle):
+    def __init__(self, job: _StagedJob, index: int, handle):
         self.job, self.index, self.handle = job, index, handle
 
 
@@ -221,8 +336,8 @@ class SenderLane:
         self.src_device, self.dst_device = src_device, dst_device
         self._scratch_ptr = scratch_ptr
         cfg = transport.config.staged
-        self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes
-        self._wire_gather_bytes = cfg.wire_gather_bytes
+        self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes_for(dst_device)  # sized by the receiving memory
+        self.wire_gather_bytes = cfg.wire_gather_bytes
         self.state = LaneState.NEW
         self.error: Optional[str] = None
         self.staging: Optional[Staging] = None
@@ -244,7 +359,7 @@ class SenderLane:
 
     def submit(self, job: _Job) -> _Job:
         job.lane = self
-        if isinstance(job, StagedTransfer):
+        if isinstance(job, _StagedJob):
             self._seq += 1
             job.seq = self._seq
         if self.state is LaneState.LOST:
@@ -315,35 +430,8 @@ class SenderLane:
             else:
                 return  # no free slot, or every chunk posted: wait for Credits
 
-    def _post_chunk(self, job: StagedTransfer, slot: int) -> bool:
-        a, b = int(job.bounds[job.posted]), int(job.bounds[job.posted + 1])
-        length = job.length[a:b]
-        rows, nbytes = b - a, int(length.sum())
-        at = data_start(rows)
-        mine, theirs = self.staging.slot_ptr(slot), self.remote_ptr + slot * self.slot_bytes
-        wire = False
-        if self.src_device is None:  # host: rows that follow each other in memory form runs
-            starts = np.flatnonzero(job.run_start[a:b])  # [runs] first row of each run (row a: always)
-            if starts.size == 0 or starts[0] != 0:
-                starts = np.concatenate(([0], starts))
-            wire = nbytes >= self._wire_gather_bytes * starts.size
-        if wire:
-            # long source runs: the wire gathers them (a descriptor per run), no local copy
-            offs = np.zeros(rows, dtype=np.int64)  # [rows] staging offsets
-            np.cumsum(length[:-1], out=offs[1:])
-            run_bytes = np.diff(np.append(offs[starts], nbytes))  # [runs]
-            local = np.stack([np.append(mine, job.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
-            remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
-        else:
-            src, _, _, ln = (x[a:b] for x in job.adopted(self.staging))
-            self.staging.gather(slot, at, src, ln)
-            local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
-            remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
-        _, dst_offset, dst_region, ln = (x[a:b] for x in job.adopted(self.staging))
-        self.staging.write_head(slot, ChunkHeader(self.id, job.seq, job.posted, rows, nbytes), dst_offset, dst_region,
-                                ln)
-        last = job.posted + 1 == job.num_chunks
-        note = Chunk(self.id, job.seq, job.posted, job.num_chunks, slot, job._notify if last and job._notify else None)
+    def _post_chunk(self, job: _StagedJob, slot: int) -> bool:
+        local, remote, note = job.fill(self, slot)
         try:
             handle, state = self._t._post_slot(self.name, local, self.src_device, remote, self.dst_device,
                                                encode(note))
