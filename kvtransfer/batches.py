@@ -126,7 +126,7 @@ def plan_batch(plan: TransferPlan, src: BufferRegions, dst: BufferRegions,
     :class:`StridedBatch` when the plan is pairs x slots (every plan but NSA's sectioned index
     pages); otherwise, and without ``strided``, the flat :class:`WriteBatch` of the plan's
     merged ranges (what a peer that does not expand a StridedBatch on the device writes:
-    ``strided=peer.expands_strided``)."""
+    ``strided=peer.takes_strided(plan.num_token_entries)``)."""
     if not isinstance(plan, TransferPlan):
         raise TypeError(f"plan must be a TransferPlan, got {type(plan).__name__}")
     for name, regions in (("src", src), ("dst", dst)):
@@ -151,7 +151,7 @@ def write_plan(peer: Peer, plan: TransferPlan, src: BufferRegions, dst: BufferRe
                notify: Optional[bytes] = None) -> Transfer:
     """Start writing ``plan`` to ``peer`` (see :func:`plan_batch`, in the form the peer takes
     best); ``notify`` reaches the peer once every byte has landed."""
-    return write_batch(peer, plan_batch(plan, src, dst, strided=peer.expands_strided), notify)
+    return write_batch(peer, plan_batch(plan, src, dst, strided=peer.takes_strided(plan.num_token_entries)), notify)
 
 
 def write_batch(peer: Peer, batch: Union[StridedBatch, WriteBatch], notify: Optional[bytes] = None) -> Transfer:

@@ -545,6 +545,16 @@ class StridedBatch:
         rest = self._subset(~whole, self.src_slot, self.dst_slot).expand()
         return WriteBatch(*(np.concatenate([getattr(merged, f), getattr(rest, f)]) for f in _BATCH_FIELDS))
 
+    def source_runs(self) -> int:
+        """Runs of entries (in :meth:`expand`'s pair-major order) whose sources follow each other
+        in memory: a pair whose stride is its length runs over consecutive source slots; O(P + S)."""
+        n = self.num_slots
+        if len(self) == 0:
+            return 0
+        breaks = int(np.count_nonzero(np.diff(self.src_slot) != 1))  # slot s+1 does not follow s
+        follow = int(np.count_nonzero(self.src_stride == self.length))  # [P] pairs whose rows touch
+        return follow * (breaks + 1) + (self.num_pairs - follow) * n
+
     def coalesced_shape(self) -> tuple[int, int]:
         """``(entries, longest entry in bytes)`` of :meth:`coalesced`, in O(P + S) without
         building it (what a backend decides a route by)."""
@@ -641,12 +651,13 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
-    # True where write_strided takes the factored form at least as well as write() takes its flat
-    # form: NVLink expands it on the device; NIXL with its staged mode on stages it with O(P + S)
-    # host work (else writes coalesced(), which has as many entries as a plan's merged runs).
-    # Where False, write_strided coalesces on the host (the default below), and a caller that can
-    # build the flat form directly (a plan's merged runs) should hand that to write() instead.
-    expands_strided: bool = False
+    def takes_strided(self, entries: int) -> bool:
+        """Whether :meth:`write_strided` of a factored batch of ``entries`` ranges (``P * S``)
+        does at least as well as :meth:`write` of its flat form: NVLink expands it on the
+        device; NIXL stages a large one with O(P + S) host work. Where False (here),
+        write_strided coalesces on the host, and a caller that can build the flat form directly
+        (a plan's merged runs) should hand that to :meth:`write` instead."""
+        return False
 
     @abc.abstractmethod
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> Transfer:

@@ -22,7 +22,7 @@ one NIXL write per slot; the receiver scatters it in ``poll_notifications()`` be
 the write's notification over. ``NixlPeer.write_strided`` stages a factored batch
 (``StridedBatch``, P buffer pairs x S slots) the same way with O(P + S) host work per write
 (``StagedNixlConfig.wants_strided``), else writes its coalesced form; with the staged mode on
-the peer says so (``expands_strided``), so kvtransfer hands it a plan's factored form. Every
+the peer takes a large plan's factored form (``takes_strided``), and kvtransfer hands it that. Every
 other batch is the one request described here.
 
 Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
@@ -352,13 +352,13 @@ class NixlPeer(Peer):
         self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
         self._hold_seq = 0  # the Hold sent for this snapshot (transport.nixl_revoke): direct writes wait for its ack
 
-    @property
-    def expands_strided(self) -> bool:
-        """With the staged mode on, :meth:`write_strided` takes a plan's factored form with
-        O(P + S) host work where it goes staged, and otherwise writes its coalesced form, which
-        has as many entries as the plan's own merged runs (a plan's whole-row runs are exactly
-        ``coalesced()``'s): callers should hand it the StridedBatch."""
-        return self._transport.config.staged.enabled
+    def takes_strided(self, entries: int) -> bool:
+        """With the staged mode on, a batch of at least its ``min_rows`` ranges: :meth:`write_strided`
+        stages it with O(P + S) host work (or writes its coalesced form, which has as many entries
+        as a plan's own merged runs). A smaller one goes direct, where the plan's flat form costs
+        the host least (a small request's write through the factored form took twice as long)."""
+        staged = self._transport.config.staged
+        return staged.enabled and entries >= staged.min_rows
 
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> NixlTransfer:
         if self._closed:
@@ -372,9 +372,12 @@ class NixlPeer(Peer):
         """A factored write (:class:`~transport.base.StridedBatch`). Staged
         (:class:`~transport.nixl_staged.sender.StridedStagedTransfer`, host work O(P + S) per
         write) when ``StagedNixlConfig.wants_strided`` takes it, each side is on one memory and
-        its destination table fits the lane's slots (``wire.strided_fits``); otherwise its
-        coalesced form as :meth:`write` writes it. Bounds (O(P + S)) and revocation are checked
-        here either way."""
+        its destination table fits the lane's slots (``wire.strided_fits``), unless its sources
+        are host memory in runs of ``wire_gather_bytes`` on average (``StridedBatch.source_runs``):
+        the flat staged write then has the wire gather the runs, with no local copy, which beat
+        the strided write's copy (the CPU demo's TP 2 -> 1 request: 1.48 against 0.73-1.22 GB/s).
+        Otherwise its coalesced form as :meth:`write` writes it. Bounds (O(P + S)) and revocation
+        are checked here either way."""
         if self._closed:
             raise TransportClosed(f"peer {self.name!r} is {self._closed}")
         if not isinstance(batch, StridedBatch):
@@ -387,6 +390,8 @@ class NixlPeer(Peer):
         lane = transport._lanes.get(self.name)
         if cfg.wants_strided(batch):
             kinds = self._kinds(batch)
+            if kinds is not None and kinds[0] is None and batch.nbytes >= cfg.wire_gather_bytes * batch.source_runs():
+                kinds = None  # host sources in long runs: the flat staged write lets the wire gather them
             if kinds is not None and (lane is None or (lane.matches(*kinds) and lane.state is not LaneState.REFUSED)):
                 slot_bytes = lane.slot_bytes if lane is not None else cfg.slot_bytes_for(kinds[1])
                 if staged_wire.strided_fits(batch.num_pairs, batch.num_slots, int(batch.length.max()), slot_bytes):

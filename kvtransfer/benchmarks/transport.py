@@ -292,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=_size, default=None,
                         help="with --kv: block size of the blocks rate (default 256K; with --cuda 64M)")
     parser.add_argument("--slot-bytes", type=_size, default=None,
-                        help="with --kv: staging slot size (default 4M; with --cuda 64M)")
+                        help="with --kv: staging slot size (default: StagedNixlConfig's, 4M on the host and "
+                             "128M for GPU memory)")
     parser.add_argument("--slots", type=positive_int, default=4, help="with --kv: staging slots per lane")
+    parser.add_argument("--request", choices=("demo", "page1", "heads"), default=None,
+                        help="with --kv: only this request (default: demo on the host; page1 and heads with --cuda)")
     args = parser.parse_args(argv)
     if args.kv:
         return _main_kv(args)

@@ -59,6 +59,7 @@ class KvRequest:
 DEMO = KvRequest("demo request: TP 2 -> 1, pages 16 -> 64, 1 KiB head-slice rows", 16, 8, 128, 2048, 2, 1, 16, 64)
 GPU_PAGE1 = KvRequest("80 layers, 16,384 tokens, page 1, TP 1 -> 1 (2 KiB token rows)", 80, 8, 128, 16384, 1, 1, 1, 1)
 GPU_HEADS = KvRequest("80 layers, 16,384 tokens, page 1, TP 8 -> 1 (256 B head slices)", 80, 8, 128, 16384, 8, 1, 1, 1)
+REQUESTS = {"demo": DEMO, "page1": GPU_PAGE1, "heads": GPU_HEADS}  # --request
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ def run_kv(args, tools) -> list[dict]:
     from transport.nixl_staged import StagedNixlConfig
 
     requests = [GPU_PAGE1, GPU_HEADS] if args.cuda else [DEMO]
+    if getattr(args, "request", None):
+        requests = [REQUESTS[args.request]]
     rows = []
     for req in requests:
         kv = plan_request(req)
@@ -167,7 +170,7 @@ def run_kv(args, tools) -> list[dict]:
             src = torch.randint(0, 256, (kv.src_bytes,), dtype=torch.uint8, device="cuda:0")  # [src_bytes]
             torch.cuda.synchronize()
             src_ptr, device, host_src = src.data_ptr(), 0, src.cpu().numpy()
-            staged = StagedNixlConfig(cuda_slot_bytes=args.slot_bytes or 64 * MiB, slots=args.slots)
+            staged = StagedNixlConfig(slots=args.slots, **({"cuda_slot_bytes": args.slot_bytes} if args.slot_bytes else {}))
         else:
             src = np.random.default_rng(1).integers(0, 256, kv.src_bytes, dtype=np.uint8)  # [src_bytes]
             src_ptr, device, host_src = src.ctypes.data, None, src

@@ -143,7 +143,7 @@ class _DecodePeer:
 
     def batch(self, plan):
         """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
-        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.expands_strided)
+        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.takes_strided(plan.num_token_entries))
 
 
 @dataclass

@@ -143,10 +143,11 @@ def test_register_maps_export_order_and_undoes_a_failure():
 
 def test_a_kv_plan_written_as_the_control_plane_writes_it_lands_byte_for_byte(monkeypatch):
     """The control plane's road to a NIXL peer with the staged mode on: ``plan_batch(...,
-    strided=peer.expands_strided)`` gives the StridedBatch, ``write_batch`` sends it through
+    strided=peer.takes_strided(plan.num_token_entries))`` gives the StridedBatch, ``write_batch`` sends it through
     ``write_strided`` (a strided staged write), and the decode rank's buffers (a receiver
     process over loopback NIXL) hold the plan's bytes, as its flat ranges say, when its
-    notification arrives."""
+    notification arrives. A request of fewer than ``min_rows`` entries keeps the flat form (it
+    goes direct, where the plan's own flat ranges cost the host least)."""
     from transport._nixl_import import load_nixl_api
 
     try:
@@ -175,8 +176,10 @@ def test_a_kv_plan_written_as_the_control_plane_writes_it_lands_byte_for_byte(mo
         pools = [rng.integers(0, 256, src_bytes, dtype=np.uint8) for _ in range(4)]
         s_map = BufferRegions.of([t.register(p.ctypes.data, p.nbytes) for p in pools])
         peer = t.connect(rx.export)
-        assert peer.expands_strided
-        batch = plan_batch(plan, s_map, BufferRegions.of(range(4)), strided=peer.expands_strided)
+        small = plan_kv_transfer(src, dst, np.arange(1, 9), np.arange(4, 12))
+        assert small.num_token_entries < staged.min_rows and not peer.takes_strided(small.num_token_entries)
+        assert peer.takes_strided(plan.num_token_entries)
+        batch = plan_batch(plan, s_map, BufferRegions.of(range(4)), strided=peer.takes_strided(plan.num_token_entries))
         assert isinstance(batch, StridedBatch)
         note = payload(1, [(r, 0, dst_bytes) for r in range(4)])
         tr = write_batch(peer, batch, note)

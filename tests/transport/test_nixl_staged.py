@@ -176,6 +176,32 @@ def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver
     assert not t._lanes
 
 
+def test_host_strided_batches_with_long_source_runs_go_flat_for_the_wire_to_gather(writer, receiver):
+    """Sources in 16 KiB runs on the host (a TP 2 -> 1 head slice of whole prefill pages, the
+    CPU demo's shape): ``write_strided`` hands the flat staged write its coalesced form, whose
+    chunks the wire gathers run by run; the same rows with scattered sources go strided. Both
+    land byte for byte."""
+    dst_sizes = [8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
+    rng = np.random.default_rng(23)
+    row, page = 1024, 16  # source: 1 KiB rows, 16 to a page; destination: half of a 2 KiB row
+    src_slots = (rng.permutation(np.arange(1, 200))[:16, None] * page + np.arange(page)).ravel()  # [256]
+    dst_slots = rng.permutation(src_slots.size)  # [256] each pair's 256 destinations lie in its own MiB
+    runs = StridedBatch.of(sid, np.arange(8) * (256 * 1024), row, 0, np.arange(8) * MiB, 2 * row, row,
+                           src_slots, dst_slots)
+    scattered = StridedBatch.of(sid, np.arange(8) * (256 * 1024), row, 0, np.arange(8) * MiB, 2 * row, row,
+                                rng.permutation(src_slots), dst_slots)
+    want = np.zeros(8 * MiB, np.uint8)
+    for i, (batch, kind) in enumerate(((runs, StagedTransfer), (scattered, StridedStagedTransfer))):
+        assert (batch.source_runs() == 8 * 16) is (kind is StagedTransfer)
+        tr = peer.write_strided(batch, notify=_nixl_peer.payload(i, [(0, 0, 8 * MiB)]))
+        assert isinstance(tr, kind)
+        tr.wait(30)
+        for sr, so, dr, do, n in entries(batch):
+            want[do:do + n] = src[so:so + n]
+        assert rx.wait_notes(i + 1)[i][1] == sha([want])
+
+
 def test_batches_outside_the_rule_go_direct(writer, receiver):
     rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB])
     few = peer.write(wb(sid, np.arange(10) * 4096, 0, np.arange(10) * 4096, 4096))
@@ -249,7 +275,8 @@ def test_reserved_payloads_are_refused(writer, receiver):
 def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     """tcp only, the lane open and warm; then the receiver is stopped and a staged write of
     ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight): flat, or
-    (``strided``) as one pair of 4 KiB rows x slots through ``write_strided``."""
+    (``strided``) as one pair of 4 KiB rows x slots in random order through ``write_strided``
+    (in source order it would go flat: one source run, gathered by the wire)."""
     rx, t, src, sid, peer = staged_pair(writer, receiver, [nbytes], src_bytes=nbytes, seed=seed, env=TCP_ONLY,
                                         staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=4), **config)
     n = nbytes // 4096
@@ -258,7 +285,7 @@ def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
     os.kill(rx.proc.pid, signal.SIGSTOP)
     if strided:
-        tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, np.arange(n), rng.permutation(n)))
+        tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, rng.permutation(n), rng.permutation(n)))
     else:
         tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
     kind = StridedStagedTransfer if strided else StagedTransfer

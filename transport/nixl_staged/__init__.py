@@ -38,7 +38,7 @@ form) take the same road with host work O(P + S) per write instead of O(rows): a
 range of the pair-major rows, cut in O(P); the sender gathers it in one step per pair part
 (host) or one launch of the NVLink strided kernel in its GATHER mode (CUDA, the write's table
 uploaded once); each slot carries the write's destination table (P pairs, S slots: 32 P + 8 S
-bytes, 0.2 % of a 64 MiB slot for 160 x 16,384) instead of a row table; the receiver checks the
+bytes, 0.1 % of a 128 MiB slot for 160 x 16,384) instead of a row table; the receiver checks the
 table once per write (O(P + S), against its own regions) and scatters each chunk in one step
 (:mod:`~transport.nixl_staged.wire`, :mod:`~transport.nixl_staged.copy`).
 
@@ -50,10 +50,11 @@ first staged write; a write of other kinds goes direct.
 Costs
 -----
 - Memory: ``slots`` x the slot size registered bytes per lane on EACH side, on the batch's
-  memory (host or GPU): 4 x 4 MiB = 16 MiB for lanes into host memory, 4 x 64 MiB = 256 MiB
+  memory (host or GPU): 4 x 4 MiB = 16 MiB for lanes into host memory, 4 x 128 MiB = 512 MiB
   for lanes into a GPU (``cuda_slot_bytes``); a receiver keeps at most ``max_lanes`` host and
   ``max_cuda_lanes`` GPU lanes (``StagedNixlConfig``).
-- Bytes: 16 bytes of row table per range on the wire (1.6 % for 1 KiB rows, 6 % for 256 B).
+- Bytes: 16 bytes of row table per range on the wire (1.6 % for 1 KiB rows, 6 % for 256 B);
+  a strided write's table, ``32 P + 8 S`` bytes, per chunk.
 - Time: a Hello / Welcome round trip at the first staged write to a peer; host copies run on
   the owner's thread (the sender's gather in ``status()``/``wait()``, the receiver's scatter
   in ``poll_notifications()``): staged writes progress only while the receiver polls, as

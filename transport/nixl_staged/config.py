@@ -22,9 +22,11 @@ class StagedNixlConfig:
     slot_bytes: bytes of one staging slot of a lane whose receiving side is host memory: a
         chunk (header, row table or destination table, gathered rows) per slot; the rows of a
         batch are cut into chunks that fit.
-    cuda_slot_bytes: the same for a lane whose receiving side is CUDA memory. NIXL pays per
-        write (a cuda_ipc / RDMA write of 4 MiB moves at a fraction of a 64 MiB one's rate), so
-        GPU lanes take large slots.
+    cuda_slot_bytes: the same for a lane whose receiving side is CUDA memory. Each chunk pays
+        a fixed cost (the NIXL write and its notification, the receiver's header read, both
+        sides' launch and stream sync, the Credit back), so GPU lanes take large slots: on 2x
+        H200 a 5 GiB request went at 142 GB/s with 64 MiB slots and 266 GB/s with 128 MiB
+        (bench/RESULTS.md).
     slots: staging slots per lane (>= 2, so that gather, wire and scatter overlap).
     wire_gather_bytes: host memory: a chunk whose source runs (rows that follow each other in
         memory and in the chunk) average at least this many bytes is not copied into the
@@ -37,13 +39,13 @@ class StagedNixlConfig:
     Memory: a lane holds ``slots`` x its slot size registered bytes on EACH side, allocated once,
     at the first staged write to a peer, on the memory kind of that write (host, or the CUDA
     device of its regions): host-receiving lanes ``slots * slot_bytes`` (defaults 4 x 4 MiB =
-    16 MiB), CUDA-receiving lanes ``slots * cuda_slot_bytes`` (defaults 4 x 64 MiB = 256 MiB on
+    16 MiB), CUDA-receiving lanes ``slots * cuda_slot_bytes`` (defaults 4 x 128 MiB = 512 MiB on
     the sending side's memory and on the receiving GPU). The slot size follows the receiving
     side's memory, so a CUDA -> host lane stages 4 MiB slots and a host -> CUDA lane holds
-    256 MiB of host memory on the sender. A receiver grants host lanes of at most
+    512 MiB of host memory on the sender. A receiver grants host lanes of at most
     ``slots * slot_bytes`` and keeps at most ``max_lanes`` of them (defaults: 16 MiB x 32 =
     512 MiB of host memory at worst), CUDA lanes of at most ``slots * cuda_slot_bytes`` and at
-    most ``max_cuda_lanes`` of them (defaults: 256 MiB x 8 = 2 GiB per GPU at worst, e.g. eight
+    most ``max_cuda_lanes`` of them (defaults: 512 MiB x 8 = 4 GiB per GPU at worst, e.g. eight
     prefill ranks writing one decode rank); a lane lives until its sender opens a new one (after
     a loss) or the receiving transport closes.
 
@@ -56,7 +58,7 @@ class StagedNixlConfig:
     min_rows: int = 1024
     max_row_bytes: int = 16 << 10
     slot_bytes: int = 4 << 20
-    cuda_slot_bytes: int = 64 << 20
+    cuda_slot_bytes: int = 128 << 20
     slots: int = 4
     wire_gather_bytes: int = 8 << 10
     max_lanes: int = 32

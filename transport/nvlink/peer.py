@@ -44,7 +44,8 @@ class NvlinkPeer(Peer):
     ``tables`` (:class:`~transport.nvlink.tables.WriteTables`) gives the row and strided
     tables and launch plans this peer launches, for callers that time or inspect the kernel."""
 
-    expands_strided = True  # write_strided builds its row tables on the GPU
+    def takes_strided(self, entries: int) -> bool:
+        return True  # write_strided builds its row tables on the GPU
 
     def __init__(self, owner: "NvlinkTransport", name: str, regions: Mapping[int, Region],
                  handles: Mapping[int, tuple[bytes, int, int]], mailbox: str, peer_gpu: Optional[int] = None):
