@@ -499,6 +499,40 @@ def test_a_strided_table_is_checked_against_the_receivers_regions():
     dest(region=1, slot=(0, 127)).check(table, 0)
 
 
+def test_a_region_deregistered_between_two_chunks_of_a_strided_write_is_not_written():
+    """The receiver keeps a strided write's checked table from its first chunk; when its
+    regions change before the next chunk (the destination deregistered), that chunk's table
+    is checked again and refused, and none of its bytes land."""
+    from transport.base import Region
+    from transport.nixl import _RegionTable
+    from transport.nixl_staged.copy import HostStaging
+
+    rng = np.random.default_rng(16)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    slots = rng.permutation(256)  # [S] one pair of 64 B rows, two chunks of 128 rows
+    dest = DestinationTable(np.array([0]), np.array([0]), np.array([64]), np.array([64]), slots)
+    staging = HostStaging(2, 1 << 16)
+    rows = staging.strided_rows(np.array([src.ctypes.data]), np.array([64]), np.array([64]), np.arange(256))
+    at = strided_data_start(1, 256)
+    for k, (begin, end) in enumerate(((0, 128), (128, 256))):
+        staging.write_strided_head(k, StridedHeader(1, 7, k, 2, begin, end, 64 * (end - begin), 1, 256), dest.pack())
+        staging.gather_strided(k, at, rows, begin, end)
+    live = _RegionTable({0: Region(0, dst.ctypes.data, dst.nbytes)})
+    _, known = staging.land_strided(0, (1, 7, 0), 2, live, None)
+    want = np.zeros_like(dst)
+    for s in range(128):
+        want[slots[s] * 64:][:64] = src[s * 64:][:64]
+    assert_same(dst, want, "the first chunk")
+    with pytest.raises(ValueError, match="region 0 is not registered"):
+        staging.land_strided(1, (1, 7, 1), 2, _RegionTable({}), known)
+    assert_same(dst, want, "after the refused second chunk")
+    staging.land_strided(1, (1, 7, 1), 2, live, known)  # the same regions: the kept table serves
+    for s in range(128, 256):
+        want[slots[s] * 64:][:64] = src[s * 64:][:64]
+    assert_same(dst, want, "the second chunk, regions unchanged")
+
+
 def test_host_staging_gathers_and_scatters_strided_rows():
     """Rows ``[begin, end)`` of a strided batch (a range that starts and ends inside pairs),
     gathered into a slot back to back and scattered out again, against plain loops."""

@@ -130,10 +130,12 @@ class StridedRows:
 
 class Landed:
     """What a receiver keeps of a strided write after its first chunk (the header that brought
-    the table, the rows as this staging copies them), so later chunks read only their header."""
+    the table, the rows as this staging copies them, and the region table they were checked
+    against), so later chunks read only their header while the receiver's regions stay as
+    they were."""
 
-    def __init__(self, header: StridedHeader, rows: StridedRows):
-        self.header, self.rows = header, rows
+    def __init__(self, header: StridedHeader, rows: StridedRows, regions):
+        self.header, self.rows, self.regions = header, rows, regions
 
 
 def _pair_view(base: int, stride: int, row: int, positions: int, elem: int):
@@ -222,19 +224,21 @@ class Staging:
         names; ``table``: the receiver's region table
         (``sizes``, ``ptr``, ``dev`` by id); ``known``: what the write's earlier chunk left (None:
         this is its first chunk here). The destination table is read and checked only when
-        ``known`` is not of this write: every pair inside a registered region on this staging's
-        memory for its furthest slot, else :class:`ProtocolError` / ``ValueError`` and nothing of
-        the chunk lands. Returns the header and what later chunks of the write reuse."""
+        ``known`` is not of this write, or the receiver's regions changed since it was checked
+        (``table`` is another object: a region deregistered mid-write is not written): every
+        pair inside a registered region on this staging's memory for its furthest slot, else
+        :class:`ProtocolError` / ``ValueError`` and nothing of the chunk lands. Returns the
+        header and what later chunks of the write reuse."""
         header = StridedHeader.parse(self._get(k, STRIDED_HEADER_BYTES), self.slot_bytes)
         _check_header(header, expect, k)
         if header.chunks != chunks:
             raise ProtocolError(f"slot {k} holds a chunk of a {header.chunks}-chunk write, the notification says "
                                 f"{chunks} chunks")
-        if known is None or not known.header.same_write(header):
+        if known is None or not known.header.same_write(header) or known.regions is not table:
             dest = DestinationTable.parse(self._get(k, header.data_start), header)
             dest.check(table, self.device)
             addr = table.ptr[dest.region].astype(np.int64) + dest.offset  # [P] slot 0 of each pair
-            known = Landed(header, self.strided_rows(addr, dest.stride, dest.length, dest.slot))
+            known = Landed(header, self.strided_rows(addr, dest.stride, dest.length, dest.slot), table)
         else:
             nbytes = known.rows.offset_of(header.end) - known.rows.offset_of(header.begin)
             if nbytes != header.nbytes:
