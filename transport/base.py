@@ -651,6 +651,7 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
+
     def takes_strided(self, entries: int) -> bool:
         """Whether :meth:`write_strided` of a factored batch of ``entries`` ranges (``P * S``)
         does at least as well as :meth:`write` of its flat form: NVLink expands it on the
