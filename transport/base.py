@@ -379,12 +379,27 @@ class RegionSizes:
         return known
 
 
-def check_ranges(region, offset, length, table, side: str, what: str = "entry") -> None:
+def check_ranges(region, offset, length, table, side: str) -> None:
     """``ValueError`` naming the first range ``[offset, offset + length)`` (``[n]`` int64 each)
     outside its region of ``table`` (regions by id, or a :class:`RegionSizes`); ``side`` names
-    whose regions they are, ``what`` an index ("entry", "pair"). What a receiver checks ranges a
-    peer names with (the NIXL staged mode)."""
-    _check_side(region, offset, length, table, side, what)
+    whose regions they are. What a receiver checks ranges a peer names with (the NIXL staged mode)."""
+    _check_side(region, offset, length, table, side)
+
+
+def check_strided_side(region, offset, stride, length, slot, table, side: str, overflow=ValueError) -> None:
+    """One side of a factored batch (``[P]`` region, offset, stride, length; ``[S]`` slots,
+    not empty) inside the regions of ``table``, in O(P + S): per pair, the end of its furthest
+    slot's range ``offset + max(slot) * stride + length`` (every other slot's lies between).
+    ``ValueError`` naming the first bad pair; ``overflow`` (a ValueError type) for an end past
+    int64 addresses. What :meth:`StridedBatch.check_bounds` checks per side, and what a
+    receiver checks a peer's destination table with (the NIXL staged mode)."""
+    top = int(slot.max())
+    reach = offset + length + stride.astype(np.float64) * top  # [P]; float: no wrap-around
+    if reach.max() >= 2.0**62:
+        i = int(np.argmax(reach >= 2.0**62))
+        raise overflow(f"batch pair {i}: {side} offset {int(offset[i])} + slot {top} x stride {int(stride[i])} "
+                       "overflows int64 addresses")
+    _check_side(region, offset, stride * top + length, table, side, "pair")
 
 
 SMALL_BATCH = 32  # up to this many entries, per-entry Python beats numpy's fixed cost per call (~2 µs vs ~20)
@@ -493,19 +508,10 @@ class StridedBatch:
         length`` (every other slot's range lies between the offset and that end)."""
         if len(self) == 0:
             return
-        for side, region, offset, stride, slot, table in (
-            ("source (local)", self.src_region, self.src_offset, self.src_stride, self.src_slot, local),
-            ("destination (peer)", self.dst_region, self.dst_offset, self.dst_stride, self.dst_slot, remote),
-        ):
-            top = int(slot.max())
-            reach = offset + self.length + stride.astype(np.float64) * top  # [P]; float: no wrap-around
-            if reach.max() >= 2.0**62:
-                i = int(np.argmax(reach >= 2.0**62))
-                raise ValueError(
-                    f"batch pair {i}: {side} offset {int(offset[i])} + slot {top} x stride {int(stride[i])} "
-                    "overflows int64 addresses"
-                )
-            _check_side(region, offset, stride * top + self.length, table, side, "pair")
+        check_strided_side(self.src_region, self.src_offset, self.src_stride, self.length, self.src_slot, local,
+                           "source (local)")
+        check_strided_side(self.dst_region, self.dst_offset, self.dst_stride, self.length, self.dst_slot, remote,
+                           "destination (peer)")
 
     def expand(self) -> WriteBatch:
         """The flat form: one entry per (pair, slot), pair-major (entry ``p * S + s``)."""
@@ -528,15 +534,10 @@ class StridedBatch:
         that advance by one on both sides form one entry (a run); other pairs keep one entry
         per slot. What a backend that posts each range (NIXL) writes: a KV plan with equal TP
         and contiguous pages becomes one range per (buffer, run) instead of per token."""
-        n = self.num_slots
-        whole = (self.length == self.src_stride) & (self.length == self.dst_stride)  # [P]
-        if n < 2 or not whole.any():
+        whole, starts = self._slot_runs()
+        if starts is None:
             return self.expand()
-        step = (np.diff(self.src_slot) == 1) & (np.diff(self.dst_slot) == 1)  # [S-1] slot s+1 continues s
-        if not step.any():
-            return self.expand()
-        starts = np.flatnonzero(np.concatenate(([True], ~step)))  # [R] first slot of each run
-        runs = np.diff(np.append(starts, n))  # [R] slots per run
+        runs = np.diff(np.append(starts, self.num_slots))  # [R] slots per run
         merged = self._subset(whole, self.src_slot[starts], self.dst_slot[starts]).expand()
         merged = WriteBatch(merged.src_region, merged.src_offset, merged.dst_region, merged.dst_offset,
                             (self.length[whole][:, None] * runs[None, :]).ravel())
@@ -544,6 +545,30 @@ class StridedBatch:
             return merged
         rest = self._subset(~whole, self.src_slot, self.dst_slot).expand()
         return WriteBatch(*(np.concatenate([getattr(merged, f), getattr(rest, f)]) for f in _BATCH_FIELDS))
+
+    def coalesced_shape(self) -> tuple[int, int]:
+        """``(entries, longest entry in bytes)`` of :meth:`coalesced`, in O(P + S) without
+        building it (what a backend decides a route by)."""
+        n = self.num_slots
+        if len(self) == 0:
+            return 0, 0
+        whole, starts = self._slot_runs()
+        runs, longest_run = (n, 1) if starts is None else (int(starts.size), int(np.diff(np.append(starts, n)).max()))
+        merged, rest = self.length[whole], self.length[~whole]
+        longest = max(int(merged.max()) * longest_run if merged.size else 0, int(rest.max()) if rest.size else 0)
+        return int(merged.size) * runs + int(rest.size) * n, longest
+
+    def _slot_runs(self) -> tuple:
+        """``(whole, starts)`` of :meth:`coalesced`: ``[P]`` pairs whose entry is a whole slot on
+        both sides, and ``[R]`` the first slot of each run of slots that advance by one on both
+        sides (None when nothing merges: no whole pair, or no such step)."""
+        whole = (self.length == self.src_stride) & (self.length == self.dst_stride)  # [P]
+        if self.num_slots < 2 or not whole.any():
+            return whole, None
+        step = (np.diff(self.src_slot) == 1) & (np.diff(self.dst_slot) == 1)  # [S-1] slot s+1 continues s
+        if not step.any():
+            return whole, None
+        return whole, np.flatnonzero(np.concatenate(([True], ~step)))
 
     def source_runs(self) -> int:
         """Runs of entries (in :meth:`expand`'s pair-major order) whose sources follow each other
@@ -554,23 +579,6 @@ class StridedBatch:
         breaks = int(np.count_nonzero(np.diff(self.src_slot) != 1))  # slot s+1 does not follow s
         follow = int(np.count_nonzero(self.src_stride == self.length))  # [P] pairs whose rows touch
         return follow * (breaks + 1) + (self.num_pairs - follow) * n
-
-    def coalesced_shape(self) -> tuple[int, int]:
-        """``(entries, longest entry in bytes)`` of :meth:`coalesced`, in O(P + S) without
-        building it (what a backend decides a route by)."""
-        n = self.num_slots
-        if len(self) == 0:
-            return 0, 0
-        whole = (self.length == self.src_stride) & (self.length == self.dst_stride)  # [P]
-        runs, longest_run = n, 1
-        if n >= 2 and whole.any():
-            step = (np.diff(self.src_slot) == 1) & (np.diff(self.dst_slot) == 1)  # [S-1]
-            if step.any():
-                starts = np.flatnonzero(np.concatenate(([True], ~step)))  # [R]
-                runs, longest_run = int(starts.size), int(np.diff(np.append(starts, n)).max())
-        merged, rest = self.length[whole], self.length[~whole]
-        longest = max(int(merged.max()) * longest_run if merged.size else 0, int(rest.max()) if rest.size else 0)
-        return int(merged.size) * runs + int(rest.size) * n, longest
 
     @property
     def pairs(self) -> tuple:
@@ -630,16 +638,30 @@ class Transfer(abc.ABC):
         deadline (None: no deadline). Here: spin briefly, then back off to
         ``max_poll_sleep_s`` so a 2-core machine keeps a core for the backend's progress
         thread (0: never sleep, only yield the GIL; a Linux sleep lasts at least the 50 us
-        timer slack). A backend that can sleep until its transfer settles overrides it."""
-        sleep = 0.0
+        timer slack). The back-off starts again whenever :meth:`_progress_mark` changes and
+        never exceeds :meth:`_max_pause`. A backend that can sleep until its transfer settles
+        overrides it."""
+        sleep, seen = 0.0, self._progress_mark()
 
         def pause(left: Optional[float]) -> None:
-            nonlocal sleep
+            nonlocal sleep, seen
+            mark = self._progress_mark()
+            if mark != seen:
+                sleep, seen = 0.0, mark
             if sleep or not self.max_poll_sleep_s:
                 time.sleep(sleep)
-            sleep = min(self.max_poll_sleep_s, sleep * 2 or 1e-5)
+            sleep = min(self._max_pause(), self.max_poll_sleep_s, sleep * 2 or 1e-5)
 
         return pause
+
+    def _progress_mark(self):
+        """What :meth:`wait` watches for progress (a transfer that moves in steps: its back-off
+        starts again when this changes). Here nothing: the back-off only grows."""
+        return None
+
+    def _max_pause(self) -> float:
+        """The longest pause between polls now (here ``max_poll_sleep_s``)."""
+        return self.max_poll_sleep_s
 
 
 class Peer(abc.ABC):

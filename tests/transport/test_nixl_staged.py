@@ -609,30 +609,23 @@ for so, do, n in zip(src_off, dst_off, length):
     want[do:do + n] = s[so:so + n]
 assert (dst.numpy() == want).all(), "scatter"
 # land(): the header and row table in the slot, checked and turned into the kernel's table here
-from types import SimpleNamespace
-from transport.base import Region, RegionSizes
+from tests.transport._expected import assert_refused, one_region_table
 from transport.nixl_staged.wire import ChunkHeader, ProtocolError
 pool = torch.zeros(8192, dtype=torch.uint8)
-table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
-                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+table = one_region_table(pool)
 staging.write_head(0, ChunkHeader(1, 2, 0, 6, int(length.sum())), dst_off, np.zeros(6, np.int64), length)
 staging.gather(0, at, src.data_ptr() + src_off, length)
 assert staging.land(0, (1, 2, 0), table) == ChunkHeader(1, 2, 0, 6, int(length.sum()))
 assert (pool.numpy() == want).all(), "land"
-try:
-    staging.land(0, (1, 2, 1), table)
-    raise AssertionError("a chunk other than the one named landed")
-except ProtocolError as exc:
-    assert "holds chunk 0 of write 2" in str(exc), exc
+assert_refused(lambda: staging.land(0, (1, 2, 1), table), ProtocolError, "holds chunk 0 of write 2",
+               "a chunk other than the one named")
 bad = dst_off.copy()
 bad[3] = 8000  # 256 bytes from 8000 leave the 8192-byte region
 staging.write_head(0, ChunkHeader(1, 3, 0, 6, int(length.sum())), bad, np.zeros(6, np.int64), length)
 pool.zero_()
-try:
-    staging.land(0, (1, 3, 0), table)
-    raise AssertionError("a row outside its region landed")
-except ValueError as exc:
-    assert "batch entry 3: destination (this receiver) range [8000, 8256) is outside region 0" in str(exc), exc
+assert_refused(lambda: staging.land(0, (1, 3, 0), table), ValueError,
+               "batch entry 3: destination (this receiver) range [8000, 8256) is outside region 0",
+               "a row outside its region")
 assert not pool.any(), "bytes of a refused chunk landed"
 print("KERNEL STAGING OK")
 """
@@ -645,8 +638,7 @@ def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
 
 STRIDED_KERNEL_SCRIPT = """
 import numpy as np, torch
-from types import SimpleNamespace
-from transport.base import Region, RegionSizes
+from tests.transport._expected import assert_refused, one_region_table
 from transport.nixl_staged.copy import KernelStaging
 from transport.nixl_staged.wire import DestinationTable, StridedHeader, strided_data_start
 rng = np.random.default_rng(16)
@@ -668,8 +660,7 @@ got = staging.buf.numpy()[(1 << 16) + at:][:packed.size]
 assert (got == packed).all(), "strided gather"
 # the receiver's step: header and destination table in the slot, checked, then one scatter
 pool = torch.zeros(8192, dtype=torch.uint8)
-table = SimpleNamespace(sizes=RegionSizes({0: Region(0, pool.data_ptr(), 8192)}),
-                        ptr=np.array([pool.data_ptr()], np.uint64), dev=np.array([-1]))
+table = one_region_table(pool)
 dest = DestinationTable(np.zeros(P, np.int64), d_off, d_stride, length, d_slot)
 header = StridedHeader(1, 2, 0, 1, begin, end, packed.size, P, S)
 staging.write_strided_head(1, header, staging.strided_table(dest.pack()))
@@ -689,11 +680,9 @@ bad = DestinationTable(np.zeros(P, np.int64), np.array([0, 2048, 8100]), d_strid
 staging.write_strided_head(1, StridedHeader(1, 3, 0, 1, begin, end, packed.size, P, S),
                            staging.strided_table(bad.pack()))
 pool.zero_()
-try:
-    staging.land_strided(1, (1, 3, 0), 1, table, known)
-    raise AssertionError("a table that leaves its region landed")
-except ValueError as exc:
-    assert "batch pair 2: destination (this receiver) range [8100, 8292) is outside region 0" in str(exc), exc
+assert_refused(lambda: staging.land_strided(1, (1, 3, 0), 1, table, known), ValueError,
+               "batch pair 2: destination (this receiver) range [8100, 8292) is outside region 0",
+               "a table that leaves its region")
 assert not pool.any(), "bytes of a refused chunk landed"
 print("STRIDED KERNEL STAGING OK")
 """

@@ -226,21 +226,14 @@ def test_ring_never_hands_out_a_span_whose_fence_is_pending():
 _SPLIT_SCRIPT = r"""
 import numpy as np, torch
 from transport.nvlink import kernel as kern
-from transport.base import StridedBatch
-from tests.transport._expected import landed
-rng = np.random.default_rng(8)
-src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
-dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
-src_base = np.array([t.data_ptr() for t in src])
-dst_base = np.array([t.data_ptr() for t in dst])
+from tests.transport._expected import disjoint_strided_batch, kernel_buffers, landed
+rng, src, dst, src_base, dst_base = kernel_buffers(8)
 ring = torch.full((64,), -7, dtype=torch.int64)  # the slots of other writes around this one's
 for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=32)),
                           (1, 203, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=16, max_programs=3))):
     P, S = 4, 5
-    length = rng.integers(1, 6, P) * unit
-    b = StridedBatch.of(rng.integers(0, 2, P), rng.integers(0, 20, P) * unit, stride * 2, [0, 0, 1, 1],
-                        np.array([0, 96, 0, 96]) + (3 if unit == 1 else 0), stride, length,
-                        rng.integers(0, 6, S), rng.permutation(12)[:S])
+    b = disjoint_strided_batch(rng, unit, stride, P, S)
+    length = b.length
     for d in dst:
         d.random_(0, 256)
     want = landed(src, dst, b)

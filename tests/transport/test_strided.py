@@ -125,25 +125,17 @@ def test_check_bounds_names_the_pair_and_its_furthest_slot():
 # -- the strided kernel under Triton's interpreter -------------------------------------------------
 
 _INTERPRET_SCRIPT = r"""
-import numpy as np, torch
+import torch
 from transport.nvlink import kernel as kern
-from transport.base import StridedBatch
-from tests.transport._expected import landed
-rng = np.random.default_rng(5)
-src = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (3000, 5000)]
-dst = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (4000, 6000)]
-src_base = np.array([t.data_ptr() for t in src])
-dst_base = np.array([t.data_ptr() for t in dst])
+from tests.transport._expected import disjoint_strided_batch, kernel_buffers, landed
+rng, src, dst, src_base, dst_base = kernel_buffers(5)
 # (alignment unit, stride, config): rows of up to 5 units, some longer than one loop step
 for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_c_bytes=32)),
                           (8, 200, kern.KernelConfig(tile_bytes=128, max_block_c_bytes=16)),
                           (1, 203, kern.KernelConfig(tile_bytes=64, max_block_c_bytes=16, max_programs=3))):
     P, S = 4, 5
-    length = rng.integers(1, 6, P) * unit
-    # destinations: pair p of region r owns bytes [96 * (p % 2), +80) of every 'stride' slot (disjoint)
-    b = StridedBatch.of(rng.integers(0, 2, P), rng.integers(0, 20, P) * unit, stride * 2, [0, 0, 1, 1],
-                        np.array([0, 96, 0, 96]) + (3 if unit == 1 else 0), stride, length,
-                        rng.integers(0, 6, S), rng.permutation(12)[:S])
+    b = disjoint_strided_batch(rng, unit, stride, P, S)
+    length = b.length
     flat = b.expand()
     for d in dst:
         d.random_(0, 256)

@@ -135,25 +135,16 @@ class _Job(Transfer):
                            "(peer lost or stalled)")
         return self._status
 
-    def _pauses(self):
-        """:meth:`Transfer.wait`'s pauses, restarting from the shortest whenever the lane moved
-        (a chunk posted or answered) and at most ``IN_FLIGHT_POLL_S`` while chunks are in
-        flight: a chunk's notification leaves only from this side's progress and the next
-        chunk goes only once a Credit is read, so a pause that grew while the lane waited
-        would hold up every chunk after it (a 5 GiB write is 80 of them)."""
-        sleep, seen = 0.0, -1
+    # wait()'s pauses start again from the shortest whenever the lane moved (a chunk posted or
+    # answered) and last at most IN_FLIGHT_POLL_S while chunks are in flight: a chunk's
+    # notification leaves only from this side's progress and the next chunk goes only once a
+    # Credit is read, so a pause that grew while the lane waited would hold up every chunk
+    # after it (a 5 GiB write is 80 of them).
+    def _progress_mark(self):
+        return None if self.lane is None else self.lane.moves
 
-        def pause(left: Optional[float]) -> None:
-            nonlocal sleep, seen
-            lane = self.lane
-            if lane is not None and lane.moves != seen:
-                sleep, seen = 0.0, lane.moves
-            if sleep:
-                time.sleep(sleep)
-            cap = IN_FLIGHT_POLL_S if lane is not None and lane.in_flight else self.max_poll_sleep_s
-            sleep = min(cap, self.max_poll_sleep_s, sleep * 2 or 1e-5)
-
-        return pause
+    def _max_pause(self) -> float:
+        return IN_FLIGHT_POLL_S if self.lane is not None and self.lane.in_flight else self.max_poll_sleep_s
 
     def _cancel(self) -> None:
         """The transport is closing: fail now (its lane releases what is in flight)."""

@@ -37,7 +37,7 @@ from typing import Optional, Union
 import numpy as np
 
 from transport import notif_frames as frames
-from transport.base import check_ranges
+from transport.base import check_strided_side
 from transport.nixl_staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
 
 __all__ = ["MAGIC", "Hello", "Welcome", "Chunk", "StridedChunk", "Credit", "encode", "decode", "ChunkHeader", "data_start",
@@ -298,13 +298,6 @@ class DestinationTable:
                                 f"{header.nbytes}")
         return t
 
-    @property
-    def pair_offset(self) -> np.ndarray:
-        """``[P]`` staging offset of each pair's first row (``off(p * S)``)."""
-        out = np.zeros(self.pairs, dtype=np.int64)
-        np.cumsum(self.length[:-1] * self.slots, out=out[1:])
-        return out
-
     def offset_of(self, row: int) -> int:
         """``off(row)`` (module doc); ``row`` in ``[0, P * S]``."""
         p, s = divmod(int(row), self.slots)
@@ -319,14 +312,8 @@ class DestinationTable:
         ``sizes``, ``dev`` by id) on ``device`` (None: host), in O(P + S): per pair, the end of
         its furthest slot ``offset + max(slot) * stride + length``. ``ValueError`` (from the
         bounds check, naming the first bad pair) or :class:`ProtocolError`."""
-        top = int(self.slot.max())
-        reach = self.offset + self.length + self.stride.astype(np.float64) * top  # [P] float: no wrap-around
-        if reach.max() >= 2.0 ** 62:
-            i = int(np.argmax(reach >= 2.0 ** 62))
-            raise ProtocolError(f"destination pair {i}: offset {int(self.offset[i])} + slot {top} x stride "
-                                f"{int(self.stride[i])} overflows int64 addresses")
-        check_ranges(self.region, self.offset, self.stride * top + self.length, table.sizes,
-                     "destination (this receiver)", "pair")
+        check_strided_side(self.region, self.offset, self.stride, self.length, self.slot, table.sizes,
+                           "destination (this receiver)", overflow=ProtocolError)
         if not (table.dev[self.region] == (-1 if device is None else device)).all():
             raise ProtocolError(f"a destination pair's region is not on the lane's memory "
                                 f"({'host' if device is None else f'cuda:{device}'})")
