@@ -249,11 +249,20 @@ class Staging:
 
     def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         """Rows ``[begin, end)`` of ``rows`` into slot ``k`` from byte ``at``, back to back (may
-        be queued: :meth:`ready` before the slot is read)."""
+        be queued: :meth:`queued` then :meth:`ready` before the slot is read)."""
         raise NotImplementedError
 
-    def ready(self) -> None:
-        """Return once the copies queued into the slots are in place (host: they already are)."""
+    def queued(self, k: int) -> None:
+        """What was queued for slot ``k`` so far (its gather, its head) is what :meth:`is_ready`
+        and :meth:`ready` of ``k`` wait for (host: the copies are already done)."""
+
+    def is_ready(self, k: int) -> bool:
+        """The copies :meth:`queued` for slot ``k`` are in place (never blocks)."""
+        return True
+
+    def ready(self, k: Optional[int] = None) -> None:
+        """Return once the copies :meth:`queued` for slot ``k`` (None: every copy queued into
+        the slots) are in place (host: they already are)."""
 
     def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         """Slot ``k``'s bytes from ``at`` out to rows ``[begin, end)`` of ``rows``."""
@@ -365,6 +374,10 @@ class KernelStaging(Staging):
         self.ptr = self.buf.data_ptr()
         # strided copies run on a stream of their own, synchronized alone (never the whole device)
         self._stream = torch.cuda.Stream(self._torch_device) if self._torch_device.type == "cuda" else None
+        self._events: list = [None] * slots  # [slots] event after the copies last queued for each slot
+        # a slot's header goes from pinned memory: a copy from pageable memory would wait for the stream
+        self._heads = (torch.empty((slots, STRIDED_HEADER_BYTES), dtype=torch.uint8, pin_memory=True)
+                       if self._stream is not None else None)  # [slots, header bytes]
 
     @contextlib.contextmanager
     def _on_stream(self):
@@ -378,11 +391,20 @@ class KernelStaging(Staging):
             yield
 
     def _put(self, k: int, head, at: int = 0) -> None:
+        """``head`` (host bytes, or a tensor on this device) into slot ``k`` from ``at``, queued on
+        the current stream (what waits for the slot's copies waits for it). Host bytes of a
+        header go through slot ``k``'s pinned buffer, free again: the slot's earlier copies were
+        waited for before NIXL read it."""
         import torch
 
         at += k * self.slot_bytes
+        if isinstance(head, np.ndarray) and self._heads is not None and head.size <= self._heads.shape[1]:
+            pinned = self._heads[k, : head.size]
+            pinned.numpy()[:] = head
+            self.buf[at: at + head.size].copy_(pinned, non_blocking=True)
+            return
         src = torch.from_numpy(head) if isinstance(head, np.ndarray) else head
-        self.buf[at: at + src.numel()].copy_(src)  # write_head waits for it
+        self.buf[at: at + src.numel()].copy_(src)
 
     # -- strided writes ------------------------------------------------------------------------
 
@@ -420,11 +442,28 @@ class KernelStaging(Staging):
         with self._on_stream():
             super().write_strided_head(k, header, table)
 
-    def ready(self) -> None:
-        """Wait until what was queued for the slots (gather, head) is in place: this staging's
-        stream only."""
+    def queued(self, k: int) -> None:
+        """An event on the stream after what is queued so far, for slot ``k`` (one per slot, reused)."""
         if self._stream is not None:
+            import torch
+
+            if self._events[k] is None:
+                self._events[k] = torch.cuda.Event()
+            self._events[k].record(self._stream)
+
+    def is_ready(self, k: int) -> bool:
+        event = self._events[k]
+        return event is None or event.query()
+
+    def ready(self, k: Optional[int] = None) -> None:
+        """Wait until what was queued for slot ``k`` (None: for every slot) is in place: this
+        staging's stream only, never the whole device."""
+        if self._stream is None:
+            return
+        if k is None:
             self._stream.synchronize()
+        elif self._events[k] is not None:
+            self._events[k].synchronize()
 
     def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         """One launch, queued on the stream (the sender calls :meth:`ready` before its post)."""

@@ -4,12 +4,15 @@ A lane owns this side's staging (``slots`` x ``slot_bytes``, registered with NIX
 receiver's staging address (from its :class:`~transport.nixl_staged.wire.Welcome`) and a FIFO
 of jobs, the writes to that agent in the order ``write`` was called:
 
-- :class:`StagedTransfer`: rows cut into chunks (:func:`chunk_bounds`); a free slot takes the
-  next chunk: gather (:mod:`~transport.nixl_staged.copy`), header and row table, ONE NIXL
-  write of the slot into the receiver's slot carrying a :class:`~transport.nixl_staged.wire.Chunk`
-  notification. The slot is free again when the receiver's Credit says it scattered it. The
-  transfer is DONE when every chunk is credited (the receiver delivered ``notify`` before it
-  sent the last Credit).
+- :class:`StagedTransfer`: rows cut into chunks (:func:`chunk_bounds`); a free local slot
+  takes the next chunk: gather (:mod:`~transport.nixl_staged.copy`), header and row table;
+  once a slot of the receiver is free too, ONE NIXL write of the local slot into it carrying
+  a :class:`~transport.nixl_staged.wire.Chunk` notification. The local slot is free again as
+  soon as NIXL has read it (the write's request is DONE), the receiver's slot when its Credit
+  says it scattered it, so the next chunks are gathered while the receiver still scatters
+  (on a GPU: queued on the staging's stream, waited for by an event only when their write is
+  posted). The transfer is DONE when every chunk is credited (the receiver delivered
+  ``notify`` before it sent the last Credit).
 - :class:`StridedStagedTransfer`: a strided write (``P`` buffer pairs x ``S`` slots, rows
   pair-major) the same way, with host work O(P + S) per write: chunks are row ranges cut in
   O(P + chunks) (:func:`strided_bounds`), each gathered in one step per pair part (host) or
@@ -90,6 +93,18 @@ def strided_bounds(length: np.ndarray, slots: int, room: int) -> np.ndarray:
     if bounds[-1] != row:
         bounds.append(row)
     return np.asarray(bounds, dtype=np.int64)
+
+
+class _Gathered:
+    """A chunk in a local slot, waiting for a slot of the receiver: ``local`` its ``[k, 2]``
+    (address, bytes) ranges here, ``remote`` the same on the receiver relative to its slot's start."""
+
+    __slots__ = ("job", "index", "local_slot", "local", "remote", "kind")
+
+    def __init__(self, job: "_StagedJob", index: int, local_slot: int, local: np.ndarray, remote: np.ndarray,
+                 kind: type):
+        self.job, self.index, self.local_slot = job, index, local_slot
+        self.local, self.remote, self.kind = local, remote, kind
 
 
 class _Job(Transfer):
@@ -184,28 +199,34 @@ class _StagedJob(_Job):
     def __init__(self, peer, batch, notify: bytes):
         super().__init__(peer, batch, notify)
         self.seq = 0
+        self.gathered = 0  # chunks put in a local slot
         self.posted = 0  # chunks posted
         self.credited = 0  # chunks the receiver answered
         self.aborting = False
 
-    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
-        """Chunk ``posted`` into ``slot`` of ``lane``'s staging, in place for NIXL to read:
-        ``(local, remote, notification)``, the write's ``[k, 2]`` (address, bytes) ranges on
-        each side and its Chunk."""
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+        """Chunk ``index`` into local ``slot`` of ``lane``'s staging (copies that may still be
+        queued: ``lane.staging.ready(slot)`` before NIXL reads it)."""
         raise NotImplementedError
 
-    def note(self, kind: type, lane: "SenderLane", slot: int) -> Chunk:
-        """The notification of chunk ``posted`` in ``slot`` (the write's ``notify`` on the last)."""
-        last = self.posted + 1 == self.num_chunks
-        return kind(lane.id, self.seq, self.posted, self.num_chunks, slot, self._notify if last and self._notify else None)
+    def note(self, kind: type, lane: "SenderLane", slot: int, index: int) -> Chunk:
+        """The notification of chunk ``index`` in the receiver's ``slot`` (the write's ``notify`` on the last)."""
+        last = index + 1 == self.num_chunks
+        return kind(lane.id, self.seq, index, self.num_chunks, slot, self._notify if last and self._notify else None)
 
     @property
     def num_chunks(self) -> int:
         return int(self.bounds.size - 1)
 
     @property
+    def can_post(self) -> bool:
+        """Its chunks may still go (it is neither finished nor aborting)."""
+        return self.waiting and not self.aborting
+
+    @property
     def has_more(self) -> bool:
-        return self.waiting and not self.aborting and self.posted < self.num_chunks
+        """Chunks are left to gather."""
+        return self.can_post and self.gathered < self.num_chunks
 
     def on_credit(self, error: str) -> None:
         self.credited += 1
@@ -269,13 +290,13 @@ class StagedTransfer(_StagedJob):
             self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
         return self._adopted
 
-    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
-        a, b = int(self.bounds[self.posted]), int(self.bounds[self.posted + 1])
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+        a, b = int(self.bounds[index]), int(self.bounds[index + 1])
         length = self.length[a:b]
         rows, nbytes = b - a, int(length.sum())
         at = data_start(rows)
         staging = lane.staging
-        mine, theirs = staging.slot_ptr(slot), lane.remote_ptr + slot * lane.slot_bytes
+        mine = staging.slot_ptr(slot)
         wire = False
         if lane.src_device is None:  # host: rows that follow each other in memory form runs
             starts = np.flatnonzero(self.run_start[a:b])  # [runs] first row of each run (row a: always)
@@ -288,15 +309,15 @@ class StagedTransfer(_StagedJob):
             np.cumsum(length[:-1], out=offs[1:])
             run_bytes = np.diff(np.append(offs[starts], nbytes))  # [runs]
             local = np.stack([np.append(mine, self.src_addr[a + starts]), np.append(at, run_bytes)], axis=1)
-            remote = np.stack([np.append(theirs, theirs + at + offs[starts]), np.append(at, run_bytes)], axis=1)
+            remote = np.stack([np.append(0, at + offs[starts]), np.append(at, run_bytes)], axis=1)
         else:
             src, _, _, ln = (x[a:b] for x in self.adopted(staging))
             staging.gather(slot, at, src, ln)
             local = np.array([[mine, at + nbytes]], dtype=np.int64)  # [1, (address, bytes)]
-            remote = np.array([[theirs, at + nbytes]], dtype=np.int64)
+            remote = np.array([[0, at + nbytes]], dtype=np.int64)
         _, dst_offset, dst_region, ln = (x[a:b] for x in self.adopted(staging))
-        staging.write_head(slot, ChunkHeader(lane.id, self.seq, self.posted, rows, nbytes), dst_offset, dst_region, ln)
-        return local, remote, self.note(Chunk, lane, slot)
+        staging.write_head(slot, ChunkHeader(lane.id, self.seq, index, rows, nbytes), dst_offset, dst_region, ln)
+        return _Gathered(self, index, slot, local, remote, Chunk)
 
 
 class StridedStagedTransfer(_StagedJob):
@@ -316,28 +337,31 @@ class StridedStagedTransfer(_StagedJob):
         self._rows = None  # the source rows as the lane's staging copies them (its table uploaded once)
         self._head = None  # the destination table's bytes (uploaded once on a GPU)
 
-    def fill(self, lane: "SenderLane", slot: int) -> tuple[np.ndarray, np.ndarray, Chunk]:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
         staging = lane.staging
         if self._rows is None:  # once per write
             self._rows = staging.strided_rows(*self.src)
             self._head = staging.strided_table(self.dest.pack())
-        a, b = int(self.bounds[self.posted]), int(self.bounds[self.posted + 1])
+        a, b = int(self.bounds[index]), int(self.bounds[index + 1])
         nbytes = self._rows.offset_of(b) - self._rows.offset_of(a)
         staging.gather_strided(slot, self.at, self._rows, a, b)
-        header = StridedHeader(lane.id, self.seq, self.posted, self.num_chunks, a, b, nbytes, *self.shape)
+        header = StridedHeader(lane.id, self.seq, index, self.num_chunks, a, b, nbytes, *self.shape)
         staging.write_strided_head(slot, header, self._head)
-        staging.ready()  # the gather and the head are in the slot before NIXL reads it
+        staging.queued(slot)  # the gather and the head: ready(slot) waits for them
         size = self.at + nbytes
         local = np.array([[staging.slot_ptr(slot), size]], dtype=np.int64)  # [1, (address, bytes)]
-        remote = np.array([[lane.remote_ptr + slot * lane.slot_bytes, size]], dtype=np.int64)
-        return local, remote, self.note(StridedChunk, lane, slot)
+        remote = np.array([[0, size]], dtype=np.int64)
+        return _Gathered(self, index, slot, local, remote, StridedChunk)
 
 
 class _Slot:
-    __slots__ = ("job", "index", "handle")
+    """A chunk in flight in a slot of the receiver (until its Credit); ``local_slot`` until
+    NIXL has read it (its request DONE)."""
 
-    def __init__(self, job: _StagedJob, index: int, handle):
-        self.job, self.index, self.handle = job, index, handle
+    __slots__ = ("job", "index", "handle", "local_slot")
+
+    def __init__(self, job: _StagedJob, index: int, handle, local_slot: Optional[int]):
+        self.job, self.index, self.handle, self.local_slot = job, index, handle, local_slot
 
 
 class SenderLane:
@@ -357,17 +381,19 @@ class SenderLane:
         self.staging: Optional[Staging] = None
         self._reg = None  # NIXL registration of the staging
         self.remote_ptr = 0
-        self._free = deque(range(self.slots))
-        self._inflight: dict[int, _Slot] = {}  # slot -> chunk in flight (until its Credit)
+        self._free = deque(range(self.slots))  # the receiver's slots
+        self._free_local = deque(range(self.slots))  # this side's slots
+        self._gathered: deque[_Gathered] = deque()  # the head job's chunks in local slots, not posted yet
+        self._inflight: dict[int, _Slot] = {}  # receiver's slot -> chunk in flight (until its Credit)
         self._queue: deque[_Job] = deque()  # jobs still to post, in write order
-        self._handles: list = []  # finished-posting handles still to release (Hello, credited chunks)
+        self._handles: list = []  # (handle, local slot or None) still to release (Hello, credited chunks)
         self._seq = 0
         self.moves = 0  # chunks posted and answered so far (what a waiting write's pauses watch)
 
     @property
     def in_flight(self) -> bool:
-        """Chunks are posted and not yet answered."""
-        return bool(self._inflight)
+        """Chunks are gathered, or posted and not yet answered."""
+        return bool(self._inflight or self._gathered)
 
     @property
     def busy(self) -> bool:
@@ -425,18 +451,22 @@ class SenderLane:
         except Exception as exc:
             self.lose(f"peer {self.name!r}: could not send the staged Hello: {type(exc).__name__}: {exc}")
             return
-        self._handles.append(handle)
+        self._handles.append((handle, None))
         self.state = LaneState.OPENING
 
     def _refuse(self, why: str) -> None:
         self.state, self.error = LaneState.REFUSED, why
 
     def _post_ready(self) -> None:
-        """Post the head job's chunks into free slots (or a deferred write); the next job
-        starts when the head has finished."""
+        """Gather the head job's chunks into free local slots and post them into free slots of
+        the receiver (or post a deferred write); the next job starts when the head has finished.
+        A gathered chunk is posted once its copies are done, or at once (waiting for them) when
+        nothing more can be gathered meanwhile."""
         while self._queue:
             job = self._queue[0]
             job.start()
+            while self._gathered and not self._gathered[0].job.can_post:  # aborted or failed: nothing of it goes
+                self._free_local.append(self._gathered.popleft().local_slot)
             if job.finished:
                 self._queue.popleft()
             elif isinstance(job, DeferredWrite):
@@ -444,30 +474,40 @@ class SenderLane:
                     job.go_direct()
                 if job._inner.status() is TransferStatus.PENDING:
                     return
-            elif job.has_more and self._free:
-                if not self._post_chunk(job, self._free.popleft()):
+            elif self._gathered and self._free and (self.staging.is_ready(self._gathered[0].local_slot)
+                                                    or not (job.has_more and self._free_local)):
+                if not self._post_chunk(self._gathered.popleft(), self._free.popleft()):
                     return
+            elif job.has_more and self._free_local:
+                self._gathered.append(job.fill(self, self._free_local.popleft(), job.gathered))
+                job.gathered += 1
             else:
-                return  # no free slot, or every chunk posted: wait for Credits
+                return  # no free slot here or there, or every chunk posted: wait for NIXL and Credits
 
-    def _post_chunk(self, job: _StagedJob, slot: int) -> bool:
-        local, remote, note = job.fill(self, slot)
+    def _post_chunk(self, chunk: _Gathered, slot: int) -> bool:
+        job = chunk.job
+        self.staging.ready(chunk.local_slot)  # its copies are in place before NIXL reads it
+        remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)
         try:
-            handle, state = self._t._post_slot(self.name, local, self.src_device, remote, self.dst_device,
-                                               encode(note))
+            handle, state = self._t._post_slot(self.name, chunk.local, self.src_device, remote, self.dst_device,
+                                               encode(job.note(chunk.kind, self, slot, chunk.index)))
         except Exception as exc:
             self._free.appendleft(slot)
-            self.lose(f"peer {self.name!r}: could not post chunk {job.posted}: {type(exc).__name__}: {exc}")
+            self._free_local.append(chunk.local_slot)
+            self.lose(f"peer {self.name!r}: could not post chunk {chunk.index}: {type(exc).__name__}: {exc}")
             return False
-        self._inflight[slot] = _Slot(job, job.posted, handle)
+        self._inflight[slot] = _Slot(job, chunk.index, handle, chunk.local_slot)
         self.moves += 1
         job.posted += 1
         if state not in ("DONE", "PROC"):
-            self.lose(f"peer {self.name!r}: NIXL reported {state} when posting chunk {job.posted - 1}")
+            self.lose(f"peer {self.name!r}: NIXL reported {state} when posting chunk {chunk.index}")
             return False
         # NIXL sends a write's notification from its progress once the data is flushed: drive
-        # it now, so the receiver scatters this chunk while the next one is gathered
+        # it now, so the receiver scatters this chunk while the next one is gathered; and read
+        # the Credits that came meanwhile (a gather-ahead run must not hold them back)
         self._check_handles()
+        if self.state is LaneState.READY:
+            self._t._pump()
         return self.state is LaneState.READY
 
     def _check_handles(self) -> None:
@@ -480,23 +520,26 @@ class SenderLane:
             except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
                 self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
                 return
-            if state == "DONE":
+            if state == "DONE":  # NIXL has read the local slot: the next chunk may be gathered into it
                 self._t._release_handle(entry.handle)
-                entry.handle = None
+                self._free_local.append(entry.local_slot)
+                entry.handle = entry.local_slot = None
             elif state != "PROC":
                 self.lose(f"peer {self.name!r}: NIXL reported {state}")
                 return
         keep = []
-        for handle in self._handles:
+        for handle, local_slot in self._handles:
             try:
                 state = agent.check_xfer_state(handle)
             except Exception as exc:
                 self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
                 return
             if state == "PROC":
-                keep.append(handle)
+                keep.append((handle, local_slot))
             else:
                 self._t._release_handle(handle)
+                if local_slot is not None:
+                    self._free_local.append(local_slot)
         self._handles = keep
 
     # -- messages from the receiver ----------------------------------------------------------
@@ -519,7 +562,7 @@ class SenderLane:
             del self._inflight[msg.slot]
             self.moves += 1
             if entry.handle is not None:  # answered, so flushed: release once NIXL says so
-                self._handles.append(entry.handle)
+                self._handles.append((entry.handle, entry.local_slot))
             self._free.append(msg.slot)
             entry.job.on_credit(msg.error)
 
@@ -531,10 +574,11 @@ class SenderLane:
         t = self._t
         t._lost.setdefault(self.name, error)
         self.state, self.error = LaneState.LOST, error
-        handles = [e.handle for e in self._inflight.values() if e.handle is not None] + self._handles
+        handles = [e.handle for e in self._inflight.values() if e.handle is not None] + [h for h, _ in self._handles]
         t._draining.setdefault(self.name, []).extend(handles)
         jobs = [e.job for e in self._inflight.values()] + list(self._queue)
         self._inflight.clear()
+        self._gathered.clear()
         self._queue.clear()
         self._handles = []
         for job in jobs:
@@ -548,9 +592,10 @@ class SenderLane:
                 self._t._release_handle(entry.handle)
         for job in self._queue:
             job._cancel()
-        for handle in self._handles:
+        for handle, _ in self._handles:
             self._t._release_handle(handle)
         self._inflight.clear()
+        self._gathered.clear()
         self._queue.clear()
         self._handles = []
         if self._reg is not None:
