@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--lanes", type=_lanes, default=None, help="SLOTSxBYTES,... e.g. 4x128M,8x64M")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--progress-thread", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the sender over the timed writes")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     from transport.nixl import NixlConfig, NixlTransport
@@ -163,7 +164,13 @@ def main() -> None:
                                    np.random.default_rng(2).permutation(offs), np.full(n, block))
             times = {"staged": [], "blocks": []}
             calls = []
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile() if args.profile else None
             for i in range(args.iters + 1):
+                if prof is not None and i == 1:
+                    prof.enable()
                 rec.clear()
                 t0 = time.monotonic()
                 tr = ps.write_strided(sb, notify=b"kv")
@@ -178,6 +185,9 @@ def main() -> None:
                     calls.append(t1 - t0)
                 start = t0
             last = list(rec)
+            if prof is not None:
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             ts.close()
             td.close()
         finally:

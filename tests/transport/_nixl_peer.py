@@ -7,8 +7,8 @@ that the data was already in place when the notification was seen.
 
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
 The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
-:class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Bye`; from the
-parent :class:`Dump`, :class:`Deregister`, :class:`Quit`. A deregistered region can be freed
+:class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Paused`, :class:`Bye`; from the
+parent :class:`Dump`, :class:`Deregister`, :class:`Pause`, :class:`Quit`. A deregistered region can be freed
 (``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
 pool's would; dumping it afterwards is an error.
 """
@@ -69,6 +69,17 @@ class Deregister:
     region: int
     free: bool = False  # release the region's memory once deregistered
     force: bool = False  # deregister(force=True)
+
+
+@dataclass(frozen=True)
+class Paused:
+    pass
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Read no notification for ``seconds`` (NIXL's progress thread, if on, still runs)."""
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,9 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False, staged
                 break
             if isinstance(cmd, Dump):
                 conn.send(Dumped(buffers.read(ids.index(cmd.region))))
+            elif isinstance(cmd, Pause):
+                conn.send(Paused())
+                time.sleep(cmd.seconds)
             elif isinstance(cmd, Deregister):
                 start = time.monotonic()
                 try:

@@ -103,12 +103,12 @@ class Receiver:
     """A spawned NIXL receiver process and its pipe; notifications are collected as they come:
     ``notes`` holds (payload, digest seen at arrival), ``senders`` the sender of each."""
 
-    def __init__(self, sizes, env=None, cuda_device=None, staged=None):
+    def __init__(self, sizes, env=None, cuda_device=None, staged=None, progress_thread=False):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=_nixl_peer.serve, args=(child, list(sizes)),
-            kwargs={"env": env, "cuda_device": cuda_device, "staged": staged},
+            kwargs={"env": env, "cuda_device": cuda_device, "staged": staged, "progress_thread": progress_thread},
         )
         self.proc.start()
         child.close()
@@ -139,6 +139,11 @@ class Receiver:
                                      f"({exit_text(self.proc)})")
         assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
         return self.notes
+
+    def pause(self, seconds: float) -> None:
+        """The receiver reads no notification for ``seconds`` from now (its owner sleeps)."""
+        self.conn.send(_nixl_peer.Pause(seconds))
+        self._expect(_nixl_peer.Paused, 30.0)
 
     def dump(self, region) -> np.ndarray:
         self.conn.send(_nixl_peer.Dump(region))

@@ -22,8 +22,8 @@ def receiver():
     """A factory of NIXL receiver processes (:class:`Receiver`), stopped at teardown."""
     started = []
 
-    def start(sizes, env=None, cuda_device=None, staged=None):
-        r = Receiver(sizes, env, cuda_device, staged)
+    def start(sizes, env=None, cuda_device=None, staged=None, progress_thread=False):
+        r = Receiver(sizes, env, cuda_device, staged, progress_thread)
         started.append(r)
         return r
 

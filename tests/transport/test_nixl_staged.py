@@ -318,6 +318,44 @@ def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, re
 
 
 @STRIDED_OR_FLAT
+def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(writer, receiver, strided):
+    """The receiver's owner reads nothing for a while, its NIXL progress thread completes the
+    writes: local slots come free (NIXL read them) before any Credit, so the sender gathers
+    the next chunks ahead. An abort then: no gathered chunk is posted, nothing lands after
+    abort() returns, and every local slot is back (the lane's next write lands in full)."""
+    nbytes, slots = 16 * MiB, 4
+    rx = receiver([nbytes], env=TCP_ONLY, progress_thread=True)
+    t = writer(env=TCP_ONLY, staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=slots), peer_loss_timeout_s=20.0)
+    src, sid = host_region(t, nbytes, 8)
+    peer = t.connect(rx.export)
+    n = nbytes // 4096
+    rng = np.random.default_rng(8)
+    offs = np.arange(n, dtype=np.int64) * 4096
+    peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)  # the lane open and warm
+    rx.pause(1.5)
+    if strided:
+        tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, rng.permutation(n), rng.permutation(n)))
+    else:
+        tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
+    deadline = time.monotonic() + 1.0
+    while tr.gathered <= tr.posted and time.monotonic() < deadline:
+        tr.status()
+        time.sleep(0.01)
+    assert tr.credited == 0 and tr.posted == slots and tr.gathered > tr.posted, (tr.credited, tr.posted, tr.gathered)
+    tr.abort()  # returns once the paused receiver answered what was posted
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    assert tr.credited == tr.posted == slots  # the gathered chunks were never posted
+    at_abort = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte
+    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
+    fresh, fresh_id = host_region(t, nbytes, 9)
+    again = peer.write(wb(fresh_id, offs, 0, offs, 4096))
+    assert isinstance(again, StagedTransfer) and again.lane is tr.lane
+    again.wait(60)
+    assert_same(rx.dump(0), fresh, "destination after the lane's next write")
+
+
+@STRIDED_OR_FLAT
 def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver, strided):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0, strided=strided)
     start = time.monotonic()

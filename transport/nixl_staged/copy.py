@@ -252,6 +252,15 @@ class Staging:
         be queued: :meth:`queued` then :meth:`ready` before the slot is read)."""
         raise NotImplementedError
 
+    def stage_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, header: StridedHeader,
+                      table) -> None:
+        """A strided chunk into slot ``k`` (the sender's step): rows ``[begin, end)`` of ``rows``
+        from byte ``at``, the header and the destination table at its head, all of it
+        :meth:`queued` for ``k``."""
+        self.gather_strided(k, at, rows, begin, end)
+        self.write_strided_head(k, header, table)
+        self.queued(k)
+
     def queued(self, k: int) -> None:
         """What was queued for slot ``k`` so far (its gather, its head) is what :meth:`is_ready`
         and :meth:`ready` of ``k`` wait for (host: the copies are already done)."""
@@ -465,16 +474,29 @@ class KernelStaging(Staging):
         elif self._events[k] is not None:
             self._events[k].synchronize()
 
+    def stage_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, header: StridedHeader,
+                      table) -> None:
+        """:meth:`Staging.stage_strided` inside one stream context (entering it costs about
+        as much as the launch)."""
+        with self._on_stream():
+            self._launch_strided(k, at, rows, begin, end, gather=True)
+            Staging.write_strided_head(self, k, header, table)
+            self.queued(k)
+
     def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         """One launch, queued on the stream (the sender calls :meth:`ready` before its post)."""
-        self._strided(k, at, rows, begin, end, gather=True)
+        with self._on_stream():
+            self._launch_strided(k, at, rows, begin, end, gather=True)
 
     def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         """One launch; returns once its bytes are in place (before the Credit / notification)."""
-        self._strided(k, at, rows, begin, end, gather=False)
+        with self._on_stream():
+            self._launch_strided(k, at, rows, begin, end, gather=False)
         self.ready()
 
-    def _strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, gather: bool) -> None:
+    def _launch_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, gather: bool) -> None:
+        """The strided kernel between rows ``[begin, end)`` and slot ``k`` from ``at``, on the
+        stream (the caller made it current)."""
         from transport.nvlink.kernel import CopyPath, KernelConfig, Stage, StageMode, plan_launch, scatter_strided
 
         stage_at = self.slot_ptr(k) + at
@@ -482,9 +504,8 @@ class KernelStaging(Staging):
         path = CopyPath.VEC16 if not bits & 15 else CopyPath.VEC8 if not bits & 7 else CopyPath.BYTES
         plan = plan_launch(end - begin, int(rows.length.max()), path, KernelConfig())
         stage = Stage(StageMode.GATHER if gather else StageMode.SCATTER, stage_at, rows.offset_of(begin))
-        with self._on_stream():
-            scatter_strided(rows.table, rows.pairs, rows.slots, plan, self._torch_device, begin=begin, end=end,
-                            stage=stage, checked=True, stream=self._stream)
+        scatter_strided(rows.table, rows.pairs, rows.slots, plan, self._torch_device, begin=begin, end=end,
+                        stage=stage, checked=True, stream=self._stream)
 
     def _get(self, k: int, n: int) -> np.ndarray:
         at = k * self.slot_bytes

@@ -344,10 +344,8 @@ class StridedStagedTransfer(_StagedJob):
             self._head = staging.strided_table(self.dest.pack())
         a, b = int(self.bounds[index]), int(self.bounds[index + 1])
         nbytes = self._rows.offset_of(b) - self._rows.offset_of(a)
-        staging.gather_strided(slot, self.at, self._rows, a, b)
         header = StridedHeader(lane.id, self.seq, index, self.num_chunks, a, b, nbytes, *self.shape)
-        staging.write_strided_head(slot, header, self._head)
-        staging.queued(slot)  # the gather and the head: ready(slot) waits for them
+        staging.stage_strided(slot, self.at, self._rows, a, b, header, self._head)  # queued: ready(slot) waits
         size = self.at + nbytes
         local = np.array([[staging.slot_ptr(slot), size]], dtype=np.int64)  # [1, (address, bytes)]
         remote = np.array([[0, size]], dtype=np.int64)
