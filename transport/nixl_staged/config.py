@@ -23,10 +23,10 @@ class StagedNixlConfig:
         chunk (header, row table or destination table, gathered rows) per slot; the rows of a
         batch are cut into chunks that fit.
     cuda_slot_bytes: the same for a lane whose receiving side is CUDA memory. Each chunk pays
-        a fixed cost (the NIXL write and its notification, the receiver's header read, both
-        sides' launch and stream sync, the Credit back), so GPU lanes take large slots: on 2x
-        H200 a 5 GiB request went at 142 GB/s with 64 MiB slots and 266 GB/s with 128 MiB
-        (bench/RESULTS.md).
+        about 0.25-0.4 ms of the sender's host time (its gather's launch, header and table
+        queued: ~0.1 ms; the NIXL write: ~0.1-0.2 ms), which must stay below the chunk's time
+        on the wire, so GPU lanes take large slots: on 2x H200 a 5 GiB request went at
+        187-189 GB/s with 64 MiB slots and 279-338 GB/s with 128 MiB (bench/RESULTS.md).
     slots: staging slots per lane (>= 2, so that gather, wire and scatter overlap).
     wire_gather_bytes: host memory: a chunk whose source runs (rows that follow each other in
         memory and in the chunk) average at least this many bytes is not copied into the
