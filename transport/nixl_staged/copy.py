@@ -513,10 +513,16 @@ class KernelStaging(Staging):
 
     def adopt(self, *arrays) -> tuple:
         """``[n]`` int64 arrays of a write (sources, destinations, lengths) as tensors on this
-        device, uploaded once per write: a chunk's tables are then slices of them, built here."""
+        device, uploaded once per write on the stream: a chunk's tables are then slices of
+        them, built here. A sender's stream first waits for the work already queued on the
+        caller's current stream (what produced the source bytes)."""
         import torch
 
-        return tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self._torch_device) for a in arrays)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._torch_device))
+        with self._on_stream():
+            return tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self._torch_device)
+                         for a in arrays)
 
     def _tensor(self, a):
         import torch
@@ -524,21 +530,27 @@ class KernelStaging(Staging):
         return a if isinstance(a, torch.Tensor) else self.adopt(a)[0]
 
     def write_head(self, k: int, header: ChunkHeader, dst_offset, dst_region, length) -> None:
-        """The header from the host, the row table copied here from the write's adopted arrays."""
+        """The header from the host, the row table copied here from the write's adopted arrays,
+        on the stream, :meth:`queued` for slot ``k`` with the gather before them (never a
+        device-wide synchronize: the serving engine's own streams run on)."""
         import torch
 
-        self._put(k, header.pack())
-        n, at = header.rows, k * self.slot_bytes + CHUNK_HEADER_BYTES
-        self.buf[at: at + 8 * n].view(torch.int64).copy_(self._tensor(dst_offset))
-        self.buf[at + 8 * n: at + 12 * n].view(torch.int32).copy_(self._tensor(dst_region))
-        self.buf[at + 12 * n: at + 16 * n].view(torch.int32).copy_(self._tensor(length))
-        if self._torch_device.type == "cuda":  # in place before NIXL reads the slot
-            torch.cuda.synchronize(self._torch_device)
+        with self._on_stream():
+            self._put(k, header.pack())
+            n, at = header.rows, k * self.slot_bytes + CHUNK_HEADER_BYTES
+            self.buf[at: at + 8 * n].view(torch.int64).copy_(self._tensor(dst_offset))
+            self.buf[at + 8 * n: at + 12 * n].view(torch.int32).copy_(self._tensor(dst_region))
+            self.buf[at + 12 * n: at + 16 * n].view(torch.int32).copy_(self._tensor(length))
+            self.queued(k)
 
     def land(self, k: int, expect: tuple, table) -> ChunkHeader:
         """:meth:`Staging.land` with the rows read, checked and made into the kernel's row table
         on the device: the host reads the 64-byte header and a few scalars, never the rows (a
         chunk that fails a check goes through the host path, which names the first bad row)."""
+        with self._on_stream():
+            return self._land(k, expect, table)
+
+    def _land(self, k: int, expect: tuple, table) -> ChunkHeader:
         import torch
 
         header = ChunkHeader.parse(self._get(k, CHUNK_HEADER_BYTES), self.slot_bytes)
@@ -561,10 +573,14 @@ class KernelStaging(Staging):
         return header
 
     def gather(self, k: int, at: int, addr, length) -> None:
-        self._copy(k, at, self._tensor(addr), self._tensor(length), gather=True)
+        """Queued on the stream (:meth:`write_head` then marks the slot's copies :meth:`queued`)."""
+        with self._on_stream():
+            self._copy(k, at, self._tensor(addr), self._tensor(length), gather=True)
 
     def scatter(self, k: int, at: int, addr, length) -> None:
-        self._copy(k, at, self._tensor(addr), self._tensor(length), gather=False)
+        """Returns once the rows are in place."""
+        with self._on_stream():
+            self._copy(k, at, self._tensor(addr), self._tensor(length), gather=False)
 
     def _copy(self, k: int, at: int, addr, length, gather: bool, land_if=None) -> bool:
         """The row kernel between the rows at ``addr`` (``[n]`` int64 here) and slot ``k`` from
@@ -602,20 +618,19 @@ class KernelStaging(Staging):
 
     def _run(self, rows, longest: int, path, stage_at: int, gather: bool) -> None:
         """Launch the row kernel over ``rows`` (``[4, n]`` int64 here) in its gather or scatter
-        mode at staging address ``stage_at``; return once its bytes are in place."""
-        import torch
-
+        mode at staging address ``stage_at``, on the stream (the caller made it current); a
+        scatter returns once its bytes are in place (before the Credit / notification), a
+        gather is waited for through the slot's event (:meth:`ready`)."""
         from transport.nvlink.kernel import KernelConfig, Stage, StageMode, plan_launch, scatter_rows
 
         plan = plan_launch(int(rows.shape[1]), longest, path, KernelConfig())
         stage = Stage(StageMode.GATHER if gather else StageMode.SCATTER, stage_at, 0)
-        if self._torch_device.type == "cuda":
-            with torch.cuda.device(self._torch_device):
-                stream = torch.cuda.current_stream()
-                scatter_rows(rows, plan, self._torch_device, stage=stage, stream=stream)
-                stream.synchronize()  # the bytes are in place before NIXL reads them / the notification
-        else:
+        if self._stream is None:
             scatter_rows(rows, plan, "cpu", stage=stage)
+            return
+        scatter_rows(rows, plan, self._torch_device, stage=stage, stream=self._stream)
+        if not gather:
+            self._stream.synchronize()
 
 
 def make_staging(slots: int, slot_bytes: int, device: Optional[int]) -> Staging:
