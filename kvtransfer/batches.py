@@ -112,11 +112,12 @@ class BufferRegions:
 
 
 def _lookup(ids: np.ndarray, buffers: np.ndarray, side: str, part: BufferSet) -> np.ndarray:
-    """Region ids of ``buffers`` (plan buffer numbers) through one side's map."""
-    if buffers.size and int(buffers.max()) >= ids.size:
+    """Region ids of ``buffers`` (plan buffer numbers, >= 0) through one side's map."""
+    try:
+        return ids[buffers]
+    except IndexError:  # numpy checks every index: no pass of our own over them first
         raise ValueError(f"the plan names {part.value} buffer {int(buffers.max())} on the {side} side, "
-                         f"whose map holds {ids.size} buffers")
-    return ids[buffers]
+                         f"whose map holds {ids.size} buffers") from None
 
 
 def plan_batch(plan: TransferPlan, src: BufferRegions, dst: BufferRegions,

@@ -135,7 +135,7 @@ class TransferPlan:
     def num_runs(self) -> int:
         return int(self.run_src.size)
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return int(self.run_len.sum())
 
@@ -185,6 +185,8 @@ class TransferPlan:
         """
         if self.empty:
             return tuple(np.zeros(0, _I64) for _ in range(5))
+        if not self.sectioned and self.num_pairs * self.run_len.size <= SMALL_REQUEST:
+            return self._flatten_small()
         whole = self._whole
         parts = []
         if whole.all():  # one entry per (pair, run): every pair (full rows, as at equal TP)
@@ -199,6 +201,35 @@ class TransferPlan:
             order = np.lexsort((out[1], out[0]))  # by (src buffer, src offset): touching ranges adjacent
             out = _merge_touching(*(a[order] for a in out))
         return tuple(out)
+
+    def _flatten_small(self):
+        """:meth:`flatten` of a small plan without sectioned pages, in Python ints (numpy's cost
+        per call would dominate): the same entries in the same order."""
+        src_buf, src_base, src_row, src_page, dst_buf, dst_base, dst_row, dst_page, length = (
+            getattr(self, name).tolist() for name in _PAIR_FIELDS)
+        runs = list(zip(self.run_src.tolist(), self.run_dst.tolist(), self.run_len.tolist()))
+        tokens = None
+        out = ([], [], [], [], [])
+        sps, dps = self.src_page_size, self.dst_page_size
+        whole = [n == a == b for n, a, b in zip(length, src_row, dst_row)]
+        order = [b for b in range(len(length)) if whole[b]] + [b for b in range(len(length)) if not whole[b]]
+        for b in order:  # whole-row pairs first, as _expand's parts
+            if whole[b]:  # one entry per run
+                slots = runs
+            else:  # one entry per token
+                if tokens is None:
+                    tokens = [(s + i, d + i, 1) for s, d, k in runs for i in range(k)]
+                slots = tokens
+            sb, sbase, srow, spage, db, dbase, drow, dpage, n = (src_buf[b], src_base[b], src_row[b], src_page[b],
+                                                                 dst_buf[b], dst_base[b], dst_row[b], dst_page[b],
+                                                                 length[b])
+            for s, d, k in slots:
+                out[0].append(sb)
+                out[1].append((s // sps) * spage + (s % sps) * srow + sbase)
+                out[2].append(db)
+                out[3].append((d // dps) * dpage + (d % dps) * drow + dbase)
+                out[4].append(n * k)
+        return tuple(np.array(a, dtype=_I64) for a in out)
 
     def strided(self):
         """The plan as buffer pairs x token slots (``transport.base.StridedBatch``'s fields):
@@ -546,9 +577,29 @@ class _Side:
         return cls(layout.state_page_size, layout.state_num_slots, layout.state_page_size)
 
 
+_RECENT: dict = {}  # (id(src), id(dst), part) -> (src, dst, table): the last layouts asked, by identity
+_RECENT_MAX = 64
+
+
+def _pair_table_of(src: RankLayout, dst: RankLayout, part: BufferSet) -> dict:
+    """:func:`_pair_table`, looked up by the layouts' identity first: a manager plans every
+    request of a pair with the same two objects, and hashing a layout (every field, tuples of
+    specs) costs more than the rest of a small request's plan. The entry holds both layouts, so
+    their ids cannot be reused while it exists."""
+    key = (id(src), id(dst), part)
+    hit = _RECENT.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    table = _pair_table(src, dst, part)
+    if len(_RECENT) >= _RECENT_MAX:
+        _RECENT.clear()
+    _RECENT[key] = (src, dst, table)
+    return table
+
+
 def _build(part: BufferSet, src: RankLayout, dst: RankLayout, src_slots, dst_slots, src_side: _Side,
            dst_side: _Side, sectioned: bool = False) -> TransferPlan:
-    table = _pair_table(src, dst, part)
+    table = _pair_table_of(src, dst, part)
     s, s_owned = _slots("src_slots", src_slots, src_side.slots_lo, src_side.slots_hi)
     d, d_owned = _slots("dst_slots", dst_slots, dst_side.slots_lo, dst_side.slots_hi)
     if s.size != d.size:

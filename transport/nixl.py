@@ -12,9 +12,9 @@ envelope of :func:`transport.base.pack_descriptor` with two extra fields::
 
 A write is ONE NIXL transfer request: the batch's five parallel arrays become two ``[n, 3]``
 uint64 descriptor arrays ``(address, length, device)`` (no Python loop per entry) handed to
-``initialize_xfer``. The notification rides on that request, and NIXL's UCX backend sends it
-only after the request's data is flushed to the target, so a delivered notification means its
-bytes have landed.
+``initialize_xfer``, or block indices into prepared lists (below). The notification rides on
+that request, and NIXL's UCX backend sends it only after the request's data is flushed to the
+target, so a delivered notification means its bytes have landed.
 
 Staged writes (:mod:`transport.nixl_staged`, ``NixlConfig.staged``): a batch of many small
 ranges (``StagedNixlConfig.wants``) is gathered into a registered staging lane and written as
@@ -25,11 +25,14 @@ the write's notification over. ``NixlPeer.write_strided`` stages a factored batc
 the peer takes a large plan's factored form (``takes_strided``), and kvtransfer hands it that. Every
 other batch is the one request described here.
 
-Descriptor strategy: lists of descriptors built from numpy arrays, not NIXL's prepared lists
-(``prep_xfer_dlist`` / ``make_prepped_xfer``). Prepared lists saved at most ~2 % of a 1 GiB
-write's time on loopback, inside the run-to-run noise of the transfer itself, and only when the
-exact block layout repeats; they cannot express the arbitrary (offset, length) entries of a
-WriteBatch without preparing one descriptor per possible block (figures: bench/RESULTS.md).
+Descriptor strategy: a direct write whose offsets and lengths share a power-of-two granule,
+within ``nixl_prepped.MAX_INDICES`` blocks of it, is made from block indices into strided lists
+prepared once per (memory kind, granule) -- one for this agent's regions, one per peer snapshot
+(``prep_xfer_dlist`` / ``make_prepped_xfer``; :mod:`transport.nixl_prepped`, with when each
+list is released); NIXL merges consecutive blocks back into one descriptor. Any other batch
+(large writes of many blocks) is two descriptor arrays built from numpy as above and
+``initialize_xfer``: for those the lists save nothing measurable (~2 % of a 1 GiB write's time
+on loopback, inside the run-to-run noise; figures: bench/RESULTS.md).
 
 Progress thread (default OFF; figures from ``kvtransfer bench transport``: bench/RESULTS.md).
 On two cores the progress thread competes with the pollers for a core and costs 1.5-4x. With
@@ -110,6 +113,7 @@ from transport.base import (
     pack_descriptor,
     unpack_descriptor,
 )
+from transport.nixl_prepped import MAX_INDICES, PreparedLists, prepped_indices, shape_of
 from transport.nixl_revoke import Holders, Holds
 from transport.revocation import wire as revoke_wire
 from transport.nixl_staged import wire as staged_wire
@@ -351,6 +355,8 @@ class NixlPeer(Peer):
         self._pending: "weakref.WeakSet[NixlTransfer]" = weakref.WeakSet()
         self._closed: Optional[str] = None  # why writes are refused, once closed or replaced
         self._hold_seq = 0  # the Hold sent for this snapshot (transport.nixl_revoke): direct writes wait for its ack
+        self._prepared = PreparedLists(transport._agent_checked, name, self._live_regions,
+                                       list(transport.config.backends))  # transport.nixl_prepped
 
     def takes_strided(self, entries: int) -> bool:
         """With the staged mode on, a batch of at least its ``min_rows`` ranges: :meth:`write_strided`
@@ -471,6 +477,8 @@ class NixlPeer(Peer):
         try:
             if len(batch) == 0:  # notification only: one scratch byte carries it (see _SCRATCH_BYTES)
                 handle, state = transport._post_notify(self.name, self._scratch_ptr, notif)
+            elif (prepped := self._prepped(batch)) is not None:  # indices into lists prepared once
+                handle, state = transport._post_prepped(self.name, *prepped, notif)
             else:
                 local, local_mem = transport._table().descs(batch.src_region, batch.src_offset, batch.length, "source")
                 remote, remote_mem = self._table.descs(batch.dst_region, batch.dst_offset, batch.length,
@@ -490,6 +498,33 @@ class NixlPeer(Peer):
             self._pending.add(t)
         return t
 
+    def _prepped(self, batch: WriteBatch) -> Optional[tuple]:
+        """``(local list, local indices, remote list, remote indices)`` of a checked, non-empty
+        batch through prepared lists (:mod:`transport.nixl_prepped`), or None: descriptors."""
+        if self._closed:  # a write queued before this snapshot closed: no list is prepared for it any more
+            return None
+        transport = self._transport
+        local_mem = "DRAM" if transport._table().listed[1][int(batch.src_region[0])] < 0 else "VRAM"
+        remote_mem = "DRAM" if self._table.listed[1][int(batch.dst_region[0])] < 0 else "VRAM"
+        granule, nbytes, rows = shape_of(batch)
+        finest = self._prepared.finest(remote_mem)  # a list that exists serves a multiple of its granule
+        if finest is not None and finest <= granule and nbytes // finest <= MAX_INDICES:
+            granule = finest
+        if nbytes // granule > MAX_INDICES:
+            return None
+        local = transport._prepared.get(local_mem, granule)
+        remote = self._prepared.get(remote_mem, granule) if local is not None else None
+        if remote is None:
+            return None
+        indices = prepped_indices(batch, rows, local, remote)
+        return None if indices is None else (local, indices[0], remote, indices[1])
+
+    def _live_regions(self) -> Mapping[int, Region]:
+        """The regions of this snapshot a prepared list may name: not revoked since."""
+        holds = self._transport._holds
+        return {rid: reg for rid, reg in self.regions.items()
+                if holds.check(self.name, np.array([rid], dtype=np.int64)) is None}
+
     def close(self) -> None:
         self._close(drain=True)
 
@@ -501,12 +536,14 @@ class NixlPeer(Peer):
         for t in list(self._pending):
             t.abort() if drain else t._cancel()
         self._pending = weakref.WeakSet()
+        self._prepared.release()
         self._transport._forget_peer(self)
 
     def _retire(self) -> None:
         """A newer export of the same agent was connected: refuse new writes, let pending ones finish."""
         if not self._closed:
             self._closed = "closed (replaced by a newer connect to the same agent)"
+        self._prepared.release()
 
 
 class NixlTransport(Transport):
@@ -573,6 +610,8 @@ class NixlTransport(Transport):
         self._holders = Holders(self)  # who holds this transport's export
         self._pumping = False
         self._last_pump = 0.0
+        self._prepared = PreparedLists(self._agent_checked, None, lambda: self._registry.view,
+                                       list(config.backends))  # this agent's regions (transport.nixl_prepped)
 
     # -- regions --------------------------------------------------------------------------
 
@@ -587,7 +626,9 @@ class NixlTransport(Transport):
             raise TransportError(
                 f"NIXL could not register {mem} [{ptr:#x}, +{length}) device {device}: {type(exc).__name__}: {exc}"
             ) from exc
-        return self._registry.add(ptr, length, device, handle=reg).region_id
+        region_id = self._registry.add(ptr, length, device, handle=reg).region_id
+        self._prepared.release()  # the lists lack the new region: prepared again on next use
+        return region_id
 
     def deregister(self, region_id: int, force: bool = False) -> None:
         """Forget a region once no peer can write into it: it is revoked from every peer that
@@ -607,6 +648,7 @@ class NixlTransport(Transport):
         self._release_region(region_id)
 
     def _release_region(self, region_id: int) -> None:
+        self._prepared.release()  # they refer to the registration NIXL is about to let go
         reg = self._registry.remove(region_id)
         self._agent_checked().deregister_memory(reg, backends=list(self.config.backends))
 
@@ -654,6 +696,7 @@ class NixlTransport(Transport):
                 raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
             raise PeerDescriptorError(f"peer agent {name!r} has this transport's name: agent names must be unique "
                                       "(NixlConfig.agent_name)")
+        self._release_prepared(name)  # lists of the metadata loaded now (again): prepared afresh
         try:  # NIXL updates an agent it already knows in place: pending writes keep going
             loaded = agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -701,6 +744,7 @@ class NixlTransport(Transport):
             except Exception:
                 pass
         self._receiver.close()
+        self._prepared.release()
         for rid in list(self._registry.view):
             try:
                 self._release_region(rid)  # holders were told (revoke_all): see transport.nixl_revoke, 4.
@@ -746,12 +790,23 @@ class NixlTransport(Transport):
               notif: bytes) -> tuple:
         """Post one NIXL write request of ``[n, 3]`` descriptor arrays; (handle, state), or
         TransportError naming NIXL's refusal (the handle released)."""
+        return self._submit(lambda agent: agent.initialize_xfer(
+            "WRITE", agent.get_xfer_descs(local, local_mem), agent.get_xfer_descs(remote, remote_mem), name, notif,
+            backends=list(self.config.backends)))
+
+    def _post_prepped(self, name: str, local, local_indices, remote, remote_indices, notif: bytes) -> tuple:
+        """Post one NIXL write request made from indices into prepared lists
+        (:mod:`transport.nixl_prepped`; ``name`` is ``remote``'s agent); as :meth:`_post`."""
+        return self._submit(lambda agent: agent.make_prepped_xfer(
+            "WRITE", local.handle, local_indices, remote.handle, remote_indices, notif,
+            backends=list(self.config.backends)))
+
+    def _submit(self, make) -> tuple:
+        """``make(agent)``'s request, posted: (handle, state), or TransportError (the handle released)."""
         agent = self._agent_checked()
         handle = None
         try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, local_mem),
-                                           agent.get_xfer_descs(remote, remote_mem), name, notif,
-                                           backends=list(self.config.backends))
+            handle = make(agent)
             return handle, agent.transfer(handle)
         except Exception as exc:
             if handle is not None:
@@ -836,6 +891,9 @@ class NixlTransport(Transport):
             return
         if control is not None:
             self._holds.handle(sender, control)
+            if isinstance(control, (revoke_wire.Revoke, revoke_wire.Closed)) or (
+                    isinstance(control, revoke_wire.HoldAck) and control.gone):
+                self._release_prepared(sender)  # they name regions of it that are revoked now
             return
         try:
             msg = staged_wire.decode(raw)
@@ -867,9 +925,15 @@ class NixlTransport(Transport):
             self._draining[name] = left
         return len(left)
 
+    def _release_prepared(self, name: str) -> None:
+        """Release the prepared lists of every snapshot of the remote agent ``name``."""
+        for peer in self._snapshots(name):
+            peer._prepared.release()
+
     def _remove_remote(self, name: str) -> None:
         if self._agent is None:
             return
+        self._release_prepared(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception:  # already invalidated (e.g. after a disconnect)
