@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from kvtransfer._args import positive_int
-from kvtransfer.serve.http import free_port
+from kvtransfer.serve.http import client_limits, free_port
 
 PROMPTS = (
     "What is the capital of France?",
@@ -196,7 +196,7 @@ async def _ask(client, url: str, prompt: str, max_tokens: int, verify: bool) -> 
 async def _run(args, logdir: str, servers: dict, start: float) -> int:
     import httpx
 
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(limits=client_limits()) as client:
         print("starting the nodes (first use also dequantizes SmolLM2 once, ~15 s):", flush=True)
         await launch(client, args, logdir, servers, True, start)
         prompts = list(PROMPTS[:args.prompts])
@@ -211,11 +211,22 @@ async def _run(args, logdir: str, servers: dict, start: float) -> int:
                                                          False))
                 o.text, o.extra = disagg["choices"][0]["message"]["content"], disagg["kvtransfer"]
                 o.reference = colo["choices"][0]["message"]["content"]
-            except (DemoFailed, httpx.HTTPError) as exc:
-                o.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DemoFailed) else str(exc)
+            except DemoFailed as exc:
+                o.error = str(exc)
+            except httpx.HTTPError as exc:
+                o.error = _http_error(exc)
 
         await asyncio.gather(*(one(o) for o in outcomes))
     return _report(args, outcomes, start)
+
+
+def _http_error(exc) -> str:
+    """An httpx error as one line naming the URL (a connection error's own text may be empty)."""
+    try:
+        where = f" from {exc.request.url}"
+    except RuntimeError:  # no request attached
+        where = ""
+    return f"{type(exc).__name__}{where}: {str(exc) or 'the connection failed with no message'}"
 
 
 def _report(args, outcomes: List[Outcome], start: float) -> int:

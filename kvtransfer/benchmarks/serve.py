@@ -142,10 +142,12 @@ async def run_load(url: str, works: List[Work], concurrency: Optional[int], rate
     """Every request of ``works`` against ``url``; (samples, wall seconds)."""
     import httpx
 
+    from kvtransfer.serve.http import client_limits
+
     samples = [Sample() for _ in works]
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency or len(works))
-    limits = httpx.Limits(max_connections=len(works) + 4, max_keepalive_connections=len(works) + 4)
+    limits = client_limits(max_connections=len(works) + 4, max_keepalive_connections=len(works) + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         async def go(i: int) -> None:
             async with gate:
@@ -248,6 +250,7 @@ def _parser() -> argparse.ArgumentParser:
 async def _main(args, argv) -> int:
     from kvtransfer.demo import DemoFailed, launch, stop_all
     from kvtransfer.models import registry
+    from kvtransfer.serve.http import client_limits
 
     servers: dict = {}
     try:
@@ -258,7 +261,7 @@ async def _main(args, argv) -> int:
 
             logdir = tempfile.mkdtemp(prefix="kvtransfer-bench-serve-")
             print(f"starting the nodes (logs in {logdir})", file=sys.stderr, flush=True)
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(limits=client_limits()) as client:
                 await launch(client, args, logdir, servers, False, time.monotonic())
             router, colocated = servers["router"].url, servers["colocated"].url
         works = workload(tokenizer, args.requests, args.prompt_tokens, args.output_tokens, args.seed)

@@ -1,5 +1,12 @@
 """What the nodes and the router share over HTTP: the uvicorn server, its listening socket,
-and the ``/metrics`` and ``/v1/models`` routes."""
+the ``/metrics`` and ``/v1/models`` routes, and the keep-alive rule of their clients.
+
+Keep-alive: a server closes a connection idle for :data:`SERVER_KEEP_ALIVE_S`; our clients
+(the router towards the nodes, the demo, ``bench serve``) drop theirs after
+:data:`CLIENT_KEEPALIVE_EXPIRY_S`, well before. With equal times (uvicorn's and httpx's
+defaults are both 5 s) a client can send a request on a connection the server is closing at
+that moment, and the request fails with a bare ``ReadError``; a starved machine widens that
+window."""
 
 from __future__ import annotations
 
@@ -12,7 +19,19 @@ from fastapi.responses import Response
 
 from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
 
-__all__ = ["UsageError", "add_metrics_and_models", "free_port", "http_server", "port_socket"]
+__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "SERVER_KEEP_ALIVE_S", "UsageError", "add_metrics_and_models",
+           "client_limits", "free_port", "http_server", "port_socket"]
+
+SERVER_KEEP_ALIVE_S = 75  # a node or the router closes an HTTP connection idle this long
+CLIENT_KEEPALIVE_EXPIRY_S = 15.0  # our clients drop an idle connection this soon (module doc)
+
+
+def client_limits(**limits):
+    """``httpx.Limits`` for a client of the nodes or the router: ``limits`` (connection counts)
+    and the keep-alive expiry of the module doc."""
+    import httpx
+
+    return httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S, **limits)
 
 
 class UsageError(ValueError):
@@ -86,4 +105,5 @@ def http_server(app):
                 for sig, handler in old.items():
                     signal.signal(sig, handler)
 
-    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                 timeout_keep_alive=SERVER_KEEP_ALIVE_S))

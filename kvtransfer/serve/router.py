@@ -38,7 +38,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+from kvtransfer.serve.http import UsageError, add_metrics_and_models, client_limits, http_server, port_socket
 from kvtransfer.serve.metrics import RouterMetrics
 from kvtransfer.serve.openai_api import error_body, sse
 
@@ -139,7 +139,7 @@ class Router:
 
     async def start(self, timeout_s: float) -> None:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(NODE_TIMEOUT_S, connect=5.0),
-                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+                                        limits=client_limits(max_connections=1024, max_keepalive_connections=64))
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             while True:

@@ -4,10 +4,13 @@ pages of 16 -> decode TP 1 pages of 64) serves the whole module."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtransfer.serve.http import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S, client_limits
 from tests.serve._cluster import Cluster, chat, sse_events
 
 
@@ -118,6 +121,24 @@ def test_health_info_and_models(cluster):
     assert info["role"] == "prefill" and info["tp"] == 2 and info["bootstrap"].endswith(str(cluster.ports["bootstrap"]))
     assert len(info["ranks"]) == 2
     assert httpx.get(f"{cluster.url('router')}/v1/models").json()["data"][0]["id"] == "tiny-mla"
+
+
+def test_an_idle_connection_outlives_the_old_five_second_keep_alive(cluster):
+    """The servers keep an idle connection longer than our clients do (kvtransfer.serve.http):
+    after 6 s idle (past uvicorn's and httpx's equal 5 s defaults, whose race fails a request
+    with a bare ReadError) the router still holds it and our client sends on the same one."""
+    def port(resp) -> int:
+        return resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+    with httpx.Client(limits=client_limits()) as client:
+        first = client.get(f"{cluster.url('router')}/health")
+        before = port(first)
+        time.sleep(6.0)
+        second = client.get(f"{cluster.url('router')}/health")
+        after = port(second)
+    assert first.status_code == second.status_code == 200
+    assert before == after, "the connection was closed while idle"
+    assert SERVER_KEEP_ALIVE_S > CLIENT_KEEPALIVE_EXPIRY_S
 
 
 def test_metrics_count_what_was_sent(cluster):
