@@ -214,6 +214,10 @@ class _RegionTable:
             self.dev[rid] = -1 if reg.device is None else reg.device
         self.listed = (self.ptr.tolist(), self.dev.tolist())  # the same as Python ints, for small batches
 
+    def mem_of(self, region_id: int) -> str:
+        """NIXL's memory type of region ``region_id`` (a checked id)."""
+        return "DRAM" if self.listed[1][region_id] < 0 else "VRAM"
+
     def descs(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> tuple[np.ndarray, str]:
         """Return the ``[n, 3]`` uint64 (address, length, device) array and its NIXL memory type."""
         if 0 < region.size <= SMALL_BATCH:  # a small request's batch: Python ints beat numpy's cost per call
@@ -504,8 +508,8 @@ class NixlPeer(Peer):
         if self._closed:  # a write queued before this snapshot closed: no list is prepared for it any more
             return None
         transport = self._transport
-        local_mem = "DRAM" if transport._table().listed[1][int(batch.src_region[0])] < 0 else "VRAM"
-        remote_mem = "DRAM" if self._table.listed[1][int(batch.dst_region[0])] < 0 else "VRAM"
+        local_mem = transport._table().mem_of(int(batch.src_region[0]))
+        remote_mem = self._table.mem_of(int(batch.dst_region[0]))
         granule, nbytes, rows = shape_of(batch)
         finest = self._prepared.finest(remote_mem)  # a list that exists serves a multiple of its granule
         if finest is not None and finest <= granule and nbytes // finest <= MAX_INDICES:

@@ -422,8 +422,6 @@ class KernelStaging(Staging):
         same rows on both of its sides, so one table serves the gather and the scatter) uploaded
         on this staging's stream, once per write. A sender's stream first waits for the work
         already queued on the caller's current stream (what produced the source bytes)."""
-        import torch
-
         rows = StridedRows(addr, stride, length, slot)
         p, n = rows.pairs, rows.slots
         table = np.empty(6 * p + 2 * n, dtype=np.int64)  # [6 P + 2 S] (transport.nvlink.kernel, "Strided table")
@@ -432,10 +430,7 @@ class KernelStaging(Staging):
         table[5 * p + n: 5 * p + 2 * n] = slot
         table[5 * p + 2 * n:] = rows.pair_offset
         rows.bits = int(np.bitwise_or.reduce(table[: 5 * p])) | int(np.bitwise_or.reduce(rows.pair_offset))
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self._torch_device))
-        with self._on_stream():
-            rows.table = torch.from_numpy(table).to(self._torch_device, non_blocking=False)
+        (rows.table,) = self._upload(table)
         return rows
 
     def strided_table(self, table: np.ndarray):
@@ -516,6 +511,12 @@ class KernelStaging(Staging):
         device, uploaded once per write on the stream: a chunk's tables are then slices of
         them, built here. A sender's stream first waits for the work already queued on the
         caller's current stream (what produced the source bytes)."""
+        return self._upload(*arrays)
+
+    def _upload(self, *arrays) -> tuple:
+        """int64 host arrays as tensors on this device, uploaded on the stream once it waited
+        for the work already queued on the caller's current stream (what produced a sender's
+        source bytes)."""
         import torch
 
         if self._stream is not None:
