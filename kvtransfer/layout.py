@@ -279,6 +279,19 @@ class RankLayout:
         if self.state_kind is not StateKind.NONE and not (self.state_tensors and self.state_layer_ids):
             raise ValueError(f"state kind {self.state_kind.value} needs state tensors and layer ids")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: plans are cached per layout pair, and hashing every
+        field (tuples of specs) cost more than the rest of a small request's plan."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash (another process hashes strings differently)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # -- numbering -------------------------------------------------------------------
     @property
     def num_kv_buffers(self) -> int:

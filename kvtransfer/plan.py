@@ -577,29 +577,9 @@ class _Side:
         return cls(layout.state_page_size, layout.state_num_slots, layout.state_page_size)
 
 
-_RECENT: dict = {}  # (id(src), id(dst), part) -> (src, dst, table): the last layouts asked, by identity
-_RECENT_MAX = 64
-
-
-def _pair_table_of(src: RankLayout, dst: RankLayout, part: BufferSet) -> dict:
-    """:func:`_pair_table`, looked up by the layouts' identity first: a manager plans every
-    request of a pair with the same two objects, and hashing a layout (every field, tuples of
-    specs) costs more than the rest of a small request's plan. The entry holds both layouts, so
-    their ids cannot be reused while it exists."""
-    key = (id(src), id(dst), part)
-    hit = _RECENT.get(key)
-    if hit is not None and hit[0] is src and hit[1] is dst:
-        return hit[2]
-    table = _pair_table(src, dst, part)
-    if len(_RECENT) >= _RECENT_MAX:
-        _RECENT.clear()
-    _RECENT[key] = (src, dst, table)
-    return table
-
-
 def _build(part: BufferSet, src: RankLayout, dst: RankLayout, src_slots, dst_slots, src_side: _Side,
            dst_side: _Side, sectioned: bool = False) -> TransferPlan:
-    table = _pair_table_of(src, dst, part)
+    table = _pair_table(src, dst, part)  # cached per pair (a layout's hash is computed once)
     s, s_owned = _slots("src_slots", src_slots, src_side.slots_lo, src_side.slots_hi)
     d, d_owned = _slots("dst_slots", dst_slots, dst_side.slots_lo, dst_side.slots_hi)
     if s.size != d.size:

@@ -371,3 +371,18 @@ def test_a_decoded_layout_that_contradicts_itself_is_refused(field, value, match
         spec[field] = value
     with pytest.raises(LayoutMismatch, match=match):
         RankLayout.from_msgpack(msgpack.packb(body))
+
+
+def test_a_layouts_cached_hash_matches_its_fields_and_is_not_pickled():
+    """The hash is computed once per object (plans are cached per layout pair) and equals a
+    fresh equal layout's; a pickled copy (another process, another string hash seed) carries
+    no cached value and hashes its own fields."""
+    import pickle
+
+    make = lambda rank: RankLayout.attention(PoolKind.MHA, tp_rank=rank, tp_size=2, page_size=16,  # noqa: E731
+                                             layer_ids=range(4), dtype="bfloat16", head_dim=128, num_slots=64,
+                                             total_heads=8)
+    a = make(0)
+    assert hash(a) == hash(make(0)) and a == make(0) and hash(a) != hash(make(1))
+    copy = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in copy.__dict__ and copy == a and hash(copy) == hash(a)
