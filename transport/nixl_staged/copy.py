@@ -379,10 +379,13 @@ class KernelStaging(Staging):
         super().__init__(slots, slot_bytes)
         self._torch_device = torch.device(device)
         self.device = self._torch_device.index if self._torch_device.type == "cuda" else None
-        self.buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self._torch_device)  # [slots * slot_bytes]
-        self.ptr = self.buf.data_ptr()
-        # strided copies run on a stream of their own, synchronized alone (never the whole device)
+        # the copies run on a stream of their own, synchronized alone (never the whole device);
+        # the buffer is allocated for it (a block of another stream could still be written there)
         self._stream = torch.cuda.Stream(self._torch_device) if self._torch_device.type == "cuda" else None
+        with self._on_stream():
+            self.buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self._torch_device)  # [slots * slot_bytes]
+        self.ready()  # zeroed before a peer can write into it
+        self.ptr = self.buf.data_ptr()
         self._events: list = [None] * slots  # [slots] event after the copies last queued for each slot
         # a slot's header goes from pinned memory: a copy from pageable memory would wait for the stream
         self._heads = (torch.empty((slots, STRIDED_HEADER_BYTES), dtype=torch.uint8, pin_memory=True)

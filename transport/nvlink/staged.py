@@ -199,6 +199,8 @@ class StagedLane:
         if self.buffer_bytes >= nbytes:
             return
         self.synchronize()
+        for device in (self.local, self.peer):  # a reused block may still be written by work queued there
+            torch.cuda.current_stream(device).synchronize()
         size = -(-max(nbytes, self._config.chunk_bytes) // (2 << 20)) * (2 << 20)
         self._bufs = []  # drop the old buffers before allocating the new ones
         self._bufs = [

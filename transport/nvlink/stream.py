@@ -57,12 +57,15 @@ class CopyStream:
         return self._stream
 
     def _table_on(self, host, device: int, stream):
-        """``host`` copied to ``device`` on ``stream``. The pinned ``host`` must outlive the
-        copy: transfers keep it until their event completes, failed ones too (buried)."""
+        """``host`` copied to ``device`` on ``stream``, into memory allocated for ``stream``: the
+        caching allocator orders a block's reuse only on the stream it was allocated for, so a
+        block of the caller's stream could still be written by work queued there, which this
+        copy does not wait for. The pinned ``host`` must outlive the copy: transfers keep it
+        until their event completes, failed ones too (buried)."""
         import torch
 
-        table = torch.empty(host.shape, dtype=host.dtype, device=torch.device("cuda", device))
-        table.record_stream(stream)  # the allocator reuses it only once the stream is past this point
+        with torch.cuda.stream(stream):
+            table = torch.empty(host.shape, dtype=host.dtype, device=torch.device("cuda", device))
         with ipc.on_device(self._api, device, torch_too=False):
             self._api.memcpy_async(table.data_ptr(), host.data_ptr(), host.numel() * host.element_size(),
                                    stream.cuda_stream)
