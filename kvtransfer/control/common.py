@@ -4,9 +4,11 @@
 :class:`AuxRecords` is a small host buffer of fixed-size records: decode reserves one per
 request; the first output token and its logprob land there from the notification that
 completes the request. :class:`EventLoop` is a manager's one background thread: it polls the
-manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue (every
-transport call happens on it: transports are single-threaded by contract), and calls the
-manager's ``tick`` for timers and in-flight transfers.
+manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue, and calls the
+manager's ``tick`` for timers and in-flight transfers. Every transport and socket call happens
+in one of its turns, one turn at a time (transports are single-threaded by contract): on the
+loop thread, or, for a job called ``inline`` while the loop is between turns, on the caller's
+thread under the same turn lock.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import ctypes
 import logging
 import os
 import queue
+import select
 import socket
 import struct
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -197,24 +199,42 @@ def _precise_sleeps() -> None:
         pass
 
 
+def _readable(sock) -> bool:
+    """``sock`` holds a message to read (False once it is closed)."""
+    try:
+        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    except zmq.ZMQError:
+        return False
+
+
 class EventLoop:
     """One background thread: sockets, queued jobs, and a tick.
 
     ``handlers`` maps a ZeroMQ socket to the function that drains it; ``tick()`` runs after
     every wake-up and returns how long (seconds) the loop may sleep next (short while
     transfers are in flight: a pause under 1 ms sleeps instead of spinning, which on a small
-    machine would take the core the other ranks need). Jobs run in submission order on the loop thread; ``call``
-    returns a Future of the job's result."""
+    machine would take the core the other ranks need). Jobs run in submission order, one turn
+    at a time; ``call`` returns a Future of the job's result.
+
+    A *turn* (queued jobs, the handlers of readable sockets, the tick) holds the loop's turn
+    lock; so does an ``inline`` call, which runs on the caller's thread when the loop is
+    between turns (a job's wake-up is a thread switch: ~0.1-0.25 ms on a small machine, on the
+    path from ``send()`` to the write's post). Between turns the loop thread waits in
+    ``select`` on the wake pipe and the sockets' file descriptors, never in a ZeroMQ call, so
+    whoever holds the lock may use the sockets (ZeroMQ allows a socket to change threads across
+    a full memory barrier, which the lock is). The descriptors only signal that a socket's state
+    may have changed: a turn asks each socket whether it holds a message, and the loop does not
+    wait while one does."""
 
     def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
         self._handlers, self._tick = dict(handlers), tick
-        self._poller = zmq.Poller()
-        for sock in self._handlers:
-            self._poller.register(sock, zmq.POLLIN)
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
+        self._turn = threading.Lock()  # held by the running turn (loop thread or an inline call)
+        self._owner: Optional[int] = None  # the thread that holds it
+        self._fds: list = [self._wake_r]  # what the loop waits on between turns (made in a turn)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -222,19 +242,35 @@ class EventLoop:
 
     @property
     def on_loop(self) -> bool:
-        return threading.current_thread() is self._thread
+        """The calling thread runs the loop's turn (the loop thread, or an inline call)."""
+        return self._owner == threading.get_ident()
 
-    def call(self, fn: Callable, *args, wake: bool = True) -> Future:
-        """Run ``fn(*args)`` on the loop thread; its result or exception lands in the Future.
+    def call(self, fn: Callable, *args, wake: bool = True, inline: bool = False) -> Future:
+        """Run ``fn(*args)`` in a turn of the loop; its result or exception lands in the Future.
 
         ``wake=False`` queues the job without waking the loop: it runs at the loop's next
         turn (another job, a socket message, the tick), before any message that turn handles.
         For bookkeeping nobody waits for: each wake-up costs the caller and the loop a thread
         switch (~0.1 ms on a small machine), and an owner that creates a request and sends
-        its first chunk right after pays one instead of two."""
+        its first chunk right after pays one instead of two.
+
+        ``inline=True`` runs the job now on the caller's thread when the loop is between turns,
+        after what such a turn runs before its tick (the queued jobs, the handlers of readable
+        sockets); else it is queued and the loop woken, as without it. The loop is woken
+        afterwards to look at its sockets again."""
         fut: Future = Future()
         if self._stop.is_set():
             fut.set_exception(RuntimeError("the manager is closed"))
+            return fut
+        if inline and self._turn.acquire(blocking=False):
+            try:
+                self._owner = threading.get_ident()
+                self._handle()  # what came before it (a message it may need) is handled first
+                self._run_job(fn, args, fut)
+            finally:
+                self._owner = None
+                self._turn.release()
+            self.wake()  # a socket call of the job may have taken the edge the loop waits for
             return fut
         self._jobs.put((fn, args, fut))
         if wake:
@@ -249,42 +285,59 @@ class EventLoop:
             pass
 
     def add_socket(self, sock, handler: Callable[[], None]) -> None:
-        """Poll ``sock`` too (from the loop thread, or before ``start``)."""
+        """Poll ``sock`` too (in a turn, or before ``start``)."""
         self._handlers[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
 
     def remove_socket(self, sock) -> None:
-        """Stop polling ``sock`` (from the loop thread); the caller closes it."""
-        if self._handlers.pop(sock, None) is not None:
-            self._poller.unregister(sock)
+        """Stop polling ``sock`` (in a turn); the caller closes it."""
+        self._handlers.pop(sock, None)
 
     def _run(self) -> None:
         _precise_sleeps()
-        poller = self._poller
-        poller.register(self._wake_r, zmq.POLLIN)
         sleep = 0.0
         while not self._stop.is_set():
-            if 0 < sleep < 1e-3:  # ZeroMQ waits in whole ms: a shorter pause sleeps, then looks
-                time.sleep(sleep)
+            if sleep > 0:
+                try:
+                    select.select(self._fds, [], [], sleep)
+                except (OSError, ValueError):  # a socket closed since the list was made: a turn makes it anew
+                    pass
+            with self._turn:
+                self._owner = threading.get_ident()
+                try:
+                    sleep = self._one_turn()
+                finally:
+                    self._owner = None
+
+    def _one_turn(self) -> float:
+        """Jobs, the handlers of readable sockets, jobs queued meanwhile, the tick; the pause
+        before the next turn (none while a socket still holds a message)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._handle()
+        sleep = self._guard(self._tick)
+        sleep = 0.05 if sleep is None else sleep
+        fds = [self._wake_r]
+        for sock in self._handlers:
+            if _readable(sock):  # its descriptor may not signal again for what it already holds
                 sleep = 0.0
             try:
-                ready = dict(poller.poll(int(sleep * 1000)))
-            except zmq.ZMQError as exc:
-                log.error("control loop %s: poll failed: %s", self._thread.name, exc)
-                return
-            if self._wake_r in ready:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            self._run_jobs()
-            for sock, handler in list(self._handlers.items()):
-                if sock in ready and sock in self._handlers:
-                    self._guard(handler)
-            self._run_jobs()  # queued without a wake while the handlers ran: not left for the next turn
-            sleep = self._guard(self._tick)
-            sleep = 0.05 if sleep is None else sleep
+                fds.append(sock.getsockopt(zmq.FD))
+            except zmq.ZMQError:  # closed: its owner removes it
+                pass
+        self._fds = fds
+        return sleep
+
+    def _handle(self) -> None:
+        """The queued jobs, the handlers of readable sockets, the jobs queued meanwhile (not
+        left for the next turn)."""
+        self._run_jobs()
+        for sock, handler in list(self._handlers.items()):
+            if sock in self._handlers and _readable(sock):
+                self._guard(handler)
+        self._run_jobs()
 
     def _run_jobs(self) -> None:
         while True:
@@ -292,12 +345,16 @@ class EventLoop:
                 fn, args, fut = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # handed to the caller through the Future
-                fut.set_exception(exc)
+            self._run_job(fn, args, fut)
+
+    @staticmethod
+    def _run_job(fn: Callable, args: tuple, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller through the Future
+            fut.set_exception(exc)
 
     def _guard(self, fn):
         try:

@@ -32,7 +32,8 @@ and is aborted on its senders. A rank silent for two heartbeat intervals is *sus
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
 so a rank that was killed and came back is reconnected without waiting for the timeout.
 
-Threads: as for the prefill manager, one loop thread does every transport and socket call.
+Threads: as for the prefill manager, every transport and socket call happens in a turn of the
+event loop (here always on its thread).
 """
 
 from __future__ import annotations

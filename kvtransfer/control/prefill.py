@@ -25,8 +25,10 @@ Transferring, Success (every write of the last chunk is done) or Failed
 transfer timeout passed). A failed request's writes are aborted; once none is in flight the
 manager sends ``Quiesced`` so decode may reuse the pages.
 
-Threads: every transport call and socket operation happens on the manager's one loop
-thread; ``sender()``, ``send()``, ``poll()`` and ``abort()`` may be called from any thread.
+Threads: every transport call and socket operation happens in a turn of the manager's event
+loop, one at a time: on its thread, or, for ``send()`` while the loop is between turns, on the
+caller's thread (no thread switch on the way to the post; ``EventLoop.call(inline=True)``);
+``sender()``, ``send()``, ``poll()`` and ``abort()`` may be called from any thread.
 ``close()`` leaves the bootstrap registry, fails what is in flight, closes peers, sockets and
 the thread, and deregisters.
 """
@@ -112,7 +114,8 @@ class KVSender:
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
         self._last_sent, self._kicked = last, True
-        self._mgr._loop.call(self._mgr._on_send, self, _Chunk(arr, last, state_slot, aux))
+        # inline: posted from this thread when the loop is between turns (no wake-up on the way)
+        self._mgr._loop.call(self._mgr._on_send, self, _Chunk(arr, last, state_slot, aux), inline=True)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr._loop.call(self._mgr._fail, self.request_id, reason)

@@ -123,6 +123,46 @@ def test_a_job_queued_while_a_handler_runs_is_not_left_for_the_next_turn(sockets
         loop.close()
 
 
+def test_an_inline_call_between_turns_runs_at_once_on_the_callers_thread_after_queued_jobs():
+    """The loop sleeps in its tick's long pause: an inline job runs before ``call`` returns,
+    on the caller's thread, as the loop's turn (``on_loop``), after a job queued before it
+    without a wake; the loop is woken afterwards (a turn follows)."""
+    loop, ticks = _loop()
+    try:
+        _settled(loop, ticks)
+        order = []
+        lazy = loop.call(order.append, "lazy", wake=False)
+        turns = len(ticks)
+        fut = loop.call(lambda: (order.append("inline"), threading.current_thread().name, loop.on_loop)[1:],
+                        inline=True)
+        assert fut.done() and lazy.done()
+        assert fut.result() == (threading.current_thread().name, True) and not loop.on_loop
+        assert order == ["lazy", "inline"]
+        deadline = time.monotonic() + 5
+        while len(ticks) == turns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ticks) > turns, "the loop was not woken after the inline job"
+    finally:
+        loop.close()
+
+
+def test_an_inline_call_during_a_turn_is_queued_for_the_loop_thread():
+    """The loop is inside a turn (a job runs): an inline call does not run beside it; it is
+    queued and runs on the loop thread once the turn's job is done."""
+    loop, _ = _loop()
+    try:
+        started, release = threading.Event(), threading.Event()
+        loop.call(lambda: (started.set(), release.wait(5)))
+        assert started.wait(5)
+        fut = loop.call(lambda: threading.current_thread().name, inline=True)
+        time.sleep(0.1)
+        assert not fut.done(), "an inline job ran beside the loop's turn"
+        release.set()
+        assert fut.result(timeout=5) == "test-loop"
+    finally:
+        loop.close()
+
+
 def test_close_fails_jobs_it_did_not_run():
     loop, _ = _loop()
     loop.call(lambda: None).result(timeout=5)
