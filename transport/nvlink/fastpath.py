@@ -39,6 +39,7 @@ import numpy as np
 
 from transport.base import RegionSizes, SMALL_BATCH, StridedBatch
 from transport.nvlink import kernel as kern
+from transport.nvlink.stream import empty_for
 
 __all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "check_slots", "pair_key", "slot_limits"]
 
@@ -262,12 +263,13 @@ class SlotRing:
         self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
 
     @classmethod
-    def allocate(cls, api, device: int, capacity: int) -> "SlotRing":
-        """A ring of ``capacity`` slots: pinned host memory and memory on GPU ``device``."""
+    def allocate(cls, api, device: int, capacity: int, stream) -> "SlotRing":
+        """A ring of ``capacity`` slots: pinned host memory and memory on GPU ``device``, for
+        the uploads queued on ``stream`` (the copy stream)."""
         import torch
 
         host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
-        dev = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", device))  # [capacity]
+        dev = empty_for(stream, capacity, torch.int64, device)  # [capacity]
         return cls(api, device, host, dev)
 
     def fits(self, n: int) -> bool:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from transport.nvlink.fastpath import PairPlan, SlotRing
     from transport.nvlink.job import PreparedWrite
 
-__all__ = ["CopyStream"]
+__all__ = ["CopyStream", "empty_for"]
 
 
 _CURRENT: list = []  # the function that gives the raw current stream, found at the first call
@@ -38,6 +38,18 @@ def _current_stream_handle(device: int) -> int:
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         _CURRENT.append(raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream)
     return _CURRENT[0](device)
+
+
+def empty_for(stream, shape, dtype, device: int):
+    """An uninitialised tensor on GPU ``device`` for work queued on ``stream`` (a torch stream),
+    allocated for that stream: the caching allocator orders a block's reuse only on the stream
+    it was allocated for, so a block taken on the caller's stream could still be written by work
+    queued there (a model's temporaries, freed as soon as launched), which ``stream`` does not
+    wait for."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        return torch.empty(shape, dtype=dtype, device=torch.device("cuda", device))
 
 
 class CopyStream:
@@ -57,15 +69,10 @@ class CopyStream:
         return self._stream
 
     def _table_on(self, host, device: int, stream):
-        """``host`` copied to ``device`` on ``stream``, into memory allocated for ``stream``: the
-        caching allocator orders a block's reuse only on the stream it was allocated for, so a
-        block of the caller's stream could still be written by work queued there, which this
-        copy does not wait for. The pinned ``host`` must outlive the copy: transfers keep it
+        """``host`` copied to ``device`` on ``stream``, into memory allocated for ``stream``
+        (:func:`empty_for`). The pinned ``host`` must outlive the copy: transfers keep it
         until their event completes, failed ones too (buried)."""
-        import torch
-
-        with torch.cuda.stream(stream):
-            table = torch.empty(host.shape, dtype=host.dtype, device=torch.device("cuda", device))
+        table = empty_for(stream, host.shape, host.dtype, device)
         with ipc.on_device(self._api, device, torch_too=False):
             self._api.memcpy_async(table.data_ptr(), host.data_ptr(), host.numel() * host.element_size(),
                                    stream.cuda_stream)

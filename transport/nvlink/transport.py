@@ -83,7 +83,8 @@ class NvlinkTransport(Transport):
         """The ring of slots of the direct path (None: configured off), shared by every peer:
         all of them enqueue on the one copy stream."""
         if self._ring is None and self.config.slot_ring_bytes:
-            self._ring = SlotRing.allocate(self._api(), self._copy_stream().device, self.config.slot_ring_bytes // 8)
+            copy = self._copy_stream()
+            self._ring = SlotRing.allocate(self._api(), copy.device, self.config.slot_ring_bytes // 8, copy.stream)
         return self._ring
 
     def _sync_lanes(self) -> None:
