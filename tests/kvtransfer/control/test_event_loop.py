@@ -146,6 +146,35 @@ def test_an_inline_call_between_turns_runs_at_once_on_the_callers_thread_after_q
         loop.close()
 
 
+def test_an_inline_call_handles_a_message_that_came_before_it_first(sockets):
+    """A message sent before an inline call is handled before the call's job (by the inline
+    call itself when the loop has not woken for it yet: it asks the sockets whose descriptor
+    signalled, and skips asking when none did)."""
+    a, b = sockets
+    order, handled_by = [], set()
+
+    def on_message():
+        while True:
+            try:
+                order.append(a.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            handled_by.add(threading.current_thread().name)
+
+    loop, ticks = _loop({a: on_message})
+    try:
+        for i in range(50):
+            _settled(loop, ticks) if i % 10 == 0 else None
+            b.send(b"m%d" % i)
+            loop.call(order.append, b"job%d" % i, inline=True).result(timeout=5)
+            assert order[-2:] == [b"m%d" % i, b"job%d" % i], order[-4:]
+        alone = loop.call(order.append, b"alone", inline=True)  # nothing sent: nothing handled before it
+        assert alone.done() and order[-1] == b"alone" and order[-2] == b"job49"
+        assert threading.current_thread().name in handled_by, "no inline call handled a message"
+    finally:
+        loop.close()
+
+
 def test_an_inline_call_during_a_turn_is_queued_for_the_loop_thread():
     """The loop is inside a turn (a job runs): an inline call does not run beside it; it is
     queued and runs on the loop thread once the turn's job is done."""
