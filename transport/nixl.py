@@ -49,7 +49,15 @@ against each other.
 
 Connecting again to a newer export of an already connected agent reloads its metadata in
 place: the old :class:`NixlPeer` refuses new writes (TransportClosed) but its pending writes
-complete. Deregister a region only once no pending transfer uses it.
+complete. Deregister a region only once no pending transfer uses it. In place means added to:
+NIXL keeps an entry for every region of the agent it was ever given and looks a range up in the
+entry at or just before its address, so once the agent deregistered a region that overlaps one
+its newer export names (its memory reused, or the same range registered again), that entry could
+refuse writes into the new region (``NIXL_ERR_NOT_FOUND``) or resolve them to the old
+registration. Such an export is loaded afresh instead (:func:`_stale_overlap`): the agent's
+metadata, its staged lane and its endpoint are dropped first -- refused with a TransportError
+while a write of this transport to it is in flight -- and one more endpoint is opened (see
+Connections).
 
 Revocation (:mod:`transport.nixl_revoke`): ``connect`` tells the owner of the export that this
 transport holds it (a direct write waits for the owner's acknowledgement), and ``deregister``
@@ -550,6 +558,25 @@ class NixlPeer(Peer):
         self._prepared.release()
 
 
+def _descs(regions: Mapping[int, Region]) -> set:
+    """``(region id, ptr, length, device)`` of each region (device -1: host memory)."""
+    return {(rid, r.ptr, r.length, -1 if r.device is None else r.device) for rid, r in regions.items()}
+
+
+def _stale_overlap(loaded, regions: Mapping[int, Region]) -> bool:
+    """Whether an entry NIXL holds for a remote agent (``loaded``: what :func:`_descs` gave for
+    each export loaded in place) belongs to a region the agent's newer export (``regions``) no
+    longer names -- deregistered, or registered again -- and overlaps a region it names (module
+    doc: such an export is loaded afresh)."""
+    current = _descs(regions)
+    stale = [d for d in loaded if d not in current]
+    if not stale or not current:
+        return False
+    _, ptr, length, dev = (np.array(col, dtype=np.int64) for col in zip(*current))  # [R] each
+    end = ptr + length
+    return any(bool(((dev == d) & (ptr < p + n) & (p < end)).any()) for _, p, n, d in stale)
+
+
 class NixlTransport(Transport):
     """One process's NIXL agent. See :mod:`transport.base` for the contract.
 
@@ -595,6 +622,7 @@ class NixlTransport(Transport):
         self._idle: set[str] = set()  # remote agents still loaded in NIXL whose peer closed (see _forget_peer)
         self._lost: dict[str, str] = {}  # remote agent -> why it is lost (a transfer failed or stalled)
         self._draining: dict[str, list] = {}  # remote agent -> handles of its failed requests NIXL may still run
+        self._loaded: dict[str, set] = {}  # remote agent -> (region id, ptr, length, device) NIXL was given for it
         self._retired: "weakref.WeakSet[NixlPeer]" = weakref.WeakSet()  # replaced snapshots
         # Host bytes that notification-only writes copy between the two agents: NIXL's
         # standalone notification (genNotif) has no completion to wait on, and over tcp it
@@ -700,6 +728,8 @@ class NixlTransport(Transport):
                 raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
             raise PeerDescriptorError(f"peer agent {name!r} has this transport's name: agent names must be unique "
                                       "(NixlConfig.agent_name)")
+        if _stale_overlap(self._loaded.get(name, ()), regions):
+            self._unload(name)  # NIXL could resolve writes to the stale entries: load afresh
         self._release_prepared(name)  # lists of the metadata loaded now (again): prepared afresh
         try:  # NIXL updates an agent it already knows in place: pending writes keep going
             loaded = agent.add_remote_agent(metadata)
@@ -716,6 +746,7 @@ class NixlTransport(Transport):
         if old is not None:  # a newer export of the same agent replaces the old snapshot
             old._retire()
             self._retired.add(old)
+        self._loaded.setdefault(name, set()).update(_descs(regions))
         peer = NixlPeer(self, name, regions, scratch)
         self._peers[name] = peer
         self._idle.discard(name)
@@ -934,9 +965,24 @@ class NixlTransport(Transport):
         for peer in self._snapshots(name):
             peer._prepared.release()
 
+    def _unload(self, name: str) -> None:
+        """Drop the remote agent ``name`` from NIXL (its lane, its metadata, its endpoint) so
+        that its next export loads afresh; refused while a write of ours to it is in flight
+        (dropping the endpoint would cancel it)."""
+        direct = sum(t.status() is TransferStatus.PENDING for p in self._snapshots(name) for t in list(p._pending))
+        lane = self._lanes.get(name)
+        if direct or (lane is not None and lane.busy):
+            raise TransportError(
+                f"peer {name!r} deregistered regions that overlap ones its new export names, so NIXL must load "
+                f"that export afresh, which would cancel this transport's writes in flight to it ({direct} direct"
+                f"{', and staged ones' if lane is not None and lane.busy else ''}): connect again once they end")
+        self._drop_lane(name)
+        self._remove_remote(name)
+
     def _remove_remote(self, name: str) -> None:
         if self._agent is None:
             return
+        self._loaded.pop(name, None)
         self._release_prepared(name)
         try:
             self._agent.remove_remote_agent(name)

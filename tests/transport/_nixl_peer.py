@@ -8,9 +8,10 @@ that the data was already in place when the notification was seen.
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
 The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
 :class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Paused`, :class:`Bye`; from the
-parent :class:`Dump`, :class:`Deregister`, :class:`Pause`, :class:`Quit`. A deregistered region can be freed
-(``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
-pool's would; dumping it afterwards is an error.
+parent :class:`Dump`, :class:`Deregister`, :class:`Register`, :class:`Pause`, :class:`Quit`. A deregistered region can
+be freed (``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
+pool's would; dumping it afterwards is an error. :class:`Register` registers a range of a buffer
+as a new region (a pool laid out again over memory a deregistered region held).
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ class Deregister:
 
 
 @dataclass(frozen=True)
+class Register:
+    buffer: int  # index of one of the buffers the receiver was started with
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Registered:
+    region: int
+    export: bytes  # the export naming it
+
+
+@dataclass(frozen=True)
 class Paused:
     pass
 
@@ -120,6 +134,11 @@ class _Buffers:
             return [transport.register(a.ctypes.data, a.nbytes) for a in self.arrays]
         return [transport.register_tensor(t) for t in self.arrays]
 
+    def view(self, index: int, offset: int, length: int) -> int:
+        """Append ``length`` bytes of buffer ``index`` from ``offset`` as a buffer of its own; its index."""
+        self.arrays.append(self.arrays[index][offset:offset + length])
+        return len(self.arrays) - 1
+
     def free(self, index: int) -> None:
         self.arrays[index] = None  # the only reference: the allocator takes the memory back
 
@@ -159,6 +178,13 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False, staged
             elif isinstance(cmd, Pause):
                 conn.send(Paused())
                 time.sleep(cmd.seconds)
+            elif isinstance(cmd, Register):
+                view = buffers.view(cmd.buffer, cmd.offset, cmd.length)
+                a = buffers.arrays[view]
+                rid = transport.register(a.ctypes.data, a.nbytes) if buffers.cuda_device is None \
+                    else transport.register_tensor(a)
+                ids.append(rid)  # ids[i]: the region of buffers.arrays[i]
+                conn.send(Registered(rid, transport.export()))
             elif isinstance(cmd, Deregister):
                 start = time.monotonic()
                 try:

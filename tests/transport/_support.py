@@ -163,6 +163,13 @@ class Receiver:
         self.conn.send(_nixl_peer.Deregister(region, free, force))
         return self._expect((_nixl_peer.Exported, _nixl_peer.Refused), timeout, pump)
 
+    def register(self, buffer: int, offset: int, length: int) -> tuple[int, bytes]:
+        """The receiver registers ``length`` bytes of its buffer ``buffer`` from ``offset`` as a
+        new region; ``(region id, fresh export)``."""
+        self.conn.send(_nixl_peer.Register(buffer, offset, length))
+        msg = self._expect(_nixl_peer.Registered, 30.0)
+        return msg.region, msg.export
+
     def stop(self):
         if self.proc.is_alive():
             try:

@@ -359,6 +359,36 @@ def test_bad_batches_and_deregistered_regions(writer, receiver):
     assert_same(rx.dump(0)[:8192], src[:8192], "region 0")
 
 
+def test_a_newer_export_whose_regions_overlap_deregistered_ones_is_loaded_afresh(writer, receiver):
+    """NIXL keeps an entry for every region of a remote agent it was ever given and looks a
+    range up in the entry at or just before its address: once the receiver lays a region out
+    over memory a deregistered one held, writes there must still land (loaded in place, NIXL
+    refused this one with NIXL_ERR_NOT_FOUND), and the fresh load waits for the writes in flight."""
+    rx = receiver([1 * MiB, 8 * MiB], env=TCP_ONLY)  # regions 0 and 1
+    t = writer(env=TCP_ONLY, staged=DIRECT)
+    src, sid = host_region(t, 8 * MiB, 41)
+    t.connect(rx.export).write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    rx.deregister(0, pump=t.poll_notifications)
+    small, export = rx.register(0, 4096, 4096)  # inside what region 0 was
+    peer = t.connect(export)
+    peer.write(wb(sid, 0, small, 10, 100)).wait(30)
+    assert_same(rx.dump(small)[10:110], src[:100], "the small region")
+    rx.deregister(small, pump=t.poll_notifications)
+    whole, export = rx.register(0, 0, 1 * MiB)  # over the small one
+    os.kill(rx.proc.pid, signal.SIGSTOP)
+    inflight = peer.write(wb(sid, 0, 1, 0, 8 * MiB))  # region 1 is untouched throughout
+    assert inflight.status() is TransferStatus.PENDING, inflight.error
+    with pytest.raises(TransportError, match="deregistered regions that overlap .* connect again once they end"):
+        t.connect(export)
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    inflight.wait(30)
+    # 8 KiB from an odd offset: more blocks than a prepared list serves, so one descriptor,
+    # which NIXL looked up in the small region's stale entry
+    t.connect(export).write(wb(sid, 1, whole, 6001, 8192)).wait(30)
+    assert_same(rx.dump(whole)[6001:6001 + 8192], src[1:8193], "the region over the small one")
+    assert_same(rx.dump(1), src, "region 1, written while the new export waited")
+
+
 def test_close_is_idempotent_and_final(writer):
     with NixlTransport() as t:
         other = writer()
