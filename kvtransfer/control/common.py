@@ -38,6 +38,7 @@ __all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "Endp
 log = logging.getLogger("kvtransfer.control")
 
 BUSY_POLL_S = 2e-4  # a manager loop's pause while transfers are in flight
+SWEEP_INTERVAL_S = 0.01  # how often a manager loop looks at every request (deadlines, forgotten ids)
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
 _FIRST_TOKEN = struct.Struct("<qd")

@@ -49,8 +49,8 @@ import numpy as np
 import zmq
 
 from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
-from kvtransfer.control.common import (AuxRecords, ControlConfig, Endpoints, EventLoop, default_host_id,
-                                      unpack_first_token)
+from kvtransfer.control.common import (SWEEP_INTERVAL_S, AuxRecords, ControlConfig, Endpoints, EventLoop,
+                                      default_host_id, unpack_first_token)
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -199,6 +199,8 @@ class DecodeKVManager:
         self._ctx = zmq.Context()
         self._receivers: RequestTable = RequestTable()
         self._incoming: dict = {}  # request id -> _Incoming
+        self._held: set = set()  # request ids whose ask waits for a sender (_ask)
+        self._next_sweep = 0.0  # when _tick next looks at every request's deadline
         self._peers: dict = {}  # prefill tp rank -> _PrefillPeer
         self._by_name: dict = {}  # transport name -> prefill tp rank
         self._last_lookup = 0.0
@@ -326,8 +328,7 @@ class DecodeKVManager:
                       ack.error)
             return
         peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
-        for inc in list(self._incoming.values()):  # requests that waited for this rank
-            self._ask(inc)
+        self._ask_held()  # requests that waited for this rank
 
     # -- requests -------------------------------------------------------------------------
     def _on_new_receiver(self, receiver: KVReceiver) -> None:
@@ -362,10 +363,12 @@ class DecodeKVManager:
             inc.quiesced.update(self.senders)  # nothing was asked: nothing can land
             self._maybe_release(inc)
             return
-        if any(p.state is not _PeerState.READY or self._suspect(p, now) for p in peers):
-            return  # a sender is (re)connecting, silent or lost but maybe back soon: asked once it is ready
-        dst, prefix, state_slot = inc.request
         rid = inc.receiver.request_id
+        if any(p.state is not _PeerState.READY or self._suspect(p, now) for p in peers):
+            self._held.add(rid)  # a sender is (re)connecting, silent or lost but maybe back soon:
+            return  # asked once it is ready (_ask_held)
+        self._held.discard(rid)
+        dst, prefix, state_slot = inc.request
         for p in self._peers.values():
             if p.state is not _PeerState.READY:
                 continue
@@ -374,6 +377,15 @@ class DecodeKVManager:
                           .to_msgpack(), zmq.NOBLOCK)
         inc.asked = True
         inc.receiver.status.advance(KVPoll.WaitingForInput)
+
+    def _ask_held(self) -> None:
+        """Ask again for the requests held back by :meth:`_ask` (those that end are let go)."""
+        for rid in list(self._held):
+            inc = self._incoming.get(rid)
+            if inc is None or inc.asked or inc.receiver.status.state.final:
+                self._held.discard(rid)
+            else:
+                self._ask(inc)
 
     def _on_arrived(self, sender: str, payload: bytes) -> None:
         rank = self._by_name.get(sender)
@@ -419,6 +431,7 @@ class DecodeKVManager:
     def _close_receiver(self, receiver: KVReceiver) -> None:
         self._fail(receiver.request_id, "closed by its owner", tell_senders=True)
         inc = self._incoming.pop(receiver.request_id, None)
+        self._held.discard(receiver.request_id)
         if receiver._aux_slot is not None:
             self._aux.free(receiver._aux_slot)
             receiver._aux_slot = None
@@ -449,15 +462,16 @@ class DecodeKVManager:
         if doubtful and now - self._last_lookup > LOOKUP_INTERVAL_S:
             self._last_lookup = now
             self._reconnect_restarted()
-        for inc in self._incoming.values():  # requests held back while a sender was suspect
-            if not inc.asked and inc.request is not None:
-                self._ask(inc)
-        for rid, inc in list(self._incoming.items()):
-            if not inc.receiver.status.state.final and now > inc.deadline:
-                waiting = [r for r in self.senders if inc.counts.get(r, 0) < inc.totals.get(r, 1 << 62)]
-                self._fail(rid, f"not done after {cfg.transfer_timeout_s:g} s (waiting for prefill ranks {waiting})",
-                           tell_senders=True)
-        busy = any(not i.receiver.status.state.final for i in self._incoming.values())
+        if self._held:
+            self._ask_held()
+        if now >= self._next_sweep:  # deadlines are seconds long: a look every SWEEP_INTERVAL_S, not every turn
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            for rid, inc in list(self._incoming.items()):
+                if not inc.receiver.status.state.final and now > inc.deadline:
+                    waiting = [r for r in self.senders if inc.counts.get(r, 0) < inc.totals.get(r, 1 << 62)]
+                    self._fail(rid, f"not done after {cfg.transfer_timeout_s:g} s (waiting for prefill ranks "
+                                    f"{waiting})", tell_senders=True)
+        busy = any(not i.receiver.status.state.final for i in self._incoming.values())  # stops at the first
         return cfg.loop_pause(busy)
 
     def _lose(self, rank: int, reason: str) -> None:

@@ -46,8 +46,8 @@ import zmq
 
 from kvtransfer.batches import BufferRegions, plan_batch, write_batch
 from kvtransfer.control.bootstrap import BootstrapClient
-from kvtransfer.control.common import (AUX_RECORD_BYTES, ControlConfig, Endpoints, EventLoop, default_host_id,
-                                      pick_backend)
+from kvtransfer.control.common import (AUX_RECORD_BYTES, SWEEP_INTERVAL_S, ControlConfig, Endpoints, EventLoop,
+                                      default_host_id, pick_backend)
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -194,6 +194,8 @@ class PrefillKVManager:
         self.control_addr = f"tcp://{config.host}:{port}"
         self._senders: RequestTable = RequestTable()
         self._outgoing: dict = {}  # request id -> _Outgoing
+        self._moving: set = set()  # request ids with writes in flight, or posted or failed since the last turn
+        self._next_sweep = 0.0  # when _tick next looks at every request (deadlines, forgotten ids)
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
         self._failed: dict = {}  # request id -> (time, reason): failed; a late ask is told so
@@ -337,6 +339,7 @@ class PrefillKVManager:
                                  aux=bytes(aux)).to_msgpack()
                 out.inflight.append((write_batch(peer.peer, batch, note), key))
         out.last_posted |= chunk.last
+        self._moving.add(rid)
         out.sender.status.advance(KVPoll.Transferring)
 
     def _state_writes(self, peer: _DecodePeer, req: TransferRequest, chunk: _Chunk) -> list:
@@ -353,6 +356,7 @@ class PrefillKVManager:
         if out is None:
             return
         if out.sender.status.fail(reason):
+            self._moving.add(request_id)  # the loop finishes it once none of its writes is in flight
             log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
             self._failed[request_id] = (time.monotonic(), reason)  # a decode rank that asks later is told
             for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
@@ -492,15 +496,22 @@ class PrefillKVManager:
             transport.poll_notifications()  # of decode exports answers their revokes only while called
         now = time.monotonic()
         busy = False
-        for rid, out in list(self._outgoing.items()):
+        for rid in list(self._moving):  # the others wait for an ask or a chunk: nothing to poll
+            out = self._outgoing.get(rid)
+            if out is None:
+                self._moving.discard(rid)
+                continue
             busy |= self._advance(out)
             state = out.sender.status.state
             if state is KVPoll.Success or (state is KVPoll.Failed and not out.inflight):
                 self._finish(rid, out)
-            elif not state.final and now > out.deadline:
-                self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+            elif not out.inflight:
+                self._moving.discard(rid)
+        if now >= self._next_sweep:  # timeouts are seconds long: every request looked at every SWEEP_INTERVAL_S
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            self._sweep(now)
         for key, peer in list(self._leaving.items()):
-            if not any(k == key for out in self._outgoing.values() for _, k in out.inflight):
+            if not any(k == key for rid in self._moving for _, k in self._outgoing[rid].inflight):
                 del self._leaving[key]
                 self._close_peer(peer)
                 self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
@@ -510,13 +521,19 @@ class PrefillKVManager:
             self._decode.pop(peer.hello.key, None)
             self._drop_peer(peer, f"decode rank {peer.hello.key} lost: no heartbeat for "
                                   f"{self.config.heartbeat_timeout_s:g} s")
-        horizon = now - self.config.transfer_timeout_s  # ids nobody claimed in that time are forgotten
+        return self.config.loop_pause(busy)
+
+    def _sweep(self, now: float) -> None:
+        """Fail the requests past their deadline; forget the ids nobody claimed in time."""
+        for rid, out in list(self._outgoing.items()):
+            if not out.sender.status.state.final and now > out.deadline:
+                self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+        horizon = now - self.config.transfer_timeout_s
         for rid in [r for r, asks in self._early.items() if asks[0][0] < horizon]:
             del self._early[rid]
         for table in (self._aborted_early, self._failed):
             for rid in [r for r, (when, _) in table.items() if when < horizon]:
                 del table[rid]
-        return self.config.loop_pause(busy)
 
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""
@@ -539,6 +556,7 @@ class PrefillKVManager:
             for key in out.dests:
                 self._send(key, Quiesced(request_id=rid))
         del self._outgoing[rid]
+        self._moving.discard(rid)
         self._senders.pop(rid)
 
     def _describe(self, out: _Outgoing) -> str:
