@@ -348,11 +348,11 @@ def run_steps(peer, owner, ring, batch, reps, settle, label):
 # -- CUDA mode ---------------------------------------------------------------------------------
 
 
-def cuda_setup(tokens, page):
+def cuda_setup(tokens, page, peer_gpu=1):
     from transport.remote import RemoteBuffers, make_transport
 
     pool = 2 * tokens
-    remote = RemoteBuffers(1, ("nvlink",))
+    remote = RemoteBuffers(peer_gpu, ("nvlink",))
     dst = remote.alloc([pool * TOKEN_BYTES] * (2 * LAYERS), 0x5A)
     tr = make_transport("nvlink")
     keep, src = [], []
@@ -381,6 +381,20 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             sync_at.append(clock())
 
     oldest, send = progress._oldest_event, peer._queue.outbox.send
+    copy, enqueue = peer._copy, peer._copy.enqueue_split
+    gpu_marks = []  # per write: timing events on the copy stream before and after its work
+    cuda = torch.cuda.is_available() and not isinstance(getattr(copy, "stream", None), _Stream)
+
+    def timed_enqueue(*a, **k):  # the write's GPU time: the slots' upload, the launch gap and the kernel
+        if not cuda:
+            return enqueue(*a, **k)
+        a0, b0 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a0.record(copy.stream)  # the copy stream is idle: a0 passes as soon as it is recorded
+        at = clock()
+        event = enqueue(*a, **k)
+        b0.record(copy.stream)
+        gpu_marks.append((a0, b0, at))
+        return event
 
     def timed_oldest():
         ev = oldest()
@@ -395,6 +409,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
     start_stamps(tags)
     time.sleep(0.05)  # the receiver is polling
     progress._oldest_event, peer._queue.outbox.send = timed_oldest, timed_send
+    copy.enqueue_split = timed_enqueue
     rows = []
     try:
         for tag in tags:
@@ -406,6 +421,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             rows.append((tag, t0, t1, sync_at[-1] if sync_at else float("nan")))
     finally:
         progress._oldest_event, peer._queue.outbox.send = oldest, send
+        del copy.enqueue_split
         arrived = stamps()
     sent = dict(sent_at)
     out = {"returned": [], "event seen by the progress thread": [], "notification sent": [], "receiver saw it": []}
@@ -413,13 +429,19 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
         for k, v in zip(out, (t1, ts, sent.get(tag, float("nan")), arrived.get(tag, float("nan")))):
             out[k].append((v - t0) * 1e6)
     med = {k: float(np.nanmedian(v)) if not np.isnan(v).all() else float("nan") for k, v in out.items()}
+    if gpu_marks:  # one mark per write, in order: the copy's end on the host clock (a0 passed at its record)
+        ends = [at + a.elapsed_time(b) * 1e-3 for a, b, at in gpu_marks]
+        med["GPU time of the write (upload..event)"] = float(np.median([a.elapsed_time(b) * 1e3
+                                                                         for a, b, _ in gpu_marks[2:]]))
+        med["copy done (record time + GPU span)"] = float(np.median([(e - t0) * 1e6 for e, (_, t0, _, _)
+                                                                     in zip(ends[2:], rows[2:])]))
     med["sent by the progress thread (share)"] = sum(senders) / max(1, len(senders))
     return med
 
 
-def print_after(after: dict, batch, kernel: float) -> None:
+def print_after(after: dict, batch, kernel: float, full_kernel: float = float("nan")) -> None:
     print(f"after the call, {batch.num_pairs} x {batch.num_slots} (us from the call, medians; kernel alone "
-          f"{kernel:.1f} us):")
+          f"{kernel:.1f} us, the full-table kernel kvtransfer bench nvlink subtracts {full_kernel:.1f} us):")
     for name, us in after.items():
         print(f"  {name:<36} {us:9.2f}" + ("" if "share" in name else " us"))
     print(f"  fixed cost = receiver saw it - kernel {after['receiver saw it'] - kernel:9.1f} us")
@@ -444,6 +466,24 @@ def kernel_us(peer, batch, reps=20):
         b.synchronize()
         out.append(a.elapsed_time(b) * 1e3)
     ring.space.hold(start, None)
+    return statistics.median(out)
+
+
+def full_kernel_us(peer, batch, reps=20):
+    """The strided kernel over a full ``[5 * P + 2 * S]`` table (what ``kvtransfer bench nvlink``
+    subtracts as "the kernel's own time"), CUDA events, median."""
+    table = peer.tables.strided_table(batch, checked=False)
+    plan = peer.tables.strided_plan(batch, table)
+    table_dev = torch.from_numpy(table).to("cuda:0")
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000)
+        a.record()
+        kern.scatter_strided(table_dev, batch.num_pairs, batch.num_slots, plan, 0, peer._config.kernel.num_warps)
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
     return statistics.median(out)
 
 
@@ -497,6 +537,7 @@ def main():
     ap.add_argument("--page", type=int, default=1)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of whole writes")
+    ap.add_argument("--peer-gpu", type=int, default=1, help="the receiver's GPU (0: one GPU, no NVLink in the copy)")
     args = ap.parse_args()
     if not args.cuda:
         peer, owner, ring, batch, receiver = cpu_setup(args.tokens, args.page)
@@ -515,7 +556,7 @@ def main():
             receiver.close()
         return
     torch.cuda.set_device(0)
-    remote, tr, peer, batch, keep = cuda_setup(args.tokens, args.page)
+    remote, tr, peer, batch, keep = cuda_setup(args.tokens, args.page, args.peer_gpu)
     try:
         ring = tr._slot_ring()
         print(f"direct_path_host --cuda: {torch.cuda.get_device_name(0)}, ipc api {peer._copy._api.name}, "
@@ -527,7 +568,7 @@ def main():
             after = after_call(tr._progress, peer, b, min(args.reps, 100),
                                lambda tags: remote.start_stamp_notify(tags, 120.0, ("nvlink",)),
                                lambda: {t: v[1] for t, v in remote.result("stamp_notify").items()})
-            print_after(after, b, kernel_us(peer, b))
+            print_after(after, b, kernel_us(peer, b), full_kernel_us(peer, b))
         if args.profile:
             profile(peer, batch, 50)
         print("\nraw costs")
