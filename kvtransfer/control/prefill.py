@@ -18,6 +18,11 @@ before every expected decode rank has asked wait for it. Tokens decode already h
 sent. Every write carries a ``KVArrived`` notification; the last write to each decode rank
 carries the number of writes, so decode knows when it has everything.
 
+KV on a GPU: ``send()`` may come as soon as the chunk's KV is queued on the caller's current
+CUDA stream (not necessarily computed yet): it records an event there, and the chunk's writes
+are posted once that event has completed (at once when it has already: an engine that
+synchronised first pays one event record and query).
+
 ``sender.poll()`` gives the :class:`~kvtransfer.control.state.KVPoll`: Bootstrapping (not
 every decode rank has asked yet), WaitingForInput (all have, no chunk sent yet),
 Transferring, Success (every write of the last chunk is done) or Failed
@@ -103,7 +108,8 @@ class KVSender:
              aux: Optional[bytes] = None) -> None:
         """Queue one chunk: this rank's token slots of the request's next tokens. The last
         chunk (``last=True``) also sends the Mamba state (``state_slot``, required when the
-        model has state) and ``aux`` (at most ``AUX_RECORD_BYTES``)."""
+        model has state) and ``aux`` (at most ``AUX_RECORD_BYTES``). KV on a GPU may still be
+        computing on the caller's current stream: the writes wait for it (module doc)."""
         if self._last_sent:
             raise ValueError(f"request {self.request_id!r}: send() after the last chunk")
         arr = _slots("slots", slots)
@@ -114,8 +120,9 @@ class KVSender:
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
         self._last_sent, self._kicked = last, True
+        chunk = _Chunk(arr, last, state_slot, aux, self._mgr._stream_mark())
         # inline: posted from this thread when the loop is between turns (no wake-up on the way)
-        self._mgr._loop.call(self._mgr._on_send, self, _Chunk(arr, last, state_slot, aux), inline=True)
+        self._mgr._loop.call(self._mgr._on_send, self, chunk, inline=True)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr._loop.call(self._mgr._fail, self.request_id, reason)
@@ -127,6 +134,7 @@ class _Chunk:
     last: bool
     state_slot: Optional[int]
     aux: Optional[bytes]
+    computed: object = None  # CUDA event recorded after the chunk's KV on the sender's stream (None: host KV)
 
 
 @dataclass
@@ -180,6 +188,7 @@ class PrefillKVManager:
         self.layout, self.config = layout, config
         self.incarnation = uuid.uuid4().hex
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
+        self._device = device  # the pools' GPU (None: host memory)
         self._host = host_id or default_host_id()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -195,6 +204,7 @@ class PrefillKVManager:
         self._senders: RequestTable = RequestTable()
         self._outgoing: dict = {}  # request id -> _Outgoing
         self._moving: set = set()  # request ids with writes in flight, or posted or failed since the last turn
+        self._computing: set = set()  # request ids whose next chunk waits for the engine's stream (_flush)
         self._next_sweep = 0.0  # when _tick next looks at every request (deadlines, forgotten ids)
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
@@ -298,14 +308,42 @@ class PrefillKVManager:
         return frozenset() if peer is None else frozenset((instance, d) for d in range(peer.layout.tp_size))
 
     def _flush(self, out: _Outgoing) -> None:
+        """Post the queued chunks, in order, once every decode rank asked and while each one's
+        KV is computed (a chunk whose event has not completed waits; each turn looks again)."""
+        rid = out.sender.request_id
+        self._computing.discard(rid)
         if not out.ready or out.sender.status.state.final:
             return
-        chunks, out.chunks = out.chunks, []
         try:
-            for chunk in chunks:
-                self._post_chunk(out, chunk)
+            while out.chunks:
+                if not self._computed(out, out.chunks[0]):
+                    return
+                self._post_chunk(out, out.chunks.pop(0))
         except (ValueError, TypeError, TransportError) as exc:  # bad slots, a peer gone, a closed transport
-            self._fail(out.sender.request_id, f"cannot write: {exc}")
+            self._fail(rid, f"cannot write: {exc}")
+
+    def _computed(self, out: _Outgoing, chunk: _Chunk) -> bool:
+        """Whether the chunk's KV is complete; if not, the request waits in ``_computing``
+        (failed when the engine's stream did: its KV never comes)."""
+        try:
+            if chunk.computed is None or chunk.computed.query():
+                return True
+        except RuntimeError as exc:  # a CUDA error on the engine's stream
+            self._fail(out.sender.request_id, f"the engine's stream failed before a chunk's KV was computed: {exc}")
+            return False
+        self._computing.add(out.sender.request_id)
+        return False
+
+    def _stream_mark(self):
+        """The caller's current CUDA stream as of now, for a chunk's KV on the GPU (a recorded
+        event; None for host pools)."""
+        if self._device is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     def _post_chunk(self, out: _Outgoing, chunk: _Chunk) -> None:
         rid = out.sender.request_id
@@ -495,7 +533,13 @@ class PrefillKVManager:
         for transport in self.endpoints.transports.values():  # nothing is written here, but a holder
             transport.poll_notifications()  # of decode exports answers their revokes only while called
         now = time.monotonic()
-        busy = False
+        for rid in list(self._computing):  # chunks waiting for the engine's stream
+            out = self._outgoing.get(rid)
+            if out is None:
+                self._computing.discard(rid)
+            else:
+                self._flush(out)
+        busy = bool(self._computing)
         for rid in list(self._moving):  # the others wait for an ask or a chunk: nothing to poll
             out = self._outgoing.get(rid)
             if out is None:
@@ -557,12 +601,15 @@ class PrefillKVManager:
                 self._send(key, Quiesced(request_id=rid))
         del self._outgoing[rid]
         self._moving.discard(rid)
+        self._computing.discard(rid)
         self._senders.pop(rid)
 
     def _describe(self, out: _Outgoing) -> str:
         if not out.ready:
             missing = sorted(out.expected - set(out.dests)) if out.expected else "every decode rank"
             return f"waiting for the destination from {missing}"
+        if out.chunks:
+            return f"{out.tokens_sent} tokens sent, the next chunk's KV not computed yet"
         if not out.last_posted:
             return f"{out.tokens_sent} tokens sent, waiting for the last chunk"
         return f"{len(out.inflight)} writes in flight"

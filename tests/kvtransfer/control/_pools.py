@@ -134,8 +134,11 @@ class PoolKit:
     def _local(rows: np.ndarray, pieces) -> np.ndarray:
         return np.concatenate([rows[:, a:a + n] for a, n in pieces], axis=1)  # [n, local row bytes]
 
-    def fill(self, request_id: str, slots: np.ndarray, state_slot: int = 0) -> None:
-        """Write the request's reference rows (tokens 0..len(slots)) at ``slots``; state too."""
+    def fill(self, request_id: str, slots: np.ndarray, state_slot: int = 0, late_cycles: int = 0) -> None:
+        """Write the request's reference rows (tokens 0..len(slots)) at ``slots``; state too.
+        ``late_cycles`` (GPU pools, KV only): the rows are queued on the current stream behind a
+        busy wait of that many GPU cycles and not waited for, as an engine's compute would be."""
+        late = []  # GPU pools: (view, slots, rows) on the GPU, written after every upload
         for b, (view, row, full, pieces) in enumerate(self._kv_buffers()):
             rows = self._local(self._full_rows(request_id, "kv", b, slots.size, full), pieces)
             assert rows.shape[1] == row, (rows.shape, row)
@@ -144,8 +147,17 @@ class PoolKit:
             else:
                 import torch
 
-                view[torch.from_numpy(slots).to(view.device)] = torch.from_numpy(rows).to(view.device)
-                torch.cuda.synchronize(view.device)
+                late.append((view, torch.from_numpy(slots).to(view.device), torch.from_numpy(rows).to(view.device)))
+        if late:
+            import torch
+
+            torch.cuda.synchronize(self.device)  # the uploads (each waited for the host anyway) are done
+            if late_cycles:
+                torch.cuda._sleep(late_cycles)
+            for view, idx, src in late:
+                view[idx] = src  # on the current stream
+            if not late_cycles:
+                torch.cuda.synchronize(self.device)
         if self.kind == "hybrid":
             for b, (view, item, full, pieces) in enumerate(self._state_buffers()):
                 rows = self._local(self._full_rows(request_id, "state", b, 1, full), pieces)

@@ -46,6 +46,7 @@ class Prefill:
     chunks: tuple  # token counts per chunk, summing to ``tokens``
     first_token: int = 0
     hold_last: bool = False  # send every chunk but the last (the test sends it later)
+    late_cycles: int = 0  # GPU pools: the KV queued on a side stream behind a busy wait, sent unfinished
 
 
 @dataclass(frozen=True)
@@ -176,18 +177,14 @@ class _Rank:
         if isinstance(cmd, Prefill):
             slots = self.take(cmd.request_id, cmd.tokens)
             state_slot = self.state_slot.get(cmd.request_id)
-            self.kit.fill(cmd.request_id, slots, state_slot or 0)
-            sender = self.handles[cmd.request_id] = self.manager.sender(cmd.request_id)
-            start = 0
-            for i, n in enumerate(cmd.chunks):
-                last = i == len(cmd.chunks) - 1
-                if last and cmd.hold_last:
-                    self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot)
-                    break
-                sender.send(slots[start:start + n], last=last, state_slot=state_slot if last else None,
-                            aux=pack_first_token(cmd.first_token, -0.5) if last else None)
-                start += n
-            return None
+            if not cmd.late_cycles:
+                self.kit.fill(cmd.request_id, slots, state_slot or 0)
+                return self._prefill(cmd, slots, state_slot)
+            import torch
+
+            with torch.cuda.stream(torch.cuda.Stream(self.spec.device)):  # as an engine's compute stream
+                self.kit.fill(cmd.request_id, slots, state_slot or 0, late_cycles=cmd.late_cycles)
+                return self._prefill(cmd, slots, state_slot)
         if isinstance(cmd, SendLast):
             sender, slots, aux, state_slot = self.held
             sender.send(slots, last=True, aux=aux, state_slot=state_slot)
@@ -233,6 +230,20 @@ class _Rank:
                 stats["backends"] = self.manager.decode_backends()
             return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
+
+    def _prefill(self, cmd: Prefill, slots, state_slot) -> None:
+        from kvtransfer.control.common import pack_first_token
+
+        sender = self.handles[cmd.request_id] = self.manager.sender(cmd.request_id)
+        start = 0
+        for i, n in enumerate(cmd.chunks):
+            last = i == len(cmd.chunks) - 1
+            if last and cmd.hold_last:
+                self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot)
+                break
+            sender.send(slots[start:start + n], last=last, state_slot=state_slot if last else None,
+                        aux=pack_first_token(cmd.first_token, -0.5) if last else None)
+            start += n
 
     def verify(self, request_id: str):
         receiver = self.handles.pop(request_id)

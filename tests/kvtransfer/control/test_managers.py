@@ -137,3 +137,29 @@ def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, m
                 assert decode.call(Verify(f"gpu-{i}")) == (0, 7)
         finally:
             close_all(ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [("nixl",), ("nixl", "nvlink")])
+def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(backends, monkeypatch):
+    """An engine may call send() as soon as a chunk's KV is queued on its (non-default) stream:
+    here the rows are written there behind ~0.1 s of GPU busy wait, and send() follows at once.
+    The writes must read the rows as computed (NIXL reads GPU memory with no stream order of its
+    own; before, the chunk was posted at once). One GPU: both ranks on it, two processes."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
+    config = {**FAST, "heartbeat_timeout_s": 15.0}  # a cold Triton cache compiles on the loop thread
+    with BootstrapService() as svc:
+        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=config, device=0, backends=backends)),
+                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=config, device=0, backends=backends,
+                                      instance="late"))]
+        try:
+            prefill, decode = [r.started() for r in ranks]
+            for i, (tokens, chunks) in enumerate(((37, (16, 21)), (200, (200,)))):
+                rid = f"late-{i}"
+                decode.call(Receive(rid, tokens, 0))
+                prefill.call(Prefill(rid, tokens, chunks, first_token=7, late_cycles=200_000_000))
+                for r in (prefill, decode):
+                    assert r.call(Wait(rid)) == ("Success", None), r.name
+                assert decode.call(Verify(rid)) == (0, 7)
+        finally:
+            close_all(ranks)
