@@ -115,6 +115,16 @@ def test_request_with_a_held_last_chunk_completes_when_it_comes(group):
         assert d.call(Verify("late"))[0] == 0
 
 
+def gpu_ranks(svc, backends, decode_device: int, instance: str) -> list:
+    """A prefill rank on GPU 0 and a decode rank on ``decode_device``, one process each, not
+    started. The heartbeat timeout is long: on a cold Triton cache the first NVLink write
+    compiles its kernel on the prefill loop thread (seconds), and heartbeats wait for it."""
+    config = {**FAST, "heartbeat_timeout_s": 15.0}
+    return [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=config, device=0, backends=backends)),
+            RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=config, device=decode_device,
+                                 backends=backends, instance=instance))]
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backends, want", [(("nixl", "nvlink"), "nvlink"), (("nixl",), "nixl")])
@@ -122,13 +132,8 @@ def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, m
     """Prefill on GPU 0, decode on GPU 1, one process each: with nvlink on both sides the pair
     takes it (else NIXL), and the bytes land either way."""
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")  # NIXL refuses GPUs without a CUDA transport
-    # The default heartbeat timeout: on a cold Triton cache the first NVLink write compiles its
-    # kernel on the prefill loop thread (seconds), and heartbeats wait for it.
-    config = {**FAST, "heartbeat_timeout_s": 15.0}
     with BootstrapService() as svc:
-        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=config, device=0, backends=backends)),
-                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=config, device=1, backends=backends,
-                                      instance="gpu"))]
+        ranks = gpu_ranks(svc, backends, 1, "gpu")
         try:
             prefill, decode = [r.started() for r in ranks]
             assert prefill.call(Stats())["backends"] == {("gpu", 0): want}
@@ -147,11 +152,8 @@ def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(ba
     The writes must read the rows as computed (NIXL reads GPU memory with no stream order of its
     own; before, the chunk was posted at once). One GPU: both ranks on it, two processes."""
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
-    config = {**FAST, "heartbeat_timeout_s": 15.0}  # a cold Triton cache compiles on the loop thread
     with BootstrapService() as svc:
-        ranks = [RankProcess(RankSpec("prefill", 0, 1, 16, svc.address, config=config, device=0, backends=backends)),
-                 RankProcess(RankSpec("decode", 0, 1, 4, svc.address, config=config, device=0, backends=backends,
-                                      instance="late"))]
+        ranks = gpu_ranks(svc, backends, 0, "late")
         try:
             prefill, decode = [r.started() for r in ranks]
             for i, (tokens, chunks) in enumerate(((37, (16, 21)), (200, (200,)))):
