@@ -538,6 +538,8 @@ def main():
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of whole writes")
     ap.add_argument("--peer-gpu", type=int, default=1, help="the receiver's GPU (0: one GPU, no NVLink in the copy)")
+    ap.add_argument("--blocking-events", action="store_true",
+                    help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
     args = ap.parse_args()
     if not args.cuda:
         peer, owner, ring, batch, receiver = cpu_setup(args.tokens, args.page)
@@ -556,6 +558,14 @@ def main():
             receiver.close()
         return
     torch.cuda.set_device(0)
+    if args.blocking_events:
+        plain = torch.cuda.Event
+
+        class _Blocking(plain):
+            def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+                return plain.__new__(cls, enable_timing=enable_timing, blocking=True, interprocess=interprocess)
+
+        torch.cuda.Event = _Blocking
     remote, tr, peer, batch, keep = cuda_setup(args.tokens, args.page, args.peer_gpu)
     try:
         ring = tr._slot_ring()
