@@ -46,6 +46,7 @@ from transport.nvlink import kernel as kern
 from transport.nvlink import stream as stream_mod
 from transport.nvlink.config import NvlinkConfig
 from transport.nvlink.fastpath import PairCache, SlotRing, build_plan
+from transport.nvlink.holds import Hold
 from transport.nvlink.mailbox import Inbox, Outbox
 from transport.nvlink.peer import NvlinkPeer
 from transport.nvlink.pending import PendingQueue
@@ -217,6 +218,8 @@ def cpu_setup(tokens, page):
     peer._mapping = _Mapping(np.array([r.ptr for r in peer_regions.values()], dtype=np.int64))
     peer._queue = PendingQueue("probe", Outbox(receiver.name, 1.0, sender="probe"), 60.0)
     owner._progress = Progress(peer._queue.advance, peer._queue.oldest_event)
+    peer._hold = Hold("probe", peer._queue, peer._mapping)  # the receiver's answer to the Hello: taken as given
+    peer._hold.acked = True
     peer._closed = False
     peer._peer_sizes = RegionSizes(peer_regions)
     peer.tables = WriteTables(registry, peer._peer_sizes, peer._mapping, 0, cfg)

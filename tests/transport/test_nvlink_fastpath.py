@@ -189,6 +189,19 @@ def test_ring_hands_out_spans_in_order_and_wraps():
     assert ring.take(0) == 40 and ring.live <= 4
 
 
+def test_ring_starts_again_at_0_once_nothing_is_held():
+    """Writes waited for one by one reuse the start of the ring (memory the last ones left in
+    the cache) instead of walking through all of it; while a span is held, spans follow it."""
+    ring, _ = _ring(100)
+    first = ring.take(30)
+    fence = _Fence()
+    ring.hold(first, fence)
+    assert ring.take(10) == 30  # the first still held: after it
+    ring.hold(30, None)
+    fence.passed = True
+    assert ring.take(30) == 0 and ring.live == 1  # both passed: from 0 again
+
+
 def test_ring_refuses_what_it_cannot_hold():
     ring, _ = _ring(10)
     assert ring.fits(10) and not ring.fits(11)
@@ -768,7 +781,8 @@ def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
             (table is not None, p, start, n, stream.cuda_stream))))
     peer.write_strided(_kv([1, 2, 3], [4, 5, 6]), b"a").wait(timeout=5)
     peer.write_strided(_kv([7], [8]), b"b").wait(timeout=5)
-    assert bound == [(True, 4, 0, 3, 7), (True, 4, 6, 1, 7)] and launches == [] and general == []
+    # the first write is done when the second comes: nothing held, so its span starts at 0 again
+    assert bound == [(True, 4, 0, 3, 7), (True, 4, 0, 1, 7)] and launches == [] and general == []
 
 
 def test_direct_path_refuses_slots_out_of_bounds_with_the_pair_named(fake_peer):

@@ -25,8 +25,10 @@ gives both sides' largest slot for the bounds check) and, by one
 ``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
 kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span
 of the ring is reused once the write that holds it has completed (its event; the host copy ran
-before the kernel on the same stream). The ring is allocated once per transport, at the first
-write that uses it; a slot part larger than the ring takes the general path.
+before the kernel on the same stream), and a write that finds nothing held starts at 0 again:
+writes waited for one by one stay in memory the cache still holds (walking the 8 MiB ring,
+each write's copy in and bounds pass cost ~2-3x more). The ring is allocated once per transport,
+at the first write that uses it; a slot part larger than the ring takes the general path.
 """
 
 from __future__ import annotations
@@ -188,10 +190,12 @@ class RingSpace:
         fenceless, until :meth:`hold` gives its fence."""
         if not self.fits(n):
             raise ValueError(f"a span of {n} elements does not fit a ring of {self.capacity}")
-        start = self._head if self._head + n <= self.capacity else 0
-        end = start + n
         while self._live and self._live[0][2] is not _TAKEN and self._passed(self._live[0][2]):
             self._live.popleft()
+        if not self._live:  # nothing held: back to the start, whose memory the last writes left in cache
+            self._head = 0
+        start = self._head if self._head + n <= self.capacity else 0
+        end = start + n
         for sp in self._live if n else ():
             if not (sp[0] < end and start < sp[1]) or sp[2] is None:
                 continue
