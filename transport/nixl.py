@@ -721,8 +721,7 @@ class NixlTransport(Transport):
             del self._lost[name]
             if name not in self._peers:
                 self._idle.discard(name)
-            self._drop_lane(name)  # its requests are done: a fresh lane (and Hello) with the fresh endpoint
-            self._remove_remote(name)
+            self._remove_remote(name)  # its requests are done: a fresh lane (and Hello) with the fresh endpoint
         if name == self.name:
             if metadata == bytes(agent.get_agent_metadata()):
                 raise PeerDescriptorError(f"peer descriptor is this transport's own export (agent {name!r})")
@@ -970,18 +969,19 @@ class NixlTransport(Transport):
         that its next export loads afresh; refused while a write of ours to it is in flight
         (dropping the endpoint would cancel it)."""
         direct = sum(t.status() is TransferStatus.PENDING for p in self._snapshots(name) for t in list(p._pending))
-        lane = self._lanes.get(name)
-        if direct or (lane is not None and lane.busy):
+        staged = name in self._lanes and self._lanes[name].busy
+        if direct or staged:
             raise TransportError(
                 f"peer {name!r} deregistered regions that overlap ones its new export names, so NIXL must load "
                 f"that export afresh, which would cancel this transport's writes in flight to it ({direct} direct"
-                f"{', and staged ones' if lane is not None and lane.busy else ''}): connect again once they end")
-        self._drop_lane(name)
+                f"{', and staged ones' if staged else ''}): connect again once they end")
         self._remove_remote(name)
 
     def _remove_remote(self, name: str) -> None:
+        """Forget the remote agent ``name`` in NIXL, and its lane (whose lists name its regions)."""
         if self._agent is None:
             return
+        self._drop_lane(name)
         self._loaded.pop(name, None)
         self._release_prepared(name)
         try:
@@ -1004,7 +1004,6 @@ class NixlTransport(Transport):
         self._holds.release(peer.name)  # the owner stops counting this transport (if nothing is pending)
         if peer.name in self._lost and not self._drain(peer.name):
             del self._lost[peer.name]
-            self._drop_lane(peer.name)
             self._remove_remote(peer.name)
         elif peer.name in self._lost:
             self._idle.add(peer.name)  # failed requests still run: the next connect drains first

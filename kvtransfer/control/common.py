@@ -239,7 +239,8 @@ class EventLoop:
         self._stop = threading.Event()
         self._turn = threading.Lock()  # held by the running turn (loop thread or an inline call)
         self._owner: Optional[int] = None  # the thread that holds it
-        self._fds: list = [self._wake_r, *self._sock_fds.values()]  # what the loop waits on between turns
+        self._fds: list = []  # what the loop waits on between turns (_watch)
+        self._watch()
         self._holding = False  # a socket held a message at the end of the last turn
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -294,13 +295,18 @@ class EventLoop:
         """Poll ``sock`` too (in a turn, or before ``start``)."""
         self._handlers[sock] = handler
         self._sock_fds[sock] = sock.getsockopt(zmq.FD)
-        self._fds = [self._wake_r, *self._sock_fds.values()]  # a new list: the loop may be waiting on the old one
+        self._watch()
 
     def remove_socket(self, sock) -> None:
         """Stop polling ``sock`` (in a turn); the caller closes it."""
         self._handlers.pop(sock, None)
         if self._sock_fds.pop(sock, None) is not None:
-            self._fds = [self._wake_r, *self._sock_fds.values()]
+            self._watch()
+
+    def _watch(self) -> None:
+        """The descriptors the loop waits on: the wake pipe's, then the sockets' (a new list: the
+        loop may be waiting on the old one)."""
+        self._fds = [self._wake_r, *self._sock_fds.values()]
 
     def _run(self) -> None:
         _precise_sleeps()

@@ -533,18 +533,12 @@ class PrefillKVManager:
         for transport in self.endpoints.transports.values():  # nothing is written here, but a holder
             transport.poll_notifications()  # of decode exports answers their revokes only while called
         now = time.monotonic()
+        # both sets name requests in _outgoing only: _finish takes an id out of every one
         for rid in list(self._computing):  # chunks waiting for the engine's stream
-            out = self._outgoing.get(rid)
-            if out is None:
-                self._computing.discard(rid)
-            else:
-                self._flush(out)
+            self._flush(self._outgoing[rid])
         busy = bool(self._computing)
         for rid in list(self._moving):  # the others wait for an ask or a chunk: nothing to poll
-            out = self._outgoing.get(rid)
-            if out is None:
-                self._moving.discard(rid)
-                continue
+            out = self._outgoing[rid]
             busy |= self._advance(out)
             state = out.sender.status.state
             if state is KVPoll.Success or (state is KVPoll.Failed and not out.inflight):
