@@ -898,18 +898,29 @@ class NixlTransport(Transport):
         """Read NIXL's notifications: revoke messages go to the holds / holders
         (:mod:`transport.nixl_revoke`), staged messages to the lanes (a receiver scatters here),
         the owner's are queued for :meth:`poll_notifications`, each sender's in order; then
-        answer the revokes whose writes have finished. Not re-entered (a revoke answer checks
+        answer the revokes whose writes have finished. While scatters of staged chunks are in
+        flight, NIXL's notifications are read again (the next chunks are handled while the
+        GPU scatters) or the oldest scatter is waited for; it returns once every staged answer
+        went out (:mod:`transport.nixl_staged.receiver`). Not re-entered (a revoke answer checks
         transfers, whose ``status()`` pumps)."""
         agent = self._agent_checked()
         if self._pumping:
             return
         self._pumping = True
+        receiver = self._receiver
         try:
             self._last_pump = time.monotonic()
-            for sender, msgs in agent.get_new_notifs().items():
-                sender = sender.decode() if isinstance(sender, bytes) else str(sender)
-                for raw in msgs:
-                    self._take(sender, bytes(raw))
+            while True:
+                notes = agent.get_new_notifs()
+                for sender, msgs in notes.items():
+                    sender = sender.decode() if isinstance(sender, bytes) else str(sender)
+                    for raw in msgs:
+                        self._take(sender, bytes(raw))
+                if not receiver.in_flight:
+                    break
+                receiver.answer()
+                if receiver.in_flight and not notes:
+                    receiver.wait_oldest()
             self._holds.answer()
         finally:
             self._pumping = False
@@ -934,7 +945,7 @@ class NixlTransport(Transport):
         except staged_wire.ProtocolError:
             return  # a staged message that does not decode carries nothing to deliver
         if msg is None:
-            self._notes.append(Notification(sender, raw))
+            self._receiver.deliver(sender, raw)
         elif isinstance(msg, (staged_wire.Hello, staged_wire.Chunk)):
             self._receiver.handle(sender, msg)
         else:

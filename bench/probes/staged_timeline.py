@@ -8,10 +8,12 @@ blocks) through the staged mode only, and records, per chunk, with the host's mo
   request seen DONE, Credit read;
 - receiver: notification handled (start), scattered and answered (end).
 
-Usage: python3 bench/probes/staged_timeline.py [--cuda] [--request page1|heads|demo]
-       [--lanes SLOTSxBYTES,...] [--iters N]
-Prints the rate against 64 MiB blocks (direct NIXL, same run) and the medians of each step,
-then the last write's timeline.
+Usage: python3 bench/probes/staged_timeline.py [--cuda [--peer-gpu G]] [--request page1|heads|demo]
+       [--lanes SLOTSxBYTES,...] [--iters N] [--wire-gather BYTES]
+Prints the rate against 64 MiB blocks (direct NIXL, same run), the time of each copy step on
+both sides (the write's first chunk apart from the others), the medians of each step, then
+the last write's timeline. ``--peer-gpu 0`` puts the receiver on the writer's GPU (one GPU: the
+blocks rate is a local copy then, not NVLink; the staged path's steps are the same).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from transport.base import WriteBatch  # noqa: E402
 MiB = 1 << 20
 
 
-def _traced_receiver(conn, total, cuda, env, staged, trace_path):
+def _traced_receiver(conn, total, cuda, env, staged, trace_path, gpu):
     from transport.nixl_staged import receiver as rx
 
     trace = []
@@ -42,14 +44,61 @@ def _traced_receiver(conn, total, cuda, env, staged, trace_path):
 
     def chunk(self, sender, msg):
         t0 = time.monotonic()
+        _CURRENT[0] = msg.index
         inner(self, sender, msg)
         trace.append((msg.seq, msg.index, t0, time.monotonic()))
 
     rx.ReceiverLanes._chunk = chunk
+    steps = _time_steps(_staging_steps() + [(rx.ReceiverLanes, "_answer")])
     try:
-        tools._receive(conn, total, cuda, env, False, staged)
+        tools._receive(conn, total, cuda, env, False, staged, gpu)
     finally:
         np.save(trace_path, np.asarray(trace, dtype=np.float64).reshape(-1, 4))
+        with open(trace_path + ".steps", "w") as f:
+            for name, ts in steps.items():
+                f.write(f"{name} {' '.join(f'{i}:{t:.6f}' for i, t in ts)}\n")
+
+
+_CURRENT = [-1]  # the chunk index being handled (receiver) or filled (sender): steps are told apart by it
+
+
+def _time_steps(classes):
+    """Wrap the named steps (``[(owner, name)]``); returns {step: [(chunk index, seconds)]}."""
+    steps = {}
+    for owner, name in classes:
+        inner = owner.__dict__[name]
+        if isinstance(inner, classmethod):
+            continue
+        key = f"{owner.__name__}.{name}"
+        steps[key] = []
+
+        def timed(*a, _inner=inner, _out=steps[key], **k):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                _out.append((_CURRENT[0], time.perf_counter() - t0))
+        setattr(owner, name, staticmethod(timed) if isinstance(inner, staticmethod) else timed)
+    return steps
+
+
+def _staging_steps():
+    from transport.nixl_staged import copy as cp
+    from transport.nixl_staged import wire
+
+    return [(cp.KernelStaging, n) for n in ("_get", "strided_rows", "strided_table", "stage_strided", "_upload",
+                                            "_launch_strided", "ready")] + \
+        [(wire.DestinationTable, "check"), (cp.HostStaging, "scatter_strided"), (cp.HostStaging, "gather_strided")]
+
+
+def _print_steps(title, steps):
+    print(f"{title} (ms): chunk 0 median / other chunks median / calls")
+    for name, rows in steps:
+        first = [1e3 * t for i, t in rows if i == 0]
+        rest = [1e3 * t for i, t in rows if i > 0]
+        if rows:
+            print(f"  {name:40s} {statistics.median(first) if first else float('nan'):8.3f} "
+                  f"{statistics.median(rest) if rest else float('nan'):8.3f} {len(rows):6d}")
 
 
 def _trace_sender():
@@ -63,6 +112,7 @@ def _trace_sender():
     def traced_fill(fill):
         def inner(self, lane, slot, index):
             t0 = time.monotonic()
+            _CURRENT[0] = index
             out = fill(self, lane, slot, index)
             rec.append(("fill", self.seq, index, t0))
             rec.append(("filled", self.seq, index, time.monotonic()))
@@ -121,6 +171,8 @@ def main() -> None:
     ap.add_argument("--lanes", type=_lanes, default=None, help="SLOTSxBYTES,... e.g. 4x128M,8x64M")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--progress-thread", action="store_true")
+    ap.add_argument("--peer-gpu", type=int, default=1, help="the receiver's GPU (0: one GPU, no NVLink)")
+    ap.add_argument("--wire-gather", type=int, default=None, help="StagedNixlConfig.wire_gather_bytes")
     ap.add_argument("--profile", action="store_true", help="cProfile the sender over the timed writes")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
@@ -144,12 +196,16 @@ def main() -> None:
         src = np.random.default_rng(1).integers(0, 256, kv.src_bytes, dtype=np.uint8)
         src_ptr, device = src.ctypes.data, None
     rec = _trace_sender()
+    from transport.nixl import NixlPeer
+
+    tx_steps = _time_steps(_staging_steps() + [(NixlPeer, "write_strided")])
     total = max(kv.dst_bytes, -(-kv.nbytes // block) * block)
     for slots, slot_bytes in lanes:
-        staged = StagedNixlConfig(slots=slots, **({"cuda_slot_bytes": slot_bytes} if args.cuda else
-                                                  {"slot_bytes": slot_bytes}))
+        extra = {} if args.wire_gather is None else {"wire_gather_bytes": args.wire_gather}
+        staged = StagedNixlConfig(slots=slots, **extra, **({"cuda_slot_bytes": slot_bytes} if args.cuda else
+                                                           {"slot_bytes": slot_bytes}))
         path = os.path.join(args.out, f"rx-{slots}x{slot_bytes // MiB}M.npy")
-        receiver = Child.spawn(_traced_receiver, (total, args.cuda, dict(os.environ), staged, path), name="receiver")
+        receiver = Child.spawn(_traced_receiver, (total, args.cuda, dict(os.environ), staged, path, args.peer_gpu), name="receiver")
         try:
             export = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
             ts = NixlTransport(NixlConfig(staged=staged, progress_thread=args.progress_thread))
@@ -193,6 +249,13 @@ def main() -> None:
         finally:
             receiver.stop(tools.Quit())
         rx = np.load(path)
+        with open(path + ".steps") as f:
+            rx_steps = [(name, [(int(i), float(t)) for i, t in (x.split(":") for x in ts)])
+                        for name, *ts in (line.split() for line in f)]
+        _print_steps("receiver steps", rx_steps)
+        _print_steps("sender steps", [(k, list(v)) for k, v in tx_steps.items()])
+        for v in tx_steps.values():
+            v.clear()
         staged_gbps = kv.nbytes / statistics.median(times["staged"]) / 1e9
         blocks_gbps = n * block / statistics.median(times["blocks"]) / 1e9
         print(f"\n== lane {slots} x {slot_bytes // MiB} MiB: staged {staged_gbps:.2f} GB/s, 64 MiB blocks "

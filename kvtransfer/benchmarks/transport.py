@@ -68,23 +68,24 @@ class Bye:
     pass
 
 
-def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
-    """Own the destination buffer; poll notifications until told to quit. ``staged``: the
-    receiver's ``StagedNixlConfig`` (the staging lanes it grants), None: the default."""
+def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1) -> None:
+    """Own the destination buffer (on GPU ``gpu`` with ``cuda``); poll notifications until told
+    to quit. ``staged``: the receiver's ``StagedNixlConfig`` (the staging lanes it grants), None:
+    the default."""
     try:
-        _receive(conn, total, cuda, env, progress_thread, staged)
+        _receive(conn, total, cuda, env, progress_thread, staged, gpu)
     except Exception as exc:  # the parent names it instead of waiting on a dead pipe
         report_failure(conn, exc)
         raise SystemExit(1) from None
 
 
-def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None) -> None:
+def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1) -> None:
     os.environ.update(env)
     if cuda:
         import torch
 
-        torch.cuda.set_device(1)
-        dst = torch.zeros(total, dtype=torch.uint8, device="cuda:1")  # [total] bytes
+        torch.cuda.set_device(gpu)
+        dst = torch.zeros(total, dtype=torch.uint8, device=f"cuda:{gpu}")  # [total] bytes
         torch.cuda.synchronize()
     else:
         dst = np.ones(total, dtype=np.uint8)  # [total] bytes, touched so pages exist

@@ -735,53 +735,52 @@ def test_kernel_staging_strided_gather_and_scatter_in_tritons_interpreter():
 
 
 CUDA_ENV = {"UCX_TLS": "tcp,self,sm,cuda_copy,cuda_ipc"}
+CUDA_SMALL = StagedNixlConfig(cuda_slot_bytes=256 << 10, slots=3, min_rows=64)
+# the receiver's GPU: cuda:1 (two GPUs), or cuda:0 beside the writer (two processes on one GPU)
+RECEIVER_GPUS = [pytest.param(1, marks=[pytest.mark.gpu, pytest.mark.multigpu], id="two-gpus"),
+                 pytest.param(0, marks=pytest.mark.gpu, id="one-gpu")]
 
 
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
-    """cuda:0 -> cuda:1: the Triton gather on cuda:0, one cuda_ipc write per slot, the scatter
-    kernel on cuda:1 in the receiver, then its notification."""
+def cuda_pair(writer, receiver, rx_gpu, dst_sizes, seed, staged=SMALL, rx_staged=None):
+    """A receiver with ``dst_sizes`` regions on cuda:``rx_gpu``, a writer with an 8 MiB random
+    source region on cuda:0: (receiver, writer, the source on the host, its region id, peer)."""
     import torch
 
-    dst_sizes = [8 * MiB, 8 * MiB]
-    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=1)
+    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=rx_gpu, staged=rx_staged)
     torch.cuda.set_device(0)
-    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(12))
+    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     src_cuda = src.to("cuda:0")
     torch.cuda.synchronize()
-    t = writer(env=CUDA_ENV, staged=SMALL)
+    t = writer(env=CUDA_ENV, staged=staged)
     sid = t.register_tensor(src_cuda)
-    peer = t.connect(rx.export)
+    return rx, t, src.numpy(), sid, t.connect(rx.export)
+
+
+@pytest.mark.parametrize("rx_gpu", RECEIVER_GPUS)
+def test_staged_cuda_to_cuda_between_two_processes(writer, receiver, rx_gpu):
+    """cuda:0 -> cuda:``rx_gpu``: the Triton gather on cuda:0, one cuda_ipc write per slot, the
+    scatter kernel in the receiver, then its notification."""
+    dst_sizes = [8 * MiB, 8 * MiB]
+    rx, t, src, sid, peer = cuda_pair(writer, receiver, rx_gpu, dst_sizes, 12)
     entries = small_rows(np.random.default_rng(13), 1000, 8 * MiB, dst_sizes, lengths=(256, 2048, 1000))
     note = _nixl_peer.payload(1, [(r, 0, n) for r, n in enumerate(dst_sizes)])
     tr = peer.write(wb(sid, *entries[1:]), notify=note)
     assert isinstance(tr, StagedTransfer)
     tr.wait(120)
-    want = reference([src.numpy()], dst_sizes, entries)
+    want = reference([src], dst_sizes, entries)
     assert rx.wait_notes(1) == [(note, sha(want))]
     for r in range(len(dst_sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
 
 
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_strided_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, receiver):
-    """cuda:0 -> cuda:1 through ``write_strided``: the strided GATHER launch on cuda:0 (its
-    table uploaded once per write), one cuda_ipc write per slot, the strided SCATTER launch on
-    cuda:1 in the receiver, then its notification; the cases of the host test."""
-    import torch
-
+@pytest.mark.parametrize("rx_gpu", RECEIVER_GPUS)
+def test_strided_staged_cuda_to_cuda_between_two_processes(writer, receiver, rx_gpu):
+    """cuda:0 -> cuda:``rx_gpu`` through ``write_strided``: the strided GATHER launch on cuda:0
+    (its table uploaded once per write), one cuda_ipc write per slot, the strided SCATTER launch
+    in the receiver, then its notification; the cases of the host test."""
     dst_sizes = [8 * MiB, 4 * MiB]
-    rx = receiver(dst_sizes, env=CUDA_ENV, cuda_device=1, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10))
-    torch.cuda.set_device(0)
-    src = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(17))
-    src_cuda = src.to("cuda:0")
-    torch.cuda.synchronize()
-    t = writer(env=CUDA_ENV, staged=StagedNixlConfig(cuda_slot_bytes=256 << 10, slots=3, min_rows=64))
-    sid = t.register_tensor(src_cuda)
-    peer = t.connect(rx.export)
-    host = src.numpy()
+    rx, t, host, sid, peer = cuda_pair(writer, receiver, rx_gpu, dst_sizes, 17, staged=CUDA_SMALL,
+                                       rx_staged=StagedNixlConfig(cuda_slot_bytes=256 << 10))
     want = [np.zeros(n, np.uint8) for n in dst_sizes]
     whole = [(r, 0, n) for r, n in enumerate(dst_sizes)]
     for i, (name, batch) in enumerate(strided_cases(np.random.default_rng(18), sid)):
@@ -792,5 +791,35 @@ def test_strided_staged_cuda_to_cuda_between_two_processes_on_two_gpus(writer, r
         for sr, so, dr, do, n in entries(batch):
             want[dr][do:do + n] = host[so:so + n]
         assert rx.wait_notes(i + 1)[i] == (note, sha(want)), name
+    for r in range(len(dst_sizes)):
+        assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")
+
+
+@pytest.mark.parametrize("rx_gpu", RECEIVER_GPUS)
+def test_a_direct_write_behind_a_strided_staged_one_on_gpus_is_notified_after_it(writer, receiver, rx_gpu):
+    """The receiver answers a GPU chunk once its scatter has passed, handling the next
+    notifications meanwhile; a direct write issued behind a staged one (its notification may
+    reach the receiver while the staged write's last scatter still runs) is delivered after
+    it, each notification with its bytes in place. Three rounds, so the race is tried."""
+    dst_sizes = [8 * MiB, 4 * MiB]
+    rx, t, host, sid, peer = cuda_pair(writer, receiver, rx_gpu, dst_sizes, 21, staged=CUDA_SMALL,
+                                       rx_staged=CUDA_SMALL)
+    (_, batch), = [c for c in strided_cases(np.random.default_rng(22), sid) if c[0] == "MHA page 1"]
+    want = [np.zeros(n, np.uint8) for n in dst_sizes]
+    for sr, so, dr, do, n in entries(batch):
+        want[dr][do:do + n] = host[so:so + n]
+    staged_note = _nixl_peer.payload(0, [(0, 0, dst_sizes[0])])
+    expect = []
+    for i in range(3):
+        direct = wb(sid, (i + 1) * MiB, 1, 0, MiB)  # region 1, a whole MiB: one range, direct
+        direct_note = _nixl_peer.payload(1 + i, [(1, 0, MiB)])
+        first = peer.write_strided(batch, notify=staged_note)
+        second = peer.write(direct, notify=direct_note)
+        assert isinstance(first, StridedStagedTransfer) and isinstance(second, DeferredWrite)
+        second.wait(120)
+        first.wait(120)
+        want[1][:MiB] = host[(i + 1) * MiB:(i + 2) * MiB]
+        expect += [(staged_note, sha([want[0]])), (direct_note, sha([want[1][:MiB]]))]
+        assert rx.wait_notes(2 * i + 2) == expect
     for r in range(len(dst_sizes)):
         assert_same(rx.dump(r), want[r], f"CUDA destination region {r}")

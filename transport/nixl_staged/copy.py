@@ -10,8 +10,11 @@ A :class:`Staging` is ``slots`` slots of ``slot_bytes`` (one chunk each: :mod:`~
 - :class:`KernelStaging`: a torch buffer on a CUDA device. ``gather`` / ``scatter`` are one
   launch of the NVLink backend's row kernel in its staged modes (:mod:`transport.nvlink.kernel`,
   "Staged copies": ``Stage(GATHER | SCATTER, slot address, 0)`` over a ``[4, rows]`` row
-  table), then a stream synchronize, so the bytes are in place before NIXL reads them or the
-  notification goes out. ``device="cpu"`` runs the same kernel in Triton's interpreter (tests).
+  table), queued on the staging's own stream: the sender waits for a slot's copies (its event,
+  :meth:`Staging.ready`) before NIXL reads it, the receiver marks a scatter :meth:`Staging.queued`
+  and answers (Credit, notification) once :meth:`Staging.is_ready` says its bytes are in place,
+  handling the next chunk meanwhile (:mod:`~transport.nixl_staged.receiver`). ``device="cpu"``
+  runs the same kernel in Triton's interpreter (tests).
 
 Rows are given as absolute addresses (``[rows]`` int64) and lengths (``[rows]`` int64); the
 caller has checked them against its registered regions.
@@ -26,8 +29,8 @@ back to back). ``gather_strided`` / ``scatter_strided`` copy rows ``[begin, end)
   ``[positions, row]`` view of the memory they span, indexed by slot): O(pairs) Python steps;
 - CUDA: ONE launch of the NVLink strided kernel in its staged mode (``scatter_strided`` with
   ``Stage(GATHER | SCATTER, slot address, off(begin))``) over the write's strided table,
-  uploaded once per write, on this staging's stream; the stream (not the device) is
-  synchronized before NIXL reads the slot or the notification goes out.
+  uploaded once per write, on this staging's stream; a slot's event (not the device) is waited
+  for before NIXL reads the slot or the notification goes out.
 """
 
 from __future__ import annotations
@@ -274,7 +277,8 @@ class Staging:
         the slots) are in place (host: they already are)."""
 
     def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
-        """Slot ``k``'s bytes from ``at`` out to rows ``[begin, end)`` of ``rows``."""
+        """Slot ``k``'s bytes from ``at`` out to rows ``[begin, end)`` of ``rows`` (may be queued:
+        :meth:`queued` then :meth:`is_ready` / :meth:`ready` before the bytes are read)."""
         raise NotImplementedError
 
     def gather(self, k: int, at: int, addr: np.ndarray, length: np.ndarray) -> None:
@@ -487,10 +491,10 @@ class KernelStaging(Staging):
             self._launch_strided(k, at, rows, begin, end, gather=True)
 
     def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
-        """One launch; returns once its bytes are in place (before the Credit / notification)."""
+        """One launch, queued on the stream (the receiver marks it :meth:`queued` and answers
+        once :meth:`is_ready`)."""
         with self._on_stream():
             self._launch_strided(k, at, rows, begin, end, gather=False)
-        self.ready()
 
     def _launch_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int, gather: bool) -> None:
         """The strided kernel between rows ``[begin, end)`` and slot ``k`` from ``at``, on the
@@ -582,7 +586,7 @@ class KernelStaging(Staging):
             self._copy(k, at, self._tensor(addr), self._tensor(length), gather=True)
 
     def scatter(self, k: int, at: int, addr, length) -> None:
-        """Returns once the rows are in place."""
+        """Queued on the stream, as :meth:`scatter_strided`."""
         with self._on_stream():
             self._copy(k, at, self._tensor(addr), self._tensor(length), gather=False)
 
@@ -622,9 +626,8 @@ class KernelStaging(Staging):
 
     def _run(self, rows, longest: int, path, stage_at: int, gather: bool) -> None:
         """Launch the row kernel over ``rows`` (``[4, n]`` int64 here) in its gather or scatter
-        mode at staging address ``stage_at``, on the stream (the caller made it current); a
-        scatter returns once its bytes are in place (before the Credit / notification), a
-        gather is waited for through the slot's event (:meth:`ready`)."""
+        mode at staging address ``stage_at``, on the stream (the caller made it current); both
+        are waited for through the slot's event (:meth:`queued`, :meth:`ready`)."""
         from transport.nvlink.kernel import KernelConfig, Stage, StageMode, plan_launch, scatter_rows
 
         plan = plan_launch(int(rows.shape[1]), longest, path, KernelConfig())
@@ -633,8 +636,6 @@ class KernelStaging(Staging):
             scatter_rows(rows, plan, "cpu", stage=stage)
             return
         scatter_rows(rows, plan, self._torch_device, stage=stage, stream=self._stream)
-        if not gather:
-            self._stream.synchronize()
 
 
 def make_staging(slots: int, slot_bytes: int, device: Optional[int]) -> Staging:

@@ -21,10 +21,21 @@ notifications), on the owner's thread:
   uses (on a GPU: uploaded once), until the write's last chunk is scattered, a later write
   starts on the lane (a lane's writes run one after the other), or the lane is dropped; later
   chunks are checked against it by their header alone and scattered in one step.
+
+Answers wait for the scatter, not the receiver (GPU lanes): a chunk's scatter is queued on the
+lane's stream and its answers (the Credit, and the write's notification after its last chunk)
+wait in the lane's FIFO until the slot's event has passed, while the next chunks' headers are
+read and their scatters queued. The transport's pump (``NixlTransport._pump``) reads NIXL's
+notifications again while scatters are in flight and returns only once every answer went out,
+so the owner's thread is held no longer than a synchronous scatter held it, and nothing is
+in flight between two calls (``deregister`` and ``close`` find every scatter done). An owner's
+notification from a sender whose answers wait joins the same FIFO: one sender's notifications
+keep their order. Host lanes scatter synchronously; their answers go out at once.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 from transport.base import Notification
@@ -40,6 +51,8 @@ class _Lane:
         self.scattered: dict[int, int] = {}  # write seq -> its chunks scattered so far
         self.held: dict[int, bytes] = {}  # write seq -> its notify, until every chunk is scattered
         self.strided: dict[int, Landed] = {}  # write seq -> its checked destination table (strided writes)
+        # (slot whose queued scatter must pass first or None, Credit or None, owner's payload or None), in order
+        self.answers: deque[tuple] = deque()
 
     def known(self, seq: int) -> Optional[Landed]:
         """The strided write ``seq``'s table from an earlier chunk; tables of earlier writes are
@@ -66,6 +79,47 @@ class ReceiverLanes:
     def __init__(self, transport):
         self._t = transport
         self._lanes: dict[tuple[str, int], _Lane] = {}
+        self._waiting: dict[str, _Lane] = {}  # sender -> its lane whose answers wait for a scatter
+
+    @property
+    def in_flight(self) -> bool:
+        """Some lane's answers wait for a scatter queued on its stream."""
+        return bool(self._waiting)
+
+    def deliver(self, sender: str, payload: bytes) -> None:
+        """An owner's notification from ``sender``: to the owner, behind the sender's answers
+        that wait for a scatter (module doc)."""
+        lane = self._waiting.get(sender)
+        if lane is None:
+            self._t._notes.append(Notification(sender, payload))
+        else:
+            lane.answers.append((None, None, payload))
+
+    def answer(self) -> None:
+        """Send every answer whose scatter has passed, in each lane's order (never blocks)."""
+        for sender, lane in list(self._waiting.items()):
+            self._answer_ready(sender, lane)
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest scatter some lane's answers wait for has passed."""
+        for lane in self._waiting.values():
+            slot = lane.answers[0][0]
+            if slot is not None:
+                lane.staging.ready(slot)
+            return
+
+    def _answer_ready(self, sender: str, lane: _Lane) -> None:
+        answers = lane.answers
+        while answers and (answers[0][0] is None or lane.staging.is_ready(answers[0][0])):
+            _, credit, payload = answers.popleft()
+            if payload is not None:
+                self._t._notes.append(Notification(sender, payload))
+            if credit is not None:
+                self._answer(sender, credit)
+        if answers:
+            self._waiting[sender] = lane
+        elif self._waiting.get(sender) is lane:
+            del self._waiting[sender]
 
     def __len__(self) -> int:
         return len(self._lanes)
@@ -130,15 +184,17 @@ class ReceiverLanes:
                 lane.staging.land(msg.slot, expect, self._t._table())
         except (ProtocolError, ValueError, TypeError) as exc:
             lane.strided.pop(msg.seq, None)  # a later chunk of it checks its own table again
-            self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)))
+            lane.answers.append((None, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)), None))
+            self._answer_ready(sender, lane)
             return
-        notify = lane.landed(msg)
-        if notify:
-            self._t._notes.append(Notification(sender, notify))
-        self._answer(sender, Credit(msg.lane, msg.seq, msg.index, msg.slot))
+        lane.staging.queued(msg.slot)  # the scatter's event: the answers wait for it
+        lane.answers.append((msg.slot, Credit(msg.lane, msg.seq, msg.index, msg.slot), lane.landed(msg)))
+        self._answer_ready(sender, lane)
 
     def _drop(self, key) -> None:
         lane = self._lanes.pop(key)
+        lane.staging.ready()  # its scatters are done before its memory goes; their answers go out
+        self._answer_ready(key[0], lane)
         self._t._deregister_raw(lane.reg)
         lane.staging.close()
 
