@@ -427,6 +427,96 @@ def test_config_rule_and_validation():
         StagedNixlConfig(enabled=1)
 
 
+class _Scatters:
+    """A lane's staging whose queued scatters pass when the test says (``passed``); ``ready``
+    records the slots it was asked to wait for and lets them pass. Slots in ``refuse`` fail
+    their checks."""
+
+    slots = 4
+
+    def __init__(self):
+        self.passed, self.waited, self.refuse = set(), [], set()
+
+    def land(self, k, expect, table):
+        if k in self.refuse:
+            raise ProtocolError(f"slot {k} refused")
+        self.passed.discard(k)  # a scatter queued now
+
+    def queued(self, k):
+        pass
+
+    def is_ready(self, k):
+        return k in self.passed
+
+    def ready(self, k=None):
+        for slot in range(self.slots) if k is None else (k,):
+            self.waited.append(slot)
+            self.passed.add(slot)
+
+    def close(self):
+        pass
+
+
+class _Owner:
+    """What the receiver's lanes use of their transport: the owner's notifications, the
+    answers sent (decoded), released registrations."""
+
+    def __init__(self):
+        self._notes, self.sent, self.released = [], [], []
+
+    def _agent_checked(self):
+        return self
+
+    def send_notif(self, name, payload):
+        self.sent.append((name, decode(payload)))
+
+    def _table(self):
+        return None
+
+    def _deregister_raw(self, reg):
+        self.released.append(reg)
+
+
+def test_gpu_chunk_answers_wait_for_their_scatter_and_keep_each_senders_order():
+    """The receiver's answer FIFO (receiver.py, "Answers wait for the scatter"): a chunk's
+    Credit and its write's notification go once its scatter has passed, in arrival order; an
+    owner's notification from the same sender queues behind them, another sender's does not; a
+    refused chunk's answer waits its turn too; a dropped lane waits for its scatters and
+    answers them."""
+    from transport.nixl_staged.receiver import ReceiverLanes, _Lane
+
+    owner, staging = _Owner(), _Scatters()
+    lanes = ReceiverLanes(owner)
+    lanes._lanes["A", 1] = _Lane(staging, "reg-a", 0)
+    lanes.handle("A", Chunk(1, 7, 0, 2, 0, None))  # write 7: chunk 0 of 2 in slot 0
+    lanes.handle("A", Chunk(1, 7, 1, 2, 1, b"kv"))  # its last chunk, in slot 1
+    lanes.deliver("A", b"direct")  # a direct write of A's, behind write 7
+    lanes.deliver("B", b"other")  # another sender's: at once
+    assert lanes.in_flight and owner.sent == []
+    assert [n.payload for n in owner._notes] == [b"other"]
+
+    staging.passed.add(1)  # slot 1's scatter passed before slot 0's: nothing may overtake slot 0
+    lanes.answer()
+    assert owner.sent == [] and [n.payload for n in owner._notes] == [b"other"]
+    lanes.wait_oldest()  # waits for the oldest scatter only
+    assert staging.waited == [0]
+    lanes.answer()
+    assert [(name, m.index, m.slot, m.error) for name, m in owner.sent] == [("A", 0, 0, ""), ("A", 1, 1, "")]
+    assert [(n.sender, n.payload) for n in owner._notes] == [("B", b"other"), ("A", b"kv"), ("A", b"direct")]
+    assert not lanes.in_flight
+
+    owner.sent.clear()
+    staging.refuse.add(3)
+    lanes.handle("A", Chunk(1, 8, 0, 2, 2, None))  # write 8: chunk 0 scatters
+    lanes.handle("A", Chunk(1, 8, 1, 2, 3, b"kv8"))  # chunk 1 is refused: its error waits its turn
+    assert owner.sent == [] and lanes.in_flight
+    lanes.close()  # the lane goes: its scatters are waited for and answered first
+    assert staging.waited[1:] == [0, 1, 2, 3] and owner.released == ["reg-a"]
+    assert [(m.index, bool(m.error)) for _, m in owner.sent] == [(0, False), (1, True)]
+    assert [n.payload for n in owner._notes][-1] == b"direct", "a refused write never notifies"
+    assert not lanes.in_flight
+
+
 def test_chunks_fit_their_slots():
     rng = np.random.default_rng(9)
     length = rng.integers(1, 16385, 5000)
