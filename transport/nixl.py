@@ -392,8 +392,8 @@ class NixlPeer(Peer):
         write) when ``StagedNixlConfig.wants_strided`` takes it, each side is on one memory and
         its destination table fits the lane's slots (``wire.strided_fits``), unless its sources
         are host memory in runs of ``wire_gather_bytes`` on average (``StridedBatch.source_runs``):
-        the flat staged write then has the wire gather the runs, with no local copy, which beat
-        the strided write's copy (the CPU demo's TP 2 -> 1 request: 1.48 against 0.73-1.22 GB/s).
+        the flat staged write then has the wire gather the runs, with no local copy, which beats
+        the strided write's copy for runs of 32 KiB and more (bench/RESULTS.md).
         Otherwise its coalesced form as :meth:`write` writes it. Bounds (O(P + S)) and revocation
         are checked here either way."""
         if self._closed:

@@ -165,7 +165,7 @@ def _prefill(conn, tp_rank: int) -> None:
     from kvtransfer.layout import RankLayout
     from kvtransfer.plan import plan_kv_transfer
     from tests.transport._support import connect_once_drained
-    from transport.nixl_staged.sender import StagedTransfer
+    from transport.nixl_staged.sender import StagedTransfer, StridedStagedTransfer
 
     rank = _Rank("prefill", tp_rank)
     peer, transfers = None, {}
@@ -197,7 +197,7 @@ def _prefill(conn, tp_rank: int) -> None:
                         tr.wait(120)
                     except Exception:  # reported through the status
                         pass
-                conn.send(Written(tr.status().name, tr.error, isinstance(tr, StagedTransfer),
+                conn.send(Written(tr.status().name, tr.error, isinstance(tr, (StagedTransfer, StridedStagedTransfer)),
                                   time.monotonic() - start, getattr(tr, "_deadline_s", 0.0)))
             else:
                 raise TypeError(f"prefill rank: unknown command {type(cmd).__name__}")

@@ -177,15 +177,16 @@ def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver
 
 
 def test_host_strided_batches_with_long_source_runs_go_flat_for_the_wire_to_gather(writer, receiver):
-    """Sources in 16 KiB runs on the host (a TP 2 -> 1 head slice of whole prefill pages, the
-    CPU demo's shape): ``write_strided`` hands the flat staged write its coalesced form, whose
-    chunks the wire gathers run by run; the same rows with scattered sources go strided. Both
-    land byte for byte."""
+    """Sources in 32 KiB runs on the host (a TP 2 -> 1 head slice of whole prefill pages of 32
+    tokens, ``wire_gather_bytes``): ``write_strided`` hands the flat staged write its coalesced
+    form, whose chunks the wire gathers run by run; the same rows with scattered sources go
+    strided. Both land byte for byte."""
     dst_sizes = [8 * MiB]
     rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes)
     rng = np.random.default_rng(23)
-    row, page = 1024, 16  # source: 1 KiB rows, 16 to a page; destination: half of a 2 KiB row
-    src_slots = (rng.permutation(np.arange(1, 200))[:16, None] * page + np.arange(page)).ravel()  # [256]
+    row, page = 1024, 32  # source: 1 KiB rows, 32 to a page; destination: half of a 2 KiB row
+    assert row * page == SMALL.wire_gather_bytes
+    src_slots = (rng.permutation(np.arange(1, 100))[:8, None] * page + np.arange(page)).ravel()  # [256]
     dst_slots = rng.permutation(src_slots.size)  # [256] each pair's 256 destinations lie in its own MiB
     runs = StridedBatch.of(sid, np.arange(8) * (256 * 1024), row, 0, np.arange(8) * MiB, 2 * row, row,
                            src_slots, dst_slots)
@@ -193,7 +194,7 @@ def test_host_strided_batches_with_long_source_runs_go_flat_for_the_wire_to_gath
                                 rng.permutation(src_slots), dst_slots)
     want = np.zeros(8 * MiB, np.uint8)
     for i, (batch, kind) in enumerate(((runs, StagedTransfer), (scattered, StridedStagedTransfer))):
-        assert (batch.source_runs() == 8 * 16) is (kind is StagedTransfer)
+        assert (batch.source_runs() == 8 * 8) is (kind is StagedTransfer)
         tr = peer.write_strided(batch, notify=_nixl_peer.payload(i, [(0, 0, 8 * MiB)]))
         assert isinstance(tr, kind)
         tr.wait(30)
