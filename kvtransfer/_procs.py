@@ -66,10 +66,13 @@ class Child:
         self.proc, self.conn, self.name = proc, conn, name
 
     @classmethod
-    def spawn(cls, target: Callable, args: tuple = (), name: str = "child") -> "Child":
+    def spawn(cls, target: Callable, args: tuple = (), name: str = "child", daemon: bool = True) -> "Child":
+        """``target(conn, *args)`` in a new process. A daemon (the default) dies with this
+        process but may not start children of its own; one that does says ``daemon=False``
+        and its parent must :meth:`stop` it."""
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=True)
+        proc = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=daemon)
         proc.start()
         child_conn.close()
         return cls(proc, conn, name)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from kvtransfer._procs import Child  # noqa: E402
 from kvtransfer.benchmarks import transport as tools  # noqa: E402
-from tests.kvtransfer._hosts import TwoHosts, enter, netns_unavailable  # noqa: E402
+from kvtransfer.netns import TwoHosts, enter, netns_unavailable  # noqa: E402
 
 BLOCK = 256 << 10
 

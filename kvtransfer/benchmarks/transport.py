@@ -12,7 +12,7 @@ GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one).
 torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
 
 ``--kv`` instead writes one planned KV request's batch staged, direct and as blocks
-(:mod:`kvtransfer.benchmarks.transport_kv`).
+(:mod:`kvtransfer.benchmarks.transport_kv`); with ``--two-hosts`` between two network namespaces.
 """
 
 from __future__ import annotations
@@ -296,9 +296,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --kv: staging slot size (default: StagedNixlConfig's, 4M on the host and "
                              "128M for GPU memory)")
     parser.add_argument("--slots", type=positive_int, default=4, help="with --kv: staging slots per lane")
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="with --kv, host memory: the writer and the receiver in two network namespaces, NIXL "
+                             "over tcp on a veth pair between them (root; kvtransfer.netns)")
     parser.add_argument("--request", choices=("demo", "page1", "heads"), default=None,
                         help="with --kv: only this request (default: demo on the host; page1 and heads with --cuda)")
     args = parser.parse_args(argv)
+    if args.two_hosts and (args.cuda or not args.kv):
+        parser.error("--two-hosts goes with --kv on host memory (not --cuda)")
     if args.kv:
         return _main_kv(args)
     if args.blocks is None:
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_kv(args) -> int:
-    from kvtransfer.benchmarks.transport_kv import run_kv
+    from kvtransfer.benchmarks.transport_kv import run_kv, run_kv_two_hosts
+    from kvtransfer.netns import netns_unavailable
 
     for key, value in (CUDA_ENV if args.cuda else HOST_ENV).items():
         os.environ.setdefault(key, value)
@@ -328,10 +334,17 @@ def _main_kv(args) -> int:
         os.environ["UCX_TLS"] += ",cuda_copy,cuda_ipc"
     if args.block is None:
         args.block = 64 * MiB if args.cuda else 256 * KiB
-    print(f"NIXL staged / direct / blocks, {'cuda:0 -> cuda:1' if args.cuda else 'host -> host (loopback)'}, "
-          f"median of {args.iters}, progress thread {'on' if args.progress_thread else 'off'}", flush=True)
+    if args.two_hosts:
+        why = netns_unavailable()
+        if why:
+            print(f"kvtransfer bench transport: --two-hosts needs network namespaces: {why}", file=sys.stderr)
+            return 2
+    where = ("cuda:0 -> cuda:1" if args.cuda else "host -> host, two network namespaces (tcp over veth)"
+             if args.two_hosts else "host -> host (loopback)")
+    print(f"NIXL staged / direct / blocks, {where}, median of {args.iters}, "
+          f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)
     try:
-        run_kv(args, sys.modules[__name__])
+        (run_kv_two_hosts if args.two_hosts else run_kv)(args, sys.modules[__name__])
     except ChildFailed as exc:
         print(f"kvtransfer bench transport failed: {exc}", file=sys.stderr)
         return 1

@@ -20,6 +20,12 @@ pages 16 -> 64: 1 KiB head-slice rows, 64 MiB from prefill rank 0). ``--cuda`` r
 token rows, TP 1 -> 1) and as 256 B head slices (TP 8 -> 1, prefill rank 0's head), and adds
 the NVLink engine on the same StridedBatch (``write_strided``, as kvtransfer writes to it).
 
+``--two-hosts`` (host memory): the writer (this benchmark's paths) runs in one network
+namespace and the receiver in another, NIXL over tcp on the veth pair between them
+(:mod:`kvtransfer.netns`; root and ``ip`` needed): the wire a network socket, as between two
+machines, where the wire's copies run in the kernel on both sides, not as one cma copy by the
+writer.
+
 Every path's bytes are checked once (the receiver's digest against a numpy reference of the
 plan's flat ranges, built here) before the timed rounds. Beside the rates: the staged sender's
 ``write_strided()`` call time (median; its checks, chunk cuts and table uploads, and the
@@ -148,9 +154,10 @@ def _median_gbps(nbytes: int, times: list) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run_kv(args, tools) -> list[dict]:
+def run_kv(args, tools, receiver_host=None) -> list[dict]:
     """Run each request of this machine kind; ``tools`` is :mod:`kvtransfer.benchmarks.transport`
-    (its receiver process, messages and block descriptors)."""
+    (its receiver process, messages and block descriptors); ``receiver_host``: a
+    :class:`kvtransfer.netns.Host` the receiver runs on (None: beside this process)."""
     from transport.nixl import NixlConfig, NixlTransport
     from transport.nixl_staged import StagedNixlConfig
 
@@ -176,8 +183,12 @@ def run_kv(args, tools) -> list[dict]:
             src_ptr, device, host_src = src.ctypes.data, None, src
             staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 4 * MiB, slots=args.slots)
         total = max(kv.dst_bytes, -(-kv.nbytes // args.block) * args.block)
-        receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread, staged),
-                               name="receiver")
+        if receiver_host is None:
+            receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread, staged),
+                                   name="receiver")
+        else:
+            receiver = Child.spawn(_receiver_on, (receiver_host, total, args.progress_thread, staged),
+                                   name=f"receiver ({receiver_host.netns})")
         try:
             peer_bytes = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
             paths, sids = {}, {}
@@ -221,6 +232,46 @@ def run_kv(args, tools) -> list[dict]:
         finally:
             receiver.stop(tools.Quit())
     return rows
+
+
+def run_kv_two_hosts(args, tools) -> list[dict]:
+    """:func:`run_kv` with its paths in a writer process on one "host" and the receiver on
+    another (module doc); the namespaces go when it returns."""
+    from kvtransfer.netns import TwoHosts
+
+    with TwoHosts() as hosts:
+        writer = Child.spawn(_writer_on, (hosts.a, hosts.b, args), name=f"writer ({hosts.a.netns})",
+                             daemon=False)  # it starts the receiver
+        try:
+            return writer.recv(list, "its results", 3600.0)
+        finally:
+            writer.stop()
+
+
+def _writer_on(conn, host, receiver_host, args) -> None:
+    from kvtransfer._procs import report_failure
+    from kvtransfer.benchmarks import transport as tools
+    from kvtransfer.netns import enter
+
+    try:
+        enter(host)
+        conn.send(run_kv(args, tools, receiver_host))
+    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
+        report_failure(conn, exc)
+        raise SystemExit(1) from None
+
+
+def _receiver_on(conn, host, total: int, progress_thread: bool, staged) -> None:
+    from kvtransfer._procs import report_failure
+    from kvtransfer.benchmarks import transport as tools
+    from kvtransfer.netns import enter
+
+    try:
+        enter(host)  # UCX over this host's veth (the writer's environment is not passed on)
+    except Exception as exc:
+        report_failure(conn, exc)
+        raise SystemExit(1) from None
+    tools._receiver(conn, total, False, {}, progress_thread, staged)
 
 
 def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dict, block_batch: WriteBatch,

@@ -1,6 +1,6 @@
-"""Prefill and decode ranks as processes on the two "hosts" of :mod:`._hosts`.
+"""Prefill and decode ranks as processes on the two "hosts" of :mod:`kvtransfer.netns`.
 
-Each rank (``multiprocessing`` "spawn", then :func:`._hosts.enter` its namespace) owns an MHA
+Each rank (``multiprocessing`` "spawn", then :func:`kvtransfer.netns.enter` its namespace) owns an MHA
 pool on the CPU and a NIXL transport over its veth; the test relays the handshake as
 ``kvtransfer transfer-demo`` does and drives each rank with one frozen dataclass per command. A prefill
 rank stores a request's KV (its head shard of the demo's seeded reference) at random pages and
@@ -19,7 +19,7 @@ import numpy as np
 
 from kvtransfer._procs import report_failure
 from kvtransfer.transfer_demo import DemoConfig, local_heads, reference_kv
-from tests.kvtransfer._hosts import Host, enter
+from kvtransfer.netns import Host, enter
 
 SHAPE = DemoConfig(prefill_tp=2, decode_tp=1, layers=4, tokens=256, prefill_page_size=16, decode_page_size=64)
 REQUESTS = 6  # pool room, in requests

@@ -63,6 +63,9 @@ def test_bench_nvlink_says_it_needs_two_gpus():
     ("kvtransfer.benchmarks.move_kv", ["--tokens", "-1"], "argument --tokens: must be a positive integer, got -1"),
     ("kvtransfer.benchmarks.transport", ["--total", "0"], "--total must be a positive size, got 0"),
     ("kvtransfer.benchmarks.transport", ["--iters", "0"], "argument --iters: must be a positive integer, got 0"),
+    ("kvtransfer.benchmarks.transport", ["--kv", "--cuda", "--two-hosts"],
+     r"--two-hosts goes with --kv on host memory \(not --cuda\)"),
+    ("kvtransfer.benchmarks.transport", ["--two-hosts"], r"--two-hosts goes with --kv on host memory"),
 ])
 def test_bad_arguments_are_one_usage_line(command, args, match, capsys):
     import importlib

@@ -1,5 +1,5 @@
 """A TP-changing request between two "hosts": prefill ranks in one network namespace, the
-decode rank in another, NIXL over tcp between the veth addresses (:mod:`._hosts`).
+decode rank in another, NIXL over tcp between the veth addresses (:mod:`kvtransfer.netns`).
 
 Real processes, the real planner, real transports; every landed row is compared on the decode
 rank with the seeded reference (:mod:`._host_ranks`). Skipped where namespaces cannot be made.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kvtransfer._hosts import TwoHosts, netns_unavailable
+from kvtransfer.netns import TwoHosts, netns_unavailable
 
 WHY = netns_unavailable()
 if WHY:
@@ -168,3 +168,18 @@ def test_the_control_plane_across_the_hosts(cluster):
             r.close()
         boot.terminate()
         boot.wait(10)
+
+
+def test_the_transport_benchmark_runs_between_two_hosts():
+    """``kvtransfer bench transport --kv --two-hosts``: the writer and the receiver in two
+    namespaces of their own; the benchmark checks every path's bytes against its reference
+    ("data ok") before it times them, and its namespaces are gone when it exits."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", "bench", "transport", "--kv", "--two-hosts",
+                             "--iters", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    rows = [line for line in out.splitlines() if "staged NIXL" in line]
+    assert len(rows) == 1 and "data ok" in rows[0] and "staged / blocks" in rows[0], out
+    tag = f"kvt{proc.pid % 100000}"
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not [n for n in left if n.startswith(tag)], left

@@ -33,7 +33,7 @@ class RankSpec:
     seed: int = 0
     config: dict = field(default_factory=dict)  # ControlConfig fields
     instance: Optional[str] = None
-    netns: Optional[object] = None  # a tests.kvtransfer._hosts.Host: the rank runs on that "host"
+    netns: Optional[object] = None  # a kvtransfer.netns.Host: the rank runs on that "host"
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def rank_main(conn, spec: RankSpec) -> None:
     rank = None
     try:
         if spec.netns is not None:
-            from tests.kvtransfer._hosts import enter
+            from kvtransfer.netns import enter
 
             enter(spec.netns)
         rank = _Rank(spec)

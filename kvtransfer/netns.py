@@ -5,7 +5,8 @@ with one end in each, addresses ``10.203.0.1/24`` (A) and ``10.203.0.2/24`` (B) 
 only inside those namespaces, and brings the links up; :meth:`TwoHosts.link` sets A's end down
 or up (a cut cable); :meth:`TwoHosts.close` deletes both namespaces (and so the pair), also
 after a failure. :func:`netns_unavailable` says why this machine cannot (not root, no ``ip``,
-no namespaces), for a skip.
+no namespaces), for a skip or an error. The two-host tests (``tests/kvtransfer/test_two_hosts.py``)
+and ``kvtransfer bench transport --kv --two-hosts`` build their hosts with it.
 
 A process joins a host by :func:`enter` before anything opens a socket, as ``ip netns exec``
 does: ``setns`` into the namespace (``/run/netns/NAME``), then a private mount namespace with
