@@ -134,6 +134,10 @@ __all__ = ["NixlConfig", "NixlTransport", "NixlPeer", "NixlTransfer"]
 
 BACKEND = "nixl"
 _SCRATCH_BYTES = 64
+# how long one pump keeps reading NIXL's notifications while staged scatters run (so the next
+# chunks are handled meanwhile) before it only waits for those scatters and returns: a bound on
+# how long a poll holds its caller beyond the scatters themselves
+_READ_WHILE_SCATTERING_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -899,10 +903,10 @@ class NixlTransport(Transport):
         (:mod:`transport.nixl_revoke`), staged messages to the lanes (a receiver scatters here),
         the owner's are queued for :meth:`poll_notifications`, each sender's in order; then
         answer the revokes whose writes have finished. While scatters of staged chunks are in
-        flight, NIXL's notifications are read again (the next chunks are handled while the
-        GPU scatters) or the oldest scatter is waited for; it returns once every staged answer
-        went out (:mod:`transport.nixl_staged.receiver`). Not re-entered (a revoke answer checks
-        transfers, whose ``status()`` pumps)."""
+        flight, NIXL's notifications are read again for up to ``_READ_WHILE_SCATTERING_S`` (the
+        next chunks are handled while the GPU scatters), else the oldest scatter is waited for;
+        it returns once every staged answer went out (:mod:`transport.nixl_staged.receiver`).
+        Not re-entered (a revoke answer checks transfers, whose ``status()`` pumps)."""
         agent = self._agent_checked()
         if self._pumping:
             return
@@ -910,8 +914,10 @@ class NixlTransport(Transport):
         receiver = self._receiver
         try:
             self._last_pump = time.monotonic()
+            read_until = self._last_pump + _READ_WHILE_SCATTERING_S
+            reading = True
             while True:
-                notes = agent.get_new_notifs()
+                notes = agent.get_new_notifs() if reading else {}
                 for sender, msgs in notes.items():
                     sender = sender.decode() if isinstance(sender, bytes) else str(sender)
                     for raw in msgs:
@@ -919,7 +925,10 @@ class NixlTransport(Transport):
                 if not receiver.in_flight:
                     break
                 receiver.answer()
-                if receiver.in_flight and not notes:
+                if not receiver.in_flight:
+                    break
+                reading = time.monotonic() < read_until
+                if not notes or not reading:
                     receiver.wait_oldest()
             self._holds.answer()
         finally:

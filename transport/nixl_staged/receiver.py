@@ -26,9 +26,9 @@ Answers wait for the scatter, not the receiver (GPU lanes): a chunk's scatter is
 lane's stream and its answers (the Credit, and the write's notification after its last chunk)
 wait in the lane's FIFO until the slot's event has passed, while the next chunks' headers are
 read and their scatters queued. The transport's pump (``NixlTransport._pump``) reads NIXL's
-notifications again while scatters are in flight and returns only once every answer went out,
-so the owner's thread is held no longer than a synchronous scatter held it, and nothing is
-in flight between two calls (``deregister`` and ``close`` find every scatter done). An owner's
+notifications again while scatters are in flight (for at most ~1 ms a call) and returns only
+once every answer went out, so the owner's thread is held about as long as synchronous
+scatters held it, and nothing is in flight between two calls (``deregister`` and ``close`` find every scatter done). An owner's
 notification from a sender whose answers wait joins the same FIFO: one sender's notifications
 keep their order. Host lanes scatter synchronously; their answers go out at once.
 """
