@@ -54,10 +54,12 @@ NIXL keeps an entry for every region of the agent it was ever given and looks a 
 entry at or just before its address, so once the agent deregistered a region that overlaps one
 its newer export names (its memory reused, or the same range registered again), that entry could
 refuse writes into the new region (``NIXL_ERR_NOT_FOUND``) or resolve them to the old
-registration. Such an export is loaded afresh instead (:func:`_stale_overlap`): the agent's
-metadata, its staged lane and its endpoint are dropped first -- refused with a TransportError
-while a write of this transport to it is in flight -- and one more endpoint is opened (see
-Connections).
+registration. The entries of an agent are what its exports named and what the metadata of its
+staged Hello or Welcome registered (its regions then and its lanes' staging memory, listed in
+the message: ``wire.registered_entries``). Such an export is loaded afresh instead
+(:func:`_stale_overlap`): the agent's metadata, its staged lane and its endpoint are dropped
+first -- refused with a TransportError while a write of this transport to it is in flight --
+and one more endpoint is opened (see Connections).
 
 Revocation (:mod:`transport.nixl_revoke`): ``connect`` tells the owner of the export that this
 transport holds it (a direct write waits for the owner's acknowledgement), and ``deregister``
@@ -567,6 +569,9 @@ def _descs(regions: Mapping[int, Region]) -> set:
     return {(rid, r.ptr, r.length, -1 if r.device is None else r.device) for rid, r in regions.items()}
 
 
+_STAGING = -1  # the region id of a staged lane's memory among what an agent's metadata registers
+
+
 def _stale_overlap(loaded, regions: Mapping[int, Region]) -> bool:
     """Whether an entry NIXL holds for a remote agent (``loaded``: what :func:`_descs` gave for
     each export loaded in place) belongs to a region the agent's newer export (``regions``) no
@@ -983,6 +988,21 @@ class NixlTransport(Transport):
         """Release the prepared lists of every snapshot of the remote agent ``name``."""
         for peer in self._snapshots(name):
             peer._prepared.release()
+
+    def _registered(self) -> list[list[int]]:
+        """What this agent's metadata registers, as a peer that loads it from a staged Hello or
+        Welcome records it (:meth:`_loaded_too`): each region as ``_descs`` gives it and each
+        staged lane's memory (region id ``_STAGING``); the scratch byte lives as long as the agent."""
+        stagings = [lane.staging for lane in self._lanes.values() if lane.staging is not None]
+        stagings += self._receiver.stagings()
+        return [list(d) for d in _descs(self._registry.view)] + [
+            [_STAGING, s.ptr, s.nbytes, -1 if s.device is None else s.device] for s in stagings]
+
+    def _loaded_too(self, name: str, registered) -> None:
+        """Record ``registered`` (``wire.registered_entries``) as given to NIXL for agent ``name``:
+        metadata a staged Hello or Welcome brought names regions no export of it did, and the
+        stale-entry check (:func:`_stale_overlap`) must see them."""
+        self._loaded.setdefault(name, set()).update(registered)
 
     def _unload(self, name: str) -> None:
         """Drop the remote agent ``name`` from NIXL (its lane, its metadata, its endpoint) so

@@ -31,8 +31,8 @@ from transport.nixl_staged import StagedNixlConfig  # noqa: E402
 from transport.nixl_staged.sender import (  # noqa: E402
     DeferredWrite, LaneState, StagedTransfer, StridedStagedTransfer, chunk_bounds, strided_bounds)
 from transport.nixl_staged.wire import (  # noqa: E402
-    MAGIC, Chunk, ChunkHeader, DestinationTable, ProtocolError, StridedChunk, StridedHeader, data_start, decode,
-    encode, strided_data_start)
+    MAGIC, Chunk, ChunkHeader, DestinationTable, ProtocolError, StridedChunk, StridedHeader, Welcome, data_start,
+    decode, encode, registered_entries, strided_data_start)
 
 MiB = 1 << 20
 SMALL = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64)
@@ -227,6 +227,29 @@ def test_a_receiver_that_refuses_a_lane_gets_direct_writes(writer, receiver):
     direct = peer.write(wb(sid, *entries[1:]))
     assert not isinstance(direct, (StagedTransfer, DeferredWrite))
     direct.wait(30)
+
+
+def test_a_region_a_welcome_brought_and_its_memory_laid_out_again_takes_writes(writer, receiver):
+    """A lane's Welcome brings the receiver's metadata as it is then, with a region no export
+    this writer connected to named (registered since). NIXL keeps that entry; once the receiver
+    deregisters the region and lays a new one over part of its memory, a write into the new one
+    that starts inside the old entry must still land: the writer loads the newer export afresh
+    (in place, NIXL looked the write up in the stale entry and refused it)."""
+    rx = receiver([8 * MiB, 64 << 10])  # buffer 1: memory for regions the writer's export does not name
+    first = rx.deregister(1)  # an export naming region 0 alone
+    t = writer(staged=SMALL)
+    src, sid = host_region(t, 8 * MiB, 31)
+    peer = t.connect(first)
+    small, _ = rx.register(1, 4096, 4096)  # after the export the writer connected to
+    rows = small_rows(np.random.default_rng(31), 400, src.size, [8 * MiB])
+    tr = peer.write(wb(sid, *rows[1:]), notify=_nixl_peer.payload(1, []))  # into region 0
+    assert isinstance(tr, StagedTransfer)
+    tr.wait(60)  # its Hello / Welcome went: the writer loaded the metadata that names `small`
+    rx.deregister(small, pump=t.poll_notifications)  # nobody holds it: no revoke to wait for
+    mid, export = rx.register(1, 2048, 16384)  # over part of small's memory
+    # 8 KiB from buffer 1's byte 5001: inside the stale entry [4096, 8192) and past its end
+    connect_once_drained(t, export).write(wb(sid, 7, mid, 5001 - 2048, 8192)).wait(30)
+    assert_same(rx.dump(mid)[2953:2953 + 8192], src[7:7 + 8192], "the region laid over the stale one")
 
 
 def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receiver, monkeypatch):
@@ -532,6 +555,11 @@ def test_messages_and_headers_round_trip_and_refuse_garbage():
     assert decode(encode(msg)) == msg and decode(b"owner payload") is None
     with pytest.raises(ProtocolError, match="does not decode"):
         decode(MAGIC + b"\xc1")
+    welcome = Welcome(3, 4096, b"meta", "", [[0, 8192, 100, -1], [-1, 1 << 20, 1 << 16, 0]])
+    assert registered_entries(decode(encode(welcome)).registered) == [(0, 8192, 100, -1), (-1, 1 << 20, 1 << 16, 0)]
+    for bad in ([[0, 1, 2]], [[0, 0, 100, -1]], [[0, 8192, -5, -1]], [["a", 1, 2, 3]], [[0, 1.5, 2, 3]], 7):
+        with pytest.raises(ProtocolError, match="registered ranges that does not decode"):
+            registered_entries(bad)
     slot = np.zeros(1 << 16, np.uint8)
     ChunkHeader(3, 7, 1, 2, 100).write(slot, np.array([0, 64]), np.array([0, 1]), np.array([50, 50]))
     head = ChunkHeader.parse(slot, slot.size)

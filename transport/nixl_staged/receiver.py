@@ -40,7 +40,8 @@ from typing import Optional
 
 from transport.base import Notification
 from transport.nixl_staged.copy import Landed, Staging, make_staging
-from transport.nixl_staged.wire import Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode
+from transport.nixl_staged.wire import (Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode,
+                                        registered_entries)
 
 __all__ = ["ReceiverLanes"]
 
@@ -124,6 +125,10 @@ class ReceiverLanes:
     def __len__(self) -> int:
         return len(self._lanes)
 
+    def stagings(self) -> list[Staging]:
+        """The staging memory of every lane (registered with this transport's agent)."""
+        return [lane.staging for lane in self._lanes.values()]
+
     def handle(self, sender: str, msg) -> None:
         if isinstance(msg, Hello):
             self._hello(sender, msg)
@@ -141,9 +146,11 @@ class ReceiverLanes:
         for key in [k for k in self._lanes if k[0] == sender]:
             self._drop(key)
         try:  # the sender must be known to answer it (its own connect may load it too: NIXL updates in place)
+            registered = registered_entries(msg.registered)
             self._t._agent_checked().add_remote_agent(msg.metadata)
         except Exception:
             return  # cannot answer: the sender's write fails at its deadline
+        self._t._loaded_too(sender, registered)
         device = None if msg.device == -1 else msg.device
         error = ""
         held = sum((lane.device is None) == (device is None) for lane in self._lanes.values())
@@ -167,7 +174,8 @@ class ReceiverLanes:
             self._answer(sender, Welcome(msg.lane, 0, b"", error))
             return
         self._lanes[sender, msg.lane] = _Lane(staging, reg, device)
-        self._answer(sender, Welcome(msg.lane, staging.ptr, bytes(self._t._agent_checked().get_agent_metadata())))
+        self._answer(sender, Welcome(msg.lane, staging.ptr, bytes(self._t._agent_checked().get_agent_metadata()),
+                                     "", self._t._registered()))
 
     def _chunk(self, sender: str, msg: Chunk) -> None:
         lane = self._lanes.get((sender, msg.lane))

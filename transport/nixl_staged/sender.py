@@ -42,7 +42,8 @@ import numpy as np
 from transport.base import StridedBatch, Transfer, TransferStatus, WriteBatch
 from transport.nixl_staged.copy import Staging, make_staging
 from transport.nixl_staged.wire import (Chunk, ChunkHeader, Credit, DestinationTable, Hello, StridedChunk,
-                                        StridedHeader, Welcome, data_start, encode, strided_data_start)
+                                        StridedHeader, Welcome, data_start, encode, registered_entries,
+                                        strided_data_start)
 
 __all__ = ["SenderLane", "StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds",
            "strided_bounds", "LaneState"]
@@ -443,7 +444,7 @@ class SenderLane:
             self._refuse(f"local staging of {self.slots * self.slot_bytes} bytes: {type(exc).__name__}: {exc}")
             return
         hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
-                      bytes(agent.get_agent_metadata()))
+                      bytes(agent.get_agent_metadata()), t._registered())
         try:
             handle, _ = t._post_notify(self.name, self._scratch_ptr, encode(hello))
         except Exception as exc:
@@ -548,10 +549,12 @@ class SenderLane:
                 self._refuse(f"peer {self.name!r} refused a staging lane: {msg.error}")
                 return
             try:  # the receiver's metadata now registers its staging: NIXL updates the agent in place
+                registered = registered_entries(msg.registered)
                 self._t._agent_checked().add_remote_agent(msg.metadata)
             except Exception as exc:
                 self._refuse(f"peer {self.name!r}: its staging metadata was refused: {type(exc).__name__}: {exc}")
                 return
+            self._t._loaded_too(self.name, registered)  # its regions the export we hold did not name, too
             self.remote_ptr, self.state = int(msg.ptr), LaneState.READY
         elif isinstance(msg, Credit):
             entry = self._inflight.get(msg.slot)

@@ -42,7 +42,7 @@ from transport.nixl_staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
 
 __all__ = ["MAGIC", "Hello", "Welcome", "Chunk", "StridedChunk", "Credit", "encode", "decode", "ChunkHeader", "data_start",
            "ProtocolError", "StridedHeader", "DestinationTable", "strided_data_start", "strided_fits",
-           "STRIDED_HEADER_BYTES"]
+           "STRIDED_HEADER_BYTES", "registered_entries"]
 
 MAGIC = b"\x00kvt-staged\x01"
 _HEADER = struct.Struct("<8s5q")
@@ -60,24 +60,46 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class Hello:
     """Sender -> receiver: open lane ``lane`` of ``slots`` x ``slot_bytes`` on the receiver's
-    ``device`` (-1: host); ``metadata`` lets the receiver answer (its NIXL agent metadata)."""
+    ``device`` (-1: host); ``metadata`` lets the receiver answer (its NIXL agent metadata);
+    ``registered``: what that metadata registers (:func:`registered_entries`)."""
 
     lane: int
     device: int
     slots: int
     slot_bytes: int
     metadata: bytes
+    registered: tuple = ()
 
 
 @dataclass(frozen=True)
 class Welcome:
     """Receiver -> sender: lane ``lane``'s staging region at ``ptr`` (``slots`` x ``slot_bytes``)
-    and the receiver's metadata that registers it; or ``error`` (the sender writes direct)."""
+    and the receiver's metadata that registers it, with what that metadata registers
+    (``registered``, :func:`registered_entries`); or ``error`` (the sender writes direct)."""
 
     lane: int
     ptr: int
     metadata: bytes
     error: str = ""
+    registered: tuple = ()
+
+
+def registered_entries(registered) -> list[tuple[int, int, int, int]]:
+    """A Hello's or Welcome's ``registered``: ``(region id, address, length, device)`` of each
+    range the NIXL metadata it carries registers (region id -1: a staging lane's memory; device
+    -1: host), which the loading side records as given to NIXL for that agent (NIXL keeps every
+    entry it was given: ``transport.nixl``, stale entries). :class:`ProtocolError` for a
+    malformed list."""
+    out = []
+    try:
+        for entry in registered:
+            rid, ptr, length, device = entry
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in entry) or ptr <= 0 or length <= 0:
+                raise ValueError(f"entry {entry!r:.80}")
+            out.append((rid, ptr, length, device))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"a list of registered ranges that does not decode: {exc}") from None
+    return out
 
 
 @dataclass(frozen=True)
