@@ -574,9 +574,10 @@ _STAGING = -1  # the region id of a staged lane's memory among what an agent's m
 
 def _stale_overlap(loaded, regions: Mapping[int, Region]) -> bool:
     """Whether an entry NIXL holds for a remote agent (``loaded``: what :func:`_descs` gave for
-    each export loaded in place) belongs to a region the agent's newer export (``regions``) no
-    longer names -- deregistered, or registered again -- and overlaps a region it names (module
-    doc: such an export is loaded afresh)."""
+    each export loaded in place, and what its staged Hello or Welcome listed) belongs to a region
+    the agent's newer export (``regions``) no longer names -- deregistered, registered again, or
+    a lane's staging memory -- and overlaps a region it names (module doc: such an export is
+    loaded afresh)."""
     current = _descs(regions)
     stale = [d for d in loaded if d not in current]
     if not stale or not current:
@@ -927,8 +928,6 @@ class NixlTransport(Transport):
                     sender = sender.decode() if isinstance(sender, bytes) else str(sender)
                     for raw in msgs:
                         self._take(sender, bytes(raw))
-                if not receiver.in_flight:
-                    break
                 receiver.answer()
                 if not receiver.in_flight:
                     break

@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --kv: staging slot size (default: StagedNixlConfig's, 4M on the host and "
                              "128M for GPU memory)")
     parser.add_argument("--slots", type=positive_int, default=4, help="with --kv: staging slots per lane")
+    parser.add_argument("--wire-gather-bytes", type=_size, default=None,
+                        help="with --kv on host memory: StagedNixlConfig.wire_gather_bytes (default: its default)")
     parser.add_argument("--two-hosts", action="store_true",
                         help="with --kv, host memory: the writer and the receiver in two network namespaces, NIXL "
                              "over tcp on a veth pair between them (root; kvtransfer.netns)")

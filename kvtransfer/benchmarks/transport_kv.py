@@ -181,7 +181,8 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
         else:
             src = np.random.default_rng(1).integers(0, 256, kv.src_bytes, dtype=np.uint8)  # [src_bytes]
             src_ptr, device, host_src = src.ctypes.data, None, src
-            staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 4 * MiB, slots=args.slots)
+            wire = {} if args.wire_gather_bytes is None else {"wire_gather_bytes": args.wire_gather_bytes}
+            staged = StagedNixlConfig(slot_bytes=args.slot_bytes or 4 * MiB, slots=args.slots, **wire)
         total = max(kv.dst_bytes, -(-kv.nbytes // args.block) * args.block)
         if receiver_host is None:
             receiver = Child.spawn(tools._receiver, (total, args.cuda, dict(os.environ), args.progress_thread, staged),

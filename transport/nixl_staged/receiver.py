@@ -102,12 +102,11 @@ class ReceiverLanes:
             self._answer_ready(sender, lane)
 
     def wait_oldest(self) -> None:
-        """Block until the oldest scatter some lane's answers wait for has passed."""
-        for lane in self._waiting.values():
-            slot = lane.answers[0][0]
-            if slot is not None:
-                lane.staging.ready(slot)
-            return
+        """Block until the scatter the first waiting lane's oldest answer waits for has passed
+        (a waiting lane's first answer always names one: :meth:`_answer_ready` sends the rest)."""
+        lane = next(iter(self._waiting.values()), None)
+        if lane is not None:
+            lane.staging.ready(lane.answers[0][0])
 
     def _answer_ready(self, sender: str, lane: _Lane) -> None:
         answers = lane.answers
