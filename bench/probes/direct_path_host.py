@@ -22,10 +22,11 @@ With ``--cuda``: a real nvlink transport on GPU 0 and a receiver process on GPU 
   calling thread's CPU time: a gap between them is time spent waiting for the GIL or a core);
 - ``after the call``: per write, the medians from the call to its return, to the progress
   thread's ``event.synchronize()`` returning (the kernel included), to the notification's send
-  returning, to the receiver's poll returning it (the receiver stamps arrivals on the host's
-  monotonic clock, polling without sleeping), with the kernel's own time (CUDA events, the GPU
-  kept busy before it so that the launch is not timed) and which thread sent the notification
-  (the caller's ``wait()`` sends it when the copy was done at its first look);
+  (announced while the copy runs) and its release (the landed word stored) returning, to the
+  receiver's poll returning it (the receiver stamps arrivals on the host's monotonic clock,
+  polling without sleeping), with the kernel's own time (CUDA events, the GPU kept busy
+  before it so that the launch is not timed) and which thread released the notification (the
+  caller's ``wait()`` does when the copy was done at its first look);
 - raw costs of the CUDA calls the path makes, through each runtime binding (cuda-python, ctypes),
   and how late a thread sees a completed event (spin vs blocking-sync).
 """
@@ -370,10 +371,10 @@ def cuda_setup(tokens, page, peer_gpu=1):
 
 def after_call(progress, peer, batch, reps, start_stamps, stamps):
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
-    write's event returning (the kernel included), the notification's send returning, the
-    receiver seeing it. ``start_stamps(tags)`` has the receiver watch for them, ``stamps()``
+    write's event returning (the kernel included), the notification's announcement and its
+    release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)`` has the receiver watch for them, ``stamps()``
     returns ``{tag: time.monotonic() of its arrival}``."""
-    sync_at, sent_at, senders = [], [], []  # senders: True where the progress thread sent it
+    sync_at, sent_at, released_at, senders = [], [], [], []  # senders: True where the progress thread released it
     clock, caller = time.monotonic, threading.current_thread()
 
     class _Seen:
@@ -383,7 +384,8 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             self._event.synchronize()
             sync_at.append(clock())
 
-    oldest, send = progress._oldest_event, peer._queue.outbox.send
+    outbox = peer._queue.outbox
+    oldest, announce, settle = progress._oldest_event, outbox.announce, outbox.settle
     copy, enqueue = peer._copy, peer._copy.enqueue_split
     gpu_marks = []  # per write: timing events on the copy stream before and after its work
     cuda = torch.cuda.is_available() and not isinstance(getattr(copy, "stream", None), _Stream)
@@ -403,15 +405,23 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
         ev = oldest()
         return None if ev is None else _Seen(ev)
 
-    def timed_send(payload):
-        send(payload)
+    numbers = {}  # notification number -> tag
+
+    def timed_announce(payload):
+        number = announce(payload)
         sent_at.append((payload, clock()))
+        numbers[number] = payload
+        return number
+
+    def timed_settle(number, landed=True):
+        settle(number, landed)
+        released_at.append((numbers.get(number), clock()))
         senders.append(threading.current_thread() is not caller)
 
     tags = [b"after %d %d" % (batch.num_slots, i) for i in range(reps + 2)]
     start_stamps(tags)
     time.sleep(0.05)  # the receiver is polling
-    progress._oldest_event, peer._queue.outbox.send = timed_oldest, timed_send
+    progress._oldest_event, outbox.announce, outbox.settle = timed_oldest, timed_announce, timed_settle
     copy.enqueue_split = timed_enqueue
     rows = []
     try:
@@ -423,13 +433,15 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             t.wait(timeout=60)
             rows.append((tag, t0, t1, sync_at[-1] if sync_at else float("nan")))
     finally:
-        progress._oldest_event, peer._queue.outbox.send = oldest, send
-        del copy.enqueue_split
+        progress._oldest_event = oldest
+        del copy.enqueue_split, outbox.announce, outbox.settle
         arrived = stamps()
-    sent = dict(sent_at)
-    out = {"returned": [], "event seen by the progress thread": [], "notification sent": [], "receiver saw it": []}
+    sent, released = dict(sent_at), dict(released_at)
+    out = {"returned": [], "notification sent (announced)": [], "event seen by the progress thread": [],
+           "notification released (word stored)": [], "receiver saw it": []}
     for tag, t0, t1, ts in rows[2:]:
-        for k, v in zip(out, (t1, ts, sent.get(tag, float("nan")), arrived.get(tag, float("nan")))):
+        for k, v in zip(out, (t1, sent.get(tag, float("nan")), ts, released.get(tag, float("nan")),
+                              arrived.get(tag, float("nan")))):
             out[k].append((v - t0) * 1e6)
     med = {k: float(np.nanmedian(v)) if not np.isnan(v).all() else float("nan") for k, v in out.items()}
     if gpu_marks:  # one mark per write, in order: the copy's end on the host clock (a0 passed at its record)
@@ -438,7 +450,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
                                                                          for a, b, _ in gpu_marks[2:]]))
         med["copy done (record time + GPU span)"] = float(np.median([(e - t0) * 1e6 for e, (_, t0, _, _)
                                                                      in zip(ends[2:], rows[2:])]))
-    med["sent by the progress thread (share)"] = sum(senders) / max(1, len(senders))
+    med["released by the progress thread (share)"] = sum(senders) / max(1, len(senders))
     return med
 
 

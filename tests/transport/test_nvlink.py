@@ -306,17 +306,23 @@ def test_mailbox_delivers_whole_frames_in_order():
 
 def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
     """A receiver that stops reading fills the socket; the send then waits for room at most the
-    outbox's timeout and raises (the pending queue fails the transfer: peer lost)."""
+    outbox's timeout and raises (the pending queue fails the transfer: peer lost). Part of the
+    frame may have gone, so the outbox ends the connection: the receiver reads every whole
+    frame sent before, then the end, and the outbox refuses to send or release more."""
     inbox = _Inbox()
     out = _Outbox(inbox.name, timeout_s=0.3, sender="writer")
     t0 = time.monotonic()
+    sent = 0
     with pytest.raises(TimeoutError):
         for _ in range(100000):
             out.send(b"x" * 1024)
+            sent += 1
     assert 0.25 < time.monotonic() - t0 < 5
-    assert out.alive()  # full, not gone: what came is still readable
-    got = inbox.poll()
-    assert got and got[0] == Notification("writer", b"x" * 1024)
+    assert not out.alive()
+    got = _drain(inbox, sent)
+    assert got == [Notification("writer", b"x" * 1024)] * sent and inbox._conns == []  # the end read
+    with pytest.raises(OSError):
+        out.announce(b"more")
     out.close(), inbox.close()
 
 
@@ -589,6 +595,34 @@ def test_abort_fails_the_transfer_and_suppresses_its_notification(cpu_peer):
     with pytest.raises(TransferFailed, match="aborted"):
         t.wait(timeout=1)
     assert _drain(inbox, 1, timeout=0.1) == []
+
+
+def test_the_notification_travels_while_the_copy_runs_and_comes_out_when_it_ends(cpu_peer):
+    queue, inbox = cpu_peer
+    t = queue.track(NvlinkTransfer(queue, _Event(), b"kv"))
+    assert t.status() is TransferStatus.PENDING and t._number == 1
+    inbox.read()
+    assert len(inbox._conns[0].held) == 1  # at the receiver already
+    assert _drain(inbox, 1, timeout=0.2) == []
+    t._event.fired = True
+    assert t.status() is TransferStatus.DONE
+    assert inbox.poll() == [Notification("cpu-writer", b"kv")]  # one poll: the bytes landed before DONE
+
+
+def test_an_aborted_or_timed_out_copy_never_notifies_and_the_next_one_does(cpu_peer):
+    queue, inbox = cpu_peer
+    aborted = queue.track(NvlinkTransfer(queue, _Event(), b"aborted"))
+    late = queue.track(NvlinkTransfer(queue, _Event(), b"late"))
+    fine = queue.track(NvlinkTransfer(queue, _Event(), b"fine"))
+    assert queue.advance() and (aborted._number, late._number, fine._number) == (1, 2, 3)
+    aborted.abort()
+    fine._event.fired = True
+    time.sleep(0.25)  # past the transfer timeout: late fails at its next look
+    assert fine.status() is TransferStatus.DONE
+    assert aborted.status() is TransferStatus.FAILED and late.status() is TransferStatus.FAILED
+    assert "did not complete" in late.error
+    late._event.fired = True  # ends after all: its notification stays withdrawn
+    assert _drain(inbox, 3, timeout=0.5) == [Notification("cpu-writer", b"fine")]
 
 
 def test_failed_transfers_hold_their_tables_until_the_copy_ends(cpu_peer):

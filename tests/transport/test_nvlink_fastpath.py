@@ -472,22 +472,27 @@ def test_every_waiter_wakes_when_the_transfer_settles(settling):
 
 
 def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_notification():
-    """The peer's inbox closes while two copies run; the transport's mailbox thread reads the
-    end of the connection (as in production): the copy with a notification fails at its send,
-    the one without at the look at the peer."""
+    """The peer's inbox closes while three copies run; the transport's mailbox thread reads the
+    end of the connection (as in production): the copy whose notification was announced before
+    fails at its release, the one whose notification was not yet sent at the send, the one
+    without at the look at the peer."""
     inbox = Inbox()
     queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=5)
     mailbox = MailboxThread()
     mailbox.add(Hold("cpu-peer", queue, DropRecorder()))
     try:
+        announced = queue.track(NvlinkTransfer(queue, _BlockingEvent(), b"announced"))
+        assert queue.advance() and announced._number == 1
         tagged = queue.track(NvlinkTransfer(queue, _BlockingEvent(), b"landed"))
         silent = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
         inbox.close()
         wait_until("the mailbox thread reading the end", lambda: not queue.outbox.alive())
-        tagged._event.fire(), silent._event.fire()
-        assert tagged.status() is TransferStatus.FAILED and silent.status() is TransferStatus.FAILED
+        for t in (announced, tagged, silent):
+            t._event.fire()
+        assert [t.status() for t in (announced, tagged, silent)] == [TransferStatus.FAILED] * 3
+        assert announced.error.startswith("peer 'cpu-peer' lost before the copy completed")
         assert "peer 'cpu-peer' lost while sending the notification" in tagged.error
-        assert silent.error == "peer 'cpu-peer' lost before the notification could be sent"
+        assert silent.error == "peer 'cpu-peer' lost before the copy completed"
     finally:
         mailbox.stop()  # closes the outbox
 

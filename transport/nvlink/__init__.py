@@ -36,11 +36,15 @@ Notification channel (the "mailbox", :mod:`~transport.nvlink.mailbox`)
 ---------------------------------------------------------------------
 Each transport listens on a Unix stream socket in Linux's abstract namespace (named in its
 export; nothing on disk) and each peer (each ``connect``) keeps one connected socket to it,
-opened by the writer's Hello (its name, the region ids of the export it holds). A notification
-is one frame sent by the WRITER only after the transfer's CUDA event has completed, i.e. after
-the kernel's stores to the peer's memory are done; the receiver's ``poll_notifications`` reads
-whole frames without blocking and returns each as a :class:`~transport.base.Notification` from
-that writer. The receiver writes back on the same socket only for revocation (below); the
+opened by the writer's Hello (its name, the region ids of the export it holds, and the fd of
+its *landed word*, a 64-bit counter in memory both processes map). A notification is one frame
+the WRITER sends while the copy runs (the socket hop, 12-20 us, overlaps the copy); the
+receiver holds it until the writer has raised the landed word to its number, which it does
+only after the transfer's CUDA event has completed, i.e. after the kernel's stores to the
+peer's memory are done (one store: the receiver's next poll sees it). The receiver's
+``poll_notifications`` reads whole frames without blocking and returns each landed one as a
+:class:`~transport.base.Notification` from that writer; a failed write's notification is
+withdrawn (``Dropped``) and never returned, and a connection that ends drops what it holds. The receiver writes back on the same socket only for revocation (below); the
 writing transport's mailbox thread reads it, and notes the end of the connection: a dead or
 closed receiver, whose writes then fail at once.
 
@@ -48,13 +52,13 @@ Progress and bounded waits
 --------------------------
 ``Transfer.status()`` and a progress thread (:mod:`~transport.nvlink.progress`, one per
 transport, started on the first write) advance each peer's FIFO of pending transfers
-(:mod:`~transport.nvlink.pending`): query the event; on completion send the notification
-(bounded by ``peer_timeout_s``; a peer gone refuses it) or, without one, check the peer is
-alive, and mark DONE. Between advances the
+(:mod:`~transport.nvlink.pending`): send the new writes' notifications (bounded by
+``peer_timeout_s``; a peer gone refuses them); query the event; on completion raise the landed
+word past its notification or, without one, check the peer is alive, and mark DONE. Between advances the
 thread waits on the oldest pending event (``synchronize()``, the GIL released), so the
-notification leaves as soon as the copy ends; ``wait()`` sleeps until the transfer settles. A dead peer is FAILED at
+notification is released as soon as the copy ends; ``wait()`` sleeps until the transfer settles. A dead peer is FAILED at
 ``write`` (nothing is launched) or at completion; a copy whose event has not completed after
-``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and suppresses its
+``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and withdraws its
 notification; the kernel, once launched, still runs to completion, and a failed transfer keeps
 its tables until its copy ends.
 

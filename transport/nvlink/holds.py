@@ -128,7 +128,7 @@ class Hold:
                 continue
             self.mapping.drop(ask.regions)
             try:
-                self.outbox.send(encode(RevokeAck(ask.seq)))
+                self.outbox.send_control(encode(RevokeAck(ask.seq)))
             except OSError:
                 pass  # the owner is gone: it waits for nobody
         self.asks = left

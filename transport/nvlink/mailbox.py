@@ -6,8 +6,22 @@ big-endian length, then that many bytes. The first frame on a connection is the 
 :class:`~transport.revocation.wire.Hello` (its name, the ``name`` of its export, and the
 region ids of the export it holds); every later frame from the writer is one notification
 payload, which the receiver returns as a :class:`~transport.base.Notification` from that
-writer, or a revocation message (:data:`~transport.revocation.wire.MAGIC` first: notifications
-may not start with it). The receiver writes revocation messages back on the same connection
+writer, or a control message (:data:`~transport.revocation.wire.MAGIC` first: notifications
+may not start with it).
+
+Notifications sent before their bytes land
+------------------------------------------
+A socket hop costs 12-20 us between a writer's send and a polling receiver's read, after the
+copy ended. So a write's notification goes out when the write is posted (:meth:`Outbox.announce`:
+the k-th of the connection is number k), and the receiver holds it until the *landed word*
+says its bytes are in place: a 64-bit counter in memory both processes map
+(:mod:`transport.nvlink.word`; its fd rides with the Hello), which the writer sets to k once
+copy k has completed (:meth:`Outbox.settle`), with one store. The receiver hands out, per
+connection and in order, the notifications numbered up to the counter as it read it *before*
+reading the socket. A write that fails after its announcement is withdrawn: the writer sends
+:class:`~transport.revocation.wire.Dropped` naming it before it raises the counter past it, so
+a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
+connection that ends drops what it still holds (those bytes were never said to be in place). The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
 the writing transport's mailbox thread reads them (:mod:`transport.nvlink.holds`) and notes
 the connection's end: the receiver's process is gone or its transport closed.
@@ -21,9 +35,11 @@ import socket
 import struct
 import threading
 import uuid
+from collections import deque
 from typing import Iterable, Optional
 
 from transport.base import Notification, TransportError
+from transport.nvlink.word import SharedWord, WordView
 from transport.revocation import wire
 
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
@@ -72,15 +88,45 @@ def _frames(buf: bytearray) -> list[bytes]:
     return out
 
 
+def _receive_with_fds(conn: "_Connection") -> bool:
+    """As :func:`_receive`, keeping the first file descriptor that comes with the bytes (the
+    landed word's, sent with the Hello) in ``conn.word``; any other is closed."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(conn.sock, 1 << 16, 2)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        for fd in fds:
+            try:
+                if conn.word is None and conn.name is None:
+                    conn.word = WordView(fd)
+            except (OSError, ValueError):  # not a map we can read: the Hello check closes it
+                conn.word_error = True
+            finally:
+                os.close(fd)
+        if not data:
+            return False
+        conn.buf += data
+
+
 class _Connection:
     """One writer's connection to an :class:`Inbox`: its socket, its name once its Hello came,
-    bytes received and not parsed, frames to send that the socket did not take yet."""
+    bytes received and not parsed, frames to send that the socket did not take yet, and its
+    landed word with the notifications it holds (module doc)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.name: Optional[str] = None
         self.buf = bytearray()
         self.out = bytearray()
+        self.word: Optional[WordView] = None  # None: a writer without one, its notifications go out at once
+        self.word_error = False
+        self.mark = 0  # the word as read before the socket, in this poll
+        self.received = 0  # notifications read (number k is the k-th)
+        self.held: deque[tuple[int, bytes]] = deque()  # [(number, payload)] read, not yet landed
+        self.dropped: set[int] = set()  # held numbers withdrawn by the writer
 
     def send(self, payload: bytes) -> None:
         """Queue one frame to the writer and send what the socket takes now (the rest at the
@@ -123,10 +169,27 @@ class Inbox:
         self._poller.register(self._sock.fileno(), select.POLLIN)
 
     def poll(self) -> list[Notification]:
-        """Whole notifications received since the last call, per connection in sending order."""
+        """The notifications whose bytes are in place, received since the last call, per
+        connection in sending order."""
+        for conn in self._conns:  # the words first, then the socket (module doc)
+            if conn.word is not None:
+                conn.mark = conn.word.read()
         self.read()
+        for conn in self._conns:
+            if conn.held:
+                self._release(conn, conn.mark)
         out, self._notes = self._notes, []
         return out
+
+    def _release(self, conn: _Connection, mark: int) -> None:
+        """Hand out ``conn``'s held notifications numbered up to ``mark``, but the dropped."""
+        held, dropped = conn.held, conn.dropped
+        while held and held[0][0] <= mark:
+            number, payload = held.popleft()
+            if dropped and number in dropped:
+                dropped.discard(number)
+                continue
+            self._notes.append(Notification(conn.name, payload))
 
     def read(self) -> None:
         """Accept and read every connection: notifications are kept for :meth:`poll`, the rest
@@ -147,17 +210,28 @@ class Inbox:
                 conn.flush()
             if conn.sock.fileno() not in ready:
                 continue
-            open_ = _receive(conn.sock.fileno(), conn.buf)
+            if conn.name is None:
+                open_ = _receive_with_fds(conn)
+            else:
+                open_ = _receive(conn.sock.fileno(), conn.buf)
             for frame in _frames(conn.buf):
                 if not self._take(conn, frame):
                     open_ = False
                     break
             if not open_:
-                self._conns.remove(conn)
-                self._poller.unregister(conn.sock.fileno())
-                conn.sock.close()
-                if conn.name is not None and self.listener is not None:
-                    self.listener.closed(conn)
+                self._end(conn)
+
+    def _end(self, conn: _Connection) -> None:
+        """Close ``conn``: what its word says landed goes out, the rest it holds is dropped."""
+        self._conns.remove(conn)
+        self._poller.unregister(conn.sock.fileno())
+        conn.sock.close()
+        if conn.word is not None:
+            self._release(conn, conn.word.read())  # every frame sent before the last store is read
+            conn.held.clear()
+            conn.word.close()
+        if conn.name is not None and self.listener is not None:
+            self.listener.closed(conn)
 
     def _take(self, conn: _Connection, frame: bytes) -> bool:
         """One frame of ``conn``; False when the connection must close (no Hello first)."""
@@ -166,7 +240,7 @@ class Inbox:
                 msg = wire.decode(frame)
             except wire.ProtocolError:
                 msg = None
-            if not isinstance(msg, wire.Hello):
+            if not isinstance(msg, wire.Hello) or conn.word_error:
                 return False
             conn.name = msg.name
             if self.listener is not None:
@@ -175,9 +249,15 @@ class Inbox:
             try:
                 msg = wire.decode(frame)
             except wire.ProtocolError:
-                return True  # a revocation message that does not decode carries nothing to act on
-            if self.listener is not None:
+                return True  # a control message that does not decode carries nothing to act on
+            if isinstance(msg, wire.Dropped):
+                if conn.held and conn.held[0][0] <= msg.note <= conn.received:  # one it holds
+                    conn.dropped.add(msg.note)
+            elif self.listener is not None:
                 self.listener.message(conn, msg)
+        elif conn.word is not None:
+            conn.received += 1
+            conn.held.append((conn.received, frame))
         else:
             self._notes.append(Notification(conn.name, frame))
         return True
@@ -185,6 +265,8 @@ class Inbox:
     def close(self) -> None:
         for conn in self._conns:
             conn.sock.close()
+            if conn.word is not None:
+                conn.word.close()
         self._conns.clear()
         self._sock.close()
         self._poller = select.poll()  # watches nothing (the closed sockets' numbers may be reused)
@@ -193,8 +275,9 @@ class Inbox:
 class Outbox:
     """The writing end: one connected socket to a peer's inbox, opened with a Hello naming
     ``sender`` and the peer's ``regions`` this side holds (the ids of the export it connected
-    to). Notifications go out with :meth:`send` (from any thread); what the peer sends back is
-    read by :meth:`receive`, on the transport's mailbox thread alone."""
+    to), the landed word's fd with it. Notifications go out with :meth:`announce` and are
+    released by :meth:`settle` (or both at once, :meth:`send`), from any thread; what the peer
+    sends back is read by :meth:`receive`, on the transport's mailbox thread alone."""
 
     def __init__(self, name: str, timeout_s: float, sender: str, regions: Iterable[int] = ()):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -202,24 +285,40 @@ class Outbox:
         self._send_lock = threading.Lock()  # notifications (progress thread) and acks (mailbox thread)
         self._buf = bytearray()
         self.lost = False  # receive() saw the peer close its end
+        self._word = SharedWord()  # how many notifications landed (module doc)
+        self._announced = 0  # notifications sent, numbered from 1
         try:
             self._sock.connect("\0" + name)
         except OSError as exc:
-            self._sock.close()
+            self.close()
             raise MailboxUnreachable(
                 f"cannot reach the peer's notification socket {name!r} ({exc}); "
                 "is it on this host and in this network namespace?"
             ) from None
         try:
-            self.send(wire.encode(wire.Hello(sender, sorted(int(r) for r in regions))))
+            hello = wire.encode(wire.Hello(sender, sorted(int(r) for r in regions)))
+            frame = _FRAME.pack(len(hello)) + hello
+            sent = socket.send_fds(self._sock, [frame], [self._word.fd])
+            self._sock.sendall(frame[sent:])
         except OSError as exc:
-            self._sock.close()
+            self.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
 
     def alive(self) -> bool:
-        """False once the peer closed its end, as :meth:`receive` (the mailbox thread) saw: a
-        flag, no system call."""
+        """False once the peer closed its end, as :meth:`receive` (the mailbox thread) saw, or
+        a send failed (:meth:`_sendall`): a flag, no system call."""
         return not self.lost
+
+    def _sendall(self, frame: bytes) -> None:
+        """Send one whole frame (under the send lock). A send that fails or times out may have
+        sent part of it, after which no frame can be read right: the connection is ended (the
+        receiver drops what it holds) and the outbox is lost."""
+        try:
+            self._sock.sendall(frame)
+        except OSError:
+            self.lost = True
+            self.shutdown()
+            raise
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -231,10 +330,42 @@ class Outbox:
             self.lost = True
         return _frames(self._buf)
 
-    def send(self, payload: bytes) -> None:
+    def announce(self, payload: bytes) -> int:
+        """Send a notification whose bytes have not landed yet; return its number, which
+        :meth:`settle` releases (numbers are settled in order). ``OSError`` when the socket
+        refuses it (peer gone, or no room for ``timeout_s``)."""
         frame = _FRAME.pack(len(payload)) + payload
         with self._send_lock:
-            self._sock.sendall(frame)
+            self._sendall(frame)
+            self._announced += 1
+            return self._announced
+
+    def settle(self, number: int, landed: bool = True) -> None:
+        """Notification ``number`` and every one before it are settled: landed, the receiver
+        hands them out (one store into the shared word); not ``landed``, it is withdrawn first
+        (a :class:`~transport.revocation.wire.Dropped`; ``OSError`` if the socket refuses it)."""
+        if not 0 < number <= self._announced or number <= self._word.value:
+            raise ValueError(f"notification {number} cannot be settled: {self._word.value} of "
+                             f"{self._announced} announced are")
+        if self.lost:  # the receiver drops what it holds: nothing more may be released
+            raise ConnectionError("the notification connection ended")
+        if not landed:
+            self.send_control(wire.encode(wire.Dropped(number)))
+        self._word.store(number)
+
+    def send(self, payload: bytes) -> None:
+        """A notification whose bytes are in place: announced and settled at once (every
+        earlier one must be settled: the receiver would hand them out with it)."""
+        if self._word.value != self._announced:
+            raise RuntimeError(f"{self._announced - self._word.value} notification(s) announced and not "
+                               "settled: send() would release them")
+        self.settle(self.announce(payload))
+
+    def send_control(self, message: bytes) -> None:
+        """A control message (:data:`~transport.revocation.wire.MAGIC` first): not numbered."""
+        frame = _FRAME.pack(len(message)) + message
+        with self._send_lock:
+            self._sendall(frame)
 
     def shutdown(self) -> None:
         """End the connection now (the peer reads its end) without closing the socket, which a
@@ -247,3 +378,4 @@ class Outbox:
     def close(self) -> None:
         self.shutdown()
         self._sock.close()
+        self._word.close()

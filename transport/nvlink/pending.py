@@ -1,10 +1,14 @@
 """A peer's FIFO of pending transfers and the tables of failed ones (deferred cleanup).
 
-Transfers settle in posting order, so notifications reach the peer in the order their writes
+A write's notification is *announced* at the first look after it was posted (sent to the
+peer, who holds it: :mod:`transport.nvlink.mailbox`; a socket send bounded by
+``peer_timeout_s``, refused when the peer is gone), so that it travels while the copy runs.
+Transfers settle in posting order, so notifications are released in the order their writes
 were posted: a finished copy waits for the ones before it. Settling a transfer: query its
-event; on completion send the notification (a socket send bounded by ``peer_timeout_s``,
-refused when the peer is gone) or, without one, check the peer is alive; then mark it DONE.
-A copy whose event has not completed after ``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
+event; on completion release its notification (one store into the landed word) or, without
+one, check the peer is alive; then mark it DONE. A failed transfer's announced notification
+is withdrawn when the FIFO reaches it. A copy whose event has not completed after
+``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
 the GPU, reading its tables: they are *buried* with its event and released only once that
 event has completed (or errored).
 
@@ -44,11 +48,14 @@ class PendingQueue:
         self.transfer_timeout_s = transfer_timeout_s
         self.lock = threading.RLock()
         self._pending: deque[NvlinkTransfer] = deque()
+        self._unannounced: deque[NvlinkTransfer] = deque()  # posted with a notification not sent yet
         self._graveyard: list = []  # [(event, tables)] of failed transfers whose copy may still run
 
     def track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         with self.lock:
             self._pending.append(transfer)
+            if transfer._notify is not None:
+                self._unannounced.append(transfer)
         return transfer
 
     def oldest_event(self):
@@ -81,16 +88,39 @@ class PendingQueue:
         self._graveyard = [(e, k) for e, k in self._graveyard if running(e)]
 
     def advance(self) -> bool:
-        """Move the FIFO forward; True while some transfers remain pending."""
+        """Announce the new notifications, move the FIFO forward; True while some transfers
+        remain pending."""
         with self.lock:
             if self._graveyard:
                 self._dig()
+            if self._unannounced:
+                self._announce()
             while self._pending:
                 t = self._pending[0]
                 if t._status is TransferStatus.PENDING and not self._settle(t):
                     return True
                 self._pending.popleft()
+                if t._number is not None and t._status is not TransferStatus.DONE:
+                    self._withdraw(t._number)
             return False
+
+    def _announce(self) -> None:
+        """Send the notifications of the transfers posted since the last look, in order."""
+        while self._unannounced:
+            t = self._unannounced.popleft()
+            if t._status is not TransferStatus.PENDING:  # failed or aborted before: never sent
+                continue
+            try:
+                t._number = self.outbox.announce(t._notify)
+            except OSError as exc:  # a peer gone refuses the send (EPIPE): no separate look first
+                t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
+
+    def _withdraw(self, number: int) -> None:
+        """A failed transfer's announced notification: the peer never hands it out."""
+        try:
+            self.outbox.settle(number, landed=False)
+        except OSError:  # the connection ended: the peer drops every notification it holds
+            pass
 
     def _settle(self, t: NvlinkTransfer) -> bool:
         """Settle ``t`` if its copy finished or timed out; False while it is still running."""
@@ -104,15 +134,15 @@ class PendingQueue:
                 t._fail(f"copy did not complete within {self.transfer_timeout_s} s")
                 return True
             return False
-        if t._notify is None:
+        if t._number is None:
             if not self.outbox.alive():
-                t._fail(f"peer {self.name!r} lost before the notification could be sent")
+                t._fail(f"peer {self.name!r} lost before the copy completed")
                 return True
         else:
-            try:  # a peer gone refuses the send (EPIPE): no separate look first
-                self.outbox.send(t._notify)
+            try:
+                self.outbox.settle(t._number)
             except OSError as exc:
-                t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
+                t._fail(f"peer {self.name!r} lost before the copy completed: {exc}")
                 return True
         t._done()
         return True

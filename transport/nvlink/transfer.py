@@ -18,7 +18,8 @@ class NvlinkTransfer(Transfer):
     """One batched write: a CUDA event, an optional notification, a deadline.
 
     Its peer's :class:`~transport.nvlink.pending.PendingQueue` settles it (in posting order):
-    DONE once the event has completed and the notification is sent, FAILED on a CUDA error, a
+    DONE once the event has completed and the notification (sent while the copy ran) is
+    released to the peer, FAILED on a CUDA error, a
     lost peer, the transfer timeout or :meth:`abort`."""
 
     # wait() sleeps until the transfer settles (the progress thread settles it as soon as the
@@ -31,6 +32,7 @@ class NvlinkTransfer(Transfer):
         self._queue = queue
         self._event = event
         self._notify = notify
+        self._number: Optional[int] = None  # the notification's number once announced (mailbox)
         self._keep = keep  # tables that must outlive the copy
         self._deadline = time.monotonic() + queue.transfer_timeout_s
         self._status = TransferStatus.FAILED if error else TransferStatus.PENDING

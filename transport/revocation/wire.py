@@ -10,8 +10,8 @@ with it (``write`` refuses them).
   :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
 - nvlink (:mod:`transport.nvlink.holders`, :mod:`transport.nvlink.holds`), as frames of the
   writer's mailbox connection: the writer's first frame is :class:`Hello`, then owner -> writer
-  :class:`HoldAck` and :class:`Revoke`, writer -> owner :class:`RevokeAck` among its
-  notifications. The connection's end stands for Release and Closed.
+  :class:`HoldAck` and :class:`Revoke`, writer -> owner :class:`RevokeAck` and
+  :class:`Dropped` among its notifications. The connection's end stands for Release and Closed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 from transport import notif_frames as frames
 
-__all__ = ["MAGIC", "Hello", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode",
+__all__ = ["MAGIC", "Dropped", "Hello", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode",
            "decode", "ProtocolError", "MAX_IDS", "MAX_NAME"]
 
 MAGIC = b"\x00kvt-revoke\x01"
@@ -94,8 +94,17 @@ class Hello:
     regions: list
 
 
-Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello]
-_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello)
+@dataclass(frozen=True)
+class Dropped:
+    """Writer -> owner, on an nvlink mailbox connection: the write behind notification number
+    ``note`` (announced before its bytes landed) failed; never hand that notification out. Sent
+    before the landed word passes ``note`` (:mod:`transport.nvlink.mailbox`)."""
+
+    note: int
+
+
+Message = Union[Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello, Dropped]
+_KINDS = (Hold, HoldAck, Revoke, RevokeAck, Release, Closed, Hello, Dropped)
 
 
 def encode(msg: Message) -> bytes:

@@ -1,0 +1,261 @@
+"""The nvlink mailbox's landed word: notifications sent while their copies run, handed out by
+the receiver only once the writer's shared counter says their bytes are in place
+(:mod:`transport.nvlink.mailbox`, :mod:`transport.nvlink.word`). No GPU: the copies are the
+test's stand-in events; the mailbox, the shared memory and the processes are real."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from tests.transport._nvlink_cpu import wait_until
+from transport.base import Notification
+from transport.nvlink.mailbox import Inbox, Outbox
+from transport.nvlink.word import SharedWord, WordView
+from transport.revocation import wire
+
+
+@pytest.fixture
+def pair():
+    inbox = Inbox()
+    out = Outbox(inbox.name, 5.0, sender="writer")
+    yield inbox, out
+    out.close()
+    inbox.close()
+
+
+def _drain(inbox, want: int, timeout: float = 2.0) -> list[Notification]:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += inbox.poll()
+    return got
+
+
+def _notes(*payloads) -> list[Notification]:
+    return [Notification("writer", p) for p in payloads]
+
+
+def test_the_shared_word_is_seen_by_a_second_mapping_and_only_goes_up():
+    word = SharedWord()
+    view = WordView(word.fd)
+    assert view.read() == 0
+    word.store(7)
+    assert view.read() == 7
+    with pytest.raises(ValueError, match="only goes up"):
+        word.store(6)
+    word.close()
+    word.store(9)  # after close: nothing (a store racing with the close is harmless)
+    assert view.read() == 7
+    view.close()
+    word.close()  # idempotent
+
+
+def test_an_announced_notification_is_held_until_its_copy_landed(pair):
+    inbox, out = pair
+    assert (out.announce(b"a"), out.announce(b"b")) == (1, 2)
+    assert _drain(inbox, 1, timeout=0.2) == []  # read, held
+    assert [n for n, _ in inbox._conns[0].held] == [1, 2]
+    out.settle(1)
+    assert _drain(inbox, 1) == _notes(b"a")
+    assert _drain(inbox, 1, timeout=0.1) == []
+    out.settle(2)
+    assert _drain(inbox, 1) == _notes(b"b")
+
+
+def test_settling_the_last_releases_every_one_before_it(pair):
+    inbox, out = pair
+    for p in (b"a", b"b", b"c"):
+        out.announce(p)
+    out.settle(3)
+    assert _drain(inbox, 3) == _notes(b"a", b"b", b"c")
+
+
+def test_a_withdrawn_notification_is_never_handed_out_and_the_next_one_is(pair):
+    inbox, out = pair
+    out.announce(b"failed")
+    out.announce(b"landed")
+    out.settle(1, landed=False)
+    out.settle(2)
+    assert _drain(inbox, 2, timeout=0.5) == _notes(b"landed")
+    assert inbox._conns[0].dropped == set() and not inbox._conns[0].held
+
+
+def test_settling_out_of_order_twice_or_unannounced_is_refused_and_send_needs_all_settled(pair):
+    inbox, out = pair
+    out.announce(b"a")
+    out.announce(b"b")
+    out.settle(2)
+    for bad in (1, 2, 3, 0):
+        with pytest.raises(ValueError, match=f"notification {bad} cannot be settled"):
+            out.settle(bad)
+    out.announce(b"c")
+    with pytest.raises(RuntimeError, match="1 notification\\(s\\) announced and not settled"):
+        out.send(b"d")
+    out.settle(3)
+    out.send(b"d")
+    assert _drain(inbox, 4) == _notes(b"a", b"b", b"c", b"d")
+
+
+def test_a_writer_that_ends_drops_what_had_not_landed(pair):
+    inbox, out = pair
+    out.announce(b"landed")
+    out.announce(b"in flight")
+    out.settle(1)
+    out.close()
+    assert _drain(inbox, 2, timeout=0.5) == _notes(b"landed")
+    assert inbox._conns == []
+
+
+def test_dropped_messages_for_numbers_not_held_and_malformed_ones_change_nothing(pair):
+    inbox, out = pair
+    out.announce(b"a")
+    for number in (0, 2, 99):
+        out.send_control(wire.encode(wire.Dropped(number)))
+    out.send_control(wire.MAGIC + b"\xc1 not msgpack")
+    _drain(inbox, 1, timeout=0.2)
+    assert inbox._conns[0].dropped == set()
+    out.settle(1)
+    assert _drain(inbox, 1) == _notes(b"a")
+
+
+def _raw_hello(name: str, fds=()) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + name)
+    hello = wire.encode(wire.Hello("raw", []))
+    socket.send_fds(sock, [struct.pack(">I", len(hello)) + hello], list(fds))
+    return sock
+
+
+def test_a_writer_without_a_word_has_its_notifications_handed_out_at_once():
+    """A Hello without a word (a writer that lands every copy before it sends): each
+    notification goes out as it is read."""
+    inbox = Inbox()
+    sock = _raw_hello(inbox.name)
+    try:
+        sock.sendall(struct.pack(">I", 3) + b"now")
+        assert _drain(inbox, 1) == [Notification("raw", b"now")]
+    finally:
+        sock.close()
+        inbox.close()
+
+
+def test_a_hello_whose_fd_is_no_word_is_refused():
+    """The fd that comes with a Hello must map 8 bytes: a pipe's does not, and the connection is
+    closed (the writer sees its end) without disturbing the others."""
+    inbox = Inbox()
+    good = Outbox(inbox.name, 5.0, sender="writer")
+    r, w = os.pipe()
+    sock = _raw_hello(inbox.name, fds=[r])
+    try:
+        good.send(b"fine")
+        assert _drain(inbox, 1) == _notes(b"fine")
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # closed by the inbox
+        assert [c.name for c in inbox._conns] == ["writer"]
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        sock.close()
+        good.close()
+        inbox.close()
+
+
+def test_the_word_and_the_socket_race_without_a_withdrawn_notification_escaping():
+    """A writer thread announces and settles 3,000 notifications, withdrawing a random third,
+    while the receiver polls as fast as it can: exactly the landed ones come out, in order."""
+    inbox = Inbox()
+    out = Outbox(inbox.name, 5.0, sender="writer")
+    rng = random.Random(5)
+    plan = [rng.random() >= 1 / 3 for _ in range(3000)]
+    landed = [b"%d" % i for i, ok in enumerate(plan) if ok]
+
+    def write():
+        number = 0
+        for i, ok in enumerate(plan):
+            number = out.announce(b"%d" % i)
+            if rng.random() < 0.5 or i == len(plan) - 1 or not ok:  # settle in runs, withdrawals at once
+                for n in range(out._word.value + 1, number + 1):
+                    out.settle(n, landed=plan[n - 1])
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got, deadline = [], time.monotonic() + 30
+    while len(got) < len(landed) and time.monotonic() < deadline:
+        got += [n.payload for n in inbox.poll()]
+    writer.join()
+    got += [n.payload for n in _drain(inbox, 1, timeout=0.2)]
+    out.close()
+    inbox.close()
+    assert got == landed
+
+
+def test_connections_leave_no_file_descriptor_or_map_behind():
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    inbox = Inbox()
+    inbox.poll()
+    before = fds()
+    for _ in range(20):
+        out = Outbox(inbox.name, 5.0, sender="writer")
+        out.send(b"x")
+        assert _drain(inbox, 1) == _notes(b"x")
+        out.close()
+        wait_until("the inbox reading the end", lambda: (inbox.poll(), inbox._conns)[1] == [])
+    assert fds() == before
+    inbox.close()
+
+
+# -- across processes -----------------------------------------------------------------------------
+
+
+def _dying_writer(mailbox: str, conn) -> None:
+    out = Outbox(mailbox, 5.0, sender="dies")
+    out.announce(b"landed")
+    out.announce(b"never landed")
+    out.settle(1)
+    conn.send("ready")
+    time.sleep(60)  # killed
+
+
+def test_across_processes_a_notification_waits_for_its_landing_and_dies_with_its_writer():
+    """A receiver process (``RemoteBuffers``, a real nvlink transport): a notification announced
+    by this process comes out only after its settle; a writer process killed between the
+    announcement and the settle of its second notification: its first comes out, its second
+    never."""
+    from transport.nvlink import parse_descriptor
+    from transport.remote import RemoteBuffers
+
+    remote = RemoteBuffers(None, ("nvlink",))
+    child = None
+    try:
+        body, _, _ = parse_descriptor(remote.export()["nvlink"])
+        out = Outbox(body["mailbox"], 5.0, sender="writer")
+        try:
+            number = out.announce(b"held")
+            assert remote.wait_notify(b"held", 0.3) is None
+            out.settle(number)
+            assert remote.wait_notify(b"held", 5.0) == "writer"
+        finally:
+            out.close()
+        ctx = multiprocessing.get_context("fork")
+        parent, there = ctx.Pipe()
+        child = ctx.Process(target=_dying_writer, args=(body["mailbox"], there), daemon=True)
+        child.start()
+        assert parent.poll(10) and parent.recv() == "ready"
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(5)
+        assert remote.wait_notify(b"landed", 5.0) == "dies"
+        assert remote.wait_notify(b"never landed", 0.5) is None
+    finally:
+        if child is not None and child.is_alive():
+            child.kill()
+        remote.close()

@@ -1,0 +1,73 @@
+"""A 64-bit counter in memory shared by two processes: the writer stores, the receiver reads.
+
+The writer makes it (an anonymous ``memfd``, nothing on disk and nothing left when both
+processes are gone) and hands its file descriptor to the receiver over their Unix socket
+(``SCM_RIGHTS``); each maps it. A store is one aligned 8-byte write and a read one aligned
+8-byte load (no torn values on any CPU), a read costs ~0.1-0.2 us and involves no system
+call: a receiver can look at it in every poll. The mailbox
+(:mod:`transport.nvlink.mailbox`) uses it to say how many notifications' bytes are in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+__all__ = ["SharedWord", "WordView"]
+
+_BYTES = 8
+
+
+class SharedWord:
+    """The writer's side: a new counter at 0; :meth:`store` sets it, :attr:`fd` is what the
+    receiver maps (:class:`WordView`); :meth:`close` unmaps it and closes the fd."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, _BYTES)
+            self._map = mmap.mmap(self.fd, _BYTES)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
+        self.value = 0
+
+    def store(self, value: int) -> None:
+        """Set the counter (never lower than it was: readers take it as a high-water mark);
+        after :meth:`close`, nothing."""
+        if value < self.value:
+            raise ValueError(f"the counter only goes up: {value} < {self.value}")
+        cell = self._cell
+        if cell is not None:
+            cell.value = value
+            self.value = value
+
+    def close(self) -> None:
+        """Close the fd and let the map go (unmapped with its last reference: a store racing
+        with the close writes into it, not into freed memory). Idempotent."""
+        if self._cell is None:
+            return
+        self._cell = self._map = None
+        os.close(self.fd)
+
+
+class WordView:
+    """The receiver's side of a :class:`SharedWord` it got the fd of (the fd is not kept: the
+    mapping outlives it; the caller closes its fd)."""
+
+    def __init__(self, fd: int):
+        if os.fstat(fd).st_size < _BYTES:
+            raise ValueError("the shared counter's file is shorter than 8 bytes")
+        self._map = mmap.mmap(fd, _BYTES, prot=mmap.PROT_READ)
+        self._cell = np.frombuffer(self._map, dtype=np.uint64, count=1)  # [1] read-only view
+
+    def read(self) -> int:
+        return int(self._cell[0])
+
+    def close(self) -> None:
+        """Let the map go (unmapped with its last reference). Idempotent."""
+        self._cell = self._map = None
