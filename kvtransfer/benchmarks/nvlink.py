@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--src-device", type=int, default=0)
-    ap.add_argument("--dst-device", type=int, default=1)
+    ap.add_argument("--dst-device", type=int, default=1, help="the receiver's GPU (the writer's too: one GPU)")
     ap.add_argument("--sweep", action="store_true", help="also time other kernel shapes and cache policies")
     ap.add_argument("--programs", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also time the kernel limited to these many programs (grid stride), e.g. 16,32,66")
@@ -500,9 +500,15 @@ def main(argv=None) -> int:
 
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("kvtransfer bench nvlink: needs two CUDA GPUs, found", torch.cuda.device_count())
+    found = torch.cuda.device_count()
+    if not 0 <= min(args.src_device, args.dst_device) <= max(args.src_device, args.dst_device) < found:
+        print(f"kvtransfer bench nvlink: needs CUDA GPUs {args.src_device} and {args.dst_device}, found {found}"
+              + (" (one GPU: --dst-device 0 puts the receiver on it too)" if found == 1 else ""))
         return 1
+    if args.src_device == args.dst_device:
+        print(f"one GPU: the receiver process writes into GPU {args.dst_device} too, so 'peer copy' is a copy "
+              "inside it and no byte crosses NVLink; the ratios are not NVLink's, the fixed costs are this "
+              "host's")
     bench = _Bench(args)
     try:
         bench.setup()

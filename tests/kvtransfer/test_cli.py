@@ -40,15 +40,17 @@ def test_layouts_prints_every_pool_kind():
     assert "state buffers" in out.stdout
 
 
-def test_bench_nvlink_says_it_needs_two_gpus():
+def test_bench_nvlink_names_the_gpus_it_needs():
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has GPUs: the real benchmark runs in bench/gpu_check.sh")
     out = _kvt("bench", "nvlink")
-    assert out.returncode != 0
-    assert "GPU" in out.stdout + out.stderr
+    assert out.returncode == 1
+    assert f"needs CUDA GPUs 0 and 1, found {torch.cuda.device_count()}" in out.stdout + out.stderr
+    one = _kvt("bench", "nvlink", "--dst-device", "0")  # one GPU is enough for that, none is not
+    assert one.returncode == 1 and "needs CUDA GPUs 0 and 0" in one.stdout
 
 
 # -- bad arguments and dead children: one clear line, no traceback, no hang -------------------
