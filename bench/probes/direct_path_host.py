@@ -369,7 +369,7 @@ def cuda_setup(tokens, page, peer_gpu=1):
     return remote, tr, peer, batch, keep
 
 
-def after_call(progress, peer, batch, reps, start_stamps, stamps):
+def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None):
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
     write's event returning (the kernel included), the notification's announcement and its
     release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)`` has the receiver watch for them, ``stamps()``
@@ -385,7 +385,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             sync_at.append(clock())
 
     outbox = peer._queue.outbox
-    oldest, announce, settle = progress._oldest_event, outbox.announce, outbox.settle
+    oldest, announce, release = progress._oldest_event, outbox.announce, outbox.settle
     copy, enqueue = peer._copy, peer._copy.enqueue_split
     gpu_marks = []  # per write: timing events on the copy stream before and after its work
     cuda = torch.cuda.is_available() and not isinstance(getattr(copy, "stream", None), _Stream)
@@ -414,7 +414,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
         return number
 
     def timed_settle(number, landed=True):
-        settle(number, landed)
+        release(number, landed)
         released_at.append((numbers.get(number), clock()))
         senders.append(threading.current_thread() is not caller)
 
@@ -430,7 +430,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps):
             t0 = clock()
             t = peer.write_strided(batch, tag)
             t1 = clock()
-            t.wait(timeout=60)
+            (wait or _settle)(t)
             rows.append((tag, t0, t1, sync_at[-1] if sync_at else float("nan")))
     finally:
         progress._oldest_event = oldest
@@ -553,9 +553,15 @@ def main():
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of whole writes")
     ap.add_argument("--peer-gpu", type=int, default=1, help="the receiver's GPU (0: one GPU, no NVLink in the copy)")
+    ap.add_argument("--spin-wait", action="store_true",
+                    help="wait for each write by asking its status in a loop (the calling core kept busy, as a "
+                         "caller streaming writes would keep it) instead of sleeping in wait()")
     ap.add_argument("--blocking-events", action="store_true",
                     help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
     args = ap.parse_args()
+    global _settle
+    if args.spin_wait:
+        _settle = _spin
     if not args.cuda:
         peer, owner, ring, batch, receiver = cpu_setup(args.tokens, args.page)
         try:
@@ -607,6 +613,15 @@ def main():
 
 def _settle(transfer) -> None:
     transfer.wait(timeout=60)
+
+
+def _spin(transfer) -> None:
+    from transport.base import TransferStatus
+
+    deadline = time.monotonic() + 60
+    while transfer.status() is TransferStatus.PENDING:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the write did not settle within 60 s")
 
 
 def profile(peer, batch, reps) -> None:
