@@ -5,6 +5,7 @@ test's stand-in events; the mailbox, the shared memory and the processes are rea
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import random
@@ -147,13 +148,22 @@ def test_a_writer_without_a_word_has_its_notifications_handed_out_at_once():
         inbox.close()
 
 
-def test_a_hello_whose_fd_is_no_word_is_refused():
-    """The fd that comes with a Hello must map 8 bytes: a pipe's does not, and the connection is
-    closed (the writer sees its end) without disturbing the others."""
+@pytest.mark.parametrize("kind", ["pipe", "unsealed memfd", "sealed but empty memfd"])
+def test_a_hello_whose_fd_is_no_sealed_word_is_refused(kind):
+    """The fd that comes with a Hello must be a memfd of 8 bytes or more, sealed against
+    shrinking (an unsealed one could be truncated under the receiver's map: SIGBUS at its next
+    read). Anything else closes the connection (the writer sees its end), the others go on."""
     inbox = Inbox()
     good = Outbox(inbox.name, 5.0, sender="writer")
-    r, w = os.pipe()
-    sock = _raw_hello(inbox.name, fds=[r])
+    if kind == "pipe":
+        fd, other = os.pipe()
+    else:
+        fd, other = os.memfd_create("test", os.MFD_ALLOW_SEALING), None
+        if kind == "unsealed memfd":
+            os.ftruncate(fd, 8)
+        else:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    sock = _raw_hello(inbox.name, fds=[fd])
     try:
         good.send(b"fine")
         assert _drain(inbox, 1) == _notes(b"fine")
@@ -161,11 +171,23 @@ def test_a_hello_whose_fd_is_no_word_is_refused():
         assert sock.recv(1) == b""  # closed by the inbox
         assert [c.name for c in inbox._conns] == ["writer"]
     finally:
-        for fd in (r, w):
-            os.close(fd)
+        for f in (fd, other):
+            if f is not None:
+                os.close(f)
         sock.close()
         good.close()
         inbox.close()
+
+
+def test_the_writers_word_is_sealed_against_shrinking():
+    word = SharedWord()
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(word.fd, 0)
+        with pytest.raises(PermissionError):  # and the seals themselves are sealed
+            fcntl.fcntl(word.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    finally:
+        word.close()
 
 
 def test_the_word_and_the_socket_race_without_a_withdrawn_notification_escaping():

@@ -2,15 +2,18 @@
 
 The writer makes it (an anonymous ``memfd``, nothing on disk and nothing left when both
 processes are gone) and hands its file descriptor to the receiver over their Unix socket
-(``SCM_RIGHTS``); each maps it. A store is one aligned 8-byte write and a read one aligned
-8-byte load (no torn values on any CPU), a read costs ~0.1-0.2 us and involves no system
-call: a receiver can look at it in every poll. The mailbox
+(``SCM_RIGHTS``); each maps it. The file is sealed against shrinking before it is sent, and
+the receiver maps only a sealed one: a writer cannot take the memory from under the
+receiver's map (a read past a shrunk file's end would kill the receiver with SIGBUS). A store
+is one aligned 8-byte write and a read one aligned 8-byte load (no torn values on any CPU), a
+read costs ~0.1-0.2 us and involves no system call: a receiver can look at it in every poll. The mailbox
 (:mod:`transport.nvlink.mailbox`) uses it to say how many notifications' bytes are in place.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 
@@ -19,6 +22,7 @@ import numpy as np
 __all__ = ["SharedWord", "WordView"]
 
 _BYTES = 8
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the seals stay as they are
 
 
 class SharedWord:
@@ -26,9 +30,10 @@ class SharedWord:
     receiver maps (:class:`WordView`); :meth:`close` unmaps it and closes the fd."""
 
     def __init__(self):
-        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, _BYTES)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(self.fd, _BYTES)
         except OSError:
             os.close(self.fd)
@@ -60,6 +65,13 @@ class WordView:
     mapping outlives it; the caller closes its fd)."""
 
     def __init__(self, fd: int):
+        """``ValueError`` unless ``fd`` is a memfd sealed against shrinking, of 8 bytes or more."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # not a memfd (a pipe, a socket, a plain file)
+            raise ValueError("the shared counter's fd is not a memfd") from None
+        if seals & fcntl.F_SEAL_SHRINK == 0:
+            raise ValueError("the shared counter's memfd is not sealed against shrinking")
         if os.fstat(fd).st_size < _BYTES:
             raise ValueError("the shared counter's file is shorter than 8 bytes")
         self._map = mmap.mmap(fd, _BYTES, prot=mmap.PROT_READ)
