@@ -44,9 +44,10 @@ only after the transfer's CUDA event has completed, i.e. after the kernel's stor
 peer's memory are done (one store: the receiver's next poll sees it). The receiver's
 ``poll_notifications`` reads whole frames without blocking and returns each landed one as a
 :class:`~transport.base.Notification` from that writer; a failed write's notification is
-withdrawn (``Dropped``) and never returned, and a connection that ends drops what it holds. The receiver writes back on the same socket only for revocation (below); the
-writing transport's mailbox thread reads it, and notes the end of the connection: a dead or
-closed receiver, whose writes then fail at once.
+withdrawn (``Dropped``) and never returned, and a connection that ends drops what it holds.
+The receiver writes back on the same socket only for revocation (below); the writing
+transport's mailbox thread reads it, and notes the end of the connection: a dead or closed
+receiver, whose writes then fail at once.
 
 Progress and bounded waits
 --------------------------
@@ -54,13 +55,13 @@ Progress and bounded waits
 transport, started on the first write) advance each peer's FIFO of pending transfers
 (:mod:`~transport.nvlink.pending`): send the new writes' notifications (bounded by
 ``peer_timeout_s``; a peer gone refuses them); query the event; on completion raise the landed
-word past its notification or, without one, check the peer is alive, and mark DONE. Between advances the
-thread waits on the oldest pending event (``synchronize()``, the GIL released), so the
-notification is released as soon as the copy ends; ``wait()`` sleeps until the transfer settles. A dead peer is FAILED at
-``write`` (nothing is launched) or at completion; a copy whose event has not completed after
-``transfer_timeout_s`` is FAILED. ``abort`` marks a pending transfer FAILED and withdraws its
-notification; the kernel, once launched, still runs to completion, and a failed transfer keeps
-its tables until its copy ends.
+word past its notification or, without one, check the peer is alive, and mark DONE. Between
+advances the thread waits on the oldest pending event (``synchronize()``, the GIL released),
+so the notification is released as soon as the copy ends; ``wait()`` sleeps until the
+transfer settles. A dead peer is FAILED at ``write`` (nothing is launched) or at completion;
+a copy whose event has not completed after ``transfer_timeout_s`` is FAILED. ``abort`` marks a
+pending transfer FAILED and withdraws its notification; the kernel, once launched, still runs
+to completion, and a failed transfer keeps its tables until its copy ends.
 
 Deregistering exported memory (revocation)
 ------------------------------------------

@@ -4,24 +4,27 @@ Each transport listens on a Unix stream socket in Linux's abstract namespace (no
 disk); each peer (each ``connect``) keeps one connected socket to it. A frame is a 4-byte
 big-endian length, then that many bytes. The first frame on a connection is the writer's
 :class:`~transport.revocation.wire.Hello` (its name, the ``name`` of its export, and the
-region ids of the export it holds); every later frame from the writer is one notification
-payload, which the receiver returns as a :class:`~transport.base.Notification` from that
-writer, or a control message (:data:`~transport.revocation.wire.MAGIC` first: notifications
-may not start with it).
+region ids of the export it holds; the fd of its landed word comes with it, below); every
+later frame from the writer is one notification payload, which the receiver returns as a
+:class:`~transport.base.Notification` from that writer, or a control message
+(:data:`~transport.revocation.wire.MAGIC` first: notifications may not start with it).
 
 Notifications sent before their bytes land
 ------------------------------------------
-A socket hop costs 12-20 us between a writer's send and a polling receiver's read, after the
-copy ended. So a write's notification goes out when the write is posted (:meth:`Outbox.announce`:
-the k-th of the connection is number k), and the receiver holds it until the *landed word*
-says its bytes are in place: a 64-bit counter in memory both processes map
-(:mod:`transport.nvlink.word`; its fd rides with the Hello), which the writer sets to k once
-copy k has completed (:meth:`Outbox.settle`), with one store. The receiver hands out, per
-connection and in order, the notifications numbered up to the counter as it read it *before*
-reading the socket. A write that fails after its announcement is withdrawn: the writer sends
-:class:`~transport.revocation.wire.Dropped` naming it before it raises the counter past it, so
-a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
-connection that ends drops what it still holds (those bytes were never said to be in place). The receiver writes revocation messages back on the same connection
+Sending a notification once the copy has ended, and the receiver reading it, costs 8-20 us
+after the copy (bench/RESULTS.md). So a write's notification goes out while its copy runs
+(:meth:`Outbox.announce`: the k-th of the connection is number k), and the receiver holds it
+until the *landed word* says its bytes are in place: a 64-bit counter in memory both
+processes map (:mod:`transport.nvlink.word`; its fd rides with the Hello), which the writer
+sets to k once copy k has completed (:meth:`Outbox.settle`), with one store. The receiver
+hands out, per connection and in order, the notifications numbered up to the counter as it
+read it *before* reading the socket. A write that fails after its announcement is withdrawn:
+the writer sends :class:`~transport.revocation.wire.Dropped` naming it before it raises the
+counter past it, so a receiver that sees the counter past k has read the Dropped too, and
+never hands k out. A connection that ends drops what it still holds (those bytes were never
+said to be in place).
+
+The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
 the writing transport's mailbox thread reads them (:mod:`transport.nvlink.holds`) and notes
 the connection's end: the receiver's process is gone or its transport closed.
@@ -121,7 +124,7 @@ class _Connection:
         self.name: Optional[str] = None
         self.buf = bytearray()
         self.out = bytearray()
-        self.word: Optional[WordView] = None  # None: a writer without one, its notifications go out at once
+        self.word: Optional[WordView] = None  # None: a writer without one (its notifications go out at once)
         self.word_error = False
         self.mark = 0  # the word as read before the socket, in this poll
         self.received = 0  # notifications read (number k is the k-th)

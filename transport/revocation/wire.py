@@ -21,8 +21,8 @@ from typing import Optional, Union
 
 from transport import notif_frames as frames
 
-__all__ = ["MAGIC", "Dropped", "Hello", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message", "encode",
-           "decode", "ProtocolError", "MAX_IDS", "MAX_NAME"]
+__all__ = ["MAGIC", "Dropped", "Hello", "Hold", "HoldAck", "Revoke", "RevokeAck", "Release", "Closed", "Message",
+           "encode", "decode", "ProtocolError", "MAX_IDS", "MAX_NAME"]
 
 MAGIC = b"\x00kvt-revoke\x01"
 MAX_IDS = 1 << 20  # region ids one message may name (a transport's lifetime of ids: base.MAX_REGION_ID)
