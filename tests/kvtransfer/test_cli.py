@@ -53,6 +53,13 @@ def test_bench_nvlink_names_the_gpus_it_needs():
     assert one.returncode == 1 and "needs CUDA GPUs 0 and 0" in one.stdout
 
 
+def test_bench_nvlink_prints_n_a_for_a_path_that_did_not_run():
+    from kvtransfer.benchmarks.nvlink import _rate_cells
+
+    assert _rate_cells(2.0, 4.0) == "    2.0  50.0%"
+    assert _rate_cells(float("nan"), 4.0) == "    n/a       "  # the staged engine on one GPU
+
+
 # -- bad arguments and dead children: one clear line, no traceback, no hang -------------------
 
 
