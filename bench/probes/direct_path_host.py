@@ -553,15 +553,17 @@ def main():
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of whole writes")
     ap.add_argument("--peer-gpu", type=int, default=1, help="the receiver's GPU (0: one GPU, no NVLink in the copy)")
-    ap.add_argument("--spin-wait", action="store_true",
-                    help="wait for each write by asking its status in a loop (the calling core kept busy, as a "
-                         "caller streaming writes would keep it) instead of sleeping in wait()")
+    ap.add_argument("--spin-wait", choices=("status", "lock"), default=None,
+                    help="wait for each write keeping the calling core busy (as a caller streaming writes would "
+                         "keep it) instead of sleeping in wait(): status = asking status() in a loop (each look "
+                         "queries the event), lock = looking at the transfer's settled lock, the GIL let go "
+                         "between looks (the progress thread settles it)")
     ap.add_argument("--blocking-events", action="store_true",
                     help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
     args = ap.parse_args()
     global _settle
     if args.spin_wait:
-        _settle = _spin
+        _settle = _spin if args.spin_wait == "status" else _spin_on_lock
     if not args.cuda:
         peer, owner, ring, batch, receiver = cpu_setup(args.tokens, args.page)
         try:
@@ -613,6 +615,15 @@ def main():
 
 def _settle(transfer) -> None:
     transfer.wait(timeout=60)
+
+
+def _spin_on_lock(transfer) -> None:
+    settled, deadline = transfer._settled_lock(), time.monotonic() + 60
+    while settled.locked():
+        time.sleep(0)  # lets the GIL go: the progress thread needs it to settle the write
+        if time.monotonic() > deadline:
+            raise TimeoutError("the write did not settle within 60 s")
+    transfer.wait(timeout=60)  # its outcome
 
 
 def _spin(transfer) -> None:
