@@ -105,6 +105,20 @@ def test_settling_out_of_order_twice_or_unannounced_is_refused_and_send_needs_al
     assert _drain(inbox, 4) == _notes(b"a", b"b", b"c", b"d")
 
 
+def test_notifications_and_control_messages_cannot_pass_for_each_other(pair):
+    """The receiver counts notifications, not control frames: a control-looking notification
+    would shift every later number onto the next notification (released before its bytes
+    landed), a notification sent as control the other way (the last never released)."""
+    inbox, out = pair
+    with pytest.raises(ValueError, match="magic bytes"):
+        out.announce(wire.MAGIC + b"payload")
+    with pytest.raises(ValueError, match="magic bytes"):  # and the other way round
+        out.send_control(b"no magic")
+    assert out.announce(b"a") == 1
+    out.settle(1)
+    assert _drain(inbox, 1) == _notes(b"a")
+
+
 def test_a_writer_that_ends_drops_what_had_not_landed(pair):
     inbox, out = pair
     out.announce(b"landed")

@@ -292,7 +292,7 @@ def test_a_malformed_frame_from_a_writer_is_dropped(owner, cpu_writer):
     peer = cpu_writer("w").connect(t.export())
     with polling(t) as notes:
         peer.write(wb(rids[0]))
-        peer.queue.outbox.send(wire.MAGIC + b"\xc1 not msgpack")
+        peer.queue.outbox.send_control(wire.MAGIC + b"\xc1 not msgpack")
         peer.queue.outbox.send(b"after")
         wait_until("the notification after it", lambda: notes)
     assert notes == [Notification("w", b"after")]

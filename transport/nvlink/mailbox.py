@@ -336,7 +336,11 @@ class Outbox:
     def announce(self, payload: bytes) -> int:
         """Send a notification whose bytes have not landed yet; return its number, which
         :meth:`settle` releases (numbers are settled in order). ``OSError`` when the socket
-        refuses it (peer gone, or no room for ``timeout_s``)."""
+        refuses it (peer gone, or no room for ``timeout_s``); ``ValueError`` for a payload that
+        starts with :data:`~transport.revocation.wire.MAGIC` (the receiver would take it for a
+        control message and not count it: every later number would name the next one)."""
+        if payload.startswith(wire.MAGIC):
+            raise ValueError("a notification may not start with the control messages' magic bytes")
         frame = _FRAME.pack(len(payload)) + payload
         with self._send_lock:
             self._sendall(frame)
@@ -365,7 +369,10 @@ class Outbox:
         self.settle(self.announce(payload))
 
     def send_control(self, message: bytes) -> None:
-        """A control message (:data:`~transport.revocation.wire.MAGIC` first): not numbered."""
+        """A control message (:data:`~transport.revocation.wire.MAGIC` first, else ``ValueError``:
+        the receiver would count it as a notification): not numbered."""
+        if not message.startswith(wire.MAGIC):
+            raise ValueError("a control message starts with the magic bytes")
         frame = _FRAME.pack(len(message)) + message
         with self._send_lock:
             self._sendall(frame)
