@@ -11,12 +11,13 @@ later frame from the writer is one notification payload, which the receiver retu
 
 Notifications sent before their bytes land
 ------------------------------------------
-Sending a notification once the copy has ended, and the receiver reading it, costs 8-20 us
-after the copy (bench/RESULTS.md). So a write's notification goes out while its copy runs
-(:meth:`Outbox.announce`: the k-th of the connection is number k), and the receiver holds it
-until the *landed word* says its bytes are in place: a 64-bit counter in memory both
-processes map (:mod:`transport.nvlink.word`; its fd rides with the Hello), which the writer
-sets to k once copy k has completed (:meth:`Outbox.settle`), with one store. The receiver
+Seeing the copy's end, then sending its notification and the receiver reading it, took 21-37
+us after the copy on one H200 (bench/RESULTS.md), most of it the send and the read. So a
+write's notification goes out while its copy runs (:meth:`Outbox.announce`: the k-th of the
+connection is number k), and the receiver holds it until the *landed word* says its bytes are
+in place: a 64-bit counter in memory both processes map (:mod:`transport.nvlink.word`; its fd
+rides with the Hello), which the writer sets to k once copy k has completed
+(:meth:`Outbox.settle`), with one store. The receiver
 hands out, per connection and in order, the notifications numbered up to the counter as it
 read it *before* reading the socket. A write that fails after its announcement is withdrawn:
 the writer sends :class:`~transport.revocation.wire.Dropped` naming it before it raises the
