@@ -17,13 +17,12 @@ write's notification goes out while its copy runs (:meth:`Outbox.announce`: the 
 connection is number k), and the receiver holds it until the *landed word* says its bytes are
 in place: a 64-bit counter in memory both processes map (:mod:`transport.nvlink.word`; its fd
 rides with the Hello), which the writer sets to k once copy k has completed
-(:meth:`Outbox.settle`), with one store. The receiver
-hands out, per connection and in order, the notifications numbered up to the counter as it
-read it *before* reading the socket. A write that fails after its announcement is withdrawn:
-the writer sends :class:`~transport.revocation.wire.Dropped` naming it before it raises the
-counter past it, so a receiver that sees the counter past k has read the Dropped too, and
-never hands k out. A connection that ends drops what it still holds (those bytes were never
-said to be in place).
+(:meth:`Outbox.settle`), with one store. The receiver hands out, per connection and in order,
+the notifications numbered up to the counter as it read it *before* reading the socket. A
+write that fails after its announcement is withdrawn: the writer sends
+:class:`~transport.revocation.wire.Dropped` naming it before it raises the counter past it, so
+a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
+connection that ends drops what it still holds (those bytes were never said to be in place).
 
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
