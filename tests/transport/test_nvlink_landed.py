@@ -19,7 +19,7 @@ import pytest
 
 from tests.transport._nvlink_cpu import wait_until
 from transport.base import Notification
-from transport.nvlink.mailbox import Inbox, Outbox
+from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox
 from transport.nvlink.word import SharedWord, WordView
 from transport.revocation import wire
 
@@ -231,6 +231,21 @@ def test_the_word_and_the_socket_race_without_a_withdrawn_notification_escaping(
     out.close()
     inbox.close()
     assert got == landed
+
+
+def test_no_shared_memory_for_the_word_makes_the_mailbox_unreachable(monkeypatch):
+    """Where memfd_create is refused (an old kernel, a sandbox), connecting fails as for a
+    mailbox on another host: NvlinkPeer turns it into NvlinkUnsupported (NIXL is used)."""
+    def refused(*a):
+        raise PermissionError(1, "Operation not permitted")
+
+    inbox = Inbox()
+    monkeypatch.setattr(os, "memfd_create", refused)
+    try:
+        with pytest.raises(MailboxUnreachable, match="landed word: .*Operation not permitted"):
+            Outbox(inbox.name, 5.0, sender="writer")
+    finally:
+        inbox.close()
 
 
 def test_connections_leave_no_file_descriptor_or_map_behind():

@@ -288,8 +288,13 @@ class Outbox:
         self._send_lock = threading.Lock()  # notifications (progress thread) and acks (mailbox thread)
         self._buf = bytearray()
         self.lost = False  # receive() saw the peer close its end
-        self._word = SharedWord()  # how many notifications landed (module doc)
         self._announced = 0  # notifications sent, numbered from 1
+        try:
+            self._word = SharedWord()  # how many notifications landed (module doc)
+        except OSError as exc:  # no memfd here (an old kernel, a sandbox that forbids it)
+            self._sock.close()
+            raise MailboxUnreachable(
+                f"cannot make the shared memory of the notifications' landed word: {exc}") from None
         try:
             self._sock.connect("\0" + name)
         except OSError as exc:
