@@ -19,8 +19,8 @@ class NvlinkTransfer(Transfer):
 
     Its peer's :class:`~transport.nvlink.pending.PendingQueue` settles it (in posting order):
     DONE once the event has completed and the notification (sent while the copy ran) is
-    released to the peer, FAILED on a CUDA error, a
-    lost peer, the transfer timeout or :meth:`abort`."""
+    released to the peer, FAILED on a CUDA error, a lost peer, the transfer timeout or
+    :meth:`abort`."""
 
     # wait() sleeps until the transfer settles (the progress thread settles it as soon as the
     # copy's event completes: :mod:`transport.nvlink.progress`), waking every WAIT_SLICE_S to

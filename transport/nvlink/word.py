@@ -3,11 +3,12 @@
 The writer makes it (an anonymous ``memfd``, nothing on disk and nothing left when both
 processes are gone) and hands its file descriptor to the receiver over their Unix socket
 (``SCM_RIGHTS``); each maps it. The file is sealed against shrinking before it is sent, and
-the receiver maps only a sealed one: a writer cannot take the memory from under the
-receiver's map (a read past a shrunk file's end would kill the receiver with SIGBUS). A store
-is one aligned 8-byte write and a read one aligned 8-byte load (no torn values on any CPU), a
-read costs ~0.1-0.2 us and involves no system call: a receiver can look at it in every poll. The mailbox
-(:mod:`transport.nvlink.mailbox`) uses it to say how many notifications' bytes are in place.
+the receiver maps only a sealed one: a writer cannot take the memory from under the receiver's
+map (a read past a shrunk file's end would kill the receiver with SIGBUS). A store is one
+aligned 8-byte write and a read one aligned 8-byte load (no torn values on any CPU), a read
+costs ~0.1 us (this VM) and involves no system call: a receiver can look at it in every poll.
+The mailbox (:mod:`transport.nvlink.mailbox`) uses it to say how many notifications' bytes are
+in place.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the 
 
 class SharedWord:
     """The writer's side: a new counter at 0; :meth:`store` sets it, :attr:`fd` is what the
-    receiver maps (:class:`WordView`); :meth:`close` unmaps it and closes the fd."""
+    receiver maps (:class:`WordView`); :meth:`close` closes the fd and lets the map go."""
 
     def __init__(self):
         self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
