@@ -490,9 +490,9 @@ def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_noti
         for t in (announced, tagged, silent):
             t._event.fire()
         assert [t.status() for t in (announced, tagged, silent)] == [TransferStatus.FAILED] * 3
-        assert announced.error.startswith("peer 'cpu-peer' lost before the copy completed")
+        assert announced.error.startswith("peer 'cpu-peer' lost by the time the copy completed")
         assert "peer 'cpu-peer' lost while sending the notification" in tagged.error
-        assert silent.error == "peer 'cpu-peer' lost before the copy completed"
+        assert silent.error == "peer 'cpu-peer' lost by the time the copy completed"
     finally:
         mailbox.stop()  # closes the outbox
 

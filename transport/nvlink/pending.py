@@ -136,13 +136,13 @@ class PendingQueue:
             return False
         if t._number is None:
             if not self.outbox.alive():
-                t._fail(f"peer {self.name!r} lost before the copy completed")
+                t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True
         else:
             try:
                 self.outbox.settle(t._number)
             except OSError as exc:
-                t._fail(f"peer {self.name!r} lost before the copy completed: {exc}")
+                t._fail(f"peer {self.name!r} lost by the time the copy completed: {exc}")
                 return True
         t._done()
         return True
