@@ -9,6 +9,12 @@ aligned 8-byte write and a read one aligned 8-byte load (no torn values on any C
 costs ~0.1 us (this VM) and involves no system call: a receiver can look at it in every poll.
 The mailbox (:mod:`transport.nvlink.mailbox`) uses it to say how many notifications' bytes are
 in place.
+
+Ordering: the mailbox relies on the writer's store becoming visible after the socket sends
+that preceded it, and on the receiver's load of the word happening before its socket reads
+that follow it. x86-64's total store order gives both (stores are seen in program order, loads
+are not reordered with loads). A weakly ordered CPU (arm64) would need a fence on each side,
+which Python cannot issue cheaply: not provided.
 """
 
 from __future__ import annotations
