@@ -248,6 +248,34 @@ def test_no_shared_memory_for_the_word_makes_the_mailbox_unreachable(monkeypatch
         inbox.close()
 
 
+def test_without_a_landed_word_a_notification_goes_out_once_its_bytes_are_in_place():
+    """Where the CPU does not order memory as the word needs (``word.ORDERED`` False: arm64),
+    the outbox makes no word: its Hello carries no fd, the receiver hands notifications out
+    as they arrive, and the queue sends each one only once its copy completed."""
+    from tests.transport._nvlink_cpu import StandInEvent
+    from transport.base import TransferStatus
+    from transport.nvlink.pending import PendingQueue
+    from transport.nvlink.transfer import NvlinkTransfer
+
+    inbox = Inbox()
+    out = Outbox(inbox.name, 5.0, sender="writer", landed_word=False)
+    queue = PendingQueue("peer", out, transfer_timeout_s=30)
+    try:
+        assert not out.early
+        aborted = queue.track(NvlinkTransfer(queue, StandInEvent(), b"aborted"))
+        t = queue.track(NvlinkTransfer(queue, StandInEvent(), b"kv"))
+        assert queue.advance() and t._number is None  # nothing sent while the copy runs
+        inbox.read()
+        assert inbox._conns[0].word is None and not inbox._conns[0].held and _drain(inbox, 1, 0.2) == []
+        aborted.abort()
+        t._event.fired = True
+        assert t.status() is TransferStatus.DONE
+        assert _drain(inbox, 1) == _notes(b"kv") and _drain(inbox, 1, 0.2) == []
+    finally:
+        out.close()
+        inbox.close()
+
+
 def test_connections_leave_no_file_descriptor_or_map_behind():
     def fds():
         return len(os.listdir("/proc/self/fd"))

@@ -23,6 +23,9 @@ write that fails after its announcement is withdrawn: the writer sends
 :class:`~transport.revocation.wire.Dropped` naming it before it raises the counter past it, so
 a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
 connection that ends drops what it still holds (those bytes were never said to be in place).
+Where the CPU does not order memory as the word needs (:data:`~transport.nvlink.word.ORDERED`
+False: arm64), the writer makes no word and sends each notification once its copy completed;
+the receiver hands out the notifications of a connection without a word as they arrive.
 
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
@@ -42,7 +45,7 @@ from collections import deque
 from typing import Iterable, Optional
 
 from transport.base import Notification, TransportError
-from transport.nvlink.word import SharedWord, WordView
+from transport.nvlink.word import ORDERED, SharedWord, WordView
 from transport.revocation import wire
 
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
@@ -280,17 +283,26 @@ class Outbox:
     ``sender`` and the peer's ``regions`` this side holds (the ids of the export it connected
     to), the landed word's fd with it. Notifications go out with :meth:`announce` and are
     released by :meth:`settle` (or both at once, :meth:`send`), from any thread; what the peer
-    sends back is read by :meth:`receive`, on the transport's mailbox thread alone."""
+    sends back is read by :meth:`receive`, on the transport's mailbox thread alone.
 
-    def __init__(self, name: str, timeout_s: float, sender: str, regions: Iterable[int] = ()):
+    ``landed_word`` False (default: where the CPU orders memory as the word needs,
+    :data:`~transport.nvlink.word.ORDERED`): no word, the Hello carries no fd and the receiver
+    hands each notification out as it arrives; only :meth:`send` then fits, once the bytes are
+    in place (:attr:`early` is False)."""
+
+    def __init__(self, name: str, timeout_s: float, sender: str, regions: Iterable[int] = (),
+                 landed_word: Optional[bool] = None):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)  # sends wait at most this long (the fd itself is non-blocking)
         self._send_lock = threading.Lock()  # notifications (progress thread) and acks (mailbox thread)
         self._buf = bytearray()
         self.lost = False  # receive() saw the peer close its end
         self._announced = 0  # notifications sent, numbered from 1
+        self._settled = 0  # the highest number settled (what the word says)
+        self._word: Optional[SharedWord] = None
         try:
-            self._word = SharedWord()  # how many notifications landed (module doc)
+            if ORDERED if landed_word is None else landed_word:
+                self._word = SharedWord()  # how many notifications landed (module doc)
         except OSError as exc:  # no memfd here (an old kernel, a sandbox that forbids it)
             self._sock.close()
             raise MailboxUnreachable(
@@ -306,11 +318,17 @@ class Outbox:
         try:
             hello = wire.encode(wire.Hello(sender, sorted(int(r) for r in regions)))
             frame = _FRAME.pack(len(hello)) + hello
-            sent = socket.send_fds(self._sock, [frame], [self._word.fd])
+            sent = socket.send_fds(self._sock, [frame], [self._word.fd]) if self._word is not None else 0
             self._sock.sendall(frame[sent:])
         except OSError as exc:
             self.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
+
+    @property
+    def early(self) -> bool:
+        """Notifications may go out before their bytes land (the peer holds them until the
+        landed word passes them)."""
+        return self._word is not None
 
     def alive(self) -> bool:
         """False once the peer closed its end, as :meth:`receive` (the mailbox thread) saw, or
@@ -356,20 +374,22 @@ class Outbox:
         """Notification ``number`` and every one before it are settled: landed, the receiver
         hands them out (one store into the shared word); not ``landed``, it is withdrawn first
         (a :class:`~transport.revocation.wire.Dropped`; ``OSError`` if the socket refuses it)."""
-        if not 0 < number <= self._announced or number <= self._word.value:
-            raise ValueError(f"notification {number} cannot be settled: {self._word.value} of "
+        if not 0 < number <= self._announced or number <= self._settled:
+            raise ValueError(f"notification {number} cannot be settled: {self._settled} of "
                              f"{self._announced} announced are")
         if self.lost:  # the receiver drops what it holds: nothing more may be released
             raise ConnectionError("the notification connection ended")
         if not landed:
             self.send_control(wire.encode(wire.Dropped(number)))
-        self._word.store(number)
+        if self._word is not None:
+            self._word.store(number)
+        self._settled = number
 
     def send(self, payload: bytes) -> None:
         """A notification whose bytes are in place: announced and settled at once (every
         earlier one must be settled: the receiver would hand them out with it)."""
-        if self._word.value != self._announced:
-            raise RuntimeError(f"{self._announced - self._word.value} notification(s) announced and not "
+        if self._settled != self._announced:
+            raise RuntimeError(f"{self._announced - self._settled} notification(s) announced and not "
                                "settled: send() would release them")
         self.settle(self.announce(payload))
 
@@ -393,4 +413,5 @@ class Outbox:
     def close(self) -> None:
         self.shutdown()
         self._sock.close()
-        self._word.close()
+        if self._word is not None:
+            self._word.close()

@@ -2,7 +2,9 @@
 
 A write's notification is *announced* at the first look after it was posted (sent to the
 peer, who holds it: :mod:`transport.nvlink.mailbox`; a socket send bounded by
-``peer_timeout_s``, refused when the peer is gone), so that it travels while the copy runs.
+``peer_timeout_s``, refused when the peer is gone), so that it travels while the copy runs
+(with an outbox whose ``early`` is False, a CPU the landed word is not safe on, it is sent
+once the copy completed).
 Transfers settle in posting order, so notifications are released in the order their writes
 were posted: a finished copy waits for the ones before it. Settling a transfer: query its
 event; on completion release its notification (one store into the landed word) or, without
@@ -54,7 +56,7 @@ class PendingQueue:
     def track(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         with self.lock:
             self._pending.append(transfer)
-            if transfer._notify is not None:
+            if transfer._notify is not None and self.outbox.early:
                 self._unannounced.append(transfer)
         return transfer
 
@@ -134,7 +136,13 @@ class PendingQueue:
                 t._fail(f"copy did not complete within {self.transfer_timeout_s} s")
                 return True
             return False
-        if t._number is None:
+        if t._number is None and t._notify is not None:  # an outbox without a landed word: sent now
+            try:  # a peer gone refuses the send (EPIPE): no separate look first
+                self.outbox.send(t._notify)
+            except OSError as exc:
+                t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
+                return True
+        elif t._number is None:
             if not self.outbox.alive():
                 t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True

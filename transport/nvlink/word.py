@@ -14,7 +14,8 @@ Ordering: the mailbox relies on the writer's store becoming visible after the so
 that preceded it, and on the receiver's load of the word happening before its socket reads
 that follow it. x86-64's total store order gives both (stores are seen in program order, loads
 are not reordered with loads). A weakly ordered CPU (arm64) would need a fence on each side,
-which Python cannot issue cheaply: not provided.
+which Python cannot issue cheaply: there (:data:`ORDERED` False) the mailbox makes no word and
+sends each notification once its bytes are in place.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ import ctypes
 import fcntl
 import mmap
 import os
+import platform
 
 import numpy as np
 
-__all__ = ["SharedWord", "WordView"]
+__all__ = ["ORDERED", "SharedWord", "WordView"]
+
+ORDERED = platform.machine().lower() in ("x86_64", "amd64")  # total store order: the word is safe here
 
 _BYTES = 8
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the seals stay as they are
