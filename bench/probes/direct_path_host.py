@@ -372,9 +372,11 @@ def cuda_setup(tokens, page, peer_gpu=1):
 def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None):
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
     write's event returning (the kernel included), the notification's announcement and its
-    release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)`` has the receiver watch for them, ``stamps()``
-    returns ``{tag: time.monotonic() of its arrival}``."""
-    sync_at, sent_at, released_at, senders = [], [], [], []  # senders: True where the progress thread released it
+    release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)``
+    has the receiver watch for them, ``stamps()`` returns ``{tag: time.monotonic() of its
+    arrival}``; ``wait(transfer)`` waits for each write (default: ``wait()``)."""
+    sync_at, sent_at, released_at = [], [], []
+    senders = []  # True where the progress thread released the notification
     clock, caller = time.monotonic, threading.current_thread()
 
     class _Seen:

@@ -417,10 +417,10 @@ class _Bench:
         self.remote.close()
 
 
-def _rate_cells(rate: float, copy: float) -> str:
-    """A GB/s column and its ratio to the peer copy; ``n/a`` where the path did not run (NaN:
-    the staged engine needs a second GPU)."""
-    return f"{rate:>7.1f} {rate / copy:>6.1%}" if rate == rate else f"{'n/a':>7} {'':>6}"
+def _rate_cells(rate: float, copy: float, width: int = 7) -> str:
+    """A GB/s column ``width`` wide and its ratio to the peer copy; ``n/a`` where the path did
+    not run (NaN: the staged engine needs a second GPU)."""
+    return f"{rate:>{width}.1f} {rate / copy:>6.1%}" if rate == rate else f"{'n/a':>{width}} {'':>6}"
 
 
 def _print_table(bench: _Bench, results: list[dict]) -> None:
@@ -451,7 +451,8 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         sk = gbs(nbytes, r["engines"]["kernel"][2])
         sg = gbs(nbytes, r["engines"]["staged"][2])
         print(f"{case.name:<11} {len(case.length):>8} {int(case.length[0]):>6} {nbytes / 2**20:>5.0f} {c:>9.1f} "
-              f"{k:>7.1f} {k / c:>6.1%} {_rate_cells(st, c)} {w:>7.1f} {w / c:>6.1%} {sk:>14.1f} {sk / c:>6.1%} {sg:>14.1f} {sg / c:>6.1%} "
+              f"{_rate_cells(k, c)} {_rate_cells(st, c)} {_rate_cells(w, c)} {_rate_cells(sk, c, 14)} "
+              f"{_rate_cells(sg, c, 14)} "
               f"{r['engines']['staged'][1] * 1e3:>7.2f} {r['checks']:>12}")
     fixed = bench.tiny_fixed()
     print(f"\nfixed cost per write = write_strided() call -> notification seen by the receiver (it polls without "

@@ -82,6 +82,11 @@ def _receive(fd: int, buf: bytearray) -> bool:
         buf += chunk
 
 
+def _framed(payload: bytes) -> bytes:
+    """One frame: the 4-byte length, then ``payload``."""
+    return _FRAME.pack(len(payload)) + payload
+
+
 def _frames(buf: bytearray) -> list[bytes]:
     """The whole frames at the start of ``buf``, taken out of it."""
     out = []
@@ -137,7 +142,7 @@ class _Connection:
     def send(self, payload: bytes) -> None:
         """Queue one frame to the writer and send what the socket takes now (the rest at the
         inbox's next read); a writer that is gone is noticed when its end of file is read."""
-        self.out += _FRAME.pack(len(payload)) + payload
+        self.out += _framed(payload)
         self.flush()
 
     def flush(self) -> None:
@@ -317,7 +322,7 @@ class Outbox:
             ) from None
         try:
             hello = wire.encode(wire.Hello(sender, sorted(int(r) for r in regions)))
-            frame = _FRAME.pack(len(hello)) + hello
+            frame = _framed(hello)
             sent = socket.send_fds(self._sock, [frame], [self._word.fd]) if self._word is not None else 0
             self._sock.sendall(frame[sent:])
         except OSError as exc:
@@ -335,12 +340,12 @@ class Outbox:
         a send failed (:meth:`_sendall`): a flag, no system call."""
         return not self.lost
 
-    def _sendall(self, frame: bytes) -> None:
-        """Send one whole frame (under the send lock). A send that fails or times out may have
+    def _sendall(self, payload: bytes) -> None:
+        """Send ``payload`` as one whole frame (under the send lock). A send that fails or times out may have
         sent part of it, after which no frame can be read right: the connection is ended (the
         receiver drops what it holds) and the outbox is lost."""
         try:
-            self._sock.sendall(frame)
+            self._sock.sendall(_framed(payload))
         except OSError:
             self.lost = True
             self.shutdown()
@@ -364,9 +369,8 @@ class Outbox:
         control message and not count it: every later number would name the next one)."""
         if payload.startswith(wire.MAGIC):
             raise ValueError("a notification may not start with the control messages' magic bytes")
-        frame = _FRAME.pack(len(payload)) + payload
         with self._send_lock:
-            self._sendall(frame)
+            self._sendall(payload)
             self._announced += 1
             return self._announced
 
@@ -398,9 +402,8 @@ class Outbox:
         the receiver would count it as a notification): not numbered."""
         if not message.startswith(wire.MAGIC):
             raise ValueError("a control message starts with the magic bytes")
-        frame = _FRAME.pack(len(message)) + message
         with self._send_lock:
-            self._sendall(frame)
+            self._sendall(message)
 
     def shutdown(self) -> None:
         """End the connection now (the peer reads its end) without closing the socket, which a
