@@ -16,6 +16,7 @@ import pytest
 
 from kvtransfer.demo import Server, stop_all
 from kvtransfer.serve.http import free_port
+from tests._stop import stop
 from tests.serve._cluster import Cluster, chat, group_is_gone, group_members, port_is_free, wait_ready
 
 
@@ -31,7 +32,7 @@ def test_a_killed_prefill_node_fails_its_request_and_a_restarted_one_serves(tmp_
         prefill = c.servers["prefill"]
         ranks = [p for p in group_members(prefill.proc.pid) if p != prefill.proc.pid]
         for pid in ranks:  # frozen: the request is in flight on both nodes when the node dies
-            os.kill(pid, signal.SIGSTOP)
+            stop(pid)
         result = {}
         t = threading.Thread(target=lambda: result.update(r=chat(c.url("router"), "during")))
         t.start()

@@ -25,6 +25,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
+from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
 from tests.transport._support import assert_same, connect_once_drained  # noqa: E402
 from transport.base import (  # noqa: E402
@@ -239,7 +240,7 @@ def tcp_pair(writer, receiver, nbytes, seed, **config):
 def stalled_write(rx, peer, sid, nbytes, rng):
     """A write that is surely in flight: the receiver is stopped (SIGSTOP) before the post, and
     over tcp the bytes beyond the socket buffers wait for it."""
-    os.kill(rx.proc.pid, signal.SIGSTOP)
+    stop(rx.proc.pid)
     tr = peer.write(big_batch(sid, nbytes, 4096, rng))
     assert tr.status() is TransferStatus.PENDING, f"a {nbytes}-byte write to a stopped receiver ended: {tr.error}"
     return tr
@@ -375,7 +376,7 @@ def test_a_newer_export_whose_regions_overlap_deregistered_ones_is_loaded_afresh
     assert_same(rx.dump(small)[10:110], src[:100], "the small region")
     rx.deregister(small, pump=t.poll_notifications)
     whole, export = rx.register(0, 0, 1 * MiB)  # over the small one
-    os.kill(rx.proc.pid, signal.SIGSTOP)
+    stop(rx.proc.pid)
     inflight = peer.write(wb(sid, 0, 1, 0, 8 * MiB))  # region 1 is untouched throughout
     assert inflight.status() is TransferStatus.PENDING, inflight.error
     with pytest.raises(TransportError, match="deregistered regions that overlap .* connect again once they end"):

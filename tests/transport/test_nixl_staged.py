@@ -22,6 +22,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
+from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
 from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained, entries  # noqa: E402
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
@@ -307,7 +308,7 @@ def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     rng = np.random.default_rng(seed)
     offs = np.arange(n, dtype=np.int64) * 4096
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
-    os.kill(rx.proc.pid, signal.SIGSTOP)
+    stop(rx.proc.pid)
     if strided:
         tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, rng.permutation(n), rng.permutation(n)))
     else:
@@ -408,7 +409,7 @@ def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline
     rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB], src_bytes=4 * MiB, seed=9, env=TCP_ONLY,
                                         peer_loss_timeout_s=1.0)
     peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)  # connection up, no lane yet
-    os.kill(rx.proc.pid, signal.SIGSTOP)
+    stop(rx.proc.pid)
     offs = np.arange(1024, dtype=np.int64) * 4096
     tr = peer.write(wb(sid, offs, 0, offs, 4096))
     assert isinstance(tr, StagedTransfer) and t._lanes[peer.name].state is LaneState.OPENING

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 
+from tests._stop import stop
 from tests.transport._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
 from transport.base import Notification, RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch
 from transport.nvlink import NvlinkConfig, NvlinkTransport, parse_descriptor
@@ -393,7 +394,7 @@ def test_a_stopped_writer_is_silent_and_answers_once_it_runs_again(owner, writer
     w.connect(t.export(), pump=t.poll_notifications)
     w.write(1, rids[0], 0, 4096, pump=t.poll_notifications)
     assert w.wait_finished(1, pump=t.poll_notifications).status == "DONE"
-    os.kill(w.proc.pid, signal.SIGSTOP)
+    stop(w.proc.pid)
     try:
         start = time.monotonic()
         with pytest.raises(RevokeTimeout, match=rf"region {rids[0]} is still held by peer\(s\) \['{w.name}'\]: "
