@@ -369,12 +369,15 @@ def cuda_setup(tokens, page, peer_gpu=1):
     return remote, tr, peer, batch, keep
 
 
-def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None):
+def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None, behind_cycles=0):
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
     write's event returning (the kernel included), the notification's announcement and its
     release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)``
     has the receiver watch for them, ``stamps()`` returns ``{tag: time.monotonic() of its
-    arrival}``; ``wait(transfer)`` waits for each write (default: ``wait()``)."""
+    arrival}``; ``wait(transfer)`` waits for each write (default: ``wait()``).
+    ``behind_cycles``: each write is called with that many GPU cycles of work queued before it
+    on the caller's stream (which the copy waits for); the GPU time from that work's end to the
+    copy's is printed too."""
     sync_at, sent_at, released_at = [], [], []
     senders = []  # True where the progress thread released the notification
     clock, caller = time.monotonic, threading.current_thread()
@@ -425,10 +428,14 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None):
     time.sleep(0.05)  # the receiver is polling
     progress._oldest_event, outbox.announce, outbox.settle = timed_oldest, timed_announce, timed_settle
     copy.enqueue_split = timed_enqueue
-    rows = []
+    rows, computed = [], []  # computed: per write, an event recorded after the work queued before it
     try:
         for tag in tags:
             sync_at.clear()
+            if behind_cycles:
+                torch.cuda._sleep(behind_cycles)
+                computed.append(torch.cuda.Event(enable_timing=True))
+                computed[-1].record()
             t0 = clock()
             t = peer.write_strided(batch, tag)
             t1 = clock()
@@ -452,6 +459,9 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None):
                                                                          for a, b, _ in gpu_marks[2:]]))
         med["copy done (record time + GPU span)"] = float(np.median([(e - t0) * 1e6 for e, (_, t0, _, _)
                                                                      in zip(ends[2:], rows[2:])]))
+        if computed:
+            med["GPU: work before it ends -> copy done"] = float(np.median([c.elapsed_time(b) * 1e3 for c, (_, b, _)
+                                                                          in zip(computed[2:], gpu_marks[2:])]))
     med["released by the progress thread (share)"] = sum(senders) / max(1, len(senders))
     return med
 
@@ -462,6 +472,9 @@ def print_after(after: dict, batch, kernel: float, full_kernel: float = float("n
     for name, us in after.items():
         print(f"  {name:<36} {us:9.2f}" + ("" if "share" in name else " us"))
     print(f"  fixed cost = receiver saw it - kernel {after['receiver saw it'] - kernel:9.1f} us")
+    done = after.get("copy done (record time + GPU span)")
+    if done is not None:
+        print(f"  receiver saw it - copy done            {after['receiver saw it'] - done:9.1f} us")
 
 
 def kernel_us(peer, batch, reps=20):
@@ -560,6 +573,9 @@ def main():
                          "keep it) instead of sleeping in wait(): status = asking status() in a loop (each look "
                          "queries the event), lock = looking at the transfer's settled lock, the GIL let go "
                          "between looks (the progress thread settles it)")
+    ap.add_argument("--behind", type=float, default=0.0, metavar="US",
+                    help="call each write with this many microseconds of GPU work queued before it on the caller's "
+                         "stream (as a model's layer), which its copy waits for")
     ap.add_argument("--blocking-events", action="store_true",
                     help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
     args = ap.parse_args()
@@ -602,7 +618,8 @@ def main():
             run_steps(peer, tr, ring, b, args.reps, _settle, "real CUDA")
             after = after_call(tr._progress, peer, b, min(args.reps, 100),
                                lambda tags: remote.start_stamp_notify(tags, 120.0, ("nvlink",)),
-                               lambda: {t: v[1] for t, v in remote.result("stamp_notify").items()})
+                               lambda: {t: v[1] for t, v in remote.result("stamp_notify").items()},
+                               behind_cycles=int(args.behind * 1970))  # an H200's ~1.97 GHz
             print_after(after, b, kernel_us(peer, b), full_kernel_us(peer, b))
         if args.profile:
             profile(peer, batch, 50)

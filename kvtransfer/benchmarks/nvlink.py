@@ -30,8 +30,14 @@ the host's monotonic clock (``RemoteBuffers.start_stamp_notify``), median; minus
 kernel's own time for the same batch (CUDA events, resident table, the GPU kept busy while it
 is launched so that the launch's host time is not counted as the kernel's: it is part of the
 fixed cost). ``ns/slot``: what a case's fixed cost adds to that of a one-row write (1 pair x
-1 slot), per slot. The one-row write's fixed cost is also measured through NIXL when it is
-importable (one descriptor, the receiver progressing NIXL as it polls).
+1 slot), per slot. ``behind us``: the same write called while the caller's current stream still
+has ~1 ms of GPU work queued, which the copy waits for (as a prefill model's layer would be when
+layer-wise streaming posts that layer's write): from the end of that work (on the host clock: a
+timing event recorded on an idle stream once the call returned, plus the GPU time from it to
+the work's end) to the notification seen, minus the kernel. The call's host time
+is then hidden; what is left is the copy's start after the wait and the notification's path.
+The one-row write's fixed cost is also measured through NIXL when it is importable (one
+descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
@@ -52,6 +58,7 @@ from transport.base import StridedBatch
 from transport.remote import RemoteBuffers, checksums, make_transport
 
 BACKENDS = ("nvlink", "nixl")
+BEHIND_CYCLES = 2_000_000  # GPU clock cycles queued before a write posted behind compute (~1 ms on an H200)
 
 
 # -- the benchmark -------------------------------------------------------------------------
@@ -192,6 +199,8 @@ class _Bench:
         from transport.nvlink import kernel as kern
 
         self.args, self.torch, self.kern, self.engines = args, torch, kern, NvlinkEngine
+        self.not_hidden = 0  # writes posted behind compute whose call outlasted it (landed_s)
+        self._clock_stream = None  # an idle stream for landed_s's timing marks
         nixl_ok = _nixl_importable()
         self.backends = ("nvlink", "nixl") if nixl_ok else ("nvlink",)
         self.src_dev = torch.device("cuda", args.src_device)
@@ -278,26 +287,52 @@ class _Bench:
                 return _median_ms_events(lambda: torch.cuda.current_stream().wait_event(job.post().event),
                                          self.args.reps, self.args.warmup)
 
-    def landed_s(self, write, reps: int, warmup: int = 2, backend: str = "nvlink") -> list[float]:
+    def landed_s(self, write, reps: int, warmup: int = 2, backend: str = "nvlink", behind: bool = False) -> list[float]:
         """Seconds from each ``write(tag)`` call to its notification seen by the receiver, which
         polls ``backend``'s transport without sleeping and stamps arrivals on the host's
         monotonic clock; the writes one after the other (each waited for), the first ``warmup``
-        left out."""
+        left out.
+
+        ``behind``: each write is called while the caller's current stream still has
+        :data:`BEHIND_CYCLES` of GPU work queued (which the copy waits for), as a model's layer
+        would be, and the seconds count from the end of that work, so that the call's host time
+        is hidden (writes whose call returned after that work ended are counted in
+        :attr:`not_hidden`). That end on the host clock: once the call returned, a timing event
+        is recorded on an idle stream of the busy GPU (it passes as it is recorded, within a few
+        microseconds) and the host time of that record plus the GPU time from it to an event
+        recorded after the work."""
         self._stamps = getattr(self, "_stamps", 0) + 1
         tags = [f"landed {self._stamps} {i}".encode() for i in range(warmup + reps)]
         self.remote.start_stamp_notify(tags, 120.0, (backend,))
         time.sleep(0.05)  # the receiver is polling before the first write
-        starts = []
+        starts, late = [], 0
         try:
             for tag in tags:
-                t0 = time.monotonic()
-                write(tag).wait(timeout=120)
-                starts.append(t0)
+                if not behind:
+                    t0 = time.monotonic()
+                    write(tag).wait(timeout=120)
+                    starts.append(t0)
+                    continue
+                torch = self.torch
+                with torch.cuda.device(self.src_dev):
+                    if self._clock_stream is None:
+                        self._clock_stream = torch.cuda.Stream()
+                    done, mark = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda._sleep(BEHIND_CYCLES)
+                    done.record()
+                    transfer = write(tag)
+                    late += bool(done.query())
+                    t_mark = time.monotonic()
+                    mark.record(self._clock_stream)
+                    transfer.wait(timeout=120)
+                    done.synchronize()
+                    starts.append(t_mark + mark.elapsed_time(done) / 1e3)
         finally:
             stamps = self.remote.result("stamp_notify")
         missing = [t for t in tags if t not in stamps]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(tags)} notifications did not reach the receiver")
+        self.not_hidden += late
         return [stamps[t][1] - t0 for t, t0 in zip(tags[warmup:], starts[warmup:])]
 
     def tiny_fixed(self) -> dict:
@@ -312,7 +347,9 @@ class _Bench:
         peer = self.peers["nvlink"]
         engine = self.engines.KERNEL
         landed = self.landed_s(lambda tag: _strided_write(peer, sb, engine, tag), self.args.fixed_reps)
-        out["nvlink"] = (statistics.median(landed) * 1e6 - kernel_ms * 1e3, kernel_ms * 1e3)
+        behind = self.landed_s(lambda tag: _strided_write(peer, sb, engine, tag), self.args.fixed_reps, behind=True)
+        out["nvlink"] = (statistics.median(landed) * 1e6 - kernel_ms * 1e3, kernel_ms * 1e3,
+                         statistics.median(behind) * 1e6 - kernel_ms * 1e3)
         if "nixl" in self.peers:
             from transport.base import WriteBatch
 
@@ -348,11 +385,13 @@ class _Bench:
             staged_ms = self.staged_ms(strided)
             kernel_engine = self.engines.KERNEL
             landed = self.landed_s(lambda tag: _strided_write(peer, strided, kernel_engine, tag), self.args.fixed_reps)
+            behind = self.landed_s(lambda tag: _strided_write(peer, strided, kernel_engine, tag), self.args.fixed_reps,
+                                   behind=True)
             checks = [verified] + [v[0] for v in engines.values()]
             out.append(dict(case=case, nbytes=batch.nbytes, verified=all(checks),
                             checks="/".join("ok" if c else "BAD" for c in checks), kernel=kernel, prep_s=prep_s,
                             write_s=write_s, engines=engines, strided_kernel_ms=skernel_ms, strided_host_s=shost_s,
-                            staged_ms=staged_ms, landed_s=statistics.median(landed),
+                            staged_ms=staged_ms, landed_s=statistics.median(landed), behind_s=statistics.median(behind),
                             strided_shape=(strided.num_pairs, strided.num_slots),
                             copy_ms=self.copy_ms(batch.nbytes), rows_dev=rows_dev))
         return out
@@ -458,9 +497,11 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     print(f"\nfixed cost per write = write_strided() call -> notification seen by the receiver (it polls without "
           f"sleeping), minus the strided kernel's own time for the same batch; median of {args.fixed_reps}; "
           f"{'direct path' if _has_direct(bench.peers['nvlink']) else 'prepared write (no direct path)'}, "
-          "kernel engine")
+          "kernel engine; behind us = the same write called while the caller's stream still runs ~1 ms of work "
+          "that the copy waits for (a model's layer): from that work's end to the notification seen, minus the "
+          "kernel, the call's host time hidden (what layer-wise streaming pays)")
     head = (f"{'case':<11} {'pairs':>6} {'slots':>6} {'MiB':>5} {'peer copy':>9} {'landed':>7} {'ratio':>6} "
-            f"{'kernel us':>9} {'landed us':>9} {'fixed us':>8} {'ns/slot':>7}")
+            f"{'kernel us':>9} {'landed us':>9} {'fixed us':>8} {'ns/slot':>7} {'behind us':>9}")
     print(head)
     print("-" * len(head))
     tiny = fixed["nvlink"]
@@ -472,10 +513,15 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
         per_slot = (fixed_us - tiny[0]) / slots * 1e3 if slots else float("nan")
         lg = gbs(nbytes, r["landed_s"])
         print(f"{r['case'].name:<11} {pairs:>6} {slots:>6} {nbytes / 2**20:>5.0f} {c:>9.1f} {lg:>7.1f} {lg / c:>6.1%} "
-              f"{kernel_us:>9.1f} {landed_us:>9.1f} {fixed_us:>8.1f} {per_slot:>7.1f}")
-    print(f"one-row write (1 pair x 1 slot, 2 KiB): nvlink fixed cost {tiny[0]:.1f} us (kernel {tiny[1]:.1f} us); "
+              f"{kernel_us:>9.1f} {landed_us:>9.1f} {fixed_us:>8.1f} {per_slot:>7.1f} "
+              f"{r['behind_s'] * 1e6 - kernel_us:>9.1f}")
+    print(f"one-row write (1 pair x 1 slot, 2 KiB): nvlink fixed cost {tiny[0]:.1f} us, behind compute "
+          f"{tiny[2]:.1f} us (kernel {tiny[1]:.1f} us); "
           + (f"nixl fixed cost {fixed['nixl'][0]:.1f} us" if isinstance(fixed.get("nixl"), tuple)
              else f"nixl {fixed.get('nixl', 'not importable here, skipped')}"))
+    if bench.not_hidden:
+        print(f"behind us: {bench.not_hidden} write calls returned after the work queued before them had ended "
+              "(their host time partly counted)")
     for r in results:
         sb_pairs, sb_slots = r["strided_shape"]
         print(f"write_strided {r['case'].name}: {sb_pairs} pairs x {sb_slots} slots; strided kernel alone "
