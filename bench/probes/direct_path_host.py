@@ -576,6 +576,12 @@ def main():
     ap.add_argument("--behind", type=float, default=0.0, metavar="US",
                     help="call each write with this many microseconds of GPU work queued before it on the caller's "
                          "stream (as a model's layer), which its copy waits for")
+    ap.add_argument("--busy", type=float, default=0.0, metavar="US",
+                    help="after each write call, keep the calling thread busy this many microseconds before it "
+                         "waits (as a model's next layer would), in the way --busy-kind says")
+    ap.add_argument("--busy-kind", choices=("torch", "python"), default="torch",
+                    help="torch = launching tiny GPU ops one after another (torch lets the GIL go around each), "
+                         "python = pure Python (the GIL let go only when the interpreter switches threads)")
     ap.add_argument("--blocking-events", action="store_true",
                     help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
     args = ap.parse_args()
@@ -619,6 +625,7 @@ def main():
             after = after_call(tr._progress, peer, b, min(args.reps, 100),
                                lambda tags: remote.start_stamp_notify(tags, 120.0, ("nvlink",)),
                                lambda: {t: v[1] for t, v in remote.result("stamp_notify").items()},
+                               wait=_busy_then_settle(args.busy, args.busy_kind) if args.busy else None,
                                behind_cycles=int(args.behind * 1970))  # an H200's ~1.97 GHz
             print_after(after, b, kernel_us(peer, b), full_kernel_us(peer, b))
         if args.profile:
@@ -630,6 +637,22 @@ def main():
         tr.close()
         remote.close()
         del keep
+
+
+def _busy_then_settle(us: float, kind: str):
+    """A ``wait`` for :func:`after_call`: the calling thread busy for ``us`` microseconds (tiny
+    GPU ops launched one after another, or pure Python), then :func:`_settle`."""
+    x = torch.zeros(16, device="cuda") if kind == "torch" else None
+
+    def wait(transfer) -> None:
+        end = time.monotonic() + us * 1e-6
+        while time.monotonic() < end:
+            if x is not None:
+                x.add_(1)
+            else:
+                sum(range(50))
+        _settle(transfer)
+    return wait
 
 
 def _settle(transfer) -> None:
