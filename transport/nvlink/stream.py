@@ -2,7 +2,8 @@
 
 The direct path of ``write_strided`` (:mod:`transport.nvlink.fastpath`) enqueues with
 :meth:`CopyStream.enqueue_split`: a raw event orders the copy stream after the caller's, the
-slots go up from the pinned ring, one launch reads the resident pair table.
+slots go up from the pinned ring (ahead of that wait: they need nothing of the caller's), one
+launch reads the resident pair table.
 
 Every peer of one transport enqueues on the same stream, which first waits for the caller's
 current stream (``wait_current_stream``: KV written by the model is complete before it is
@@ -117,8 +118,10 @@ class CopyStream:
 
     def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int):
         """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
-        pairs resident in ``plan``: the wait for the caller's stream, the slots' upload, one
-        launch, the event. Returns the event (recorded after the copy); the ring's span is
+        pairs resident in ``plan``: the slots' upload, the wait for the caller's stream, one
+        launch, the event. The upload reads only the pinned ring, so it goes ahead of the wait
+        and runs while the caller's work does (a write posted behind compute starts its copy
+        that much sooner). Returns the event (recorded after the copy); the ring's span is
         fenced with it (or freed once nothing can read it, on an error)."""
         import torch
 
@@ -128,9 +131,9 @@ class CopyStream:
             api.set_device(device)
         event = None
         try:
+            ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
             if self._wait_current:
                 self._wait_caller(stream)
-            ring.upload(start, 2 * num_slots, stream.cuda_stream)
             if plan.launcher is not None:  # the launch bound at the plan's making
                 plan.launcher(start, num_slots, stream)
             else:
