@@ -47,6 +47,7 @@ Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its sec
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -346,8 +347,9 @@ class _Bench:
         kernel_ms, _ = self.strided_kernel_ms(sb)
         peer = self.peers["nvlink"]
         engine = self.engines.KERNEL
-        landed = self.landed_s(lambda tag: _strided_write(peer, sb, engine, tag), self.args.fixed_reps)
-        behind = self.landed_s(lambda tag: _strided_write(peer, sb, engine, tag), self.args.fixed_reps, behind=True)
+        write = functools.partial(_strided_write, peer, sb, engine)  # write(tag)
+        landed = self.landed_s(write, self.args.fixed_reps)
+        behind = self.landed_s(write, self.args.fixed_reps, behind=True)
         out["nvlink"] = (statistics.median(landed) * 1e6 - kernel_ms * 1e3, kernel_ms * 1e3,
                          statistics.median(behind) * 1e6 - kernel_ms * 1e3)
         if "nixl" in self.peers:
@@ -384,9 +386,9 @@ class _Bench:
             skernel_ms, shost_s = self.strided_kernel_ms(strided)
             staged_ms = self.staged_ms(strided)
             kernel_engine = self.engines.KERNEL
-            landed = self.landed_s(lambda tag: _strided_write(peer, strided, kernel_engine, tag), self.args.fixed_reps)
-            behind = self.landed_s(lambda tag: _strided_write(peer, strided, kernel_engine, tag), self.args.fixed_reps,
-                                   behind=True)
+            write = functools.partial(_strided_write, peer, strided, kernel_engine)  # write(tag)
+            landed = self.landed_s(write, self.args.fixed_reps)
+            behind = self.landed_s(write, self.args.fixed_reps, behind=True)
             checks = [verified] + [v[0] for v in engines.values()]
             out.append(dict(case=case, nbytes=batch.nbytes, verified=all(checks),
                             checks="/".join("ok" if c else "BAD" for c in checks), kernel=kernel, prep_s=prep_s,
