@@ -62,14 +62,15 @@ def nixl_direct_config():
     return _nixl_config(staged=False)
 
 
-def make_transport(backend: str, ipc_api: str = "auto"):
-    """A transport of ``backend``: "nvlink" (default settings), "nixl" (:func:`nixl_direct_config`:
+def make_transport(backend: str, ipc_api: str = "auto", native: bool = True):
+    """A transport of ``backend``: "nvlink" (default settings; ``native``: its direct path's host
+    steps in C), "nixl" (:func:`nixl_direct_config`:
     every range its own descriptor) or "nixl-staged" (:func:`nixl_staged_config`; ``ValueError``
     when the backend has no staged mode)."""
     if backend == "nvlink":
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
-        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api))
+        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api, native=native))
     if backend == "nixl":
         from transport.nixl import NixlTransport
 

@@ -352,13 +352,13 @@ def run_steps(peer, owner, ring, batch, reps, settle, label):
 # -- CUDA mode ---------------------------------------------------------------------------------
 
 
-def cuda_setup(tokens, page, peer_gpu=1):
+def cuda_setup(tokens, page, peer_gpu=1, host_steps="c"):
     from transport.remote import RemoteBuffers, make_transport
 
     pool = 2 * tokens
     remote = RemoteBuffers(peer_gpu, ("nvlink",))
     dst = remote.alloc([pool * TOKEN_BYTES] * (2 * LAYERS), 0x5A)
-    tr = make_transport("nvlink")
+    tr = make_transport("nvlink", native=host_steps == "c")
     keep, src = [], []
     for _ in range(2 * LAYERS):
         t = torch.empty(pool * TOKEN_BYTES, dtype=torch.uint8, device="cuda:0")
@@ -584,6 +584,8 @@ def main():
                          "python = pure Python (the GIL let go only when the interpreter switches threads)")
     ap.add_argument("--blocking-events", action="store_true",
                     help="completion events made with blocking=True (a waiting thread sleeps instead of spinning)")
+    ap.add_argument("--host-steps", choices=("c", "python"), default="c",
+                    help="--cuda: the direct path's host steps in C (NvlinkConfig.native) or in Python")
     args = ap.parse_args()
     global _settle
     if args.spin_wait:
@@ -613,12 +615,13 @@ def main():
                 return plain.__new__(cls, enable_timing=enable_timing, blocking=True, interprocess=interprocess)
 
         torch.cuda.Event = _Blocking
-    remote, tr, peer, batch, keep = cuda_setup(args.tokens, args.page, args.peer_gpu)
+    remote, tr, peer, batch, keep = cuda_setup(args.tokens, args.page, args.peer_gpu, args.host_steps)
     try:
         ring = tr._slot_ring()
         print(f"direct_path_host --cuda: {torch.cuda.get_device_name(0)}, ipc api {peer._copy._api.name}, "
               f"triton {__import__('triton').__version__}, torch {torch.__version__}, python {sys.version.split()[0]}, "
-              f"numpy {np.__version__}")
+              f"numpy {np.__version__}, host steps in "
+              f"{'C' if tr.native_unavailable is None else 'Python (' + tr.native_unavailable + ')'}")
         for b in (one_slot(batch), batch):
             whole_call_ns(peer, b, 20, _settle)  # pair set resident, kernel compiled, ring warm
             run_steps(peer, tr, ring, b, args.reps, _settle, "real CUDA")

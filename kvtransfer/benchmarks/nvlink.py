@@ -208,7 +208,7 @@ class _Bench:
         self.dst_dev = torch.device("cuda", args.dst_device)
         torch.cuda.set_device(self.src_dev)
         self.remote = RemoteBuffers(args.dst_device, self.backends)
-        self.transports = {b: make_transport(b) for b in self.backends}
+        self.transports = {b: make_transport(b, native=args.host_steps == "c") for b in self.backends}
 
     def setup(self) -> None:
         args, torch = self.args, self.torch
@@ -458,6 +458,12 @@ class _Bench:
         self.remote.close()
 
 
+def _host_steps(transport) -> str:
+    """Where the direct path's host steps ran: "C", or "Python" and why."""
+    why = transport.native_unavailable
+    return "C" if why is None else f"Python ({why})"
+
+
 def _rate_cells(rate: float, copy: float, width: int = 7) -> str:
     """A GB/s column ``width`` wide and its ratio to the peer copy; ``n/a`` where the path did
     not run (NaN: the staged engine needs a second GPU)."""
@@ -499,6 +505,7 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     print(f"\nfixed cost per write = write_strided() call -> notification seen by the receiver (it polls without "
           f"sleeping), minus the strided kernel's own time for the same batch; median of {args.fixed_reps}; "
           f"{'direct path' if _has_direct(bench.peers['nvlink']) else 'prepared write (no direct path)'}, "
+          f"host steps in {_host_steps(bench.transports['nvlink'])}, "
           "kernel engine; behind us = the same write called while the caller's stream still runs ~1 ms of work "
           "that the copy waits for (a model's layer): from that work's end to the notification seen, minus the "
           "kernel, the call's host time hidden (what layer-wise streaming pays)")
@@ -550,6 +557,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
     ap.add_argument("--fixed-reps", type=int, default=21, help="writes timed for the fixed cost per write")
+    ap.add_argument("--host-steps", choices=("c", "python"), default="c",
+                    help="the direct path's host steps in C (NvlinkConfig.native, the default) or in Python")
     args = ap.parse_args(argv)
     args.pool_tokens = 2 * args.tokens
 

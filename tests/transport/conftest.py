@@ -18,6 +18,20 @@ def remote():
 
 
 @pytest.fixture
+def remote_any():
+    """A receiver process with nvlink-registered buffers on cuda:1, or on cuda:0 beside the
+    writer when there is one GPU (GPU tests only): the bytes cross NVLink or stay in the GPU,
+    the host steps are the same."""
+    import torch
+
+    from transport.remote import RemoteBuffers
+
+    r = RemoteBuffers(device=min(1, torch.cuda.device_count() - 1))
+    yield r
+    r.close()
+
+
+@pytest.fixture
 def receiver():
     """A factory of NIXL receiver processes (:class:`Receiver`), stopped at teardown."""
     started = []

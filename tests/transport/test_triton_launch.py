@@ -203,7 +203,7 @@ def test_split_launch_passes_the_slot_part_and_the_rows(monkeypatch):
             calls.append(("any", grid, ints))
 
     class _Launcher:
-        def bind(self, device, num_warps, tensors, constexprs):
+        def bind(self, device, num_warps, tensors, constexprs, native=None):
             calls.append(("bind", device, num_warps, len(tensors), dict(constexprs)["BLOCK_R"]))
             return _Bound()
 

@@ -49,6 +49,9 @@ class NvlinkConfig:
         first such write; a write whose ``2 * S`` int64 slots exceed it takes the general path.
         0: no direct path (every write prepares its own tables).
     pair_plans: pair sets kept resident on the GPU per peer (least recently used out).
+    native: the direct path's host steps (slots staged and checked, uploaded, ordered after the
+        caller's stream, launched) in C (:mod:`transport.nvlink.native`, built at first use
+        with the system's C compiler); False, or where it cannot be built, in Python.
     revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
         region to acknowledge its revocation (or be found gone) before it refuses
         (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
@@ -65,6 +68,7 @@ class NvlinkConfig:
     max_notify_bytes: int = 1 << 20
     slot_ring_bytes: int = 8 << 20
     pair_plans: int = 64
+    native: bool = True
     revoke_timeout_s: float = 5.0
 
     def __post_init__(self):
@@ -84,6 +88,8 @@ class NvlinkConfig:
         if not isinstance(self.slot_ring_bytes, int) or isinstance(self.slot_ring_bytes, bool) \
                 or not 0 <= self.slot_ring_bytes < 1 << 40 or self.slot_ring_bytes % 8:
             raise ValueError(f"slot_ring_bytes must be a multiple of 8 in [0, 2**40), got {self.slot_ring_bytes!r}")
+        if not isinstance(self.native, bool):
+            raise TypeError(f"native must be a bool, got {self.native!r}")
         if not isinstance(self.pair_plans, int) or isinstance(self.pair_plans, bool) or self.pair_plans < 1:
             raise ValueError(f"pair_plans must be an int >= 1, got {self.pair_plans!r}")
 

@@ -123,9 +123,11 @@ class PairCache:
     (the local regions' identity) changes. ``build(batch)`` makes a plan (or raises)."""
 
     def __init__(self, capacity: int, generation: Callable[[], object],
-                 build: Callable[[StridedBatch], Optional[PairPlan]]):
+                 build: Callable[[StridedBatch], Optional[PairPlan]], native=None):
+        """``native``: the C step that compares a batch's pairs with the last plan's key
+        without making the batch's (:mod:`transport.nvlink.native`; None: the key is made)."""
         self.capacity = capacity
-        self._generation, self._build = generation, build
+        self._generation, self._build, self._native = generation, build, native
         self._seen: object = None
         self._plans: OrderedDict[bytes, PairPlan] = OrderedDict()
         self._last: Optional[tuple[bytes, PairPlan]] = None  # the plan found last, and its key
@@ -141,9 +143,13 @@ class PairCache:
         if gen is not self._seen:
             self.clear()
             self._seen = gen
-        key = pair_key(batch)
         last = self._last
-        if last is not None and last[0] == key:  # the same pairs as the last write: one memcmp, no hash
+        if last is not None and self._native is not None:  # the same pairs as the last write: one memcmp
+            same = self._native.same_bytes(last[0], batch.pairs)
+            if same:
+                return last[1]
+        key = pair_key(batch)
+        if last is not None and last[0] == key:  # as above, once the key is made (no hash)
             return last[1]
         plan = self._plans.get(key)
         if plan is not None:
@@ -254,27 +260,28 @@ class SlotRing:
     """A ring of int64 slots in pinned host memory and, at the same element offsets, on a GPU
     (module doc). ``put`` copies the arrays in and queues the host-to-device copy on a stream."""
 
-    def __init__(self, api, device: int, host, dev):
+    def __init__(self, api, device: int, host, dev, native=None):
         """``host``: int64 tensor ``[capacity]`` in pinned memory; ``dev``: the same on GPU
-        ``device`` (:meth:`allocate` makes both)."""
+        ``device`` (:meth:`allocate` makes both); ``native``: the C steps
+        (:mod:`transport.nvlink.native`; None: numpy's)."""
         if host.numel() != dev.numel():
             raise ValueError(f"host and device rings differ: {host.numel()} and {dev.numel()} elements")
-        self._api, self.device = api, device
+        self._api, self.device, self._native = api, device, native
         self.space = RingSpace(int(host.numel()), _event_done, _event_wait)
         self.host, self.dev = host, dev  # [capacity] int64 each
         self._host_np = host.numpy()
         self._host_u64 = self._host_np.view(np.uint64)
-        self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
+        self.host_ptr, self.dev_ptr = host.data_ptr(), dev.data_ptr()
 
     @classmethod
-    def allocate(cls, api, device: int, capacity: int, stream) -> "SlotRing":
+    def allocate(cls, api, device: int, capacity: int, stream, native=None) -> "SlotRing":
         """A ring of ``capacity`` slots: pinned host memory and memory on GPU ``device``, for
         the uploads queued on ``stream`` (the copy stream)."""
         import torch
 
         host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)  # [capacity]
         dev = empty_for(stream, capacity, torch.int64, device)  # [capacity]
-        return cls(api, device, host, dev)
+        return cls(api, device, host, dev, native)
 
     def fits(self, n: int) -> bool:
         return self.space.fits(n)
@@ -284,9 +291,15 @@ class SlotRing:
         return its start and whether every slot lies in ``[0, limit]`` of its side (read as
         unsigned, a negative slot is past any limit): the bounds check and the copy in one
         visit, one reduction over both sides when both are below the smaller limit. The
-        caller uploads the span (:meth:`upload`) or frees it (``space.hold(start, None)``)."""
+        caller uploads the span (:meth:`upload`) or frees it (``space.hold(start, None)``).
+        The C step does the same in one pass per array (arrays that are not C-contiguous int64
+        take numpy's)."""
         n = src_slot.size
         start = self.space.take(2 * n)
+        if self._native is not None:
+            fits = self._native.stage(self.host_ptr + 8 * start, src_slot, dst_slot, src_limit, dst_limit)
+            if fits is not None:
+                return start, fits
         end = start + 2 * n
         self._host_np[start: start + n] = src_slot
         self._host_np[start + n: end] = dst_slot
@@ -303,7 +316,7 @@ class SlotRing:
         """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw
         ``stream_handle`` (current device: this ring's). The caller gives the span its fence
         with ``space.hold(start, event)``."""
-        self._api.memcpy_async(self._dev_ptr + 8 * start, self._host_ptr + 8 * start, 8 * n, stream_handle)
+        self._api.memcpy_async(self.dev_ptr + 8 * start, self.host_ptr + 8 * start, 8 * n, stream_handle)
 
     def put(self, arrays: tuple, stream_handle: int) -> int:
         """Copy ``arrays`` (int64, back to back) into a free span and queue its upload; return

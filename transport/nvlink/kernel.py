@@ -577,13 +577,15 @@ class SplitLaunch:
     launch bound once, :meth:`~transport.nvlink.launch.Relauncher.bind`). Tensors on GPU
     ``device`` (an int) only."""
 
-    def __init__(self, pairs, slots, num_pairs: int, plan: LaunchPlan, device: int, num_warps: int = 4):
+    def __init__(self, pairs, slots, num_pairs: int, plan: LaunchPlan, device: int, num_warps: int = 4,
+                 native=None):
+        """``native``: the C launch (:mod:`transport.nvlink.native`; None: Triton's launcher)."""
         import torch
 
         check_split_tables(pairs, slots, num_pairs, 0, 0, torch.device("cuda", device))
         self.num_pairs, self.plan, self._ring_size = num_pairs, plan, int(slots.numel())
         self._launch = _kernel(False, _scatter_strided_body).bind(device, num_warps, (pairs, slots),
-                                                                  _constexprs(0, plan))
+                                                                  _constexprs(0, plan), native)
 
     def __call__(self, slot_base: int, num_slots: int, stream) -> None:
         """Launch on the torch ``stream`` (its device current in CUDA) over the slot part at

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["BoundLaunch", "Relauncher"]
+__all__ = ["BoundLaunch", "Relauncher", "native_launch"]
 
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
@@ -130,10 +130,37 @@ class Relauncher:
         if key is not None and self._keepable(compiled, args, constexprs):
             self._compiled[key] = compiled
 
-    def bind(self, device: int, num_warps: int, tensors: tuple, constexprs: tuple[tuple[str, Any], ...]) -> "BoundLaunch":
+    def bind(self, device: int, num_warps: int, tensors: tuple, constexprs: tuple[tuple[str, Any], ...],
+             native=None) -> "BoundLaunch":
         """A launch of this kernel with ``tensors`` as its leading arguments, then integers, then
-        ``constexprs``; see :class:`BoundLaunch`."""
-        return BoundLaunch(self, device, num_warps, tuple(tensors), tuple(constexprs))
+        ``constexprs``; see :class:`BoundLaunch` (``native``: its C launch)."""
+        return BoundLaunch(self, device, num_warps, tuple(tensors), tuple(constexprs), native)
+
+
+def native_launch(native, compiled, num_tensors: int, num_ints: int) -> Optional[tuple]:
+    """``(function, block, shared, trailing)`` for ``native.launch`` of ``compiled`` with
+    ``num_tensors`` pointers then ``num_ints`` int32 arguments, or None where that launch would
+    not be the launch Triton's launcher makes: a kernel needing scratch memory, clusters, a
+    cooperative or programmatic-dependent launch, or whose parameters (read from the driver) are
+    not those pointers and ints followed only by pointer-sized ones (Triton's scratch arguments,
+    passed null as its launcher does when it needs none)."""
+    meta = getattr(compiled, "metadata", None)
+    function = getattr(compiled, "function", None)
+    if native is None or meta is None or not isinstance(function, int):
+        return None
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
+            or getattr(meta, "launch_pdl", False) or getattr(meta, "global_scratch_size", 0)
+            or getattr(meta, "profile_scratch_size", 0) or not isinstance(getattr(meta, "num_warps", None), int)
+            or not isinstance(getattr(meta, "shared", None), int)):
+        return None
+    try:
+        sizes = native.param_sizes(function)
+    except RuntimeError:
+        return None
+    head = [8] * num_tensors + [4] * num_ints
+    if sizes is None or sizes[:len(head)] != head or any(n != 8 for n in sizes[len(head):]):
+        return None
+    return function, 32 * meta.num_warps, meta.shared, len(sizes) - len(head)
 
 
 class BoundLaunch:
@@ -142,11 +169,15 @@ class BoundLaunch:
     for this launch's key with int32 integers, a call whose integers are all int32 calls its
     launcher directly; any other call goes through :class:`Relauncher` (the JIT at first)."""
 
-    def __init__(self, relauncher: Relauncher, device: int, num_warps: int, tensors: tuple, constexprs: tuple):
+    def __init__(self, relauncher: Relauncher, device: int, num_warps: int, tensors: tuple, constexprs: tuple,
+                 native=None):
         self._relauncher, self._device, self._num_warps = relauncher, device, num_warps
         self._tensors, self._constexprs = tensors, constexprs
         self._values = tuple(v for _, v in constexprs)
         self._compiled = None  # the kept kernel of the all-int32 key
+        self._native_module = native
+        self._native: Optional[tuple] = None  # (function, block, shared, trailing) once kept (native_launch)
+        self._pointers = tuple(t.data_ptr() for t in tensors) if native is not None else ()
 
     def __call__(self, grid: int, stream, ints: tuple) -> None:
         """Launch ``grid`` programs on the torch ``stream`` with integer arguments ``ints``
@@ -157,9 +188,18 @@ class BoundLaunch:
             self._relauncher(grid, stream, self._device, self._tensors + tuple(ints), self._constexprs, self._num_warps)
 
     def launch_i32(self, grid: int, stream, ints: tuple) -> None:
-        """:meth:`__call__` for ``ints`` the caller knows to be int32 (Python ints)."""
+        """:meth:`__call__` for ``ints`` the caller knows to be int32 (Python ints): through
+        the C launch where it was found equivalent (:func:`native_launch`), else Triton's
+        launcher."""
         compiled = self._compiled
         if compiled is not None and not _hooks_installed():
+            native = self._native
+            if native is not None:
+                function, block, shared, trailing = native
+                self._native_module.launch(function, block, shared, stream.cuda_stream, grid, self._pointers, ints,
+                                           trailing)
+                self._relauncher.direct_launches += 1
+                return
             compiled.run(grid, 1, 1, stream.cuda_stream, compiled.function, compiled.packed_metadata, None, None, None,
                          *self._tensors, *ints, *self._values)
             self._relauncher.direct_launches += 1
@@ -170,3 +210,5 @@ class BoundLaunch:
         if compiled is None:
             key = r._key(self._device, self._num_warps, args, self._constexprs)
             self._compiled = r._compiled.get(key) if key is not None else None
+            if self._compiled is not None:
+                self._native = native_launch(self._native_module, self._compiled, len(self._tensors), len(ints))

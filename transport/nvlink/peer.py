@@ -59,7 +59,8 @@ class NvlinkPeer(Peer):
         self._hold: Optional[Hold] = None
         self._closed = False
         # pair sets resident on the GPU (the direct path of write_strided), rebuilt when the local regions change
-        self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs)
+        self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs,
+                                    owner._native_steps())
         try:
             self._mapping.bases(self._copy.device)
             try:
@@ -182,7 +183,7 @@ class NvlinkPeer(Peer):
                           self._owner._registry.derived(base_table), self._mapping.bases(device),
                           lambda host: self._copy._table_on(host, device, self._copy.stream), self._config.kernel,
                           bind=None if ring is None else lambda table, num_pairs, shape: SplitLaunch(
-                              table, ring.dev, num_pairs, shape, device, num_warps))
+                              table, ring.dev, num_pairs, shape, device, num_warps, self._owner._native_steps()))
 
     def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         notify = self._check_notify(notify)  # idempotent: bytes stay bytes

@@ -3,7 +3,8 @@
 The direct path of ``write_strided`` (:mod:`transport.nvlink.fastpath`) enqueues with
 :meth:`CopyStream.enqueue_split`: a raw event orders the copy stream after the caller's, the
 slots go up from the pinned ring (ahead of that wait: they need nothing of the caller's), one
-launch reads the resident pair table.
+launch reads the resident pair table. With the C steps (:mod:`transport.nvlink.native`) the
+upload and the order are one call into the driver, and so is the launch.
 
 Every peer of one transport enqueues on the same stream, which first waits for the caller's
 current stream (``wait_current_stream``: KV written by the model is complete before it is
@@ -15,7 +16,7 @@ stream.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from transport.nvlink import ipc
 from transport.nvlink import kernel as kern
@@ -56,10 +57,12 @@ def empty_for(stream, shape, dtype, device: int):
 class CopyStream:
     """A torch stream on ``device`` (created at first use) and the enqueue steps of a write."""
 
-    def __init__(self, api, device: int, wait_current_stream: bool):
-        self._api, self.device, self._wait_current = api, device, wait_current_stream
+    def __init__(self, api, device: int, wait_current_stream: bool, native=None):
+        """``native``: the C steps of :meth:`enqueue_split` (:mod:`transport.nvlink.native`;
+        None: ``api``'s calls from Python)."""
+        self._api, self.device, self._wait_current, self._native = api, device, wait_current_stream, native
         self._stream = None
-        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for
+        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for (api's or native's)
 
     @property
     def stream(self):
@@ -105,16 +108,26 @@ class CopyStream:
                         lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
                         lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
 
-    def _wait_caller(self, stream) -> None:
-        """The copy stream waits for the work queued so far on the caller's current stream (one
-        reused raw event: record, wait; the device is current)."""
+    def _caller(self, stream) -> Optional[int]:
+        """The raw handle of the caller's current stream, which ``stream`` must wait for (None:
+        nothing to wait for, configured off or the same stream); the reused raw event that
+        orders them exists once this returns a handle (the device is current)."""
+        if not self._wait_current:
+            return None
         current = _current_stream_handle(self.device)
         if current == stream.cuda_stream:
-            return
+            return None
         if self._order_event is None:
-            self._order_event = self._api.event_create()
-        self._api.event_record(self._order_event, current)
-        self._api.stream_wait_event(stream.cuda_stream, self._order_event)
+            self._order_event = self._api.event_create() if self._native is None else self._native.event_create()
+        return current
+
+    def _wait_caller(self, stream) -> None:
+        """The copy stream waits for the work queued so far on the caller's current stream (one
+        reused raw event: record, wait)."""
+        current = self._caller(stream)
+        if current is not None:
+            self._api.event_record(self._order_event, current)
+            self._api.stream_wait_event(stream.cuda_stream, self._order_event)
 
     def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int):
         """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
@@ -125,14 +138,18 @@ class CopyStream:
         fenced with it (or freed once nothing can read it, on an error)."""
         import torch
 
-        api, device, stream = self._api, self.device, self.stream
-        prev = api.get_device()  # one call when the caller drives this GPU, three when not
+        api, device, stream, native = self._api, self.device, self.stream, self._native
+        prev = api.get_device() if native is None else native.current_device()  # one call when the caller drives this GPU
         if prev != device:
             api.set_device(device)
         event = None
         try:
-            ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
-            if self._wait_current:
+            if native is not None:  # the same two steps, one C call
+                caller = self._caller(stream)  # (makes the order event at the first wait)
+                native.upload_after(stream.cuda_stream, ring.dev_ptr + 8 * start, ring.host_ptr + 8 * start,
+                                    16 * num_slots, caller, self._order_event)
+            else:
+                ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
                 self._wait_caller(stream)
             if plan.launcher is not None:  # the launch bound at the plan's making
                 plan.launcher(start, num_slots, stream)
@@ -146,7 +163,7 @@ class CopyStream:
                 with contextlib.suppress(Exception):
                     self.synchronize()
             ring.space.hold(start, event)
-            if prev != device:
+            if prev != device and prev >= 0:  # -1: no device was current on this thread (native's answer)
                 api.set_device(prev)
         return event
 
@@ -167,6 +184,6 @@ class CopyStream:
         self.synchronize()
         if self._order_event is not None:
             with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
-                self._api.event_destroy(self._order_event)
+                (self._api if self._native is None else self._native).event_destroy(self._order_event)
             self._order_event = None
 

@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 
 from transport.base import Notification, Region, Transport, TransportClosed, pack_descriptor
 from transport.nvlink import ipc
+from transport.nvlink import native
 from transport.nvlink import staged
 from transport.nvlink.config import NvlinkConfig, NvlinkUnsupported
 from transport.nvlink.descriptor import BACKEND, gpu_uuid, local_ordinal, parse_descriptor
@@ -29,6 +30,8 @@ from transport.nvlink.stream import CopyStream
 from transport.registry import RegionRegistry
 
 __all__ = ["NvlinkTransport"]
+
+_UNSET = object()
 
 
 class NvlinkTransport(Transport):
@@ -52,6 +55,7 @@ class NvlinkTransport(Transport):
         self._peers: list[NvlinkPeer] = []
         self._lanes: dict[int, staged.StagedLane] = {}  # peer GPU -> staged lane
         self._ring: Optional[SlotRing] = None  # slots of the direct path, made at its first write
+        self._native = _UNSET  # the direct path's C steps, or None (_native_steps)
         self._holders = MailboxHolders(self._registry, lambda: self._inbox.read())  # who holds our export
         self._inbox = Inbox(self._holders)
         self._mailbox = MailboxThread()  # reads what the owners of the exports we hold send our peers
@@ -70,8 +74,22 @@ class NvlinkTransport(Transport):
         if self._device is None:
             raise NvlinkUnsupported("register a GPU region before connecting: the nvlink backend copies with the local GPU")
         if self._copy is None:
-            self._copy = CopyStream(self._api(), self._device, self.config.wait_current_stream)
+            self._copy = CopyStream(self._api(), self._device, self.config.wait_current_stream, self._native_steps())
         return self._copy
+
+    def _native_steps(self):
+        """The direct path's C steps (:mod:`transport.nvlink.native`), loaded at the first
+        call; None when configured off or unavailable (:attr:`native_unavailable` says why)."""
+        if self._native is _UNSET:
+            self._native = native.load() if self.config.native else None
+        return self._native
+
+    @property
+    def native_unavailable(self) -> Optional[str]:
+        """Why the direct path runs its host steps in Python (None: in C, or not decided yet)."""
+        if self._native is _UNSET or self._native is not None:
+            return None
+        return "configured off (NvlinkConfig.native=False)" if not self.config.native else native.why_unavailable()
 
     def _lane(self, peer_gpu: int) -> staged.StagedLane:
         if peer_gpu not in self._lanes:
@@ -84,7 +102,8 @@ class NvlinkTransport(Transport):
         all of them enqueue on the one copy stream."""
         if self._ring is None and self.config.slot_ring_bytes:
             copy = self._copy_stream()
-            self._ring = SlotRing.allocate(self._api(), copy.device, self.config.slot_ring_bytes // 8, copy.stream)
+            self._ring = SlotRing.allocate(self._api(), copy.device, self.config.slot_ring_bytes // 8, copy.stream,
+                                           self._native_steps())
         return self._ring
 
     def _sync_lanes(self) -> None:

@@ -1,0 +1,238 @@
+"""The direct path's host steps in C (``transport.nvlink.native``): the build and its errors,
+``stage`` against numpy, the launch kept only where it is Triton's own, the config switch; on a
+GPU (marked), the same writes landing the same bytes with the steps in C and in Python."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from tests.transport._support import SLOTS, TOKEN, check_landed, kv_strided, local_pair
+from transport.base import StridedBatch, TransferStatus
+from transport.nvlink import native
+from transport.nvlink.config import NvlinkConfig
+from transport.nvlink.fastpath import NO_LIMIT, SlotRing
+from transport.nvlink.launch import native_launch
+
+
+@pytest.fixture(scope="module")
+def module():
+    try:
+        return native.build()
+    except OSError as exc:  # no compiler or no Python headers here: nothing to test
+        pytest.skip(f"the C steps cannot be built here: {exc}")
+
+
+def _expected_fits(src, dst, src_limit, dst_limit) -> bool:
+    return all(0 <= s <= src_limit for s in src.tolist()) and all(0 <= d <= dst_limit for d in dst.tolist())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stage_copies_both_sides_and_checks_them_as_the_rules_say(module, seed):
+    """Random slots (some negative, some past a limit) and limits (-1, small, NO_LIMIT): the
+    ring holds source then destination slots at the span, nothing outside it changes, and the
+    verdict is every slot in ``[0, limit]`` of its side."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 300))
+    src = rng.integers(-3 if seed % 5 == 0 else 0, 1000, n).astype(np.int64)
+    dst = rng.integers(0, 1000, n).astype(np.int64)
+    src_limit, dst_limit = [int(rng.choice([-1, 500, 999, 1000, NO_LIMIT])) for _ in range(2)]
+    ring = np.full(2 * n + 20, 7, dtype=np.int64)
+    fits = module.stage(ring.ctypes.data + 8 * 10, src, dst, src_limit, dst_limit)
+    assert fits is (n == 0 or _expected_fits(src, dst, src_limit, dst_limit))
+    assert np.array_equal(ring[10:10 + 2 * n], np.concatenate([src, dst]))
+    assert (ring[:10] == 7).all() and (ring[10 + 2 * n:] == 7).all()
+
+
+def test_stage_declines_arrays_it_cannot_read_as_int64_and_leaves_the_ring(module):
+    ring = np.zeros(16, dtype=np.int64)
+    a = np.arange(8, dtype=np.int64)
+    for src, dst in ((a[::2], a[:4]), (a[:4], a.astype(np.int32)[:4]), (a.astype(np.float64)[:4], a[:4]),
+                     ([0, 1, 2, 3], a[:4])):
+        assert module.stage(ring.ctypes.data, src, dst, NO_LIMIT, NO_LIMIT) is None
+    assert not ring.any()
+    with pytest.raises(ValueError, match="source and destination slots differ in length: 3 and 4"):
+        module.stage(ring.ctypes.data, a[:3], a[:4], NO_LIMIT, NO_LIMIT)
+    with pytest.raises(TypeError, match=r"stage\(\) takes 5 arguments, got 4"):
+        module.stage(ring.ctypes.data, a, a, 1)
+
+
+def test_same_bytes_agrees_with_the_pair_key(module):
+    """``same_bytes(key, arrays)`` is ``pair_key`` of the arrays == key, for equal pairs, a
+    changed value, arrays cut differently and a key longer or shorter; None for arrays that are
+    not int64."""
+    rng = np.random.default_rng(4)
+    pairs = tuple(rng.integers(0, 1 << 40, 6) for _ in range(7))
+    key = b"".join(a.tobytes() for a in pairs)
+    assert module.same_bytes(key, pairs) is True
+    changed = tuple(a.copy() for a in pairs)
+    changed[6][5] += 1
+    assert module.same_bytes(key, changed) is False
+    recut = (np.concatenate(pairs[:2]),) + pairs[2:]  # the same bytes, other arrays: the key cannot tell
+    assert module.same_bytes(key, recut) is True
+    assert module.same_bytes(key + b"\0" * 8, pairs) is False and module.same_bytes(key[:-8], pairs) is False
+    assert module.same_bytes(b"", ()) is True
+    assert module.same_bytes(key, pairs[:6] + (pairs[6].astype(np.int32),)) is None
+
+
+def test_pair_cache_finds_the_last_plan_alike_with_the_c_compare(module):
+    """The cache with the C compare: the last plan found while the pairs' bytes are the same
+    (other slots), other pairs built, the first pairs found again by their key."""
+    from transport.nvlink.fastpath import PairCache
+
+    built = []
+    cache = PairCache(4, lambda: 0, lambda b: built.append(b) or object(), native=module)
+    offsets = np.array([0, 64], dtype=np.int64)
+    b = StridedBatch.of([1, 2], offsets, 128, [3, 4], 0, 128, 64, [0], [0])
+    first = cache.get(b)
+    assert cache.get(StridedBatch.of([1, 2], offsets, 128, [3, 4], 0, 128, 64, [5, 6], [7, 8])) is first
+    other = StridedBatch.of([1, 2], [0, 72], 128, [3, 4], 0, 128, 64, [0], [0])
+    assert cache.get(other) is not first and cache.builds == 2
+    assert cache.get(b) is first and cache.builds == 2  # from the dict, by its key
+
+
+def test_slot_ring_stages_alike_in_c_and_in_numpy(module):
+    """``SlotRing.stage`` with the C step and without: the same spans, ring contents and verdicts
+    over writes that wrap the ring."""
+    import torch
+
+    rings = [SlotRing(None, 0, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64), steps)
+             for steps in (module, None)]
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        n = int(rng.integers(1, 12))
+        src, dst = rng.integers(-1, 40, n), rng.integers(0, 40, n)
+        limits = int(rng.integers(20, 45)), int(rng.integers(20, 45))
+        got = [r.stage(src, dst, *limits) for r in rings]
+        assert got[0] == got[1]
+        assert torch.equal(rings[0].host, rings[1].host)
+        for r, (start, _) in zip(rings, got):
+            r.space.hold(start, None)
+
+
+def test_the_driver_calls_refuse_to_run_before_the_driver_is_loaded(module):
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has a CUDA driver")
+    except OSError:
+        pass
+    with pytest.raises(OSError, match="cannot load libcuda.so.1"):
+        module.load_driver()
+    for call in (lambda: module.event_create(), lambda: module.param_sizes(1), lambda: module.current_device(),
+                 lambda: module.launch(1, 128, 0, 0, 1, (), (), 0), lambda: module.upload_after(1, 1, 1, 8, None, None)):
+        with pytest.raises(RuntimeError, match=r"the CUDA driver is not loaded: call load_driver\(\) first"):
+            call()
+    assert native.load() is None and "libcuda.so.1" in native.why_unavailable()
+
+
+def test_set_error_class_takes_an_exception_class(module):
+    with pytest.raises(TypeError, match="set_error_class\\(\\) takes an exception class"):
+        module.set_error_class(3)
+
+
+def test_build_says_what_is_missing(monkeypatch, tmp_path):
+    """No compiler, or a source the compiler refuses: ``OSError`` naming it (nothing cached)."""
+    monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    with pytest.raises(OSError, match=r"no C compiler \(cc, gcc or clang\) on PATH"):
+        native.build()
+    monkeypatch.undo()
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    bad = tmp_path / "native.c"
+    bad.write_text("this is not C;\n")
+    monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setattr(native, "_SOURCE", bad)
+    with pytest.raises(OSError, match=r"-shared .* failed:\n.*error"):
+        native.build()
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+class _Steps:
+    """``param_sizes`` as a driver would answer it."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def param_sizes(self, function):
+        return self.sizes
+
+
+def _compiled(**meta):
+    base = dict(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+                profile_scratch_size=0, num_warps=4, shared=1024)
+    return types.SimpleNamespace(function=0x1234, metadata=types.SimpleNamespace(**{**base, **meta}))
+
+
+def test_native_launch_is_kept_only_where_it_is_tritons_own_launch():
+    """Two pointers and three int32s, then Triton's two scratch pointers: kept, with the block
+    and shared memory of the kernel; anything else (other parameters, scratch memory, clusters,
+    cooperative or PDL launches, a driver that cannot tell) falls back to Triton's launcher."""
+    assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(), 2, 3) == (0x1234, 128, 1024, 2)
+    assert native_launch(_Steps([8, 8, 4, 4, 4]), _compiled(), 2, 3) == (0x1234, 128, 1024, 0)
+    for sizes in ([8, 8, 4, 4], [8, 8, 4, 4, 8, 8, 8], [8, 8, 4, 4, 4, 4], [8, 4, 4, 4, 4], None):
+        assert native_launch(_Steps(sizes), _compiled(), 2, 3) is None, sizes
+    for meta in (dict(num_ctas=2), dict(launch_cooperative_grid=True), dict(launch_pdl=True),
+                 dict(global_scratch_size=64), dict(profile_scratch_size=8), dict(shared=None)):
+        assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(**meta), 2, 3) is None, meta
+    assert native_launch(None, _compiled(), 2, 3) is None
+
+
+def test_config_takes_native_as_a_bool():
+    assert NvlinkConfig().native is True and NvlinkConfig(native=False).native is False
+    with pytest.raises(TypeError, match="native must be a bool, got 'yes'"):
+        NvlinkConfig(native="yes")
+
+
+@pytest.mark.gpu
+def test_the_c_and_python_host_steps_land_the_same_bytes(remote_any):
+    """The same direct writes (page 1, page 16, head slices; slots changing) with the host steps
+    in C and in Python: every byte exact against a reference, each notification after its bytes;
+    with C, the steps ran in C (the upload, the order and the launch through the driver)."""
+    from transport.nvlink import kernel as kern
+
+    buf_bytes = SLOTS * TOKEN
+    for steps_in_c in (True, False):
+        t, peer, src, dst_rids = local_pair(remote_any, 2 * 4, buf_bytes, NvlinkConfig(native=steps_in_c))
+        try:
+            for i, (page, head) in enumerate([(1, False), (16, False), (1, True), (1, False)]):
+                b = kv_strided(sorted(src), dst_rids, page, head, np.random.default_rng(70 + i), tokens=24 + 8 * i)
+                remote_any.fill(dst_rids, 0x5A)
+                tag = b"steps %d %d" % (steps_in_c, i)
+                tr = peer.write_strided(b, notify=tag)
+                tr.wait(timeout=60)
+                assert tr.status() is TransferStatus.DONE, tr.error
+                check_landed(remote_any, src, dst_rids, b.expand(), buf_bytes, tag, sender=t.name)
+            if steps_in_c:
+                assert t.native_unavailable is None and t._native_steps() is not None
+                plan = peer.pair_plans.get(b)
+                assert plan.launcher._launch._native is not None  # the launch went through the driver
+            else:
+                assert t.native_unavailable == "configured off (NvlinkConfig.native=False)"
+            with pytest.raises(ValueError, match=r"batch pair \d+: destination \(peer\) range .* is outside region"):
+                peer.write_strided(StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN, [1], [SLOTS]))
+        finally:
+            t.close()
+    assert kern._KERNELS[(False, "_scatter_strided_body")].direct_launches > 0
+
+
+@pytest.mark.gpu
+def test_a_driver_error_names_the_call_as_a_cuda_ipc_error():
+    """A call the driver refuses (an event record on a null event) raises ``CudaIpcError``
+    naming the call and the CUresult, as the Python steps' failures do; the device as the
+    runtime sees it."""
+    import torch
+
+    from transport.nvlink.ipc import CudaIpcError
+
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda:0")  # the runtime's context current on this thread
+    steps = native.load()
+    assert steps is not None, native.why_unavailable()
+    assert steps.current_device() == torch.cuda.current_device() == 0
+    with pytest.raises(CudaIpcError, match=r"cuEventRecord failed: CUresult \d+ \(CUDA_ERROR_INVALID_HANDLE\)"):
+        steps.upload_after(0, 0, 0, 0, 0, 0)

@@ -1,0 +1,357 @@
+/* The direct path's host steps in C: the same steps as the Python ones they replace, without the
+ * interpreter between the driver calls (transport/nvlink/native.py builds and loads this module).
+ *
+ * stage(dst_addr, src_slots, dst_slots, src_limit, dst_limit)
+ *     copy two int64 arrays back to back to host memory at dst_addr and say whether every slot,
+ *     read as unsigned, is at most its side's limit (a negative slot is past any limit); None
+ *     when an array is not a C-contiguous int64 buffer (the caller takes its numpy path).
+ * same_bytes(key, arrays)
+ *     whether the int64 arrays of the tuple, back to back, hold exactly the bytes of key (None:
+ *     some array is not a C-contiguous int64 buffer): a pair set compared with the last one
+ *     without making its key.
+ * load_driver()
+ *     resolve the driver entry points in libcuda (OSError without one); the calls below need it.
+ * upload_after(copy_stream, dev_addr, host_addr, nbytes, caller_stream, order_event)
+ *     queue the host-to-device copy on copy_stream, then (caller_stream not None) make
+ *     copy_stream wait for the work queued so far on caller_stream, through order_event.
+ * launch(function, block, shared, stream, grid, pointers, ints, trailing)
+ *     cuLaunchKernel over the parameters: the pointers (8 bytes each), the ints (int32 each),
+ *     then `trailing` null pointers (Triton's scratch arguments).
+ * param_sizes(function)
+ *     the kernel's parameter sizes in bytes (cuFuncGetParamInfo; None on a driver without it).
+ * current_device()
+ *     the device of the calling thread's current context (-1: none), as cudaGetDevice sees it
+ *     once the runtime made a device current.
+ * event_create() / event_destroy(event)
+ *     a raw event without timing, as an int.
+ *
+ * Driver errors raise the class given to set_error_class(cls) (RuntimeError before), naming
+ * the call and the CUresult. Every function runs with
+ * the GIL held: each is a few microseconds and touches no Python object after the driver call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+#define EVENT_DISABLE_TIMING 0x2
+#define MAX_PARAMS 64
+
+static CUresult (*cu_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+static CUresult (*cu_event_create)(CUevent *, unsigned int);
+static CUresult (*cu_event_destroy)(CUevent);
+static CUresult (*cu_event_record)(CUevent, CUstream);
+static CUresult (*cu_stream_wait_event)(CUstream, CUevent, unsigned int);
+static CUresult (*cu_launch_kernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
+                                    unsigned int, unsigned int, unsigned int, CUstream, void **, void **);
+static CUresult (*cu_func_get_param_info)(CUfunction, size_t, size_t *, size_t *);
+static CUresult (*cu_get_error_name)(CUresult, const char **);
+static CUresult (*cu_ctx_get_current)(void **);
+static CUresult (*cu_ctx_get_device)(int *);
+static int driver_loaded = 0;
+static PyObject *error_class = NULL;  /* what a driver error raises (set_error_class; RuntimeError) */
+
+static PyObject *driver_error(const char *call, CUresult code) {
+    const char *name = NULL;
+    if (cu_get_error_name == NULL || cu_get_error_name(code, &name) != 0 || name == NULL)
+        name = "unknown";
+    PyErr_Format(error_class != NULL ? error_class : PyExc_RuntimeError, "%s failed: CUresult %d (%s)", call, code,
+                 name);
+    return NULL;
+}
+
+static int need_driver(void) {
+    if (driver_loaded)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "the CUDA driver is not loaded: call load_driver() first");
+    return 0;
+}
+
+/* An int argument as a pointer-sized handle (0 allowed: the legacy default stream). */
+static int as_handle(PyObject *obj, void **out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    *out = (void *)(uintptr_t)v;
+    return 1;
+}
+
+static int as_u64(PyObject *obj, unsigned long long *out) {
+    *out = PyLong_AsUnsignedLongLong(obj);
+    return !(*out == (unsigned long long)-1 && PyErr_Occurred());
+}
+
+static int as_i64(PyObject *obj, long long *out) {
+    *out = PyLong_AsLongLong(obj);
+    return !(*out == -1 && PyErr_Occurred());
+}
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+    if (nargs == want)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments, got %zd", name, want, nargs);
+    return 0;
+}
+
+/* -- stage -------------------------------------------------------------------------------- */
+
+static int int64_buffer(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view->format;
+    if (f != NULL && (*f == '<' || *f == '=' || *f == '@'))
+        f++;
+    if (view->itemsize == 8 && f != NULL && (f[0] == 'l' || f[0] == 'q') && f[1] == '\0')
+        return 1;
+    PyBuffer_Release(view);
+    return 0;
+}
+
+static uint64_t copy_max(uint64_t *dst, const uint64_t *src, Py_ssize_t n) {
+    uint64_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = src[i];
+        dst[i] = v;
+        top = v > top ? v : top;
+    }
+    return top;
+}
+
+static PyObject *stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long addr;
+    long long src_limit, dst_limit;
+    if (!check_nargs("stage", nargs, 5) || !as_u64(args[0], &addr) || !as_i64(args[3], &src_limit)
+            || !as_i64(args[4], &dst_limit))
+        return NULL;
+    Py_buffer src, dst;
+    if (!int64_buffer(args[1], &src))
+        Py_RETURN_NONE;
+    if (!int64_buffer(args[2], &dst)) {
+        PyBuffer_Release(&src);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = src.len / 8;
+    if (dst.len / 8 != n) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_Format(PyExc_ValueError, "source and destination slots differ in length: %zd and %zd", n, dst.len / 8);
+        return NULL;
+    }
+    uint64_t *ring = (uint64_t *)(uintptr_t)addr;
+    uint64_t src_top = copy_max(ring, (const uint64_t *)src.buf, n);
+    uint64_t dst_top = copy_max(ring + n, (const uint64_t *)dst.buf, n);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    int fits = n == 0 || (src_limit >= 0 && dst_limit >= 0 && src_top <= (uint64_t)src_limit
+                          && dst_top <= (uint64_t)dst_limit);
+    return PyBool_FromLong(fits);
+}
+
+static PyObject *same_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!check_nargs("same_bytes", nargs, 2))
+        return NULL;
+    if (!PyBytes_Check(args[0]) || !PyTuple_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "same_bytes() takes bytes and a tuple of arrays");
+    const char *key = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t left = PyBytes_GET_SIZE(args[0]);
+    int same = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); i++) {
+        Py_buffer view;
+        if (!int64_buffer(PyTuple_GET_ITEM(args[1], i), &view))
+            Py_RETURN_NONE;
+        same = same && view.len <= left && memcmp(key, view.buf, (size_t)view.len) == 0;
+        key += same ? view.len : 0;
+        left -= same ? view.len : 0;
+        PyBuffer_Release(&view);
+    }
+    return PyBool_FromLong(same && left == 0);
+}
+
+/* -- driver ------------------------------------------------------------------------------- */
+
+static PyObject *load_driver(PyObject *self, PyObject *unused) {
+    if (driver_loaded)
+        Py_RETURN_NONE;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == NULL)
+        return PyErr_Format(PyExc_OSError, "cannot load libcuda.so.1: %s", dlerror());
+    struct { void **slot; const char *name; int required; } entries[] = {
+        {(void **)&cu_memcpy_htod_async, "cuMemcpyHtoDAsync_v2", 1},
+        {(void **)&cu_event_create, "cuEventCreate", 1},
+        {(void **)&cu_event_destroy, "cuEventDestroy_v2", 1},
+        {(void **)&cu_event_record, "cuEventRecord", 1},
+        {(void **)&cu_stream_wait_event, "cuStreamWaitEvent", 1},
+        {(void **)&cu_launch_kernel, "cuLaunchKernel", 1},
+        {(void **)&cu_get_error_name, "cuGetErrorName", 1},
+        {(void **)&cu_ctx_get_current, "cuCtxGetCurrent", 1},
+        {(void **)&cu_ctx_get_device, "cuCtxGetDevice", 1},
+        {(void **)&cu_func_get_param_info, "cuFuncGetParamInfo", 0},  /* CUDA 12.4 and later */
+    };
+    for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
+        *entries[i].slot = dlsym(lib, entries[i].name);
+        if (*entries[i].slot == NULL && entries[i].required)
+            return PyErr_Format(PyExc_OSError, "libcuda.so.1 has no %s", entries[i].name);
+    }
+    driver_loaded = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *upload_after(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *copy, *dev, *host, *caller = NULL, *order = NULL;
+    unsigned long long nbytes;
+    if (!check_nargs("upload_after", nargs, 6) || !need_driver() || !as_handle(args[0], &copy)
+            || !as_handle(args[1], &dev) || !as_handle(args[2], &host) || !as_u64(args[3], &nbytes))
+        return NULL;
+    int wait = args[4] != Py_None;
+    if (wait && (!as_handle(args[4], &caller) || !as_handle(args[5], &order)))
+        return NULL;
+    CUresult rc;
+    if (nbytes && (rc = cu_memcpy_htod_async((CUdeviceptr)(uintptr_t)dev, host, (size_t)nbytes, copy)) != 0)
+        return driver_error("cuMemcpyHtoDAsync", rc);
+    if (wait && (rc = cu_event_record(order, caller)) != 0)
+        return driver_error("cuEventRecord", rc);
+    if (wait && (rc = cu_stream_wait_event(copy, order, 0)) != 0)
+        return driver_error("cuStreamWaitEvent", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *function, *stream;
+    unsigned long long block, shared, grid, trailing;
+    if (!check_nargs("launch", nargs, 8) || !need_driver() || !as_handle(args[0], &function)
+            || !as_u64(args[1], &block) || !as_u64(args[2], &shared) || !as_handle(args[3], &stream)
+            || !as_u64(args[4], &grid) || !as_u64(args[7], &trailing))
+        return NULL;
+    PyObject *pointers = args[5], *ints = args[6];
+    if (!PyTuple_Check(pointers) || !PyTuple_Check(ints))
+        return PyErr_Format(PyExc_TypeError, "launch() takes its pointers and ints as tuples");
+    Py_ssize_t np = PyTuple_GET_SIZE(pointers), ni = PyTuple_GET_SIZE(ints);
+    if (np + ni + (Py_ssize_t)trailing > MAX_PARAMS)
+        return PyErr_Format(PyExc_ValueError, "launch() takes at most %d parameters", MAX_PARAMS);
+    if (grid == 0 || grid > 0x7fffffffULL || block == 0 || block > 1024)
+        return PyErr_Format(PyExc_ValueError, "launch() grid %llu or block %llu out of range", grid, block);
+    CUdeviceptr ptrs[MAX_PARAMS];
+    int32_t values[MAX_PARAMS];
+    void *params[MAX_PARAMS];
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < np; i++) {
+        void *p;
+        if (!as_handle(PyTuple_GET_ITEM(pointers, i), &p))
+            return NULL;
+        ptrs[i] = (CUdeviceptr)(uintptr_t)p;
+        params[k++] = &ptrs[i];
+    }
+    for (Py_ssize_t i = 0; i < ni; i++) {
+        long long v;
+        if (!as_i64(PyTuple_GET_ITEM(ints, i), &v))
+            return NULL;
+        if (v < INT32_MIN || v > INT32_MAX)
+            return PyErr_Format(PyExc_OverflowError, "launch() integer %lld is not an int32", v);
+        values[i] = (int32_t)v;
+        params[k++] = &values[i];
+    }
+    for (unsigned long long i = 0; i < trailing; i++) {
+        ptrs[np + i] = 0;
+        params[k++] = &ptrs[np + i];
+    }
+    CUresult rc = cu_launch_kernel(function, (unsigned)grid, 1, 1, (unsigned)block, 1, 1, (unsigned)shared, stream,
+                                   params, NULL);
+    if (rc != 0)
+        return driver_error("cuLaunchKernel", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *param_sizes(PyObject *self, PyObject *arg) {
+    void *function;
+    if (!need_driver() || !as_handle(arg, &function))
+        return NULL;
+    if (cu_func_get_param_info == NULL)
+        Py_RETURN_NONE;
+    PyObject *sizes = PyList_New(0);
+    if (sizes == NULL)
+        return NULL;
+    for (size_t i = 0; i <= MAX_PARAMS; i++) {
+        size_t offset, size;
+        if (cu_func_get_param_info(function, i, &offset, &size) != 0)
+            break;  /* past the last parameter */
+        PyObject *v = PyLong_FromSize_t(size);
+        if (v == NULL || PyList_Append(sizes, v) != 0) {
+            Py_XDECREF(v);
+            Py_DECREF(sizes);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return sizes;
+}
+
+static PyObject *current_device(PyObject *self, PyObject *unused) {
+    void *ctx = NULL;
+    int device;
+    CUresult rc;
+    if (!need_driver())
+        return NULL;
+    if ((rc = cu_ctx_get_current(&ctx)) != 0)
+        return driver_error("cuCtxGetCurrent", rc);
+    if (ctx == NULL)
+        return PyLong_FromLong(-1);
+    if ((rc = cu_ctx_get_device(&device)) != 0)
+        return driver_error("cuCtxGetDevice", rc);
+    return PyLong_FromLong(device);
+}
+
+static PyObject *set_error_class(PyObject *self, PyObject *cls) {
+    if (!PyExceptionClass_Check(cls))
+        return PyErr_Format(PyExc_TypeError, "set_error_class() takes an exception class");
+    Py_INCREF(cls);
+    Py_XSETREF(error_class, cls);
+    Py_RETURN_NONE;
+}
+
+static PyObject *event_create(PyObject *self, PyObject *unused) {
+    CUevent event;
+    CUresult rc;
+    if (!need_driver())
+        return NULL;
+    if ((rc = cu_event_create(&event, EVENT_DISABLE_TIMING)) != 0)
+        return driver_error("cuEventCreate", rc);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)event);
+}
+
+static PyObject *event_destroy(PyObject *self, PyObject *arg) {
+    void *event;
+    CUresult rc;
+    if (!need_driver() || !as_handle(arg, &event))
+        return NULL;
+    if ((rc = cu_event_destroy(event)) != 0)
+        return driver_error("cuEventDestroy", rc);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"stage", (PyCFunction)(void (*)(void))stage, METH_FASTCALL, "Copy two slot arrays in; True if in bounds."},
+    {"same_bytes", (PyCFunction)(void (*)(void))same_bytes, METH_FASTCALL,
+     "Whether int64 arrays, back to back, are these bytes."},
+    {"load_driver", load_driver, METH_NOARGS, "Resolve the driver entry points in libcuda."},
+    {"upload_after", (PyCFunction)(void (*)(void))upload_after, METH_FASTCALL, "Upload, then order after a stream."},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "cuLaunchKernel over pointers, int32s, nulls."},
+    {"param_sizes", param_sizes, METH_O, "A kernel's parameter sizes in bytes."},
+    {"current_device", current_device, METH_NOARGS, "The current context's device (-1: no context)."},
+    {"set_error_class", set_error_class, METH_O, "The exception class driver errors raise."},
+    {"event_create", event_create, METH_NOARGS, "A raw event without timing."},
+    {"event_destroy", event_destroy, METH_O, "Destroy a raw event."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvt_native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kvt_native(void) { return PyModule_Create(&module); }
