@@ -294,20 +294,32 @@ class _TimedCompiled:
 def instrument(steps: Steps, peer, owner, ring):
     """Wrap each step of the direct path of ``peer.write_strided`` (module doc)."""
     w = "write_strided"
+    native = getattr(peer._copy, "_native", None)  # the C steps (a tree before them: none)
     steps.wrap(peer, "write_strided", w)
     steps.wrap(peer, "_check_notify", f"{w}/_check_notify")
-    steps.wrap(peer.pair_plans, "get", f"{w}/pair_plans.get (pair set lookup)")
+    g, st = f"{w}/pair_plans.get (pair set lookup)", f"{w}/ring.stage (slots to the pinned ring + bounds)"
+    steps.wrap(peer.pair_plans, "get", g)
     steps.wrap(peer._route, "lane_for", f"{w}/route.lane_for")
-    steps.wrap(ring, "stage", f"{w}/ring.stage (slots to the pinned ring + bounds)")
+    steps.wrap(ring, "stage", st)
+    steps.wrap(ring.space, "take", f"{st}/space.take")
     steps.wrap(peer._queue.outbox, "alive", f"{w}/outbox.alive")
     e = f"{w}/copy.enqueue_split"
     steps.wrap(peer._copy, "enqueue_split", e)
     steps.wrap(peer._copy._api, "get_device", f"{e}/api.get_device")
     steps.wrap(peer._copy, "_wait_caller", f"{e}/_wait_caller (record + wait)")
     steps.wrap(ring, "upload", f"{e}/ring.upload (cudaMemcpyAsync)")
+    if native is not None:
+        steps.wrap(native, "same_bytes", f"{g}/native.same_bytes")
+        steps.wrap(native, "stage", f"{st}/native.stage")
+        steps.wrap(native, "current_device", f"{e}/native.current_device")
+        steps.wrap(peer._copy, "_caller", f"{e}/_caller (current stream)")
+        steps.wrap(native, "upload_after", f"{e}/native.upload_after (upload + order)")
+        steps.wrap(native, "launch", f"{e}/SplitLaunch (launch)/native.launch (cuLaunchKernel)")
     if hasattr(kern, "SplitLaunch"):
         steps.wrap(kern.SplitLaunch, "__call__", f"{e}/SplitLaunch (launch)")
     steps.wrap(kern, "scatter_strided_split", f"{e}/scatter_strided_split (unbound launch)")
+    steps.wrap(torch.cuda.Event, "record", f"{e}/event.record")
+    steps.wrap(ring.space, "hold", f"{e}/space.hold")
     steps.wrap(torch.cuda, "Event", f"{e}/torch.cuda.Event()")
     for plan in list(peer.pair_plans._plans.values()):  # the launcher's own call, inside the launch
         bound = plan.launcher._launch if getattr(plan, "launcher", None) is not None else None

@@ -771,6 +771,35 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
     assert got == [Notification("fake-writer", b"n%d" % i) for i in range(3)]
 
 
+def test_a_write_announces_before_it_returns_and_settles_a_copy_already_done(fake_peer, monkeypatch):
+    """The call makes the first look at the FIFO: a copy that ended before the call returns is
+    DONE with its notification released and no progress thread woken; a copy still running has
+    its notification announced (the receiver holds it) and the progress thread woken."""
+    import torch
+
+    peer, _, _, remote, _ = fake_peer
+    tr = peer.write_strided(_kv([1], [2]), b"short")
+    assert tr._status is TransferStatus.DONE and peer._owner._progress._thread is None
+    wait_until("the short write's notification", lambda: remote.poll_notifications() == [
+        Notification("fake-writer", b"short")])
+
+    ended = threading.Event()
+
+    class _Running(_DoneEvent):
+        def query(self): return ended.is_set()
+
+    monkeypatch.setattr(torch.cuda, "Event", _Running)
+    tr = peer.write_strided(_kv([3], [4]), b"long")
+    assert tr._status is TransferStatus.PENDING and peer._queue.outbox._announced == 2
+    assert peer._owner._progress._thread is not None  # woken for what is pending
+    assert remote.poll_notifications() == []  # announced, held until the copy lands
+    ended.set()
+    tr.wait(timeout=5)
+    assert tr.status() is TransferStatus.DONE
+    wait_until("the long write's notification", lambda: remote.poll_notifications() == [
+        Notification("fake-writer", b"long")])
+
+
 def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
     """A plan built with a launcher (the GPU peer's: ``kernel.SplitLaunch`` over the ring) is
     launched through it with the ring span's start and the slot count, nothing else."""

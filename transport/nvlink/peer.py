@@ -148,8 +148,7 @@ class NvlinkPeer(Peer):
                 return self._lost()
             event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
             transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
-        self._owner._progress.wake()
-        return transfer
+        return self._posted(transfer)
 
     def plan_pairs(self, batch: StridedBatch) -> None:
         """Make ``batch``'s pair set resident now (at handshake, once both layouts are known),
@@ -240,7 +239,16 @@ class NvlinkPeer(Peer):
                 raise
             transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify,
                                                         keep=(job.host_table, *job.device_tables)))
-        self._owner._progress.wake()
+        return self._posted(transfer)
+
+    def _posted(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
+        """A write just tracked: the first look at the FIFO now, from the caller's thread -- its
+        notification announced before the call returns (it travels while the copy runs, and a
+        caller that keeps the GIL afterwards cannot hold it up), the transfer settled at once if
+        its copy has already ended (a short one) -- and the progress thread woken for what is
+        still pending."""
+        if self._queue.advance():
+            self._owner._progress.wake()
         return transfer
 
     def _lost(self) -> NvlinkTransfer:

@@ -1,8 +1,9 @@
 """A peer's FIFO of pending transfers and the tables of failed ones (deferred cleanup).
 
-A write's notification is *announced* at the first look after it was posted (sent to the
-peer, who holds it: :mod:`transport.nvlink.mailbox`; a socket send bounded by
-``peer_timeout_s``, refused when the peer is gone), so that it travels while the copy runs
+A write's notification is *announced* at the first look after it was posted, which the write
+call itself makes before it returns (sent to the peer, who holds it:
+:mod:`transport.nvlink.mailbox`; a socket send bounded by ``peer_timeout_s``, refused when the
+peer is gone), so that it travels while the copy runs
 (with an outbox whose ``early`` is False, a CPU the landed word is not safe on, it is sent
 once the copy completed).
 Transfers settle in posting order, so notifications are released in the order their writes
