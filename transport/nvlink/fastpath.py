@@ -29,6 +29,9 @@ before the kernel on the same stream), and a write that finds nothing held start
 writes waited for one by one stay in memory the cache still holds (walking the 8 MiB ring,
 each write's copy in and bounds pass cost ~2-3x more). The ring is allocated once per transport,
 at the first write that uses it; a slot part larger than the ring takes the general path.
+
+Given the C steps (:mod:`transport.nvlink.native`), the slots' copy in and bounds check is one
+call, and so is the comparison of a batch's pairs with the last plan's key.
 """
 
 from __future__ import annotations

@@ -31,6 +31,12 @@ keeps the compiled kernel and its fixed arguments, and a launch is then one rang
 integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
 :mod:`transport.nvlink.fastpath`, where the key and the argument tuples cost more than the launch).
 
+Given the C steps (:mod:`transport.nvlink.native`), a bound launch goes one step further once
+the kernel is kept: it calls ``cuLaunchKernel`` itself with the tensors' addresses, the int32s
+and null scratch pointers -- where :func:`native_launch` found that to be exactly the launch
+Triton's launcher makes (the parameters as the driver reports them, no scratch memory, no
+clusters, no cooperative or programmatic-dependent launch); elsewhere it stays on Triton's.
+
 The caller must have made ``device`` current in CUDA (``cudaSetDevice`` or ``torch.cuda.device``):
 the launcher launches in the current context.
 """
@@ -155,7 +161,7 @@ def native_launch(native, compiled, num_tensors: int, num_ints: int) -> Optional
         return None
     try:
         sizes = native.param_sizes(function)
-    except RuntimeError:
+    except Exception:  # the driver cannot tell: Triton's launcher
         return None
     head = [8] * num_tensors + [4] * num_ints
     if sizes is None or sizes[:len(head)] != head or any(n != 8 for n in sizes[len(head):]):

@@ -19,6 +19,7 @@ steps, which stay the reference (``NvlinkConfig.native`` chooses, for comparison
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -107,6 +108,7 @@ def load() -> Optional[ModuleType]:
     with _lock:
         if not _loaded:
             try:
+                ctypes.CDLL("libcuda.so.1")  # no driver, nothing to build for
                 module = build()
                 module.load_driver()
                 module.set_error_class(CudaIpcError)  # as the Python steps' failures
