@@ -134,6 +134,25 @@ def test_set_error_class_takes_an_exception_class(module):
         module.set_error_class(3)
 
 
+def test_load_warns_once_on_a_gpu_machine_that_cannot_build(monkeypatch, caplog):
+    """A driver but no compiler: None, the reason kept, one warning; no driver: no warning."""
+    import ctypes
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: object())  # a driver, as far as load() looks
+    monkeypatch.setattr(native, "build", lambda: (_ for _ in ()).throw(OSError("no C compiler (cc, gcc or clang) on PATH")))
+    with caplog.at_level("WARNING", logger="transport.nvlink.native"):
+        assert native.load() is None and native.load() is None
+    assert native.why_unavailable() == "no C compiler (cc, gcc or clang) on PATH"
+    assert [r.getMessage() for r in caplog.records] == [
+        "nvlink: the direct path's host steps run in Python (slower by tens of microseconds per write): "
+        "no C compiler (cc, gcc or clang) on PATH"]
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(f"{name}: not found")))
+    caplog.clear()
+    assert native.load() is None and native.why_unavailable() == "libcuda.so.1: not found" and not caplog.records
+
+
 def test_build_says_what_is_missing(monkeypatch, tmp_path):
     """No compiler, or a source the compiler refuses: ``OSError`` naming it (nothing cached)."""
     monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path / "cache"])

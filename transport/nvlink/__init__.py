@@ -26,7 +26,10 @@ Data path (push, on the writer)
   ``cudaMemcpyAsync`` and launches the split strided kernel once, through a launch bound once
   per pair set (``kernel.SplitLaunch``: Triton's compiled launcher called directly): no pinned
   allocation, no table build, no synchronisation, no Python loop over pairs or slots. ``peer.plan_pairs(batch)``
-  makes a pair set resident ahead of its first write (at handshake).
+  makes a pair set resident ahead of its first write (at handshake). Its host steps -- slots
+  staged and checked, upload and order, launch -- run in C where the machine can build it
+  (:mod:`~transport.nvlink.native`, ``NvlinkConfig.native``), and the call announces the
+  write's notification before it returns.
 - The staged engine (:mod:`~transport.nvlink.staged`) packs rows on the local GPU, moves the
   packed bytes with the copy engine and unpacks them with a kernel this process launches on
   the peer GPU; ``NvlinkEngine.AUTO`` takes it for batches of 2 GiB and more whose rows

@@ -23,6 +23,7 @@ import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -37,6 +38,8 @@ from typing import Optional
 from transport.nvlink.ipc import CudaIpcError
 
 __all__ = ["build", "load", "why_unavailable"]
+
+log = logging.getLogger(__name__)
 
 _NAME = "_kvt_native"
 _SOURCE = Path(__file__).with_name("native.c")
@@ -108,13 +111,19 @@ def load() -> Optional[ModuleType]:
     with _lock:
         if not _loaded:
             try:
-                ctypes.CDLL("libcuda.so.1")  # no driver, nothing to build for
+                ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:  # no driver, nothing to build for (no GPU path runs here)
+                _loaded["why"] = str(exc)
+                return None
+            try:
                 module = build()
                 module.load_driver()
                 module.set_error_class(CudaIpcError)  # as the Python steps' failures
                 _loaded["module"] = module
-            except OSError as exc:
+            except OSError as exc:  # a GPU machine that cannot build it: say so once, run the Python steps
                 _loaded["why"] = str(exc)
+                log.warning("nvlink: the direct path's host steps run in Python (slower by tens of "
+                            "microseconds per write): %s", exc)
         return _loaded.get("module")
 
 
