@@ -86,7 +86,11 @@ def build() -> ModuleType:
             errors.append(f"{out}: {exc}")
             continue
         cmd = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(_SOURCE), "-o", tmp, "-ldl"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            os.unlink(tmp)
+            raise OSError(f"{' '.join(cmd)} did not finish within 300 s") from None
         if done.returncode != 0:
             os.unlink(tmp)
             raise OSError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -120,7 +124,7 @@ def load() -> Optional[ModuleType]:
                 module.load_driver()
                 module.set_error_class(CudaIpcError)  # as the Python steps' failures
                 _loaded["module"] = module
-            except OSError as exc:  # a GPU machine that cannot build it: say so once, run the Python steps
+            except (OSError, ImportError) as exc:  # a GPU machine that cannot build or load it: say so once, run the Python steps
                 _loaded["why"] = str(exc)
                 log.warning("nvlink: the direct path's host steps run in Python (slower by tens of "
                             "microseconds per write): %s", exc)
