@@ -315,3 +315,13 @@ class RankProcess:
 
     def close(self) -> None:
         self.child.stop(Quit(), timeout=10)
+
+
+def wait_forgotten(rank, timeout_s: float = 10.0) -> None:
+    """Assert that ``rank``'s manager holds no request within ``timeout_s``. A manager forgets
+    an ended request on its loop thread, in the turn that ended it, which may come just after a
+    caller saw the final state: under load that turn can lag by milliseconds."""
+    deadline = time.monotonic() + timeout_s
+    while (held := rank.call(Stats())["requests"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held == 0, f"{rank.name} still holds {held} request(s) {timeout_s} s after they ended"
