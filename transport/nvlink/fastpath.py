@@ -147,12 +147,13 @@ class PairCache:
             self.clear()
             self._seen = gen
         last = self._last
-        if last is not None and self._native is not None:  # the same pairs as the last write: one memcmp
+        same = None  # the pairs' bytes against the last write's key (None: not compared yet)
+        if last is not None and self._native is not None:  # one memcmp, no key made
             same = self._native.same_bytes(last[0], batch.pairs)
             if same:
                 return last[1]
         key = pair_key(batch)
-        if last is not None and last[0] == key:  # as above, once the key is made (no hash)
+        if same is None and last is not None and last[0] == key:  # as above, once the key is made (no hash)
             return last[1]
         plan = self._plans.get(key)
         if plan is not None:
@@ -274,7 +275,7 @@ class SlotRing:
         self.host, self.dev = host, dev  # [capacity] int64 each
         self._host_np = host.numpy()
         self._host_u64 = self._host_np.view(np.uint64)
-        self.host_ptr, self.dev_ptr = host.data_ptr(), dev.data_ptr()
+        self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
 
     @classmethod
     def allocate(cls, api, device: int, capacity: int, stream, native=None) -> "SlotRing":
@@ -300,7 +301,7 @@ class SlotRing:
         n = src_slot.size
         start = self.space.take(2 * n)
         if self._native is not None:
-            fits = self._native.stage(self.host_ptr + 8 * start, src_slot, dst_slot, src_limit, dst_limit)
+            fits = self._native.stage(self._host_ptr + 8 * start, src_slot, dst_slot, src_limit, dst_limit)
             if fits is not None:
                 return start, fits
         end = start + 2 * n
@@ -319,7 +320,13 @@ class SlotRing:
         """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw
         ``stream_handle`` (current device: this ring's). The caller gives the span its fence
         with ``space.hold(start, event)``."""
-        self._api.memcpy_async(self.dev_ptr + 8 * start, self.host_ptr + 8 * start, 8 * n, stream_handle)
+        dev, host = self.addresses(start)
+        self._api.memcpy_async(dev, host, 8 * n, stream_handle)
+
+    def addresses(self, start: int) -> tuple[int, int]:
+        """The GPU ring's and the host ring's address of element ``start`` (the same offset in
+        both): what an upload of a span copies to and from."""
+        return self._dev_ptr + 8 * start, self._host_ptr + 8 * start
 
     def put(self, arrays: tuple, stream_handle: int) -> int:
         """Copy ``arrays`` (int64, back to back) into a free span and queue its upload; return

@@ -62,7 +62,8 @@ class CopyStream:
         None: ``api``'s calls from Python)."""
         self._api, self.device, self._wait_current, self._native = api, device, wait_current_stream, native
         self._stream = None
-        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for (api's or native's)
+        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for
+        self._events = api if native is None else native  # what makes and destroys it: the side that records it
 
     @property
     def stream(self):
@@ -118,7 +119,7 @@ class CopyStream:
         if current == stream.cuda_stream:
             return None
         if self._order_event is None:
-            self._order_event = self._api.event_create() if self._native is None else self._native.event_create()
+            self._order_event = self._events.event_create()
         return current
 
     def _wait_caller(self, stream) -> None:
@@ -146,8 +147,8 @@ class CopyStream:
         try:
             if native is not None:  # the same two steps, one C call
                 caller = self._caller(stream)  # (makes the order event at the first wait)
-                native.upload_after(stream.cuda_stream, ring.dev_ptr + 8 * start, ring.host_ptr + 8 * start,
-                                    16 * num_slots, caller, self._order_event)
+                native.upload_after(stream.cuda_stream, *ring.addresses(start), 16 * num_slots, caller,
+                                    self._order_event)
             else:
                 ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
                 self._wait_caller(stream)
@@ -184,6 +185,6 @@ class CopyStream:
         self.synchronize()
         if self._order_event is not None:
             with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
-                (self._api if self._native is None else self._native).event_destroy(self._order_event)
+                self._events.event_destroy(self._order_event)
             self._order_event = None
 
