@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import positive_float, positive_int
 from kvtransfer.serve.http import client_limits, free_port
 
 PROMPTS = (
@@ -146,14 +146,23 @@ async def _wait_ready(client, servers: List[Server], timeout_s: float, start: fl
         await asyncio.sleep(HEALTH_POLL_S)
 
 
+def heartbeat_timeout(device: str) -> float:
+    """The nodes' heartbeat timeout: a serving node's 5 s on GPUs; on CPUs 20 s, since every node's
+    model then runs on this machine's few cores (seven processes for the README's run), and a
+    loaded small machine can keep one from running for seconds (measured: 5 s once in the
+    test suite on two workers), which would lose a live peer and fail its request."""
+    return 5.0 if device == "cuda" else 20.0
+
+
 async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, start: float) -> None:
     """Start a prefill node, a decode node and a colocated node, wait until they are ready, then
     start the router in front of them and wait for it (filling ``servers`` as each starts, so a
     caller can stop what started if this fails). ``args`` holds the demo's flags; ``transport``,
-    ``prefill_gpu`` and ``decode_gpu`` may be absent (their defaults)."""
+    ``prefill_gpu``, ``decode_gpu`` and ``heartbeat_timeout`` may be absent (their defaults)."""
     ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-              "--transport", getattr(args, "transport", "auto")]
+              "--transport", getattr(args, "transport", "auto"),
+              "--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", None) or heartbeat_timeout(args.device))]
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
@@ -229,6 +238,11 @@ def _http_error(exc) -> str:
     return f"{type(exc).__name__}{where}: {str(exc) or 'the connection failed with no message'}"
 
 
+def _rate(bytes_per_s: float) -> str:
+    """``3.42 GB/s``, or in MB/s below 1 GB/s (a small request on a CPU moves a few MB/s)."""
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
 def _report(args, outcomes: List[Outcome], start: float) -> int:
     same = 0
     kv_bytes, transfer_s = 0, []
@@ -239,12 +253,12 @@ def _report(args, outcomes: List[Outcome], start: float) -> int:
             continue
         x = o.extra
         print(f"    {o.text!r}")
-        rate = x["kv_bytes"] / x["transfer_s"] / 1e9 if x["transfer_s"] > 0 else 0.0
+        rate = x["kv_bytes"] / x["transfer_s"] if x["transfer_s"] > 0 else 0.0
         match = o.text == o.reference
         same += match
         kv_bytes += x["kv_bytes"]
         transfer_s.append(x["transfer_s"])
-        print(f"    KV {x['kv_bytes'] / 2**20:.2f} MiB in {x['transfer_s'] * 1e3:.1f} ms ({rate:.2f} GB/s), "
+        print(f"    KV {x['kv_bytes'] / 2**20:.2f} MiB in {x['transfer_s'] * 1e3:.1f} ms ({_rate(rate)}), "
               f"verified {x['layers']} layers bit for bit; "
               f"{'same as the colocated node' if match else 'DIFFERS from the colocated node: ' + repr(o.reference)}\n")
     n = len(outcomes)
@@ -276,6 +290,8 @@ def parser() -> argparse.ArgumentParser:
                     "the colocated node uses the prefill's")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--heartbeat-timeout", type=positive_float, default=None,
+                    help="seconds before the nodes lose a silent peer (default: 20 on cpu, 5 on cuda)")
     return ap
 
 

@@ -21,6 +21,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -39,6 +40,7 @@ log = logging.getLogger("kvtransfer.control")
 
 BUSY_POLL_S = 2e-4  # a manager loop's pause while transfers are in flight
 SWEEP_INTERVAL_S = 0.01  # how often a manager loop looks at every request (deadlines, forgotten ids)
+STALL_LOG_S = 1.0  # a loop that ran this late, or a turn this long, is logged (heartbeats wait for it)
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
 _FIRST_TOKEN = struct.Struct("<qd")
@@ -313,17 +315,30 @@ class EventLoop:
         sleep = 0.0
         while not self._stop.is_set():
             woken = True  # without a wait, the pipe is read anyway
+            due = time.monotonic() + sleep
             if sleep > 0:
                 try:
                     woken = self._wake_r in select.select(self._fds, [], [], sleep)[0]
                 except (OSError, ValueError):  # a socket closed since the list was made
                     pass
             with self._turn:
+                start = time.monotonic()
                 self._owner = threading.get_ident()
                 try:
                     sleep = self._one_turn(woken)
                 finally:
                     self._owner = None
+            self._log_stall(start - due, time.monotonic() - start)
+
+    def _log_stall(self, late: float, turn: float) -> None:
+        """Say so when the loop ran late (the process got no CPU, or another thread held the
+        GIL or an inline turn) or a turn took long: a peer may time this rank out meanwhile."""
+        if late > STALL_LOG_S:
+            log.warning("control loop %s ran %.1f s late (the process got no CPU or GIL meanwhile; peers see "
+                        "no heartbeat)", self._thread.name, late)
+        if turn > STALL_LOG_S:
+            log.warning("control loop %s: one turn took %.1f s (peers see no heartbeat meanwhile)",
+                        self._thread.name, turn)
 
     def _one_turn(self, woken: bool) -> float:
         """Jobs, the handlers of readable sockets, jobs queued meanwhile, the tick; the pause

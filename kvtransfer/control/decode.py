@@ -31,6 +31,11 @@ this rank has looked it up) and then fails naming it; a request not done after `
 and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
 so a rank that was killed and came back is reconnected without waiting for the timeout.
+A lost rank is still sent heartbeats: one that answers was alive after all (one side's loop
+was paused past the timeout), and this rank says hello to it again; so it does when a prefill
+rank answers ``NotConnected`` (it dropped this rank as lost). Silence is counted from the first
+unanswered heartbeat, not from the last message: a pause of this rank's own loop is not the
+peer's silence.
 
 Threads: as for the prefill manager, every transport and socket call happens in a turn of the
 event loop (here always on its thread).
@@ -59,6 +64,7 @@ from kvtransfer.control.wire import (
     Heartbeat,
     HelloAck,
     KVArrived,
+    NotConnected,
     Quiesced,
     RegisterPrefill,
     TransferRequest,
@@ -157,7 +163,7 @@ class _PrefillPeer:
     socket: object
     state: _PeerState
     since: float  # when the state was entered
-    last_seen: float
+    unanswered_since: Optional[float] = None  # when the first heartbeat not followed by any message went
     incarnation: str = ""  # the one its hello ack named
     error: str = ""
     heartbeat_seq: int = 0
@@ -262,7 +268,7 @@ class DecodeKVManager:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(reg.control_addr)
         now = time.monotonic()
-        peer = _PrefillPeer(reg, sock, _PeerState.CONNECTING, since=now, last_seen=now)
+        peer = _PrefillPeer(reg, sock, _PeerState.CONNECTING, since=now)
         self._peers[reg.tp_rank] = peer
         for ep in endpoints_of(reg).values():
             self._by_name[ep.name] = reg.tp_rank
@@ -300,12 +306,18 @@ class DecodeKVManager:
             except WireError as exc:
                 log.warning("decode rank %d dropped a frame from prefill rank %d: %s", self.layout.tp_rank, rank, exc)
                 continue
-            peer.last_seen = time.monotonic()
+            peer.unanswered_since = None
             if isinstance(msg, HelloAck):
                 self._on_ack(peer, msg)
             elif isinstance(msg, Heartbeat):
                 if peer.incarnation and msg.incarnation != peer.incarnation:
                     self._lose(rank, f"prefill rank {rank} restarted")
+                elif peer.state is _PeerState.LOST:  # the rank it timed out is alive: connect anew
+                    self._reconnect(peer, f"prefill rank {rank}, lost, answered a heartbeat")
+                    return  # the socket was replaced
+            elif isinstance(msg, NotConnected):
+                if self._on_not_connected(peer, msg):
+                    return  # the socket was replaced
             elif isinstance(msg, AbortRequest):
                 self._fail(msg.request_id, msg.reason, tell_senders=False)
             elif isinstance(msg, Goodbye):
@@ -320,6 +332,27 @@ class DecodeKVManager:
                     self._maybe_release(inc)
             else:
                 log.warning("decode rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
+
+    def _on_not_connected(self, peer: _PrefillPeer, msg: NotConnected) -> bool:
+        """The prefill rank dropped this rank (it was silent past the heartbeat timeout: a
+        pause, not a death). Fail what waits for it and say hello again; True if the socket
+        was replaced. A new incarnation (a restart at the same address) is left to the
+        bootstrap lookup, which knows its new endpoints."""
+        rank = peer.registration.tp_rank
+        if self._closing or peer.state not in (_PeerState.READY, _PeerState.LOST):
+            return False  # closing, or a hello of this socket is on its way, or refused / gone
+        if peer.incarnation and msg.incarnation != peer.incarnation:
+            self._lose(rank, f"prefill rank {rank} restarted")
+            return False
+        self._lose(rank, f"prefill rank {rank} dropped this rank: {msg.reason}")
+        self._reconnect(peer, f"prefill rank {rank} had dropped it")
+        return True
+
+    def _reconnect(self, peer: _PrefillPeer, why: str) -> None:
+        """Say hello again to a live rank that was lost (one side timed the other out): a fresh
+        socket, and the prefill rank replaces its old entry of this rank."""
+        log.info("decode rank %d: %s; saying hello again", self.layout.tp_rank, why)
+        self._connect(peer.registration)
 
     def _on_ack(self, peer: _PrefillPeer, ack: HelloAck) -> None:
         if ack.error:
@@ -448,13 +481,19 @@ class DecodeKVManager:
         now = time.monotonic()
         cfg = self.config
         for rank, peer in self._peers.items():
-            if peer.state is _PeerState.READY:
+            if peer.state in (_PeerState.READY, _PeerState.LOST):  # a lost rank is asked too: it may be alive
                 if now - peer.last_heartbeat >= cfg.heartbeat_interval_s:
                     peer.heartbeat_seq += 1
                     peer.last_heartbeat = now
-                    peer.socket.send(Heartbeat(seq=peer.heartbeat_seq, incarnation=self.incarnation).to_msgpack(),
-                                     zmq.NOBLOCK)
-                if now - peer.last_seen > cfg.heartbeat_timeout_s:
+                    try:
+                        peer.socket.send(Heartbeat(seq=peer.heartbeat_seq, incarnation=self.incarnation)
+                                         .to_msgpack(), zmq.NOBLOCK)
+                    except zmq.Again:  # a dead rank's queue is full: nothing to tell it
+                        pass
+                    if peer.unanswered_since is None:
+                        peer.unanswered_since = now
+            if peer.state is _PeerState.READY:
+                if self._silent(peer, now) > cfg.heartbeat_timeout_s:
                     self._lose(rank, f"prefill rank {rank} lost: no answer for {cfg.heartbeat_timeout_s:g} s")
             elif peer.state is _PeerState.CONNECTING and now - peer.since > cfg.handshake_timeout_s:
                 self._lose(rank, f"prefill rank {rank} did not answer its hello within {cfg.handshake_timeout_s:g} s")
@@ -492,7 +531,14 @@ class DecodeKVManager:
 
     def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
         """A ready rank silent for two heartbeat intervals (not lost yet)."""
-        return peer.state is _PeerState.READY and now - peer.last_seen > 2 * self.config.heartbeat_interval_s
+        return peer.state is _PeerState.READY and self._silent(peer, now) > 2 * self.config.heartbeat_interval_s
+
+    @staticmethod
+    def _silent(peer: _PrefillPeer, now: float) -> float:
+        """How long the rank has left a heartbeat unanswered. Counted from the heartbeat, not
+        from its last message: a rank answers heartbeats, so while this rank's own loop was
+        paused (a loaded machine) and sent none, its silence is not the peer's."""
+        return 0.0 if peer.unanswered_since is None else now - peer.unanswered_since
 
     def _reconnect_restarted(self) -> None:
         """Look the lost and suspect ranks up at the bootstrap service; a new incarnation

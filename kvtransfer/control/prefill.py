@@ -61,6 +61,7 @@ from kvtransfer.control.wire import (
     Heartbeat,
     HelloAck,
     KVArrived,
+    NotConnected,
     Quiesced,
     RegisterPrefill,
     TransferRequest,
@@ -211,6 +212,7 @@ class PrefillKVManager:
         self._failed: dict = {}  # request id -> (time, reason): failed; a late ask is told so
         self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
         self._by_identity: dict = {}  # routing id -> decode key
+        self._dropped: dict = {}  # routing id -> (time, reason, logged): sockets without a hello (NotConnected)
         self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
         self._bootstrap = BootstrapClient(bootstrap)
@@ -432,8 +434,7 @@ class PrefillKVManager:
                 continue
             key = self._by_identity.get(identity)
             if key is None:
-                log.warning("prefill rank %d dropped %s from a decode rank without a hello", self.layout.tp_rank,
-                            msg.KIND)
+                self._not_connected(identity, msg)
                 continue
             peer = self._decode.get(key)
             if peer is None:  # said goodbye or was dropped meanwhile
@@ -455,6 +456,23 @@ class PrefillKVManager:
             else:
                 log.warning("prefill rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
 
+    def _not_connected(self, identity: bytes, msg) -> None:
+        """A message from a socket without a hello: a decode rank dropped as lost (alive after
+        all: a loaded machine paused it past the heartbeat timeout) or a stranger. Answered
+        with NotConnected, so that a live decode rank fails what it asked of this rank and says
+        hello again; logged once per socket."""
+        when, reason, logged = self._dropped.get(identity, (time.monotonic(), "", False))
+        if not logged:
+            log.warning("prefill rank %d: %s from %s; answered not_connected", self.layout.tp_rank, msg.KIND,
+                        f"a decode rank it dropped ({reason})" if reason else "a socket without a hello")
+            self._dropped[identity] = (when, reason, True)
+        try:
+            self._router.send_multipart([identity, NotConnected(
+                incarnation=self.incarnation, reason=reason or "this prefill rank holds no hello of it").to_msgpack()],
+                zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("prefill rank %d cannot answer not_connected: %s", self.layout.tp_rank, exc)
+
     def _on_hello(self, identity: bytes, hello: DecodeHello) -> None:
         error = ""
         try:
@@ -466,8 +484,8 @@ class PrefillKVManager:
             error = str(exc)
         if not error:
             old = self._decode.pop(hello.key, None)
-            if old is not None:  # the decode rank restarted: its old requests cannot finish
-                self._drop_peer(old, f"decode rank {hello.key} said hello again (restarted)")
+            if old is not None:  # it restarted, or lost this rank and reconnects: its old requests cannot finish
+                self._drop_peer(old, f"decode rank {hello.key} said hello again (restarted or reconnecting)")
             connected = self._connect(hello, theirs)
             if isinstance(connected, str):
                 error = connected
@@ -478,6 +496,7 @@ class PrefillKVManager:
                     reads_from_me=self.layout.tp_rank in readers,
                     writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
                 self._by_identity[identity] = hello.key
+                self._dropped.pop(identity, None)
                 log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
@@ -572,6 +591,8 @@ class PrefillKVManager:
         for table in (self._aborted_early, self._failed):
             for rid in [r for r, (when, _) in table.items() if when < horizon]:
                 del table[rid]
+        for identity in [i for i, (when, _, _) in self._dropped.items() if when < horizon]:
+            del self._dropped[identity]  # a later message from it is answered all the same
 
     def _advance(self, out: _Outgoing) -> bool:
         """Poll the request's writes; True while some are in flight."""
@@ -612,6 +633,7 @@ class PrefillKVManager:
         log.warning("prefill rank %d: %s", self.layout.tp_rank, reason)
         self._fail_requests_of(peer.hello.key, reason)
         self._by_identity.pop(peer.identity, None)
+        self._dropped[peer.identity] = (time.monotonic(), reason, False)
         self._close_peer(peer)
 
     def _fail_requests_of(self, key: tuple, reason: str) -> None:

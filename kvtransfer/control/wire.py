@@ -15,7 +15,8 @@ Messages (who sends them):
   :class:`TransferRequest` per request, :class:`AbortRequest` either way,
   :class:`Quiesced` after a failure, :class:`Heartbeat` both ways, :class:`Goodbye`
   before a decode rank frees its memory (answered by a Goodbye once the prefill rank
-  can no longer write there); :class:`KVArrived` is the payload of a transport
+  can no longer write there), :class:`NotConnected` when a prefill rank gets a message from a
+  decode rank it holds no hello of (it dropped it as lost); :class:`KVArrived` is the payload of a transport
   notification (it arrives after the bytes it announces).
 
 Field types are the annotations: ``int``, ``str``, ``bytes``, ``bool``, ``float``, ``list``
@@ -394,3 +395,16 @@ class Goodbye(Message):
 
     KIND: ClassVar[str] = "goodbye"
     incarnation: str
+
+
+@dataclass(frozen=True)
+class NotConnected(Message):
+    """Prefill -> decode, the answer to any message but a hello from a socket this prefill rank
+    holds no hello of: it dropped that decode rank (``reason``: why; a rank silent for the
+    heartbeat timeout is dropped, and a loaded machine can pause a live one that long) or
+    never knew it. The decode rank fails what it asked of this prefill rank and says hello
+    again: the two are connected anew instead of each waiting for a restart of the other."""
+
+    KIND: ClassVar[str] = "not_connected"
+    incarnation: str
+    reason: str

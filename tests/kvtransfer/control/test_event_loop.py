@@ -225,3 +225,30 @@ def test_close_fails_jobs_it_did_not_run():
             late.result(timeout=5)
     with pytest.raises(RuntimeError, match="the manager is closed"):
         loop.call(lambda: None).result(timeout=5)
+
+
+def test_a_long_turn_and_a_late_loop_are_logged(monkeypatch, caplog):
+    """Heartbeats wait for the loop: a turn that takes long, or a loop kept from running (here
+    an inline call holds the turn), is logged with how long, naming the loop."""
+    from kvtransfer.control import common
+
+    monkeypatch.setattr(common, "STALL_LOG_S", 0.2)
+    loop = EventLoop("stall-loop", {}, lambda: 0.01)
+    loop.start()
+    try:
+        with caplog.at_level("WARNING", logger="kvtransfer.control"):
+            loop.call(time.sleep, 0.4).result(timeout=5)
+            loop.call(lambda: None).result(timeout=5)  # the turn after: the long one was logged
+            assert any(r.getMessage().startswith("control loop stall-loop: one turn took 0.")
+                       for r in caplog.records), caplog.text
+            caplog.clear()
+            me = threading.current_thread().name
+            for _ in range(5):  # inline runs here when the loop is between turns (nearly always)
+                if loop.call(lambda: (time.sleep(0.4), threading.current_thread().name)[1],
+                             inline=True).result(timeout=5) == me:
+                    break
+            loop.call(lambda: None).result(timeout=5)
+            assert any(r.getMessage().startswith("control loop stall-loop ran 0.") for r in caplog.records), \
+                caplog.text
+    finally:
+        loop.close()

@@ -65,8 +65,8 @@ def test_constructing_a_bad_message_fails_here_not_at_the_peer():
 
 
 def test_decode_prefill_messages_round_trip():
-    from kvtransfer.control.wire import (AbortRequest, DecodeHello, Heartbeat, HelloAck, KVArrived, Quiesced,
-                                         TransferRequest)
+    from kvtransfer.control.wire import (AbortRequest, DecodeHello, Heartbeat, HelloAck, KVArrived, NotConnected,
+                                         Quiesced, TransferRequest)
 
     msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h",
                         endpoints=[endpoint(name="d0"), endpoint("nvlink", "d0-nvlink")], layout=b"l", incarnation="i"),
@@ -75,7 +75,8 @@ def test_decode_prefill_messages_round_trip():
                             prefix_tokens=0, state_slot=-1),
             KVArrived(request_id="r", part="kv", seq=0, total=1, aux=b"\x07" * 16), AbortRequest(request_id="r", reason="client"),
             Quiesced(request_id="r"),
-            Heartbeat(seq=1, incarnation="p")]
+            Heartbeat(seq=1, incarnation="p"),
+            NotConnected(incarnation="p", reason="decode rank ('decode-a', 0) lost: no heartbeat for 5 s")]
     for msg in msgs:
         assert decode(msg.to_msgpack()) == msg
 
