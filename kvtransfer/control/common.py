@@ -334,10 +334,10 @@ class EventLoop:
         """Say so when the loop ran late (the process got no CPU, or another thread held the
         GIL or an inline turn) or a turn took long: a peer may time this rank out meanwhile."""
         if late > STALL_LOG_S:
-            log.warning("control loop %s ran %.1f s late (the process got no CPU or GIL meanwhile; peers see "
-                        "no heartbeat)", self._thread.name, late)
+            log.warning("control loop %s ran %.1f s late (an inline call held its turn, or the process got no CPU "
+                        "or GIL; peers saw no heartbeat meanwhile)", self._thread.name, late)
         if turn > STALL_LOG_S:
-            log.warning("control loop %s: one turn took %.1f s (peers see no heartbeat meanwhile)",
+            log.warning("control loop %s: one turn took %.1f s (peers saw no heartbeat meanwhile)",
                         self._thread.name, turn)
 
     def _one_turn(self, woken: bool) -> float:

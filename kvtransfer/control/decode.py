@@ -34,8 +34,9 @@ so a rank that was killed and came back is reconnected without waiting for the t
 A lost rank is still sent heartbeats: one that answers was alive after all (one side's loop
 was paused past the timeout), and this rank says hello to it again; so it does when a prefill
 rank answers ``NotConnected`` (it dropped this rank as lost). Silence is counted from the first
-unanswered heartbeat, not from the last message: a pause of this rank's own loop is not the
-peer's silence.
+unanswered heartbeat, not from the last message, and what came during a long turn is read
+before a rank is called lost: a pause of this rank's own loop is not the peer's silence (the
+prefill manager likewise reads its socket before it drops a decode rank).
 
 Threads: as for the prefill manager, every transport and socket call happens in a turn of the
 event loop (here always on its thread).
@@ -480,6 +481,7 @@ class DecodeKVManager:
                 self._on_arrived(note.sender, note.payload)
         now = time.monotonic()
         cfg = self.config
+        silent = []
         for rank, peer in self._peers.items():
             if peer.state in (_PeerState.READY, _PeerState.LOST):  # a lost rank is asked too: it may be alive
                 if now - peer.last_heartbeat >= cfg.heartbeat_interval_s:
@@ -494,9 +496,15 @@ class DecodeKVManager:
                         peer.unanswered_since = now
             if peer.state is _PeerState.READY:
                 if self._silent(peer, now) > cfg.heartbeat_timeout_s:
-                    self._lose(rank, f"prefill rank {rank} lost: no answer for {cfg.heartbeat_timeout_s:g} s")
+                    silent.append(peer)
             elif peer.state is _PeerState.CONNECTING and now - peer.since > cfg.handshake_timeout_s:
                 self._lose(rank, f"prefill rank {rank} did not answer its hello within {cfg.handshake_timeout_s:g} s")
+        for peer in silent:  # read what came meanwhile first: a long turn here is this rank's pause
+            self._on_socket(peer)
+            rank = peer.registration.tp_rank
+            if self._peers[rank] is peer and peer.state is _PeerState.READY \
+                    and self._silent(peer, now) > cfg.heartbeat_timeout_s:
+                self._lose(rank, f"prefill rank {rank} lost: no answer for {cfg.heartbeat_timeout_s:g} s")
         doubtful = any(p.state is _PeerState.LOST or self._suspect(p, now) for p in self._peers.values())
         if doubtful and now - self._last_lookup > LOOKUP_INTERVAL_S:
             self._last_lookup = now

@@ -574,6 +574,10 @@ class PrefillKVManager:
                 self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
                                             zmq.NOBLOCK)
         lost = [p for p in self._decode.values() if now - p.last_seen > self.config.heartbeat_timeout_s]
+        if lost:  # read what came meanwhile first: a long turn here is this rank's pause, not their silence
+            self._on_router()
+            lost = [p for p in lost if self._decode.get(p.hello.key) is p
+                    and now - p.last_seen > self.config.heartbeat_timeout_s]
         for peer in lost:
             self._decode.pop(peer.hello.key, None)
             self._drop_peer(peer, f"decode rank {peer.hello.key} lost: no heartbeat for "

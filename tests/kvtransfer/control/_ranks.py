@@ -93,6 +93,16 @@ class Released:
 
 
 @dataclass(frozen=True)
+class HoldLoop:
+    """Either side: one turn of the manager's loop runs its tick (after 0.3 s: a heartbeat is
+    due by then), is held ``seconds``, and runs the tick again, as a turn slowed by a loaded
+    machine would: what arrives meanwhile (the heartbeat's answer) is not read yet. Reply once
+    it has run."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Stats:
     """Reply ``{"free_pages", "requests", "threads"}``."""
 
@@ -218,6 +228,26 @@ class _Rank:
             handle.close()
             self.give_back(cmd.request_id)
             return time.monotonic() - t0
+        if isinstance(cmd, HoldLoop):
+            import threading
+
+            loop, done = self.manager._loop, threading.Event()
+            tick = loop._tick
+
+            def held():
+                loop._tick = tick
+                try:
+                    time.sleep(0.3)
+                    tick()
+                    time.sleep(cmd.seconds)
+                    return tick()
+                finally:
+                    done.set()
+            loop._tick = held
+            loop.wake()
+            if not done.wait(cmd.seconds + 30):
+                raise RuntimeError("the held tick did not run")
+            return None
         if isinstance(cmd, Stats):
             import threading
 

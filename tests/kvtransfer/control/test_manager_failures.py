@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvtransfer.control.bootstrap import BootstrapService
-from tests.kvtransfer.control._ranks import (Abort, Prefill, RankProcess, RankSpec, Receive, Released, Stats, Verify,
-                                             Wait, wait_forgotten)
+from tests.kvtransfer.control._ranks import (Abort, HoldLoop, Prefill, RankProcess, RankSpec, Receive, Released,
+                                             SendLast, Stats, Verify, Wait, wait_forgotten)
 from tests._stop import stop
 
 FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 30.0}
@@ -156,10 +156,11 @@ def paused(rank):
     return pause()
 
 
-def one_request_in_flight(bootstrap, ranks, rid):
-    """A prefill and a decode rank, and request ``rid`` half written between them."""
-    prefill = ranks(prefill_spec(bootstrap, 0, 1))
-    decode = ranks(decode_spec(bootstrap))
+def one_request_in_flight(bootstrap, ranks, rid, prefill=FAST, decode=FAST):
+    """A prefill and a decode rank (control configs ``prefill`` and ``decode``), and request
+    ``rid`` half written between them."""
+    prefill = ranks(prefill_spec(bootstrap, 0, 1, config=prefill))
+    decode = ranks(decode_spec(bootstrap, config=decode))
     decode.call(Receive(rid, 20))
     prefill.call(Prefill(rid, 20, (10, 10), hold_last=True))
     until_state(prefill, rid, "Transferring")
@@ -207,6 +208,23 @@ def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected
     state, reason = prefill.call(Wait("paused", timeout_s=20))
     assert state == "Failed" and "decode rank ('decode-a', 0)" in reason, reason
     assert_lands(prefill, decode, "after")
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_turn_longer_than_the_heartbeat_timeout_loses_no_peer(bootstrap, ranks, side):
+    """A rank whose own turn ran past the heartbeat timeout (a loaded machine) has not read
+    what came meanwhile: it reads it before it calls a peer lost, so the request in flight
+    lands. (The peer, patient here, saw no heartbeat or answer meanwhile: with its own timeout
+    it would rightly lose this rank.)"""
+    patient = {**FAST, "heartbeat_timeout_s": 20.0}
+    configs = {"prefill": FAST, "decode": patient} if side == "prefill" else {"prefill": patient, "decode": FAST}
+    prefill, decode = one_request_in_flight(bootstrap, ranks, "held", **configs)
+    (prefill if side == "prefill" else decode).call(HoldLoop(2.5))  # FAST: lost after 1.5 s of silence
+    prefill.call(SendLast("held"))
+    assert decode.call(Wait("held")) == ("Success", None)
+    assert prefill.call(Wait("held")) == ("Success", None)
+    assert decode.call(Verify("held"))[0] == 0
+    assert decode.call(Stats())["ready_senders"] == [0]
 
 
 def test_a_request_made_while_its_prefill_rank_is_away_waits_for_the_rank_to_come_back(bootstrap, ranks):
