@@ -4,6 +4,7 @@ layouts that cannot exchange data, and hundreds of requests in flight at once.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -141,19 +142,15 @@ def wait_ready(decode, senders, timeout_s=20.0):
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
 def paused(rank):
     """``with paused(rank):`` every thread of the rank's process stopped (SIGSTOP), as a
     loaded machine can stop a live one, then running again."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def pause():
-        stop(rank.child.proc.pid)
-        try:
-            yield
-        finally:
-            os.kill(rank.child.proc.pid, signal.SIGCONT)
-    return pause()
+    stop(rank.child.proc.pid)
+    try:
+        yield
+    finally:
+        os.kill(rank.child.proc.pid, signal.SIGCONT)
 
 
 def one_request_in_flight(bootstrap, ranks, rid, prefill=FAST, decode=FAST):
