@@ -30,6 +30,11 @@ Transferring, Success (every write of the last chunk is done) or Failed
 transfer timeout passed). A failed request's writes are aborted; once none is in flight the
 manager sends ``Quiesced`` so decode may reuse the pages.
 
+A decode rank that sends no heartbeat for ``heartbeat_timeout_s`` is dropped (its requests
+fail; what came on the socket meanwhile is read first). If it was only paused, its next message
+is answered ``NotConnected`` and it says hello again; a hello from a known rank replaces the old
+entry (its requests fail, its transport peer is closed with drain) before it is acknowledged.
+
 Threads: every transport call and socket operation happens in a turn of the manager's event
 loop, one at a time: on its thread, or, for ``send()`` while the loop is between turns, on the
 caller's thread (no thread switch on the way to the post; ``EventLoop.call(inline=True)``);
