@@ -9,6 +9,7 @@ byte on its own.
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -229,8 +230,6 @@ class _Rank:
             self.give_back(cmd.request_id)
             return time.monotonic() - t0
         if isinstance(cmd, HoldLoop):
-            import threading
-
             loop, done = self.manager._loop, threading.Event()
             tick = loop._tick
 
@@ -249,8 +248,6 @@ class _Rank:
                 raise RuntimeError("the held tick did not run")
             return None
         if isinstance(cmd, Stats):
-            import threading
-
             stats = {"free_pages": len(self.free_pages), "requests": self.manager.num_requests,
                      "threads": threading.active_count()}
             if self.spec.role == "decode":

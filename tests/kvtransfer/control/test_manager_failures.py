@@ -52,6 +52,15 @@ def until_state(rank, rid, state, timeout_s=20.0):
     raise AssertionError(f"{rank.name}: request {rid} is {got}, not {state}, after {timeout_s} s")
 
 
+def wait_ready(decode, senders, timeout_s=20.0):
+    """Poll until the decode rank's ready prefill ranks are ``senders`` (a sorted list), or fail
+    naming what they are."""
+    deadline = time.monotonic() + timeout_s
+    while (ready := decode.call(Stats())["ready_senders"]) != senders:
+        assert time.monotonic() < deadline, f"{decode.name}: ready senders {ready}, not {senders}, after {timeout_s} s"
+        time.sleep(0.05)
+
+
 def prefill_spec(bootstrap, tp_rank, tp_size, **kw):
     return RankSpec("prefill", tp_rank, tp_size, 16, bootstrap, **{"config": FAST, **kw})
 
@@ -81,10 +90,7 @@ def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(
     decode.call(Released("while-down"))
     # restart rank 1: it registers again, decode reconnects by itself
     prefill[1] = ranks(prefill_spec(bootstrap, 1, 2))
-    deadline = time.monotonic() + 20
-    while decode.call(Stats())["ready_senders"] != [0, 1] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert decode.call(Stats())["ready_senders"] == [0, 1]
+    wait_ready(decode, [0, 1])
     decode.call(Receive("again", 30))
     for p in prefill:
         p.call(Prefill("again", 30, (30,)))
@@ -133,13 +139,6 @@ def test_an_ask_that_comes_after_prefill_aborted_is_told_at_once(bootstrap, rank
     state, reason = decode.call(Wait("late-ask", timeout_s=10))
     assert state == "Failed" and "prefill rank 0: out of memory" in reason
     assert decode.call(Released("late-ask")) < 10
-
-
-def wait_ready(decode, senders, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while (ready := decode.call(Stats())["ready_senders"]) != senders:
-        assert time.monotonic() < deadline, f"{decode.name}: ready senders {ready}, not {senders}, after {timeout_s} s"
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -229,10 +228,7 @@ def test_a_request_made_while_its_prefill_rank_is_away_waits_for_the_rank_to_com
     prefill = ranks(prefill_spec(bootstrap, 0, 1))
     decode = ranks(decode_spec(bootstrap, config=patient))
     prefill.close()  # says goodbye: lost at once
-    deadline = time.monotonic() + 10
-    while decode.call(Stats())["ready_senders"]:
-        assert time.monotonic() < deadline, "the decode rank did not see its prefill rank leave"
-        time.sleep(0.05)
+    wait_ready(decode, [], timeout_s=10)  # the decode rank saw its prefill rank leave
     decode.call(Receive("across", 24))
     assert decode.call(Wait("across", timeout_s=0.5)) == ("Bootstrapping", None)  # held, not failed
     prefill = ranks(prefill_spec(bootstrap, 0, 1))  # a new incarnation registers
