@@ -218,10 +218,11 @@ class Writer:
         self.expect(_writer.Connected, pump=pump)
 
     def write(self, tag: int, region: int, offset: int, length: int, pump=None,
-              delay_s: float = 0.0) -> "_writer.Posted":
+              delay_s: float = 0.0, notify: bytes = b"") -> "_writer.Posted":
         """Start a write (its first one waits for the owner's hold acknowledgement: ``pump``;
-        ``delay_s``: nvlink's copy starts that long after the post)."""
-        self.conn.send(_writer.Write(tag, region, offset, length, delay_s))
+        ``delay_s``: nvlink's copy starts that long after the post; ``notify``: its
+        notification)."""
+        self.conn.send(_writer.Write(tag, region, offset, length, delay_s, notify))
         return self.expect(_writer.Posted, pump=pump)
 
     def wait_finished(self, tag: int, timeout=30.0, pump=None) -> "_writer.Finished":

@@ -17,6 +17,7 @@ pending write ended), :class:`Bye`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,8 @@ class Write:
     offset: int  # byte offset in it (the source is read from byte 0)
     length: int
     delay_s: float = 0.0  # nvlink: the copy starts this long after the post; nvlink-cpu: the stand-in ends then
+    notify: bytes = b""  # the write's notification (none when empty)
+    hold_gil_s: int = 0  # after the post, hold the GIL this many seconds (one C call) before answering
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,13 @@ def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=
             elif isinstance(cmd, Write):
                 _delay(backend, transport, cmd.delay_s)
                 try:
-                    tr = peer.write(WriteBatch.of([sid], [0], [cmd.region], [cmd.offset], [cmd.length]))
+                    tr = peer.write(WriteBatch.of([sid], [0], [cmd.region], [cmd.offset], [cmd.length]),
+                                    notify=cmd.notify or None)
                 except Exception as exc:
                     conn.send(Posted(cmd.tag, "RAISED", f"{type(exc).__name__}: {exc}"))
                     continue
+                if cmd.hold_gil_s:
+                    ctypes.PyDLL(None).sleep(cmd.hold_gil_s)  # libc's sleep(3), called with the GIL held
                 conn.send(Posted(cmd.tag, tr.status().name, tr.error or ""))
                 pending[cmd.tag] = tr
             else:

@@ -42,11 +42,14 @@ import struct
 import threading
 import uuid
 from collections import deque
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from transport.base import Notification, TransportError
 from transport.nvlink.word import ORDERED, SharedWord, WordView
 from transport.revocation import wire
+
+if TYPE_CHECKING:
+    from transport.nvlink.lander import Lander
 
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
 
@@ -305,6 +308,7 @@ class Outbox:
         self._announced = 0  # notifications sent, numbered from 1
         self._settled = 0  # the highest number settled (what the word says)
         self._word: Optional[SharedWord] = None
+        self._lander = None  # the thread that stores the word instead of settle() (land_with)
         try:
             if ORDERED if landed_word is None else landed_word:
                 self._word = SharedWord()  # how many notifications landed (module doc)
@@ -328,6 +332,19 @@ class Outbox:
         except OSError as exc:
             self.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
+
+    def land_with(self, make: Callable[[SharedWord], "Lander"]) -> None:
+        """From now on the word is stored by ``make(word)``, a
+        :class:`~transport.nvlink.lander.Lander` (its thread stores each number once the event
+        given to :meth:`announce` completed; :meth:`settle` is then refused and :meth:`withdraw`
+        takes its place). Nothing without a word. Called before the first announcement."""
+        if self._word is not None and self._announced == 0:
+            self._lander = make(self._word)
+
+    @property
+    def watching(self) -> bool:
+        """A lander stores the word (:meth:`land_with`)."""
+        return self._lander is not None
 
     @property
     def early(self) -> bool:
@@ -361,23 +378,52 @@ class Outbox:
             self.lost = True
         return _frames(self._buf)
 
-    def announce(self, payload: bytes) -> int:
+    def announce(self, payload: bytes, event=None) -> int:
         """Send a notification whose bytes have not landed yet; return its number, which
-        :meth:`settle` releases (numbers are settled in order). ``OSError`` when the socket
-        refuses it (peer gone, or no room for ``timeout_s``); ``ValueError`` for a payload that
-        starts with :data:`~transport.revocation.wire.MAGIC` (the receiver would take it for a
-        control message and not count it: every later number would name the next one)."""
+        :meth:`settle` releases (numbers are settled in order), or with a lander, its thread
+        once ``event`` (recorded after the copy; required then) completed. ``OSError`` when the
+        socket refuses it (peer gone, or no room for ``timeout_s``); ``ValueError`` for a
+        payload that starts with :data:`~transport.revocation.wire.MAGIC` (the receiver would
+        take it for a control message and not count it: every later number would name the next
+        one)."""
         if payload.startswith(wire.MAGIC):
             raise ValueError("a notification may not start with the control messages' magic bytes")
-        with self._send_lock:
+        if self._lander is not None and event is None:
+            raise ValueError("a lander releases a notification once its event completed: the event is needed")
+        with self._send_lock:  # numbers are watched in the order they are sent
             self._sendall(payload)
             self._announced += 1
+            if self._lander is not None:
+                self._lander.watch(self._announced, event)
             return self._announced
+
+    def landed(self, number: int) -> bool:
+        """The lander has released notification ``number`` (False without a lander)."""
+        return self._lander is not None and self._lander.landed(number)
+
+    def withdraw(self, number: int) -> bool:
+        """With a lander: withdraw announced notification ``number`` now, out of order -- the
+        thread stops at it, the receiver is sent its Dropped, then the thread goes on -- or
+        False when the thread has released it already (its bytes landed; the receiver may have
+        handed it out). A connection that ended takes nothing more: True."""
+        if self._lander is None:
+            raise RuntimeError("withdraw() is the lander's; without one, settle(number, landed=False)")
+        if not self._lander.withdraw(number):
+            return False
+        try:
+            self.send_control(wire.encode(wire.Dropped(number)))
+        except OSError:  # the connection ended: the receiver drops every notification it holds
+            pass
+        finally:
+            self._lander.release(number)
+        return True
 
     def settle(self, number: int, landed: bool = True) -> None:
         """Notification ``number`` and every one before it are settled: landed, the receiver
         hands them out (one store into the shared word); not ``landed``, it is withdrawn first
         (a :class:`~transport.revocation.wire.Dropped`; ``OSError`` if the socket refuses it)."""
+        if self._lander is not None:
+            raise RuntimeError("a lander stores this outbox's word: withdraw() a failed notification")
         if not 0 < number <= self._announced or number <= self._settled:
             raise ValueError(f"notification {number} cannot be settled: {self._settled} of "
                              f"{self._announced} announced are")
@@ -416,5 +462,7 @@ class Outbox:
     def close(self) -> None:
         self.shutdown()
         self._sock.close()
+        if self._lander is not None:
+            self._lander.close()  # before the word goes: its thread stores into it
         if self._word is not None:
             self._word.close()

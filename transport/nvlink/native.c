@@ -24,16 +24,26 @@
  *     once the runtime made a device current.
  * event_create() / event_destroy(event)
  *     a raw event without timing, as an int.
+ * lander_new(word_addr) and lander_watch / lander_withdraw / lander_release /
+ * lander_landed / lander_passed / lander_close
+ *     a thread of its own (no Python, no GIL) that stores into a mailbox's landed word the
+ *     number of each watched notification once its copy's event completed, in order
+ *     (transport/nvlink/lander.py says what each call promises).
  *
  * Driver errors raise the class given to set_error_class(cls) (RuntimeError before), naming
  * the call and the CUresult. Every function runs with
- * the GIL held: each is a few microseconds and touches no Python object after the driver call.
+ * the GIL held: each is a few microseconds and touches no Python object after the driver call
+ * (lander_close lets the GIL go while it joins the lander's thread).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef void *CUstream;
@@ -55,6 +65,11 @@ static CUresult (*cu_func_get_param_info)(CUfunction, size_t, size_t *, size_t *
 static CUresult (*cu_get_error_name)(CUresult, const char **);
 static CUresult (*cu_ctx_get_current)(void **);
 static CUresult (*cu_ctx_get_device)(int *);
+static CUresult (*cu_event_query)(CUevent);
+static CUresult (*cu_ctx_set_current)(void *);
+static CUresult (*cu_device_get)(int *, int);
+static CUresult (*cu_primary_ctx_retain)(void **, int);
+static CUresult (*cu_primary_ctx_release)(int);
 static int driver_loaded = 0;
 static PyObject *error_class = NULL;  /* what a driver error raises (set_error_class; RuntimeError) */
 
@@ -194,6 +209,11 @@ static PyObject *load_driver(PyObject *self, PyObject *unused) {
         {(void **)&cu_get_error_name, "cuGetErrorName", 1},
         {(void **)&cu_ctx_get_current, "cuCtxGetCurrent", 1},
         {(void **)&cu_ctx_get_device, "cuCtxGetDevice", 1},
+        {(void **)&cu_event_query, "cuEventQuery", 1},
+        {(void **)&cu_ctx_set_current, "cuCtxSetCurrent", 1},
+        {(void **)&cu_device_get, "cuDeviceGet", 1},
+        {(void **)&cu_primary_ctx_retain, "cuDevicePrimaryCtxRetain", 1},
+        {(void **)&cu_primary_ctx_release, "cuDevicePrimaryCtxRelease_v2", 1},
         {(void **)&cu_func_get_param_info, "cuFuncGetParamInfo", 0},  /* CUDA 12.4 and later */
     };
     for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
@@ -337,6 +357,337 @@ static PyObject *event_destroy(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* -- lander ------------------------------------------------------------------------------- */
+
+/* A thread that waits, in order, on the completion events of the notifications a mailbox
+ * announced and stores each one's number into the landed word once its event completed: the
+ * receiver then hands the notification out (transport/nvlink/mailbox.py). No Python and no GIL
+ * in the thread, so a caller that holds the GIL does not hold the notification.
+ *
+ * A notification being withdrawn (its write failed or was aborted) is HELD: the thread stops at
+ * it, storing nothing past it, until Python has sent the receiver its Dropped and releases it
+ * (SKIP); then it goes on. A number <= landed was stored and can no longer be withdrawn. The
+ * events stay Python's: it keeps each one alive until `passed` reaches its number. */
+
+enum { WATCHING = 0, HELD = 1, SKIP = 2 };
+#define CUDA_ERROR_NOT_READY 600
+#define SPIN_NS 2000000LL       /* query without pause for the first 2 ms of a wait */
+#define NAP_NS 20000LL          /* then every 20 us */
+#define LONG_WAIT_NS 100000000LL /* and past 100 ms, every 1 ms */
+
+#define MAX_DEVICES 64
+
+typedef struct {
+    uint64_t number;
+    CUevent event;
+    int device;  /* the event's: its context is made current before the thread queries it */
+    int state;
+    int faulted; /* the event's query failed: the thread waits for Python to withdraw it */
+} landing;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    volatile uint64_t *word;
+    void *ctxs[MAX_DEVICES];  /* primary contexts the thread retained, by device ordinal */
+    landing *ring;  /* a growing circular queue: head, count, cap */
+    size_t head, count, cap;
+    uint64_t watched, landed, passed;
+    int closing, running;
+    pthread_t thread;
+} lander;
+
+static const char *LANDER = "kvtransfer.lander";
+
+static long long since_ns(const struct timespec *start) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - start->tv_sec) * 1000000000LL + (now.tv_nsec - start->tv_nsec);
+}
+
+static void nap(long long ns) {
+    struct timespec t = {0, (long)ns};
+    nanosleep(&t, NULL);
+}
+
+/* 0: the event completed; 1: its query failed; 2: the lander is closing; 3: Python withdrew
+ * and released the landing while its copy still ran (a copy that may never end: the thread
+ * does not wait for it). */
+static int await_event(lander *l, CUevent event) {
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        CUresult rc = cu_event_query(event);
+        if (rc == 0)
+            return 0;
+        if (rc != CUDA_ERROR_NOT_READY)
+            return 1;
+        if (__atomic_load_n(&l->closing, __ATOMIC_ACQUIRE))
+            return 2;
+        long long waited = since_ns(&start);
+        if (waited <= SPIN_NS)
+            continue;
+        pthread_mutex_lock(&l->mu);
+        int skip = l->ring[l->head].state == SKIP;
+        pthread_mutex_unlock(&l->mu);
+        if (skip)
+            return 3;
+        nap(waited > LONG_WAIT_NS ? 1000000LL : NAP_NS);
+    }
+}
+
+static void pop_front(lander *l) {
+    l->passed = l->ring[l->head].number;
+    l->head = (l->head + 1) % l->cap;
+    l->count--;
+}
+
+/* Make device's primary context current on the lander's thread (retained at its first use,
+ * released when the thread ends); 0 when the driver refuses it. */
+static int use_device(lander *l, int device, int *current) {
+    if (device == *current)
+        return 1;
+    int dev;
+    if (device < 0 || device >= MAX_DEVICES || cu_device_get(&dev, device) != 0)
+        return 0;
+    if (l->ctxs[device] == NULL && cu_primary_ctx_retain(&l->ctxs[device], dev) != 0) {
+        l->ctxs[device] = NULL;
+        return 0;
+    }
+    if (cu_ctx_set_current(l->ctxs[device]) != 0)
+        return 0;
+    *current = device;
+    return 1;
+}
+
+static void *lander_main(void *arg) {
+    lander *l = arg;
+    int current = -1;
+    pthread_mutex_lock(&l->mu);
+    while (!l->closing) {
+        if (l->count == 0) {
+            pthread_cond_wait(&l->cv, &l->mu);
+            continue;
+        }
+        landing *front = &l->ring[l->head];
+        if (front->state == SKIP) {
+            pop_front(l);
+            pthread_cond_broadcast(&l->cv);
+            continue;
+        }
+        if (front->state == HELD || front->faulted) {
+            pthread_cond_wait(&l->cv, &l->mu);  /* until Python withdrew it (or closes) */
+            continue;
+        }
+        CUevent event = front->event;
+        int device = front->device;
+        pthread_mutex_unlock(&l->mu);
+        int rc = use_device(l, device, &current) ? await_event(l, event) : 1;
+        pthread_mutex_lock(&l->mu);
+        front = &l->ring[l->head];  /* the ring may have grown meanwhile */
+        if (rc == 2)
+            break;
+        if (rc == 1 && front->state == WATCHING) {
+            front->faulted = 1;
+            continue;
+        }
+        if (front->state == WATCHING) {
+            __atomic_store_n(l->word, front->number, __ATOMIC_RELEASE);
+            l->landed = front->number;
+            pop_front(l);
+            pthread_cond_broadcast(&l->cv);
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+    cu_ctx_set_current(NULL);
+    for (int d = 0; d < MAX_DEVICES; d++) {
+        int dev;
+        if (l->ctxs[d] != NULL && cu_device_get(&dev, d) == 0)
+            cu_primary_ctx_release(dev);
+    }
+    return NULL;
+}
+
+static void lander_stop(lander *l) {
+    pthread_mutex_lock(&l->mu);
+    int join = l->running;
+    l->running = 0;
+    __atomic_store_n(&l->closing, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    if (join)
+        pthread_join(l->thread, NULL);
+}
+
+static void lander_free(PyObject *capsule) {
+    lander *l = PyCapsule_GetPointer(capsule, LANDER);
+    if (l == NULL)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    lander_stop(l);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_destroy(&l->mu);
+    pthread_cond_destroy(&l->cv);
+    free(l->ring);
+    free(l);
+}
+
+static lander *as_lander(PyObject *obj) {
+    return PyCapsule_GetPointer(obj, LANDER);
+}
+
+static PyObject *lander_new(PyObject *self, PyObject *arg) {
+    void *word;
+    if (!need_driver() || !as_handle(arg, &word))
+        return NULL;
+    if (word == NULL || ((uintptr_t)word & 7) != 0)
+        return PyErr_Format(PyExc_ValueError, "lander_new() needs an 8-byte aligned word, got %p", word);
+    lander *l = calloc(1, sizeof *l);
+    landing *ring = calloc(64, sizeof *ring);
+    if (l == NULL || ring == NULL) {
+        free(l);
+        free(ring);
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv, NULL);
+    l->word = word;
+    l->ring = ring;
+    l->cap = 64;
+    int err = pthread_create(&l->thread, NULL, lander_main, l);
+    if (err != 0) {
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->cv);
+        free(ring);
+        free(l);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    l->running = 1;
+    PyObject *capsule = PyCapsule_New(l, LANDER, lander_free);
+    if (capsule == NULL) {
+        lander_stop(l);
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->cv);
+        free(ring);
+        free(l);
+    }
+    return capsule;
+}
+
+static PyObject *lander_watch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lander *l;
+    unsigned long long number;
+    void *event;
+    long long device;
+    if (!check_nargs("lander_watch", nargs, 4) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number)
+            || !as_handle(args[2], &event) || !as_i64(args[3], &device))
+        return NULL;
+    if (device < 0 || device >= MAX_DEVICES)
+        return PyErr_Format(PyExc_ValueError, "lander_watch(): device %lld out of range", device);
+    pthread_mutex_lock(&l->mu);
+    if (l->closing) {  /* the connection ended: nothing more is released */
+        pthread_mutex_unlock(&l->mu);
+        Py_RETURN_NONE;
+    }
+    if (number <= l->watched || event == NULL) {
+        unsigned long long last = l->watched;
+        pthread_mutex_unlock(&l->mu);
+        return PyErr_Format(PyExc_ValueError, "lander_watch(): notification %llu after %llu, event %p", number,
+                            last, event);
+    }
+    if (l->count == l->cap) {  /* grow, keeping the order: the front part first */
+        landing *ring = malloc(2 * l->cap * sizeof *ring);
+        if (ring == NULL) {
+            pthread_mutex_unlock(&l->mu);
+            return PyErr_NoMemory();
+        }
+        for (size_t i = 0; i < l->count; i++)
+            ring[i] = l->ring[(l->head + i) % l->cap];
+        free(l->ring);
+        l->ring = ring;
+        l->head = 0;
+        l->cap *= 2;
+    }
+    landing *slot = &l->ring[(l->head + l->count) % l->cap];
+    slot->number = number;
+    slot->event = event;
+    slot->device = (int)device;
+    slot->state = WATCHING;
+    slot->faulted = 0;
+    l->count++;
+    l->watched = number;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    Py_RETURN_NONE;
+}
+
+/* The watched landing of `number` (NULL: none, passed already or never watched). */
+static landing *find(lander *l, uint64_t number) {
+    for (size_t i = 0; i < l->count; i++) {
+        landing *e = &l->ring[(l->head + i) % l->cap];
+        if (e->number == number)
+            return e;
+    }
+    return NULL;
+}
+
+static PyObject *lander_withdraw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lander *l;
+    unsigned long long number;
+    if (!check_nargs("lander_withdraw", nargs, 2) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number))
+        return NULL;
+    pthread_mutex_lock(&l->mu);
+    int landed = number <= l->landed;
+    landing *e = find(l, number);
+    if (e != NULL && e->state == WATCHING)
+        e->state = HELD;
+    int unknown = !landed && e == NULL && !l->closing && number > l->passed;
+    pthread_mutex_unlock(&l->mu);
+    if (unknown)
+        return PyErr_Format(PyExc_ValueError, "lander_withdraw(): notification %llu was never watched", number);
+    return PyBool_FromLong(!landed);
+}
+
+static PyObject *lander_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lander *l;
+    unsigned long long number;
+    if (!check_nargs("lander_release", nargs, 2) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number))
+        return NULL;
+    pthread_mutex_lock(&l->mu);
+    landing *e = find(l, number);
+    if (e != NULL && e->state == HELD) {
+        e->state = SKIP;
+        pthread_cond_broadcast(&l->cv);
+    }
+    pthread_mutex_unlock(&l->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lander_counter(PyObject *capsule, int which) {
+    lander *l = as_lander(capsule);
+    if (l == NULL)
+        return NULL;
+    pthread_mutex_lock(&l->mu);
+    uint64_t v = which == 0 ? l->landed : l->passed;
+    pthread_mutex_unlock(&l->mu);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *lander_landed(PyObject *self, PyObject *capsule) { return lander_counter(capsule, 0); }
+
+static PyObject *lander_passed(PyObject *self, PyObject *capsule) { return lander_counter(capsule, 1); }
+
+static PyObject *lander_close(PyObject *self, PyObject *capsule) {
+    lander *l = as_lander(capsule);
+    if (l == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    lander_stop(l);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"stage", (PyCFunction)(void (*)(void))stage, METH_FASTCALL, "Copy two slot arrays in; True if in bounds."},
     {"same_bytes", (PyCFunction)(void (*)(void))same_bytes, METH_FASTCALL,
@@ -349,6 +700,14 @@ static PyMethodDef methods[] = {
     {"set_error_class", set_error_class, METH_O, "The exception class driver errors raise."},
     {"event_create", event_create, METH_NOARGS, "A raw event without timing."},
     {"event_destroy", event_destroy, METH_O, "Destroy a raw event."},
+    {"lander_new", lander_new, METH_O, "A lander storing into the word at an address."},
+    {"lander_watch", (PyCFunction)(void (*)(void))lander_watch, METH_FASTCALL, "Store a number once its event completed."},
+    {"lander_withdraw", (PyCFunction)(void (*)(void))lander_withdraw, METH_FASTCALL,
+     "Hold a number back (False: it landed already)."},
+    {"lander_release", (PyCFunction)(void (*)(void))lander_release, METH_FASTCALL, "Let the thread pass a held number."},
+    {"lander_landed", lander_landed, METH_O, "The highest number stored."},
+    {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
+    {"lander_close", lander_close, METH_O, "Stop the thread (nothing is stored after it)."},
     {NULL, NULL, 0, NULL},
 };
 

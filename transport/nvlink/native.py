@@ -85,7 +85,7 @@ def build() -> ModuleType:
         except OSError as exc:
             errors.append(f"{out}: {exc}")
             continue
-        cmd = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(_SOURCE), "-o", tmp, "-ldl"]
+        cmd = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(_SOURCE), "-o", tmp, "-ldl", "-pthread"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:

@@ -22,6 +22,7 @@ from transport.nvlink.fastpath import PairCache, build_plan
 from transport.nvlink.holds import Hold
 from transport.nvlink.job import PreparedWrite
 from transport.nvlink.kernel import SplitLaunch
+from transport.nvlink.lander import Lander
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
 from transport.nvlink.pending import PendingQueue
@@ -68,6 +69,9 @@ class NvlinkPeer(Peer):
                                             regions=self.regions)
             except MailboxUnreachable as exc:
                 raise NvlinkUnsupported(str(exc)) from None
+            steps = owner._native_steps()
+            if steps is not None:  # the landed word stored from C, without the GIL
+                self._queue.outbox.land_with(lambda word: Lander(steps, word, self._copy.device))
         except BaseException:
             self._release()
             raise

@@ -114,12 +114,21 @@ class PendingQueue:
             if t._status is not TransferStatus.PENDING:  # failed or aborted before: never sent
                 continue
             try:
-                t._number = self.outbox.announce(t._notify)
+                t._number = self.outbox.announce(t._notify, t._event)
             except OSError as exc:  # a peer gone refuses the send (EPIPE): no separate look first
                 t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
 
+    def withdraw(self, number: int) -> bool:
+        """A transfer failing with announced notification ``number``: with a lander, it is
+        withdrawn now (False: the lander released it already, the transfer is done); without
+        one, when the FIFO reaches it (:meth:`_withdraw`), and True."""
+        return self.outbox.withdraw(number) if self.outbox.watching else True
+
     def _withdraw(self, number: int) -> None:
-        """A failed transfer's announced notification: the peer never hands it out."""
+        """A failed transfer's announced notification, in FIFO order: the peer never hands it
+        out (with a lander, :meth:`withdraw` did it when the transfer failed)."""
+        if self.outbox.watching:
+            return
         try:
             self.outbox.settle(number, landed=False)
         except OSError:  # the connection ended: the peer drops every notification it holds
@@ -127,6 +136,9 @@ class PendingQueue:
 
     def _settle(self, t: NvlinkTransfer) -> bool:
         """Settle ``t`` if its copy finished or timed out; False while it is still running."""
+        if t._number is not None and self.outbox.landed(t._number):  # the lander released it
+            t._done()
+            return True
         try:
             finished = t._event.query()
         except Exception as exc:  # a CUDA error surfaces here (illegal address, ...)
@@ -147,6 +159,11 @@ class PendingQueue:
             if not self.outbox.alive():
                 t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True
+        elif self.outbox.watching:  # the lander stores the word within microseconds of the event
+            if not self.outbox.alive():
+                t._fail(f"peer {self.name!r} lost by the time the copy completed")
+                return True
+            return False
         else:
             try:
                 self.outbox.settle(t._number)

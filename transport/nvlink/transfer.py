@@ -84,6 +84,9 @@ class NvlinkTransfer(Transfer):
                 self._fail("aborted")
 
     def _fail(self, why: str) -> None:
+        if self._number is not None and not self._queue.withdraw(self._number):
+            self._done()  # a lander released its notification already: its bytes are in place
+            return
         self._status, self._error = TransferStatus.FAILED, why
         self._queue.bury(self._event, self._keep)  # the GPU may still read the tables
         self._keep = ()

@@ -50,6 +50,7 @@ class SharedWord:
             os.close(self.fd)
             raise
         self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
+        self.address = ctypes.addressof(self._cell)  # where a store from C goes (transport.nvlink.lander)
         self.value = 0
 
     def store(self, value: int) -> None:

@@ -1,0 +1,113 @@
+"""The landed word stored from C (:mod:`transport.nvlink.lander`), on a GPU: a notification is
+released while the writing process holds the GIL, an aborted or timed-out write's notification
+is withdrawn and the next one still comes, with the lander and with the progress thread."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.transport import _writer
+from tests.transport._support import SLOTS, TOKEN, check_landed, gpu_sleep, kv_batch, local_pair
+from transport.base import TransferFailed, TransferStatus
+from transport.nvlink.config import NvlinkConfig
+
+pytestmark = pytest.mark.gpu
+
+
+class _Notes:
+    """What ``owner.poll_notifications`` returned, kept (the writer's waits pump it too)."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.payloads: list[bytes] = []
+
+    def pump(self) -> None:
+        self.payloads += [n.payload for n in self.owner.poll_notifications()]
+
+    def wait(self, want: bytes, timeout: float, while_=lambda: True) -> bool:
+        """Pump until ``want`` came (True), ``timeout`` passed or ``while_()`` turned False."""
+        deadline = time.monotonic() + timeout
+        while want not in self.payloads and time.monotonic() < deadline and while_():
+            self.pump()
+            time.sleep(1e-3)
+        return want in self.payloads
+
+
+def test_a_writer_holding_the_gil_does_not_hold_its_notification(writer_proc):
+    """A writer process posts a write whose copy starts 0.3 s later, then holds its GIL for 3 s
+    in one C call: the notification comes out while the writer still holds it (the lander's
+    thread stored the word; the progress thread could not have run), then the bytes are
+    checked."""
+    import torch
+
+    from transport.nvlink import NvlinkTransport
+
+    nbytes = 1 << 20
+    torch.cuda.set_device(0)
+    mem = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    owner = NvlinkTransport()
+    try:
+        rid = owner.register_tensor(mem)
+        notes = _Notes(owner)
+        w = writer_proc(11, nbytes, backend="nvlink", device=0)
+        w.connect(owner.export(), pump=notes.pump)
+        w.write(0, rid, 0, nbytes, pump=notes.pump, notify=b"warm")
+        assert w.wait_finished(0, pump=notes.pump).status == "DONE"
+        assert notes.wait(b"warm", 30.0)
+        mem.zero_()
+        torch.cuda.synchronize()
+        w.conn.send(_writer.Write(1, rid, 0, nbytes, delay_s=0.3, notify=b"held", hold_gil_s=3))
+        came = notes.wait(b"held", 30.0, while_=lambda: not w.conn.poll())
+        assert came, "the notification did not come out while the writer held its GIL"
+        posted = w.expect(_writer.Posted, pump=notes.pump)
+        assert posted.status in ("PENDING", "DONE"), posted
+        assert w.wait_finished(1, pump=notes.pump).status == "DONE"
+        np.testing.assert_array_equal(mem.cpu().numpy(), w.source)
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["lander", "progress-thread"])
+def test_aborted_and_timed_out_writes_never_notify_and_the_next_ones_do(remote_any, native):
+    """A write queued behind 0.5 s of GPU work and aborted at once, then a write behind 3 s that
+    times out (1 s): neither notification ever comes; the write after each lands and notifies,
+    every byte checked. With the C steps the lander stores the word, without them the progress
+    thread does."""
+    import torch
+
+    buf_bytes = SLOTS * TOKEN
+    config = NvlinkConfig(native=native, transfer_timeout_s=1.0)
+    t, peer, src, dst_rids = local_pair(remote_any, 2, buf_bytes, config)
+    try:
+        assert peer._queue.outbox.watching is native
+        batch = kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(3), tokens=32)
+        tr = peer.write(batch, notify=b"warm")
+        tr.wait(timeout=60)
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, b"warm", sender=t.name)
+
+        gpu_sleep(0.5)
+        aborted = peer.write(batch, notify=b"aborted")
+        aborted.abort()
+        assert aborted.status() is TransferStatus.FAILED and aborted.error == "aborted"
+        after = peer.write(batch, notify=b"after abort")
+        after.wait(timeout=60)
+        assert after.status() is TransferStatus.DONE, after.error
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, b"after abort", sender=t.name)
+
+        gpu_sleep(3.0)
+        late = peer.write(batch, notify=b"timed out")
+        with pytest.raises(TransferFailed, match=r"copy did not complete within 1\.0 s"):
+            late.wait(timeout=60)
+        torch.cuda.synchronize()
+        t._copy_stream().synchronize()  # the late copy has ended
+        after = peer.write(batch, notify=b"after timeout")
+        after.wait(timeout=60)
+        assert after.status() is TransferStatus.DONE, after.error
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, b"after timeout", sender=t.name)
+        assert remote_any.wait_notify(b"aborted", 0.5) is None
+        assert remote_any.wait_notify(b"timed out", 0.5) is None
+    finally:
+        t.close()

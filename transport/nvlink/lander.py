@@ -1,0 +1,89 @@
+"""The landed word stored by a thread of C: a notification released without the GIL.
+
+Why
+---
+A write's notification goes out while its copy runs and the receiver holds it until the
+landed word passes its number (:mod:`transport.nvlink.mailbox`). Storing that number was the
+progress thread's job (:mod:`transport.nvlink.progress`): wake from the event, take the GIL,
+advance the FIFO under its lock, store. That is 10-15 us after the copy on an H200's host when
+the process is idle, and up to CPython's switch interval (5 ms) behind a caller that runs pure
+Python after posting (a scheduler's loop between layer-wise writes): bench/RESULTS.md.
+
+How
+---
+:class:`Lander` runs one thread per outbox, in C (``native.c``'s ``lander_*``), that never
+takes the GIL: it waits on each watched notification's completion event in turn (querying
+the event, without pause for 2 ms, then every 20 us, past 100 ms every 1 ms) and stores its
+number into the word with one release store. The rest stays in Python, in
+:mod:`transport.nvlink.pending`: transfers are marked DONE from :meth:`landed`, deadlines and
+CUDA errors fail them. A notification being withdrawn (:meth:`withdraw`) stops the thread at it
+-- nothing past it is stored -- until the receiver was sent its ``Dropped`` and :meth:`release`
+lets it go on, the order the mailbox's contract needs. A notification whose number the thread
+stored already cannot be withdrawn (the receiver may have handed it out): :meth:`withdraw`
+says so and the transfer counts as done.
+
+The events stay Python's objects (``torch.cuda.Event``): :class:`Lander` keeps each alive until
+the thread has passed its number. Only where the mailbox has a word (x86-64) and the C steps
+load (:mod:`transport.nvlink.native`); elsewhere the progress thread stores the word.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from types import ModuleType
+
+from transport.nvlink.word import SharedWord
+
+__all__ = ["Lander"]
+
+
+class Lander:
+    """The thread that stores ``word`` once each watched copy completed (querying each event
+    with its device's primary context current; ``device``: the one of events that do not say).
+    Calls come from any thread (each takes the lander's own mutex briefly); :meth:`close` stops
+    the thread, after which nothing is stored."""
+
+    def __init__(self, native: ModuleType, word: SharedWord, device: int):
+        self._native = native
+        self._word = word  # its memory must outlive the thread's last store
+        self._device = device
+        self._events: deque = deque()  # [(number, event)] the thread may still query
+        self._handle = native.lander_new(word.address)
+
+    def watch(self, number: int, event) -> None:
+        """Store ``number`` once ``event`` (a ``torch.cuda.Event`` recorded after the copy)
+        completed and every number before it is stored or withdrawn. Numbers come in
+        increasing order (``ValueError`` otherwise)."""
+        device = getattr(event, "device", None)  # the staged engine's is the peer GPU's
+        device = self._device if device is None or device.index is None else device.index
+        self._native.lander_watch(self._handle, number, event.cuda_event, device)
+        self._events.append((number, event))
+        self._forget_passed()
+
+    def landed(self, number: int) -> bool:
+        """The thread has stored ``number`` (or a later one) into the word."""
+        return self._native.lander_landed(self._handle) >= number
+
+    def withdraw(self, number: int) -> bool:
+        """Keep the thread from storing ``number`` or anything past it until :meth:`release`;
+        False when it stored ``number`` already (too late: it landed)."""
+        return self._native.lander_withdraw(self._handle, number)
+
+    def release(self, number: int) -> None:
+        """The receiver was told ``number`` is withdrawn: the thread may go past it."""
+        self._native.lander_release(self._handle, number)
+
+    def _forget_passed(self) -> None:
+        events = self._events
+        passed = self._native.lander_passed(self._handle)
+        while events and events[0][0] <= passed:
+            events.popleft()
+
+    def close(self) -> None:
+        """Stop the thread (it ends within one of its naps); idempotent."""
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            self._native.lander_close(handle)
+            self._events.clear()
+
+    __del__ = close
