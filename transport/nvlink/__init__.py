@@ -59,11 +59,15 @@ transport, started on the first write) advance each peer's FIFO of pending trans
 (:mod:`~transport.nvlink.pending`): send the new writes' notifications (bounded by
 ``peer_timeout_s``; a peer gone refuses them); query the event; on completion raise the landed
 word past its notification or, without one, check the peer is alive, and mark DONE. Between
-advances the thread waits on the oldest pending event (``synchronize()``, the GIL released),
-so the notification is released as soon as the copy ends; ``wait()`` sleeps until the
-transfer settles. A dead peer is FAILED at ``write`` (nothing is launched) or at completion;
+advances the thread waits on the oldest pending event (``synchronize()``, the GIL released);
+``wait()`` sleeps until the transfer settles. Where the C steps load
+(:mod:`~transport.nvlink.native`), the landed word is not the progress thread's: a thread of C
+per peer (:mod:`~transport.nvlink.lander`) waits on each notification's event and stores its
+number without the GIL, so a caller that holds the GIL after a write does not hold its
+notification. A dead peer is FAILED at ``write`` (nothing is launched) or at completion;
 a copy whose event has not completed after ``transfer_timeout_s`` is FAILED. ``abort`` marks a
-pending transfer FAILED and withdraws its notification; the kernel, once launched, still runs
+pending transfer FAILED and withdraws its notification (one the lander released already is
+DONE: its bytes landed); the kernel, once launched, still runs
 to completion, and a failed transfer keeps its tables until its copy ends.
 
 Deregistering exported memory (revocation)

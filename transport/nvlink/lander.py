@@ -14,7 +14,9 @@ How
 :class:`Lander` runs one thread per outbox, in C (``native.c``'s ``lander_*``), that never
 takes the GIL: it waits on each watched notification's completion event in turn (querying
 the event, without pause for 2 ms, then every 20 us, past 100 ms every 1 ms) and stores its
-number into the word with one release store. The rest stays in Python, in
+number into the word with one release store. A caller that finds the copy already complete
+(the write call's first look, :mod:`transport.nvlink.pending`) stores it itself
+(:meth:`land`): a short copy does not wait for the thread to wake. The rest stays in Python, in
 :mod:`transport.nvlink.pending`: transfers are marked DONE from :meth:`landed`, deadlines and
 CUDA errors fail them. A notification being withdrawn (:meth:`withdraw`) stops the thread at it
 -- nothing past it is stored -- until the receiver was sent its ``Dropped`` and :meth:`release`
@@ -59,6 +61,12 @@ class Lander:
         self._native.lander_watch(self._handle, number, event.cuda_event, device)
         self._events.append((number, event))
         self._forget_passed()
+
+    def land(self) -> None:
+        """Store now, from this thread, the watched numbers whose events have completed (in
+        order, up to the first still running): a copy that ended before the write call returned
+        is released by the call itself, not after the thread's wake-up."""
+        self._native.lander_land(self._handle)
 
     def landed(self, number: int) -> bool:
         """The thread has stored ``number`` (or a later one) into the word."""

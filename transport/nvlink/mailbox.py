@@ -26,6 +26,10 @@ connection that ends drops what it still holds (those bytes were never said to b
 Where the CPU does not order memory as the word needs (:data:`~transport.nvlink.word.ORDERED`
 False: arm64), the writer makes no word and sends each notification once its copy completed;
 the receiver hands out the notifications of a connection without a word as they arrive.
+Where the C steps load, the word is stored by a thread of C that waits on each notification's
+copy event, without the GIL (:meth:`Outbox.land_with`, :mod:`transport.nvlink.lander`); a
+failed write's notification is then withdrawn at once (:meth:`Outbox.withdraw`), the thread
+held at it until the Dropped is sent.
 
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
@@ -397,9 +401,14 @@ class Outbox:
                 self._lander.watch(self._announced, event)
             return self._announced
 
-    def landed(self, number: int) -> bool:
-        """The lander has released notification ``number`` (False without a lander)."""
-        return self._lander is not None and self._lander.landed(number)
+    def landed(self, number: int, look: bool = False) -> bool:
+        """The lander has released notification ``number`` (False without a lander); ``look``:
+        first release, from this thread, what has completed (:meth:`Lander.land`)."""
+        if self._lander is None:
+            return False
+        if look:
+            self._lander.land()
+        return self._lander.landed(number)
 
     def withdraw(self, number: int) -> bool:
         """With a lander: withdraw announced notification ``number`` now, out of order -- the

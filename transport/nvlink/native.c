@@ -24,7 +24,7 @@
  *     once the runtime made a device current.
  * event_create() / event_destroy(event)
  *     a raw event without timing, as an int.
- * lander_new(word_addr) and lander_watch / lander_withdraw / lander_release /
+ * lander_new(word_addr) and lander_watch / lander_land / lander_withdraw / lander_release /
  * lander_landed / lander_passed / lander_close
  *     a thread of its own (no Python, no GIL) that stores into a mailbox's landed word the
  *     number of each watched notification once its copy's event completed, in order
@@ -393,6 +393,7 @@ typedef struct {
     landing *ring;  /* a growing circular queue: head, count, cap */
     size_t head, count, cap;
     uint64_t watched, landed, passed;
+    uint64_t busy;  /* the number whose event the thread queries outside the mutex (0: none) */
     int closing, running;
     pthread_t thread;
 } lander;
@@ -480,13 +481,18 @@ static void *lander_main(void *arg) {
             continue;
         }
         CUevent event = front->event;
+        uint64_t number = front->number;
         int device = front->device;
+        l->busy = number;  /* its event stays alive while the thread queries it (lander_passed) */
         pthread_mutex_unlock(&l->mu);
         int rc = use_device(l, device, &current) ? await_event(l, event) : 1;
         pthread_mutex_lock(&l->mu);
-        front = &l->ring[l->head];  /* the ring may have grown meanwhile */
+        l->busy = 0;
         if (rc == 2)
             break;
+        front = &l->ring[l->head];  /* the ring may have grown meanwhile */
+        if (l->count == 0 || front->number != number)
+            continue;  /* lander_land() stored it from the caller's thread */
         if (rc == 1 && front->state == WATCHING) {
             front->faulted = 1;
             continue;
@@ -649,6 +655,35 @@ static PyObject *lander_withdraw(PyObject *self, PyObject *const *args, Py_ssize
     return PyBool_FromLong(!landed);
 }
 
+/* Store, from the calling thread, the front landings whose events have completed (the write
+ * call's own look: a copy that ended before the call returned is released without waiting for
+ * the lander's thread to wake). A query that is refused (another device's event) is left to
+ * the thread. */
+static PyObject *lander_land(PyObject *self, PyObject *capsule) {
+    lander *l = as_lander(capsule);
+    if (l == NULL)
+        return NULL;
+    pthread_mutex_lock(&l->mu);
+    size_t before = l->count;
+    while (!l->closing && l->count > 0) {
+        landing *front = &l->ring[l->head];
+        if (front->state == SKIP) {
+            pop_front(l);
+            continue;
+        }
+        /* a landing the thread could not query (faulted) is stored if this thread can */
+        if (front->state != WATCHING || cu_event_query(front->event) != 0)
+            break;
+        __atomic_store_n(l->word, front->number, __ATOMIC_RELEASE);
+        l->landed = front->number;
+        pop_front(l);
+    }
+    if (l->count != before)
+        pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *lander_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     lander *l;
     unsigned long long number;
@@ -670,6 +705,8 @@ static PyObject *lander_counter(PyObject *capsule, int which) {
         return NULL;
     pthread_mutex_lock(&l->mu);
     uint64_t v = which == 0 ? l->landed : l->passed;
+    if (which == 1 && l->busy != 0 && l->busy <= v)
+        v = l->busy - 1;  /* popped by lander_land() while the thread still queries its event */
     pthread_mutex_unlock(&l->mu);
     return PyLong_FromUnsignedLongLong(v);
 }
@@ -705,6 +742,7 @@ static PyMethodDef methods[] = {
     {"lander_withdraw", (PyCFunction)(void (*)(void))lander_withdraw, METH_FASTCALL,
      "Hold a number back (False: it landed already)."},
     {"lander_release", (PyCFunction)(void (*)(void))lander_release, METH_FASTCALL, "Let the thread pass a held number."},
+    {"lander_land", lander_land, METH_O, "Store, from this thread, what has completed at the front."},
     {"lander_landed", lander_landed, METH_O, "The highest number stored."},
     {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
     {"lander_close", lander_close, METH_O, "Stop the thread (nothing is stored after it)."},

@@ -10,7 +10,10 @@ Transfers settle in posting order, so notifications are released in the order th
 were posted: a finished copy waits for the ones before it. Settling a transfer: query its
 event; on completion release its notification (one store into the landed word) or, without
 one, check the peer is alive; then mark it DONE. A failed transfer's announced notification
-is withdrawn when the FIFO reaches it. A copy whose event has not completed after
+is withdrawn when the FIFO reaches it. With a lander (:mod:`transport.nvlink.lander`: the
+outbox's ``watching``) its thread stores the word once each event completed, a transfer is
+DONE once the lander passed its number, and a failing one is withdrawn at once
+(:meth:`PendingQueue.withdraw`; too late once the lander released it: then it is DONE). A copy whose event has not completed after
 ``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
 the GPU, reading its tables: they are *buried* with its event and released only once that
 event has completed (or errored).
@@ -159,11 +162,12 @@ class PendingQueue:
             if not self.outbox.alive():
                 t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True
-        elif self.outbox.watching:  # the lander stores the word within microseconds of the event
+        elif self.outbox.watching:  # its copy ended: released from here, or by the lander's thread
             if not self.outbox.alive():
                 t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True
-            return False
+            if not self.outbox.landed(t._number, look=True):
+                return False
         else:
             try:
                 self.outbox.settle(t._number)

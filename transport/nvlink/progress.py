@@ -12,10 +12,12 @@ from the caller's thread; both sides take the FIFO's lock, and no lock is held w
 waits on an event. A copy that never completes keeps this thread in ``synchronize()``; callers'
 ``status()`` / ``wait()`` still fail it at its deadline (``transfer_timeout_s``).
 
-The thread needs the GIL to announce and release a notification. A caller that runs pure
-Python after posting a write (no torch op, no blocking call) holds it up to CPython's switch
-interval (5 ms) per turn, and the notification with it: ~2 ms late behind 3 ms of Python on one
-H200, 20-30 us behind a stream of torch ops, which let the GIL go (bench/RESULTS.md).
+Where the C steps load, the landed word is stored by a lander (:mod:`transport.nvlink.lander`)
+and this thread only marks transfers DONE. Without one it stores the word too, and needs the
+GIL for it: a caller that runs pure Python after posting a write (no torch op, no blocking
+call) holds it up to CPython's switch interval (5 ms) per turn, and the notification with it:
+~2 ms late behind 3 ms of Python on one H200, 20-30 us behind a stream of torch ops, which let
+the GIL go (bench/RESULTS.md).
 """
 
 from __future__ import annotations
