@@ -20,8 +20,13 @@ already holds). Success means every expected sender's KV, state and aux writes h
 (each write's notification counted; the last one says how many there are).
 
 Page reuse: a request that failed or was aborted may still have writes in flight on
-prefill ranks. ``receiver.released`` turns True once every sender has said ``Quiesced`` (or
-was lost): reuse the request's pages only then.
+prefill ranks. ``receiver.released`` turns True once every sender has said ``Quiesced``, or
+was lost in a way that proves it writes nothing more: reuse the request's pages only then. A
+rank lost to silence may be only paused, so the requests it was lost with are *fenced*: released
+once it answers a new hello (it drops its old entry of this rank with drain before it
+acknowledges), answers ``NotConnected`` (it dropped it so already), restarts or says goodbye, or
+after ``transfer_timeout_s`` without any of these (a prefill rank posts no chunk past a
+request's deadline).
 
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
@@ -172,6 +177,15 @@ class _PrefillPeer:
 
 
 @dataclass
+class _Fence:
+    """Failed requests of a prefill rank lost by its silence: their pages wait for proof that
+    none of its writes for them can still land (loop thread only)."""
+
+    since: float
+    requests: set = field(default_factory=set)
+
+
+@dataclass
 class _Incoming:
     """A request's progress on this rank (loop thread only)."""
 
@@ -210,6 +224,7 @@ class DecodeKVManager:
         self._next_sweep = 0.0  # when _tick next looks at every request's deadline
         self._peers: dict = {}  # prefill tp rank -> _PrefillPeer
         self._by_name: dict = {}  # transport name -> prefill tp rank
+        self._fences: dict = {}  # prefill tp rank -> _Fence: a silent rank's failed requests, pages held
         self._last_lookup = 0.0
         self._closing = False  # set by close(): a Goodbye then answers ours
         self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick)
@@ -312,7 +327,7 @@ class DecodeKVManager:
                 self._on_ack(peer, msg)
             elif isinstance(msg, Heartbeat):
                 if peer.incarnation and msg.incarnation != peer.incarnation:
-                    self._lose(rank, f"prefill rank {rank} restarted")
+                    self._lose(rank, f"prefill rank {rank} restarted", settled=True)
                 elif peer.state is _PeerState.LOST:  # the rank it timed out is alive: connect anew
                     self._reconnect(peer, f"prefill rank {rank}, lost, answered a heartbeat")
                     return  # the socket was replaced
@@ -324,9 +339,12 @@ class DecodeKVManager:
             elif isinstance(msg, Goodbye):
                 if self._closing:  # the answer to ours: it can no longer write here
                     peer.state = _PeerState.GONE
-                else:  # the prefill rank is closing: lost until a new incarnation registers
-                    self._lose(rank, f"prefill rank {rank} closed")
+                else:  # the prefill rank is closing (its writes ended first): lost until a new incarnation registers
+                    self._lose(rank, f"prefill rank {rank} closed", settled=True)
             elif isinstance(msg, Quiesced):
+                fence = self._fences.get(rank)
+                if fence is not None:  # said by the rank itself: proof for this request
+                    fence.requests.discard(msg.request_id)
                 inc = self._incoming.get(msg.request_id)
                 if inc is not None:
                     inc.quiesced.add(rank)
@@ -343,9 +361,11 @@ class DecodeKVManager:
         if self._closing or peer.state not in (_PeerState.READY, _PeerState.LOST):
             return False  # closing, or a hello of this socket is on its way, or refused / gone
         if peer.incarnation and msg.incarnation != peer.incarnation:
-            self._lose(rank, f"prefill rank {rank} restarted")
+            self._lose(rank, f"prefill rank {rank} restarted", settled=True)
             return False
-        self._lose(rank, f"prefill rank {rank} dropped this rank: {msg.reason}")
+        # it holds no entry of this rank: it dropped it, failing its requests and closing its
+        # transport peer with drain, before it could answer so
+        self._lose(rank, f"prefill rank {rank} dropped this rank: {msg.reason}", settled=True)
         self._reconnect(peer, f"prefill rank {rank} had dropped it")
         return True
 
@@ -362,6 +382,9 @@ class DecodeKVManager:
                       ack.error)
             return
         peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
+        # the same process replaced its old entry of this rank (requests failed, transport peer
+        # closed with drain) before it answered; another one means the old process is gone
+        self._settle(peer.registration.tp_rank, "answered a new hello")
         self._ask_held()  # requests that waited for this rank
 
     # -- requests -------------------------------------------------------------------------
@@ -453,8 +476,8 @@ class DecodeKVManager:
                     peer.socket.send(AbortRequest(request_id=request_id, reason=reason).to_msgpack(), zmq.NOBLOCK)
         if not inc.asked:
             inc.quiesced.update(self.senders)
-        for r in self.senders:  # a lost or refused sender writes nothing more
-            if self._peers[r].state is not _PeerState.READY:
+        for r in self.senders:  # a refused or gone sender writes nothing more; a lost one is fenced
+            if self._peers[r].state is not _PeerState.READY and not self._fenced(r, request_id):
                 inc.quiesced.add(r)
         self._maybe_release(inc)
 
@@ -513,6 +536,12 @@ class DecodeKVManager:
             self._ask_held()
         if now >= self._next_sweep:  # deadlines are seconds long: a look every SWEEP_INTERVAL_S, not every turn
             self._next_sweep = now + SWEEP_INTERVAL_S
+            for rank, fence in list(self._fences.items()):
+                if now - fence.since > cfg.transfer_timeout_s:
+                    log.warning("decode rank %d: no word from lost prefill rank %d for %g s: the pages of the "
+                                "requests it was lost with are released (a prefill rank posts no write past a "
+                                "request's deadline)", self.layout.tp_rank, rank, cfg.transfer_timeout_s)
+                    self._settle(rank, f"was silent for {cfg.transfer_timeout_s:g} s")
             for rid, inc in list(self._incoming.items()):
                 if not inc.receiver.status.state.final and now > inc.deadline:
                     waiting = [r for r in self.senders if inc.counts.get(r, 0) < inc.totals.get(r, 1 << 62)]
@@ -521,21 +550,55 @@ class DecodeKVManager:
         busy = any(not i.receiver.status.state.final for i in self._incoming.values())  # stops at the first
         return cfg.loop_pause(busy)
 
-    def _lose(self, rank: int, reason: str) -> None:
+    def _lose(self, rank: int, reason: str, settled: bool = False) -> None:
+        """Rank ``rank`` is lost: fail what was asked of it. ``settled``: the loss itself
+        proves that none of its writes can still land (it restarted, closed, or dropped this
+        rank with drain); otherwise a ready rank's failed requests are fenced (:meth:`_settle`)."""
         peer = self._peers[rank]
         if peer.state is _PeerState.LOST:
+            if settled:
+                self._settle(rank, reason)
             return
         log.warning("decode rank %d: %s", self.layout.tp_rank, reason)
+        was_ready = peer.state is _PeerState.READY
         peer.state, peer.error, peer.since = _PeerState.LOST, reason, time.monotonic()
         if rank not in self.senders:
             return  # none of this rank's requests waits for its bytes
+        if was_ready and not settled:  # silent, maybe only paused: it may still post writes
+            fence = self._fences.setdefault(rank, _Fence(time.monotonic()))
+            fence.requests.update(rid for rid, inc in self._incoming.items() if inc.asked and rank not in inc.quiesced
+                                  and inc.receiver.status.state is not KVPoll.Success)
         for rid, inc in list(self._incoming.items()):
             if inc.receiver.status.state.final:
-                inc.quiesced.add(rank)
-                self._maybe_release(inc)
+                if not self._fenced(rank, rid):
+                    inc.quiesced.add(rank)
+                    self._maybe_release(inc)
             elif inc.asked:
                 self._fail(rid, reason, tell_senders=True)
             # not asked yet: nothing of it went there; it waits for the rank a while (_ask)
+        if settled:
+            self._settle(rank, reason)
+
+    def _fenced(self, rank: int, request_id: str) -> bool:
+        fence = self._fences.get(rank)
+        return fence is not None and request_id in fence.requests
+
+    def _settle(self, rank: int, why: str) -> None:
+        """None of lost rank ``rank``'s writes for its fenced requests can land any more
+        (``why``): they count as quiesced by it, and their pages are released."""
+        fence = self._fences.pop(rank, None)
+        if fence is None:
+            return
+        released = 0
+        for rid in fence.requests:
+            inc = self._incoming.get(rid)
+            if inc is not None and rank not in inc.quiesced:
+                inc.quiesced.add(rank)
+                self._maybe_release(inc)
+                released += 1
+        if released:
+            log.info("decode rank %d: prefill rank %d %s: %d failed request(s) it was lost with can no longer be "
+                     "written, their pages are released", self.layout.tp_rank, rank, why, released)
 
     def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
         """A ready rank silent for two heartbeat intervals (not lost yet)."""
@@ -561,8 +624,9 @@ class DecodeKVManager:
             peer = self._peers.get(reg.tp_rank)
             if peer is None or reg.incarnation == peer.registration.incarnation:
                 continue
-            if self._suspect(peer, now):
-                self._lose(reg.tp_rank, f"prefill rank {reg.tp_rank} restarted (a new process registered)")
+            if self._suspect(peer, now) or peer.state is _PeerState.LOST:  # the old process is gone
+                self._lose(reg.tp_rank, f"prefill rank {reg.tp_rank} restarted (a new process registered)",
+                           settled=True)
             if peer.state is _PeerState.LOST:
                 log.info("decode rank %d: prefill rank %d is back (new incarnation); reconnecting",
                          self.layout.tp_rank, reg.tp_rank)

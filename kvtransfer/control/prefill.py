@@ -28,7 +28,8 @@ every decode rank has asked yet), WaitingForInput (all have, no chunk sent yet),
 Transferring, Success (every write of the last chunk is done) or Failed
 (``sender.failure`` says why: a write failed, the decode rank was lost or aborted, the
 transfer timeout passed). A failed request's writes are aborted; once none is in flight the
-manager sends ``Quiesced`` so decode may reuse the pages.
+manager sends ``Quiesced`` so decode may reuse the pages. No chunk is posted past the request's
+deadline (a decode rank that lost this one lets the pages go by then).
 
 A decode rank that sends no heartbeat for ``heartbeat_timeout_s`` is dropped (its requests
 fail; what came on the socket meanwhile is read first). If it was only paused, its next message
@@ -320,6 +321,9 @@ class PrefillKVManager:
         rid = out.sender.request_id
         self._computing.discard(rid)
         if not out.ready or out.sender.status.state.final:
+            return
+        if out.chunks and time.monotonic() > out.deadline:  # the decode rank may have let its pages go
+            self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
             return
         try:
             while out.chunks:

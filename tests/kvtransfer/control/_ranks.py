@@ -94,6 +94,13 @@ class Released:
 
 
 @dataclass(frozen=True)
+class IsReleased:
+    """Decode: whether the request's pages may be reused now (nothing is freed)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class HoldLoop:
     """Either side: one turn of the manager's loop runs its tick (after 0.3 s: a heartbeat is
     due by then), is held ``seconds``, and runs the tick again, as a turn slowed by a loaded
@@ -229,6 +236,8 @@ class _Rank:
             handle.close()
             self.give_back(cmd.request_id)
             return time.monotonic() - t0
+        if isinstance(cmd, IsReleased):
+            return self.handles[cmd.request_id].released
         if isinstance(cmd, HoldLoop):
             loop, done = self.manager._loop, threading.Event()
             tick = loop._tick

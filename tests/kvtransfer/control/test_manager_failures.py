@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvtransfer.control.bootstrap import BootstrapService
-from tests.kvtransfer.control._ranks import (Abort, HoldLoop, Prefill, RankProcess, RankSpec, Receive, Released,
-                                             SendLast, Stats, Verify, Wait, wait_forgotten)
+from tests.kvtransfer.control._ranks import (Abort, HoldLoop, IsReleased, Prefill, RankProcess, RankSpec, Receive,
+                                             Released, SendLast, Stats, Verify, Wait, wait_forgotten)
 from tests._stop import stop
 
 FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 30.0}
@@ -82,14 +82,17 @@ def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(
     assert time.monotonic() - t0 < 10
     state, reason = prefill[0].call(Wait("doomed", timeout_s=20))
     assert state == "Failed" and "prefill rank 1 lost" in reason  # decode told the survivor
-    assert decode.call(Released("doomed")) < 10
-    # a request while rank 1 is down fails at once, naming it
+    # dead, or only paused and still able to write: the pages wait for proof
+    assert decode.call(IsReleased("doomed")) is False
+    # a request while rank 1 is down fails at once, naming it; nothing was asked of anyone
     decode.call(Receive("while-down", 8))
     state, reason = decode.call(Wait("while-down", timeout_s=10))
     assert state == "Failed" and "prefill rank 1" in reason
     decode.call(Released("while-down"))
-    # restart rank 1: it registers again, decode reconnects by itself
+    # restart rank 1: it registers again (the old process is gone: the pages go), decode
+    # reconnects by itself
     prefill[1] = ranks(prefill_spec(bootstrap, 1, 2))
+    assert decode.call(Released("doomed")) < 10
     wait_ready(decode, [0, 1])
     decode.call(Receive("again", 30))
     for p in prefill:
@@ -199,11 +202,30 @@ def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected
     with paused(prefill):
         state, reason = decode.call(Wait("paused", timeout_s=20))
         assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason
-        assert decode.call(Released("paused")) < 10
+        # it may run again and post the request's writes: its pages stay fenced
+        assert decode.call(IsReleased("paused")) is False
+        time.sleep(1.0)
+        assert decode.call(IsReleased("paused")) is False
+    # the hello it answers after the pause comes once it closed its old entry with drain
+    assert decode.call(Released("paused")) < 10
     wait_ready(decode, [0])
     state, reason = prefill.call(Wait("paused", timeout_s=20))
     assert state == "Failed" and "decode rank ('decode-a', 0)" in reason, reason
     assert_lands(prefill, decode, "after")
+
+
+def test_a_lost_prefill_rank_that_never_answers_again_has_its_pages_released_after_the_transfer_timeout(
+        bootstrap, ranks):
+    """A prefill rank killed and not restarted: the pages of the request it was lost with are
+    fenced (it might only be paused) until the transfer timeout, after which it posts nothing
+    for that request, and then released."""
+    config = {**FAST, "transfer_timeout_s": 4.0}
+    prefill, decode = one_request_in_flight(bootstrap, ranks, "orphan", prefill=config, decode=config)
+    prefill.kill()
+    state, reason = decode.call(Wait("orphan", timeout_s=20))
+    assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason
+    assert decode.call(IsReleased("orphan")) is False
+    assert decode.call(Released("orphan", timeout_s=20.0)) > 1.0  # the fence held past the loss
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
