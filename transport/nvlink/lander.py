@@ -13,7 +13,9 @@ How
 ---
 :class:`Lander` runs one thread per outbox, in C (``native.c``'s ``lander_*``), that never
 takes the GIL: it waits on each watched notification's completion event in turn (querying
-the event, without pause for 2 ms, then every 20 us, past 100 ms every 1 ms) and stores its
+the event, without pause for 2 ms, then every 20 us, past 100 ms every 1 ms; with nothing to
+wait on, it looks for new work for 200 us before it sleeps, so that a write that follows soon
+finds it awake) and stores its
 number into the word with one release store. A caller that finds the copy already complete
 (the write call's first look, :mod:`transport.nvlink.pending`) stores it itself
 (:meth:`land`): a short copy does not wait for the thread to wake. The rest stays in Python, in

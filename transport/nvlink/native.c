@@ -374,6 +374,7 @@ enum { WATCHING = 0, HELD = 1, SKIP = 2 };
 #define SPIN_NS 2000000LL       /* query without pause for the first 2 ms of a wait */
 #define NAP_NS 20000LL          /* then every 20 us */
 #define LONG_WAIT_NS 100000000LL /* and past 100 ms, every 1 ms */
+#define IDLE_SPIN_NS 200000LL   /* with nothing watched, look for 200 us before sleeping */
 
 #define MAX_DEVICES 64
 
@@ -466,8 +467,17 @@ static void *lander_main(void *arg) {
     int current = -1;
     pthread_mutex_lock(&l->mu);
     while (!l->closing) {
-        if (l->count == 0) {
-            pthread_cond_wait(&l->cv, &l->mu);
+        if (l->count == 0) {  /* a write often follows soon: look a while before sleeping, so that
+                               * its watch finds the thread awake (no wake-up, no system call) */
+            pthread_mutex_unlock(&l->mu);
+            struct timespec start;
+            clock_gettime(CLOCK_MONOTONIC, &start);
+            while (__atomic_load_n(&l->count, __ATOMIC_ACQUIRE) == 0 && !__atomic_load_n(&l->closing, __ATOMIC_ACQUIRE)
+                   && since_ns(&start) < IDLE_SPIN_NS)
+                ;
+            pthread_mutex_lock(&l->mu);
+            if (l->count == 0 && !l->closing)
+                pthread_cond_wait(&l->cv, &l->mu);
             continue;
         }
         landing *front = &l->ring[l->head];
