@@ -12,19 +12,18 @@ Python after posting (a scheduler's loop between layer-wise writes): bench/RESUL
 How
 ---
 :class:`Lander` runs one thread per outbox, in C (``native.c``'s ``lander_*``), that never
-takes the GIL: it waits on each watched notification's completion event in turn (querying
-the event, without pause for 2 ms, then every 20 us, past 100 ms every 1 ms; with nothing to
-wait on, it looks for new work for 200 us before it sleeps, so that a write that follows soon
-finds it awake) and stores its
-number into the word with one release store. A caller that finds the copy already complete
-(the write call's first look, :mod:`transport.nvlink.pending`) stores it itself
-(:meth:`land`): a short copy does not wait for the thread to wake. The rest stays in Python, in
-:mod:`transport.nvlink.pending`: transfers are marked DONE from :meth:`landed`, deadlines and
-CUDA errors fail them. A notification being withdrawn (:meth:`withdraw`) stops the thread at it
--- nothing past it is stored -- until the receiver was sent its ``Dropped`` and :meth:`release`
-lets it go on, the order the mailbox's contract needs. A notification whose number the thread
-stored already cannot be withdrawn (the receiver may have handed it out): :meth:`withdraw`
-says so and the transfer counts as done.
+takes the GIL. It waits on each watched notification's completion event in turn (querying
+the event without pause for 2 ms, then every 20 us, past 100 ms every 1 ms) and stores its
+number into the word with one release store; with nothing to wait on, it looks for new work
+for 200 us before it sleeps, so that a write that follows soon finds it awake. A caller that
+finds the copy already complete (the write call's first look, :mod:`transport.nvlink.pending`)
+stores it itself (:meth:`land`): a short copy does not wait for the thread to wake. The rest
+stays in Python, in :mod:`transport.nvlink.pending`: transfers are marked DONE from
+:meth:`landed`, deadlines and CUDA errors fail them. A notification being withdrawn
+(:meth:`withdraw`) stops the thread at it -- nothing past it is stored -- until the receiver
+was sent its ``Dropped`` and :meth:`release` lets it go on, the order the mailbox's contract
+needs. A notification whose number the thread stored already cannot be withdrawn (the
+receiver may have handed it out): :meth:`withdraw` says so and the transfer counts as done.
 
 The events stay Python's objects (``torch.cuda.Event``): :class:`Lander` keeps each alive until
 the thread has passed its number. Only where the mailbox has a word (x86-64) and the C steps
