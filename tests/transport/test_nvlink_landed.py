@@ -338,3 +338,106 @@ def test_across_processes_a_notification_waits_for_its_landing_and_dies_with_its
         if child is not None and child.is_alive():
             child.kill()
         remote.close()
+
+
+class _StandInLander:
+    """The lander's contract in Python (:class:`transport.nvlink.lander.Lander`), its "events"
+    completed by the test (:meth:`complete`): stores into the word in order, never past a
+    withdrawn number before its release. The outbox and the inbox around it are real."""
+
+    def __init__(self, word: SharedWord):
+        self.word = word
+        self.watched: dict[int, str] = {}  # number -> "watching" | "held" | "skip"
+        self.done: set[int] = set()
+        self.refuse = False
+
+    def watch(self, number: int, event) -> None:
+        if self.refuse:
+            raise ValueError("no event to wait on")
+        self.watched[number] = "watching"
+
+    def complete(self, number: int) -> None:
+        self.done.add(number)
+        self.land()
+
+    def land(self) -> None:
+        for number in sorted(self.watched):
+            state = self.watched[number]
+            if state == "held" or (state == "watching" and number not in self.done):
+                return
+            if state == "watching":
+                self.word.store(number)
+            del self.watched[number]
+
+    def landed(self, number: int) -> bool:
+        return self.word.value >= number
+
+    def withdraw(self, number: int) -> bool:
+        if self.word.value >= number:
+            return False
+        self.watched[number] = "held"
+        return True
+
+    def release(self, number: int) -> None:
+        self.watched[number] = "skip"
+        self.land()
+
+    def close(self) -> None:
+        self.watched.clear()
+
+
+@pytest.fixture
+def landed_pair(pair):
+    inbox, out = pair
+    landers = []
+    out.land_with(lambda word: landers.append(_StandInLander(word)) or landers[0])
+    return inbox, out, landers[0]
+
+
+def test_with_a_lander_a_withdrawn_notification_is_dropped_out_of_order_and_the_others_come(landed_pair):
+    """Three announced; the second fails while the first still runs: its Dropped goes out at
+    once and the lander does not pass it before; the first and third land and come out, the
+    second never. A notification the lander released already cannot be withdrawn."""
+    inbox, out, lander = landed_pair
+    assert out.watching
+    assert [out.announce(p, event=object()) for p in (b"a", b"b", b"c")] == [1, 2, 3]
+    assert out.withdraw(2) is True
+    lander.complete(3)
+    assert _drain(inbox, 1, timeout=0.2) == []  # 1 still runs: nothing passes it
+    lander.complete(1)
+    assert _drain(inbox, 2) == _notes(b"a", b"c")
+    assert out.landed(3) and out.withdraw(3) is False  # released: too late
+    with pytest.raises(RuntimeError, match="a lander stores this outbox's word"):
+        out.settle(1)
+
+
+def test_with_a_lander_an_announcement_needs_its_event_and_one_it_refuses_ends_the_connection(landed_pair):
+    inbox, out, lander = landed_pair
+    with pytest.raises(ValueError, match="the event is needed"):
+        out.announce(b"x")
+    out.announce(b"a", event=object())
+    lander.refuse = True
+    with pytest.raises(OSError, match="the lander refused notification 2"):
+        out.announce(b"b", event=object())
+    assert not out.alive()  # the connection ended: no later number can release "b"
+    with pytest.raises(OSError):
+        out.announce(b"c", event=object())
+    lander.complete(1)  # "a" did land: handed out or dropped with the connection, "b" never
+    got = []
+    wait_until("the receiver's end of the connection", lambda: got.extend(inbox.poll()) or not inbox._conns, 2.0)
+    assert got in ([], _notes(b"a"))
+
+
+def test_a_lander_comes_only_before_the_first_announcement_and_only_with_a_word(pair):
+    inbox, out = pair
+    out.announce(b"a")
+    out.land_with(lambda word: pytest.fail("a lander after an announcement"))
+    assert not out.watching
+    with pytest.raises(RuntimeError, match="withdraw\\(\\) is the lander's"):
+        out.withdraw(1)
+    wordless = Outbox(inbox.name, 5.0, sender="no-word", landed_word=False)
+    try:
+        wordless.land_with(lambda word: pytest.fail("a lander without a word"))
+        assert not wordless.watching
+    finally:
+        wordless.close()

@@ -398,7 +398,12 @@ class Outbox:
             self._sendall(payload)
             self._announced += 1
             if self._lander is not None:
-                self._lander.watch(self._announced, event)
+                try:
+                    self._lander.watch(self._announced, event)
+                except Exception as exc:  # sent, never to be released: a later number would pass it
+                    self.lost = True
+                    self.shutdown()  # the receiver drops what it holds
+                    raise OSError(f"the lander refused notification {self._announced}: {exc}") from exc
             return self._announced
 
     def landed(self, number: int, look: bool = False) -> bool:

@@ -13,8 +13,8 @@ one, check the peer is alive; then mark it DONE. A failed transfer's announced n
 is withdrawn when the FIFO reaches it. With a lander (:mod:`transport.nvlink.lander`: the
 outbox's ``watching``) its thread stores the word once each event completed, a transfer is
 DONE once the lander passed its number, and a failing one is withdrawn at once
-(:meth:`PendingQueue.withdraw`; too late once the lander released it: then it is DONE). A copy whose event has not completed after
-``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
+(:meth:`PendingQueue.withdraw`; too late once the lander released it: then it is DONE). A
+copy whose event has not completed after ``transfer_timeout_s`` is FAILED. A failed or aborted transfer's copy may still be running on
 the GPU, reading its tables: they are *buried* with its event and released only once that
 event has completed (or errored).
 
