@@ -384,7 +384,8 @@ def cuda_setup(tokens, page, peer_gpu=1, host_steps="c"):
 def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None, behind_cycles=0):
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
     write's event returning (the kernel included), the notification's announcement and its
-    release (the landed word stored) returning, the receiver seeing it. ``start_stamps(tags)``
+    release (the landed word stored) returning (nan where a lander's thread of C stores it:
+    the C steps, :mod:`transport.nvlink.lander`), the receiver seeing it. ``start_stamps(tags)``
     has the receiver watch for them, ``stamps()`` returns ``{tag: time.monotonic() of its
     arrival}``; ``wait(transfer)`` waits for each write (default: ``wait()``).
     ``behind_cycles``: each write is called with that many GPU cycles of work queued before it
@@ -424,8 +425,8 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None, beh
 
     numbers = {}  # notification number -> tag
 
-    def timed_announce(payload):
-        number = announce(payload)
+    def timed_announce(payload, event=None):
+        number = announce(payload, event)
         sent_at.append((payload, clock()))
         numbers[number] = payload
         return number
