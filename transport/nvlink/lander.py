@@ -90,9 +90,9 @@ class Lander:
 
     def close(self) -> None:
         """Stop the thread (it ends within one of its naps); idempotent."""
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            self._native.lander_close(handle)
+        handle, native = getattr(self, "_handle", None), getattr(self, "_native", None)
+        if handle is not None and native is not None:  # (either may be gone at interpreter exit)
+            native.lander_close(handle)
             self._events.clear()
 
     __del__ = close
