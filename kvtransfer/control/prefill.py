@@ -323,7 +323,8 @@ class PrefillKVManager:
         if not out.ready or out.sender.status.state.final:
             return
         if out.chunks and time.monotonic() > out.deadline:  # the decode rank may have let its pages go
-            self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+            self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s: its deadline passed before "
+                            f"a chunk was posted")
             return
         try:
             while out.chunks:

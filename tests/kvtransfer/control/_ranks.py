@@ -105,9 +105,13 @@ class HoldLoop:
     """Either side: one turn of the manager's loop runs its tick (after 0.3 s: a heartbeat is
     due by then), is held ``seconds``, and runs the tick again, as a turn slowed by a loaded
     machine would: what arrives meanwhile (the heartbeat's answer) is not read yet. Reply once
-    it has run."""
+    it has run. ``send_last``: prefill sends its held last chunk while the turn is held (the
+    send waits for the next turn); ``tick_after`` False: no tick at the end of the held turn
+    (the next turn runs the send before its own tick)."""
 
     seconds: float
+    send_last: bool = False
+    tick_after: bool = True
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,7 @@ class _Rank:
         if isinstance(cmd, IsReleased):
             return self.handles[cmd.request_id].released
         if isinstance(cmd, HoldLoop):
-            loop, done = self.manager._loop, threading.Event()
+            loop, done, holding = self.manager._loop, threading.Event(), threading.Event()
             tick = loop._tick
 
             def held():
@@ -247,12 +251,18 @@ class _Rank:
                 try:
                     time.sleep(0.3)
                     tick()
+                    holding.set()
                     time.sleep(cmd.seconds)
-                    return tick()
+                    return tick() if cmd.tick_after else 0.0
                 finally:
                     done.set()
             loop._tick = held
             loop.wake()
+            if cmd.send_last:
+                if not holding.wait(30):
+                    raise RuntimeError("the held tick did not run")
+                sender, slots, aux, state_slot = self.held
+                sender.send(slots, last=True, aux=aux, state_slot=state_slot)  # queued: the turn is held
             if not done.wait(cmd.seconds + 30):
                 raise RuntimeError("the held tick did not run")
             return None

@@ -228,6 +228,22 @@ def test_a_lost_prefill_rank_that_never_answers_again_has_its_pages_released_aft
     assert decode.call(Released("orphan", timeout_s=20.0)) > 1.0  # the fence held past the loss
 
 
+def test_a_chunk_sent_after_its_requests_deadline_is_not_posted(bootstrap, ranks):
+    """A prefill rank's loop held past a request's deadline (as a paused process: its sweep has
+    not looked since) while the engine sends the last chunk: the turn that takes the chunk fails
+    the request instead of posting it (a decode rank that lost this one lets its pages go after
+    that deadline); both sides end Failed."""
+    patient = {**FAST, "heartbeat_timeout_s": 20.0}
+    prefill, decode = one_request_in_flight(bootstrap, ranks, "late", prefill={**patient, "transfer_timeout_s": 3.0},
+                                            decode=patient)
+    prefill.call(HoldLoop(4.0, send_last=True, tick_after=False))
+    state, reason = prefill.call(Wait("late", timeout_s=20))
+    assert (state, reason) == ("Failed", "not done after 3 s: its deadline passed before a chunk was posted")
+    state, reason = decode.call(Wait("late", timeout_s=20))
+    assert state == "Failed" and "its deadline passed before a chunk was posted" in reason, reason
+    assert decode.call(Released("late")) < 10
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_a_turn_longer_than_the_heartbeat_timeout_loses_no_peer(bootstrap, ranks, side):
     """A rank whose own turn ran past the heartbeat timeout (a loaded machine) has not read
