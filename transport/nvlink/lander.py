@@ -75,7 +75,8 @@ class Lander:
 
     def withdraw(self, number: int) -> bool:
         """Keep the thread from storing ``number`` or anything past it until :meth:`release`;
-        False when it stored ``number`` already (too late: it landed)."""
+        False when the word is past ``number`` already (too late: it landed; a number is
+        withdrawn once, by the transfer that fails)."""
         return self._native.lander_withdraw(self._handle, number)
 
     def release(self, number: int) -> None:

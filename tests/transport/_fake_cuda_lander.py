@@ -1,0 +1,169 @@
+"""Run by ``test_nvlink_lander_c.py`` in a fresh Python whose ``libcuda.so.1`` is the stand-in
+of ``fake_cuda/libcuda.c``: the real C lander (``native.c``'s ``lander_*``, its own thread) over
+a real shared word, its "events" flags in host memory the script sets (0 running, 1 done, 2 a
+CUDA error). Each case prints its name; an assertion names what went wrong."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import time
+
+import numpy as np
+
+from transport.nvlink import native
+from transport.nvlink.word import SharedWord, WordView
+
+RUNNING, DONE, FAILED = 0, 1, 2
+
+
+def until(what: str, check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(1e-4)
+
+
+def stays(what: str, check, seconds: float = 0.05) -> None:
+    """``check()`` holds for ``seconds`` (the thread had every chance to break it)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert check(), what
+        time.sleep(1e-4)
+
+
+def main() -> None:
+    fake = ctypes.CDLL("libcuda.so.1")
+    assert hasattr(fake, "fake_retained"), "libcuda.so.1 is not the stand-in: LD_LIBRARY_PATH"
+    steps = native.build()
+    steps.load_driver()
+    flags = np.zeros(4096, dtype=np.uint64)  # [events] one flag per "event"
+    event = lambda i: flags.ctypes.data + 8 * i  # noqa: E731
+    word = SharedWord()
+    view = WordView(word.fd)  # what a receiver reads
+    h = steps.lander_new(word.address)
+
+    # in order: a later copy that ends first is not released before the earlier one
+    for n in (1, 2, 3):
+        steps.lander_watch(h, n, event(n), 0)
+    flags[2] = DONE
+    stays("nothing passes a copy still running", lambda: view.read() == 0)
+    flags[1] = DONE
+    until("1 and 2 released once 1 ended", lambda: view.read() == 2)
+    flags[3] = DONE
+    until("3 released", lambda: view.read() == 3)
+    assert steps.lander_landed(h) == 3 and steps.lander_passed(h) == 3
+    print("in order")
+
+    # a withdrawn notification: nothing passes it before its release; its copy, still running,
+    # is not waited for once released; a released one cannot be withdrawn
+    steps.lander_watch(h, 4, event(4), 0)
+    steps.lander_watch(h, 5, event(5), 0)
+    assert steps.lander_withdraw(h, 4) is True
+    flags[5] = DONE
+    stays("nothing passes a withdrawn notification before its release", lambda: view.read() == 3)
+    steps.lander_release(h, 4)
+    until("5 released past the withdrawn 4 (its copy never ended)", lambda: view.read() == 5)
+    assert steps.lander_withdraw(h, 5) is False
+    assert steps.lander_withdraw(h, 4) is False  # the word passed it: nothing to hold any more
+    # withdrawn while the thread waits on it, its copy ending before the release: still held
+    steps.lander_watch(h, 6, event(6), 0)
+    time.sleep(0.005)
+    assert steps.lander_withdraw(h, 6) is True
+    flags[6] = DONE
+    stays("a withdrawn notification is not released when its copy ends", lambda: view.read() == 5)
+    steps.lander_release(h, 6)
+    stays("nor after its release (it is skipped, not stored)", lambda: view.read() == 5, 0.01)
+    print("withdrawn")
+
+    # a copy already ended is released by the caller's own look, before the call returns
+    flags[7] = DONE
+    steps.lander_watch(h, 7, event(7), 0)
+    steps.lander_land(h)
+    assert steps.lander_landed(h) >= 7 and view.read() == 7
+    # the caller's look taking the copy the thread waits on, many times over: the thread then
+    # goes on to the next one, which it must wait for too (not store it as if it had ended)
+    for n in range(2000, 2100, 2):
+        steps.lander_watch(h, n, event(n), 0)
+        steps.lander_watch(h, n + 1, event(n + 1), 0)
+        time.sleep(0.003)  # the thread naps between looks at n's event
+        flags[n] = DONE
+        steps.lander_land(h)
+        stays(f"{n + 1} is not released while its copy runs", lambda: view.read() < n + 1, 0.002)
+        flags[n + 1] = DONE
+        until(f"{n + 1} released", lambda: view.read() == n + 1)
+    print("landed by the caller")
+
+    # a failed event is never released; the thread waits for its withdrawal, then goes on
+    flags[8] = FAILED
+    steps.lander_watch(h, 2108, event(8), 0)
+    steps.lander_watch(h, 2109, event(9), 0)
+    flags[9] = DONE
+    steps.lander_land(h)  # the caller's look refuses it too
+    stays("a failed copy is not released", lambda: view.read() == 2099)
+    assert steps.lander_withdraw(h, 2108) is True
+    steps.lander_release(h, 2108)
+    until("2109 released past the failed 2108", lambda: view.read() == 2109)
+    print("failed")
+
+    # the event being waited on stays counted as not passed (its owner keeps it alive)
+    steps.lander_watch(h, 2110, event(10), 0)
+    time.sleep(0.01)
+    assert steps.lander_passed(h) == 2109
+    flags[10] = DONE
+    until("2110 passed", lambda: steps.lander_passed(h) == 2110)
+    print("passed")
+
+    # more than the ring's first capacity (64), ended in reverse: released in order, all of them
+    numbers = list(range(11, 311))  # events; their numbers are 2100 more
+    for n in numbers:
+        steps.lander_watch(h, 2100 + n, event(n), n % 3)  # three devices: a context each, retained once
+    for n in reversed(numbers[1:]):
+        flags[n] = DONE
+    stays("nothing passes the first of 300", lambda: view.read() == 2110)
+    flags[numbers[0]] = DONE
+    until("all 300 released", lambda: view.read() == 2100 + numbers[-1])
+    print("grown")
+
+    # bad calls
+    for bad, match in (((h, 2410, event(400), 0), "notification 2410 after 2410"),
+                       ((h, 2500, 0, 0), "event"), ((h, 2500, event(400), 64), "device 64 out of range")):
+        try:
+            steps.lander_watch(*bad)
+        except ValueError as exc:
+            assert match in str(exc), exc
+        else:
+            raise AssertionError(f"lander_watch{bad[1:]} was accepted")
+    try:
+        steps.lander_withdraw(h, 3000)
+    except ValueError as exc:
+        assert "never watched" in str(exc), exc
+    else:
+        raise AssertionError("withdrawing a number never watched was accepted")
+    print("refused")
+
+    # closing while the thread waits on a copy that never ends: it returns, stores nothing more
+    steps.lander_watch(h, 2500, event(400), 0)
+    time.sleep(0.005)  # past the 2 ms without pause: the thread naps between looks
+    t0 = time.monotonic()
+    steps.lander_close(h)
+    took = time.monotonic() - t0
+    assert took < 1.0, f"close took {took:.3f} s"
+    flags[400] = DONE
+    steps.lander_watch(h, 2501, event(401), 0)  # after close: nothing
+    flags[401] = DONE
+    steps.lander_land(h)
+    stays("nothing is stored after close", lambda: view.read() == 2100 + numbers[-1], 0.02)
+    steps.lander_close(h)  # idempotent
+    retained, released = (ctypes.c_int.in_dll(fake, n).value for n in ("fake_retained", "fake_released"))
+    assert retained == released == 3, f"contexts retained {retained}, released {released}"
+    print("closed")
+    del h
+    view.close()
+    word.close()
+    print("lander ok")
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
