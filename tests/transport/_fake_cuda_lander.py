@@ -11,17 +11,11 @@ import time
 
 import numpy as np
 
+from tests.transport._nvlink_cpu import wait_until as until
 from transport.nvlink import native
 from transport.nvlink.word import SharedWord, WordView
 
 RUNNING, DONE, FAILED = 0, 1, 2
-
-
-def until(what: str, check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(1e-4)
 
 
 def stays(what: str, check, seconds: float = 0.05) -> None:

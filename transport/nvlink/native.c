@@ -444,6 +444,14 @@ static void pop_front(lander *l) {
     l->count--;
 }
 
+/* The front's copy has ended: its number into the word (one release store), then it goes. */
+static void store_front(lander *l) {
+    uint64_t number = l->ring[l->head].number;
+    __atomic_store_n(l->word, number, __ATOMIC_RELEASE);
+    l->landed = number;
+    pop_front(l);
+}
+
 /* Make device's primary context current on the lander's thread (retained at its first use,
  * released when the thread ends); 0 when the driver refuses it. */
 static int use_device(lander *l, int device, int *current) {
@@ -508,9 +516,7 @@ static void *lander_main(void *arg) {
             continue;
         }
         if (front->state == WATCHING) {
-            __atomic_store_n(l->word, front->number, __ATOMIC_RELEASE);
-            l->landed = front->number;
-            pop_front(l);
+            store_front(l);
             pthread_cond_broadcast(&l->cv);
         }
     }
@@ -648,10 +654,16 @@ static landing *find(lander *l, uint64_t number) {
     return NULL;
 }
 
+/* The (lander, notification number) arguments of `name`; 0 with the exception set. */
+static int lander_and_number(const char *name, PyObject *const *args, Py_ssize_t nargs, lander **l,
+                             unsigned long long *number) {
+    return check_nargs(name, nargs, 2) && (*l = as_lander(args[0])) != NULL && as_u64(args[1], number);
+}
+
 static PyObject *lander_withdraw(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     lander *l;
     unsigned long long number;
-    if (!check_nargs("lander_withdraw", nargs, 2) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number))
+    if (!lander_and_number("lander_withdraw", args, nargs, &l, &number))
         return NULL;
     pthread_mutex_lock(&l->mu);
     int landed = number <= l->landed;
@@ -684,9 +696,7 @@ static PyObject *lander_land(PyObject *self, PyObject *capsule) {
         /* a landing the thread could not query (faulted) is stored if this thread can */
         if (front->state != WATCHING || cu_event_query(front->event) != 0)
             break;
-        __atomic_store_n(l->word, front->number, __ATOMIC_RELEASE);
-        l->landed = front->number;
-        pop_front(l);
+        store_front(l);
     }
     if (l->count != before)
         pthread_cond_broadcast(&l->cv);
@@ -697,7 +707,7 @@ static PyObject *lander_land(PyObject *self, PyObject *capsule) {
 static PyObject *lander_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     lander *l;
     unsigned long long number;
-    if (!check_nargs("lander_release", nargs, 2) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number))
+    if (!lander_and_number("lander_release", args, nargs, &l, &number))
         return NULL;
     pthread_mutex_lock(&l->mu);
     landing *e = find(l, number);

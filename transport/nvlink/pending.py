@@ -158,15 +158,12 @@ class PendingQueue:
             except OSError as exc:
                 t._fail(f"peer {self.name!r} lost while sending the notification: {exc}")
                 return True
-        elif t._number is None:
+        elif t._number is None or self.outbox.watching:
             if not self.outbox.alive():
                 t._fail(f"peer {self.name!r} lost by the time the copy completed")
                 return True
-        elif self.outbox.watching:  # its copy ended: released from here, or by the lander's thread
-            if not self.outbox.alive():
-                t._fail(f"peer {self.name!r} lost by the time the copy completed")
-                return True
-            if not self.outbox.landed(t._number, look=True):
+            # with a lander: released from here, or by its thread within microseconds
+            if t._number is not None and not self.outbox.landed(t._number, look=True):
                 return False
         else:
             try:
