@@ -6,6 +6,7 @@ CUDA error). Each case prints its name; an assertion names what went wrong."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
 
@@ -26,6 +27,15 @@ def stays(what: str, check, seconds: float = 0.05) -> None:
         time.sleep(1e-4)
 
 
+def threads() -> tuple[int, int]:
+    """This process's threads, and how many of them are named as the landers' thread."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return len(names), names.count("kvt-lander")
+
+
 def main() -> None:
     fake = ctypes.CDLL("libcuda.so.1")
     assert hasattr(fake, "fake_retained"), "libcuda.so.1 is not the stand-in: LD_LIBRARY_PATH"
@@ -35,7 +45,10 @@ def main() -> None:
     event = lambda i: flags.ctypes.data + 8 * i  # noqa: E731
     word = SharedWord()
     view = WordView(word.fd)  # what a receiver reads
+    alone = threads()
     h = steps.lander_new(word.address)
+    one = (alone[0] + 1, 1)  # one more thread, the landers'
+    assert threads() == one, f"threads (all, landers') {alone} before the first lander, {threads()} after"
 
     # in order: a later copy that ends first is not released before the earlier one
     for n in (1, 2, 3):
@@ -136,6 +149,37 @@ def main() -> None:
         raise AssertionError("withdrawing a number never watched was accepted")
     print("refused")
 
+    # one thread serves every lander; a held or a long copy on one holds up no other
+    words = [SharedWord() for _ in range(3)]
+    views = [WordView(w.fd) for w in words]
+    others = [steps.lander_new(w.address) for w in words]
+    assert threads() == one, f"threads (all, landers') {threads()} for four landers"
+    lands, runs, held = others  # the thread looks at the newest first: held, runs, lands, h
+    v_lands, v_runs, v_held = views
+    steps.lander_watch(runs, 1, event(500), 0)  # a copy that runs on
+    steps.lander_watch(held, 1, event(501), 1)
+    steps.lander_watch(held, 2, event(502), 1)
+    assert steps.lander_withdraw(held, 1) is True
+    flags[502] = DONE
+    steps.lander_watch(lands, 7, event(503), 2)
+    flags[503] = DONE
+    until("released beside a held notification and a running copy", lambda: v_lands.read() == 7)
+    stays("a lander holds behind its withdrawn 1; a copy runs", lambda: v_held.read() == 0 and v_runs.read() == 0)
+    steps.lander_release(held, 1)
+    until("2 released once the withdrawn 1 is let go", lambda: v_held.read() == 2)
+    # a lander closed while the thread queries its copy: the close returns, the others go on
+    time.sleep(0.005)
+    steps.lander_close(runs)
+    flags[500] = DONE
+    steps.lander_watch(lands, 8, event(504), 0)
+    flags[504] = DONE
+    until("released after another lander closed", lambda: v_lands.read() == 8)
+    stays("nothing is stored for a closed lander", lambda: v_runs.read() == 0, 0.01)
+    steps.lander_close(held)
+    steps.lander_close(lands)
+    assert threads() == one, "the thread ended while a lander was open"
+    print("shared")
+
     # closing while the thread waits on a copy that never ends: it returns, stores nothing more
     steps.lander_watch(h, 2500, event(400), 0)
     time.sleep(0.005)  # past the 2 ms without pause: the thread naps between looks
@@ -151,7 +195,18 @@ def main() -> None:
     steps.lander_close(h)  # idempotent
     retained, released = (ctypes.c_int.in_dll(fake, n).value for n in ("fake_retained", "fake_released"))
     assert retained == released == 3, f"contexts retained {retained}, released {released}"
+    assert threads() == alone, "the thread outlived the last lander"
+    # a lander made after the last one closed gets a thread again
+    again = steps.lander_new(word.address)
+    steps.lander_watch(again, 2 ** 40, event(402), 0)
+    flags[402] = DONE
+    until("a new lander's notification released", lambda: view.read() == 2 ** 40)
+    steps.lander_close(again)
+    assert threads() == alone
     print("closed")
+    for v, w in zip(views, words):
+        v.close()
+        w.close()
     del h
     view.close()
     word.close()

@@ -1,4 +1,4 @@
-"""The C lander's own thread (``native.c``'s ``lander_*``) without a GPU: its driver calls go to
+"""The C landers' thread (``native.c``'s ``lander_*``) without a GPU: its driver calls go to
 a stand-in ``libcuda.so.1`` (``fake_cuda/libcuda.c``: events are flags in host memory), its
 word is a real shared word; the cases are in ``_fake_cuda_lander.py``, run in a fresh Python
 that loads the stand-in. On a GPU, ``test_nvlink_lander.py`` runs the lander with real events."""
@@ -39,5 +39,5 @@ def test_the_lander_releases_in_order_withdraws_and_closes(fake_driver):
     done = subprocess.run([sys.executable, "-m", "tests.transport._fake_cuda_lander"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("lander ok"), done.stdout + done.stderr
-    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "grown", "refused", "closed"):
+    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "grown", "refused", "shared", "closed"):
         assert case in done.stdout, done.stdout

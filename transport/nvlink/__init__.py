@@ -61,9 +61,9 @@ transport, started on the first write) advance each peer's FIFO of pending trans
 word past its notification or, without one, check the peer is alive, and mark DONE. Between
 advances the thread waits on the oldest pending event (``synchronize()``, the GIL released);
 ``wait()`` sleeps until the transfer settles. Where the C steps load
-(:mod:`~transport.nvlink.native`), the landed word is not the progress thread's: a thread of C
-per peer (:mod:`~transport.nvlink.lander`) waits on each notification's event and stores its
-number without the GIL, so a caller that holds the GIL after a write does not hold its
+(:mod:`~transport.nvlink.native`), the landed word is not the progress thread's: one thread of C
+per process (:mod:`~transport.nvlink.lander`, shared by every peer) waits on each
+notification's event and stores its number without the GIL, so a caller that holds the GIL after a write does not hold its
 notification. A dead peer is FAILED at ``write`` (nothing is launched) or at completion;
 a copy whose event has not completed after ``transfer_timeout_s`` is FAILED. ``abort`` marks a
 pending transfer FAILED and withdraws its notification (one the lander released already is

@@ -11,11 +11,15 @@ Python after posting (a scheduler's loop between layer-wise writes): bench/RESUL
 
 How
 ---
-:class:`Lander` runs one thread per outbox, in C (``native.c``'s ``lander_*``), that never
-takes the GIL. It waits on each watched notification's completion event in turn (querying
-the event without pause for 2 ms, then every 20 us, past 100 ms every 1 ms) and stores its
-number into the word with one release store; with nothing to wait on, it looks for new work
-for 200 us before it sleeps, so that a write that follows soon finds it awake. A caller that
+:class:`Lander` is one outbox's queue of notifications; one thread of C per process
+(``native.c``'s ``lander_*``), which never takes the GIL, serves every lander: it looks at
+each queue's front in turn, and once a front's completion event completed it stores that
+number into the outbox's word with one release store. It looks without pause while some
+front has waited less than 2 ms, then every 20 us, and once all have waited 100 ms every 1 ms
+(a new watch ends a pause at once); with nothing to wait on, it looks for new work for 200 us
+before it sleeps, so that a write that follows soon finds it awake. A process writing to many
+peers thus keeps one core busy while copies run, as the progress thread did, not one per
+peer. The thread starts with the first lander and ends when the last one closes. A caller that
 finds the copy already complete (the write call's first look, :mod:`transport.nvlink.pending`)
 stores it itself (:meth:`land`): a short copy does not wait for the thread to wake. The rest
 stays in Python, in :mod:`transport.nvlink.pending`: transfers are marked DONE from
@@ -41,10 +45,10 @@ __all__ = ["Lander"]
 
 
 class Lander:
-    """The thread that stores ``word`` once each watched copy completed (querying each event
-    with its device's primary context current; ``device``: the one of events that do not say).
-    Calls come from any thread (each takes the lander's own mutex briefly); :meth:`close` stops
-    the thread, after which nothing is stored."""
+    """One outbox's queue: the landers' thread stores ``word`` once each watched copy completed
+    (querying each event with its device's primary context current; ``device``: the one of
+    events that do not say). Calls come from any thread (each takes the landers' mutex
+    briefly); after :meth:`close` nothing more is stored into ``word``."""
 
     def __init__(self, native: ModuleType, word: SharedWord, device: int):
         self._native = native
@@ -90,7 +94,8 @@ class Lander:
             events.popleft()
 
     def close(self) -> None:
-        """Stop the thread (it ends within one of its naps); idempotent."""
+        """Store nothing more (the thread lets go of this lander within one of its looks, and
+        ends with the last lander); idempotent."""
         handle, native = getattr(self, "_handle", None), getattr(self, "_native", None)
         if handle is not None and native is not None:  # (either may be gone at interpreter exit)
             native.lander_close(handle)

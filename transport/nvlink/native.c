@@ -26,19 +26,21 @@
  *     a raw event without timing, as an int.
  * lander_new(word_addr) and lander_watch / lander_land / lander_withdraw / lander_release /
  * lander_landed / lander_passed / lander_close
- *     a thread of its own (no Python, no GIL) that stores into a mailbox's landed word the
- *     number of each watched notification once its copy's event completed, in order
- *     (transport/nvlink/lander.py says what each call promises).
+ *     a queue of notifications whose numbers one thread of the process (no Python, no GIL,
+ *     shared by every lander) stores into a mailbox's landed word once each one's copy event
+ *     completed, in order (transport/nvlink/lander.py says what each call promises).
  *
  * Driver errors raise the class given to set_error_class(cls) (RuntimeError before), naming
  * the call and the CUresult. Every function runs with
  * the GIL held: each is a few microseconds and touches no Python object after the driver call
- * (lander_close lets the GIL go while it joins the lander's thread).
+ * (lander_close lets the GIL go while it waits for the landers' thread to let go of the lander,
+ * and joins that thread when it closes the last one).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -359,22 +361,25 @@ static PyObject *event_destroy(PyObject *self, PyObject *arg) {
 
 /* -- lander ------------------------------------------------------------------------------- */
 
-/* A thread that waits, in order, on the completion events of the notifications a mailbox
- * announced and stores each one's number into the landed word once its event completed: the
- * receiver then hands the notification out (transport/nvlink/mailbox.py). No Python and no GIL
- * in the thread, so a caller that holds the GIL does not hold the notification.
+/* A lander is the queue of the notifications one mailbox outbox announced; ONE thread of the
+ * process (no Python, no GIL) serves every lander: it looks at each queue's front in turn and,
+ * once the front's copy event completed, stores its number into that outbox's landed word, so
+ * that the receiver hands the notification out (transport/nvlink/mailbox.py). A process that
+ * writes to many peers keeps one core busy while copies run, not one per peer. The thread
+ * starts with the first lander and ends when the last one closes.
  *
- * A notification being withdrawn (its write failed or was aborted) is HELD: the thread stops at
+ * A notification being withdrawn (its write failed or was aborted) is HELD: its queue stops at
  * it, storing nothing past it, until Python has sent the receiver its Dropped and releases it
  * (SKIP); then it goes on. A number <= landed was stored and can no longer be withdrawn. The
  * events stay Python's: it keeps each one alive until `passed` reaches its number. */
 
 enum { WATCHING = 0, HELD = 1, SKIP = 2 };
 #define CUDA_ERROR_NOT_READY 600
-#define SPIN_NS 2000000LL       /* query without pause for the first 2 ms of a wait */
-#define NAP_NS 20000LL          /* then every 20 us */
-#define LONG_WAIT_NS 100000000LL /* and past 100 ms, every 1 ms */
-#define IDLE_SPIN_NS 200000LL   /* with nothing watched, look for 200 us before sleeping */
+#define SPIN_NS 2000000LL        /* look without pause while some front has waited less than 2 ms */
+#define NAP_NS 20000LL           /* then every 20 us */
+#define LONG_WAIT_NS 100000000LL /* and once every front has waited 100 ms, every 1 ms */
+#define LONG_NAP_NS 1000000LL
+#define IDLE_SPIN_NS 200000LL    /* with nothing watched, look for 200 us before sleeping */
 
 #define MAX_DEVICES 64
 
@@ -386,56 +391,65 @@ typedef struct {
     int faulted; /* the event's query failed: the thread waits for Python to withdraw it */
 } landing;
 
-typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
+typedef struct lander {
     volatile uint64_t *word;
-    void *ctxs[MAX_DEVICES];  /* primary contexts the thread retained, by device ordinal */
     landing *ring;  /* a growing circular queue: head, count, cap */
     size_t head, count, cap;
     uint64_t watched, landed, passed;
-    uint64_t busy;  /* the number whose event the thread queries outside the mutex (0: none) */
-    int closing, running;
-    pthread_t thread;
+    uint64_t busy;         /* the number whose event the thread queries outside the mutex (0: none) */
+    uint64_t front;        /* the front the thread last looked at, and since when (its wait) */
+    long long front_since;
+    int closed;
+    struct lander *prev, *next;  /* in `landers` while open */
 } lander;
+
+/* The landers and their thread; all of it under `mu`, which the thread lets go only while it
+ * queries events (or looks for work, or naps). */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv;  /* on CLOCK_MONOTONIC: a nap ends early when there is news */
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static lander *landers;    /* the open ones */
+static uint64_t era;       /* the running thread's; a thread whose era is past ends */
+static uint64_t news;      /* raised by every watch: new work for a thread looking without the mutex */
+static int running;        /* a thread of this era runs */
+static pthread_t runner;
 
 static const char *LANDER = "kvtransfer.lander";
 
-static long long since_ns(const struct timespec *start) {
+static long long now_ns(void) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    return (now.tv_sec - start->tv_sec) * 1000000000LL + (now.tv_nsec - start->tv_nsec);
+    return now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
-static void nap(long long ns) {
-    struct timespec t = {0, (long)ns};
-    nanosleep(&t, NULL);
-}
-
-/* 0: the event completed; 1: its query failed; 2: the lander is closing; 3: Python withdrew
- * and released the landing while its copy still ran (a copy that may never end: the thread
- * does not wait for it). */
-static int await_event(lander *l, CUevent event) {
-    struct timespec start;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    for (;;) {
-        CUresult rc = cu_event_query(event);
-        if (rc == 0)
-            return 0;
-        if (rc != CUDA_ERROR_NOT_READY)
-            return 1;
-        if (__atomic_load_n(&l->closing, __ATOMIC_ACQUIRE))
-            return 2;
-        long long waited = since_ns(&start);
-        if (waited <= SPIN_NS)
-            continue;
-        pthread_mutex_lock(&l->mu);
-        int skip = l->ring[l->head].state == SKIP;
-        pthread_mutex_unlock(&l->mu);
-        if (skip)
-            return 3;
-        nap(waited > LONG_WAIT_NS ? 1000000LL : NAP_NS);
+/* A forked child has no thread and may have copied `mu` held: it starts afresh, every lander it
+ * inherited closed. */
+static void fork_prepare(void) { pthread_mutex_lock(&mu); }
+static void fork_parent(void) { pthread_mutex_unlock(&mu); }
+static void fork_child(void) {
+    for (lander *l = landers; l != NULL; l = l->next) {
+        l->closed = 1;
+        l->busy = 0;
     }
+    landers = NULL;
+    running = 0;
+    pthread_mutex_init(&mu, NULL);
+}
+
+static void init_once(void) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&cv, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
+/* Wait on `cv` for at most `ns` (the mutex held). */
+static void nap(long long ns) {
+    long long until = now_ns() + ns;
+    struct timespec t = {until / 1000000000LL, until % 1000000000LL};
+    pthread_cond_timedwait(&cv, &mu, &t);
 }
 
 static void pop_front(lander *l) {
@@ -452,93 +466,159 @@ static void store_front(lander *l) {
     pop_front(l);
 }
 
-/* Make device's primary context current on the lander's thread (retained at its first use,
+/* Make device's primary context current on the thread (retained at its first use, in ctxs;
  * released when the thread ends); 0 when the driver refuses it. */
-static int use_device(lander *l, int device, int *current) {
+static int use_device(void **ctxs, int device, int *current) {
     if (device == *current)
         return 1;
     int dev;
     if (device < 0 || device >= MAX_DEVICES || cu_device_get(&dev, device) != 0)
         return 0;
-    if (l->ctxs[device] == NULL && cu_primary_ctx_retain(&l->ctxs[device], dev) != 0) {
-        l->ctxs[device] = NULL;
+    if (ctxs[device] == NULL && cu_primary_ctx_retain(&ctxs[device], dev) != 0) {
+        ctxs[device] = NULL;
         return 0;
     }
-    if (cu_ctx_set_current(l->ctxs[device]) != 0)
+    if (cu_ctx_set_current(ctxs[device]) != 0)
         return 0;
     *current = device;
     return 1;
 }
 
-static void *lander_main(void *arg) {
-    lander *l = arg;
-    int current = -1;
-    pthread_mutex_lock(&l->mu);
-    while (!l->closing) {
-        if (l->count == 0) {  /* a write often follows soon: look a while before sleeping, so that
-                               * its watch finds the thread awake (no wake-up, no system call) */
-            pthread_mutex_unlock(&l->mu);
-            struct timespec start;
-            clock_gettime(CLOCK_MONOTONIC, &start);
-            while (__atomic_load_n(&l->count, __ATOMIC_ACQUIRE) == 0 && !__atomic_load_n(&l->closing, __ATOMIC_ACQUIRE)
-                   && since_ns(&start) < IDLE_SPIN_NS)
-                ;
-            pthread_mutex_lock(&l->mu);
-            if (l->count == 0 && !l->closing)
-                pthread_cond_wait(&l->cv, &l->mu);
-            continue;
-        }
-        landing *front = &l->ring[l->head];
-        if (front->state == SKIP) {
+typedef struct {
+    lander *l;
+    uint64_t number;
+    CUevent event;
+    int device;
+    CUresult rc;
+} look;
+
+/* One pass: each queue's front that can be queried, into *looks (grown as needed), marked busy;
+ * SKIP fronts dropped. Returns how many; *shortest: the least any of them has waited, *pending:
+ * whether any queue holds anything. */
+static size_t fronts(look **looks, size_t *cap, long long now, long long *shortest, int *pending) {
+    size_t n = 0;
+    *shortest = LLONG_MAX;
+    *pending = 0;
+    for (lander *l = landers; l != NULL; l = l->next) {
+        while (l->count > 0 && l->ring[l->head].state == SKIP)
             pop_front(l);
-            pthread_cond_broadcast(&l->cv);
+        if (l->count == 0)
             continue;
+        *pending = 1;
+        landing *f = &l->ring[l->head];
+        if (f->state != WATCHING || f->faulted)
+            continue;  /* until Python withdraws it */
+        if (n == *cap) {
+            size_t grown = *cap ? 2 * *cap : 16;
+            look *more = realloc(*looks, grown * sizeof *more);
+            if (more == NULL)
+                break;  /* the rest on a later pass */
+            *looks = more;
+            *cap = grown;
         }
-        if (front->state == HELD || front->faulted) {
-            pthread_cond_wait(&l->cv, &l->mu);  /* until Python withdrew it (or closes) */
-            continue;
+        if (l->front != f->number) {
+            l->front = f->number;
+            l->front_since = now;
         }
-        CUevent event = front->event;
-        uint64_t number = front->number;
-        int device = front->device;
-        l->busy = number;  /* its event stays alive while the thread queries it (lander_passed) */
-        pthread_mutex_unlock(&l->mu);
-        int rc = use_device(l, device, &current) ? await_event(l, event) : 1;
-        pthread_mutex_lock(&l->mu);
-        l->busy = 0;
-        if (rc == 2)
-            break;
-        front = &l->ring[l->head];  /* the ring may have grown meanwhile */
-        if (l->count == 0 || front->number != number)
-            continue;  /* lander_land() stored it from the caller's thread */
-        if (rc == 1 && front->state == WATCHING) {
-            front->faulted = 1;
-            continue;
-        }
-        if (front->state == WATCHING) {
-            store_front(l);
-            pthread_cond_broadcast(&l->cv);
-        }
+        if (now - l->front_since < *shortest)
+            *shortest = now - l->front_since;
+        (*looks)[n++] = (look){l, f->number, f->event, f->device, 0};
+        l->busy = f->number;
     }
-    pthread_mutex_unlock(&l->mu);
+    return n;
+}
+
+static void *lander_main(void *arg) {
+    uint64_t mine = (uint64_t)(uintptr_t)arg;
+    pthread_setname_np(pthread_self(), "kvt-lander");  /* as top -H and /proc name it */
+    void *ctxs[MAX_DEVICES] = {0};
+    int current = -1;
+    look *looks = NULL;
+    size_t cap = 0;
+    pthread_mutex_lock(&mu);
+    while (era == mine) {
+        long long shortest;
+        int pending;
+        size_t n = fronts(&looks, &cap, now_ns(), &shortest, &pending);
+        if (n == 0) {
+            if (!pending) {  /* a write often follows soon: look a while before sleeping, so that
+                              * its watch finds the thread awake (no wake-up, no system call) */
+                uint64_t seen = news;
+                pthread_mutex_unlock(&mu);
+                long long start = now_ns();
+                while (__atomic_load_n(&news, __ATOMIC_ACQUIRE) == seen && __atomic_load_n(&era, __ATOMIC_ACQUIRE) == mine
+                       && now_ns() - start < IDLE_SPIN_NS)
+                    ;
+                pthread_mutex_lock(&mu);
+                if (news != seen || era != mine)
+                    continue;
+            }
+            pthread_cond_wait(&cv, &mu);  /* until a watch, a release or the end */
+            continue;
+        }
+        pthread_mutex_unlock(&mu);
+        for (size_t i = 0; i < n; i++)
+            looks[i].rc = use_device(ctxs, looks[i].device, &current) ? cu_event_query(looks[i].event) : -1;
+        pthread_mutex_lock(&mu);
+        int stored = 0, closed = 0;
+        for (size_t i = 0; i < n; i++) {
+            lander *l = looks[i].l;
+            l->busy = 0;
+            closed |= l->closed;
+            landing *f = &l->ring[l->head];
+            if (l->closed || l->count == 0 || f->number != looks[i].number || f->state != WATCHING)
+                continue;  /* closed, stored by lander_land() from the caller's thread, or withdrawn */
+            if (looks[i].rc == 0) {
+                store_front(l);
+                stored = 1;
+            } else if (looks[i].rc != CUDA_ERROR_NOT_READY) {
+                f->faulted = 1;
+            }
+        }
+        if (closed)
+            pthread_cond_broadcast(&cv);  /* lander_stop waits for the thread to let go of it */
+        if (!stored && shortest > SPIN_NS)
+            nap(shortest > LONG_WAIT_NS ? LONG_NAP_NS : NAP_NS);
+    }
+    pthread_mutex_unlock(&mu);
+    free(looks);
     cu_ctx_set_current(NULL);
     for (int d = 0; d < MAX_DEVICES; d++) {
         int dev;
-        if (l->ctxs[d] != NULL && cu_device_get(&dev, d) == 0)
+        if (ctxs[d] != NULL && cu_device_get(&dev, d) == 0)
             cu_primary_ctx_release(dev);
     }
     return NULL;
 }
 
+/* Close l (nothing is stored for it afterwards); the last one to close ends the thread. The
+ * caller has let go of the GIL. */
 static void lander_stop(lander *l) {
-    pthread_mutex_lock(&l->mu);
-    int join = l->running;
-    l->running = 0;
-    __atomic_store_n(&l->closing, 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&l->cv);
-    pthread_mutex_unlock(&l->mu);
+    pthread_mutex_lock(&mu);
+    if (l->closed) {
+        pthread_mutex_unlock(&mu);
+        return;
+    }
+    l->closed = 1;
+    if (l->prev != NULL)
+        l->prev->next = l->next;
+    else
+        landers = l->next;
+    if (l->next != NULL)
+        l->next->prev = l->prev;
+    l->prev = l->next = NULL;
+    while (l->busy != 0)
+        pthread_cond_wait(&cv, &mu);  /* the thread is querying its event */
+    int join = landers == NULL && running;
+    pthread_t thread = runner;
+    if (join) {
+        running = 0;
+        __atomic_add_fetch(&era, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&cv);
+    }
+    pthread_mutex_unlock(&mu);
     if (join)
-        pthread_join(l->thread, NULL);
+        pthread_join(thread, NULL);
 }
 
 static void lander_free(PyObject *capsule) {
@@ -548,8 +628,6 @@ static void lander_free(PyObject *capsule) {
     Py_BEGIN_ALLOW_THREADS
     lander_stop(l);
     Py_END_ALLOW_THREADS
-    pthread_mutex_destroy(&l->mu);
-    pthread_cond_destroy(&l->cv);
     free(l->ring);
     free(l);
 }
@@ -564,36 +642,43 @@ static PyObject *lander_new(PyObject *self, PyObject *arg) {
         return NULL;
     if (word == NULL || ((uintptr_t)word & 7) != 0)
         return PyErr_Format(PyExc_ValueError, "lander_new() needs an 8-byte aligned word, got %p", word);
+    pthread_once(&once, init_once);
     lander *l = calloc(1, sizeof *l);
     landing *ring = calloc(64, sizeof *ring);
-    if (l == NULL || ring == NULL) {
+    PyObject *capsule = l != NULL && ring != NULL ? PyCapsule_New(l, LANDER, NULL) : NULL;
+    if (capsule == NULL) {
         free(l);
         free(ring);
-        return PyErr_NoMemory();
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
-    pthread_mutex_init(&l->mu, NULL);
-    pthread_cond_init(&l->cv, NULL);
     l->word = word;
     l->ring = ring;
     l->cap = 64;
-    int err = pthread_create(&l->thread, NULL, lander_main, l);
+    pthread_mutex_lock(&mu);
+    int err = 0;
+    if (!running) {
+        uint64_t next = era + 1;
+        err = pthread_create(&runner, NULL, lander_main, (void *)(uintptr_t)next);
+        if (err == 0) {
+            __atomic_store_n(&era, next, __ATOMIC_RELEASE);
+            running = 1;
+        }
+    }
+    if (err == 0) {
+        l->next = landers;
+        if (landers != NULL)
+            landers->prev = l;
+        landers = l;
+    }
+    pthread_mutex_unlock(&mu);
     if (err != 0) {
-        pthread_mutex_destroy(&l->mu);
-        pthread_cond_destroy(&l->cv);
+        Py_DECREF(capsule);
         free(ring);
         free(l);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    l->running = 1;
-    PyObject *capsule = PyCapsule_New(l, LANDER, lander_free);
-    if (capsule == NULL) {
-        lander_stop(l);
-        pthread_mutex_destroy(&l->mu);
-        pthread_cond_destroy(&l->cv);
-        free(ring);
-        free(l);
-    }
+    PyCapsule_SetDestructor(capsule, lander_free);
     return capsule;
 }
 
@@ -607,21 +692,21 @@ static PyObject *lander_watch(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     if (device < 0 || device >= MAX_DEVICES)
         return PyErr_Format(PyExc_ValueError, "lander_watch(): device %lld out of range", device);
-    pthread_mutex_lock(&l->mu);
-    if (l->closing) {  /* the connection ended: nothing more is released */
-        pthread_mutex_unlock(&l->mu);
+    pthread_mutex_lock(&mu);
+    if (l->closed) {  /* the connection ended: nothing more is released */
+        pthread_mutex_unlock(&mu);
         Py_RETURN_NONE;
     }
     if (number <= l->watched || event == NULL) {
         unsigned long long last = l->watched;
-        pthread_mutex_unlock(&l->mu);
+        pthread_mutex_unlock(&mu);
         return PyErr_Format(PyExc_ValueError, "lander_watch(): notification %llu after %llu, event %p", number,
                             last, event);
     }
     if (l->count == l->cap) {  /* grow, keeping the order: the front part first */
         landing *ring = malloc(2 * l->cap * sizeof *ring);
         if (ring == NULL) {
-            pthread_mutex_unlock(&l->mu);
+            pthread_mutex_unlock(&mu);
             return PyErr_NoMemory();
         }
         for (size_t i = 0; i < l->count; i++)
@@ -639,8 +724,9 @@ static PyObject *lander_watch(PyObject *self, PyObject *const *args, Py_ssize_t 
     slot->faulted = 0;
     l->count++;
     l->watched = number;
-    pthread_cond_broadcast(&l->cv);
-    pthread_mutex_unlock(&l->mu);
+    __atomic_add_fetch(&news, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
     Py_RETURN_NONE;
 }
 
@@ -665,13 +751,13 @@ static PyObject *lander_withdraw(PyObject *self, PyObject *const *args, Py_ssize
     unsigned long long number;
     if (!lander_and_number("lander_withdraw", args, nargs, &l, &number))
         return NULL;
-    pthread_mutex_lock(&l->mu);
+    pthread_mutex_lock(&mu);
     int landed = number <= l->landed;
     landing *e = find(l, number);
     if (e != NULL && e->state == WATCHING)
         e->state = HELD;
-    int unknown = !landed && e == NULL && !l->closing && number > l->passed;
-    pthread_mutex_unlock(&l->mu);
+    int unknown = !landed && e == NULL && !l->closed && number > l->passed;
+    pthread_mutex_unlock(&mu);
     if (unknown)
         return PyErr_Format(PyExc_ValueError, "lander_withdraw(): notification %llu was never watched", number);
     return PyBool_FromLong(!landed);
@@ -679,15 +765,13 @@ static PyObject *lander_withdraw(PyObject *self, PyObject *const *args, Py_ssize
 
 /* Store, from the calling thread, the front landings whose events have completed (the write
  * call's own look: a copy that ended before the call returned is released without waiting for
- * the lander's thread to wake). A query that is refused (another device's event) is left to
- * the thread. */
+ * the thread). A query that is refused (another device's event) is left to the thread. */
 static PyObject *lander_land(PyObject *self, PyObject *capsule) {
     lander *l = as_lander(capsule);
     if (l == NULL)
         return NULL;
-    pthread_mutex_lock(&l->mu);
-    size_t before = l->count;
-    while (!l->closing && l->count > 0) {
+    pthread_mutex_lock(&mu);
+    while (!l->closed && l->count > 0) {
         landing *front = &l->ring[l->head];
         if (front->state == SKIP) {
             pop_front(l);
@@ -698,9 +782,7 @@ static PyObject *lander_land(PyObject *self, PyObject *capsule) {
             break;
         store_front(l);
     }
-    if (l->count != before)
-        pthread_cond_broadcast(&l->cv);
-    pthread_mutex_unlock(&l->mu);
+    pthread_mutex_unlock(&mu);
     Py_RETURN_NONE;
 }
 
@@ -709,13 +791,13 @@ static PyObject *lander_release(PyObject *self, PyObject *const *args, Py_ssize_
     unsigned long long number;
     if (!lander_and_number("lander_release", args, nargs, &l, &number))
         return NULL;
-    pthread_mutex_lock(&l->mu);
+    pthread_mutex_lock(&mu);
     landing *e = find(l, number);
     if (e != NULL && e->state == HELD) {
         e->state = SKIP;
-        pthread_cond_broadcast(&l->cv);
+        pthread_cond_broadcast(&cv);
     }
-    pthread_mutex_unlock(&l->mu);
+    pthread_mutex_unlock(&mu);
     Py_RETURN_NONE;
 }
 
@@ -723,11 +805,11 @@ static PyObject *lander_counter(PyObject *capsule, int which) {
     lander *l = as_lander(capsule);
     if (l == NULL)
         return NULL;
-    pthread_mutex_lock(&l->mu);
+    pthread_mutex_lock(&mu);
     uint64_t v = which == 0 ? l->landed : l->passed;
     if (which == 1 && l->busy != 0 && l->busy <= v)
         v = l->busy - 1;  /* popped by lander_land() while the thread still queries its event */
-    pthread_mutex_unlock(&l->mu);
+    pthread_mutex_unlock(&mu);
     return PyLong_FromUnsignedLongLong(v);
 }
 
@@ -765,7 +847,7 @@ static PyMethodDef methods[] = {
     {"lander_land", lander_land, METH_O, "Store, from this thread, what has completed at the front."},
     {"lander_landed", lander_landed, METH_O, "The highest number stored."},
     {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
-    {"lander_close", lander_close, METH_O, "Stop the thread (nothing is stored after it)."},
+    {"lander_close", lander_close, METH_O, "Close a lander (nothing is stored for it after it)."},
     {NULL, NULL, 0, NULL},
 };
 
