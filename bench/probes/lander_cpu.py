@@ -11,9 +11,10 @@ GPU work on the writer's current stream (``torch.cuda._sleep``), posts one one-r
 as a prefill's layer-wise writes wait for their layer -- and waits for all of them. Prints, over
 the rounds: the writer process's CPU seconds per wall second, split into the calling thread and
 the others (by name, from ``/proc/self/task``: the landers' thread is ``kvt-lander``, where its
-C names it), and the median from the end of each round's GPU work to the last peer's
+C names it), and the medians from the end of each round's GPU work to the last peer's
 notification (the receivers stamp arrivals on the host's monotonic clock, polling without
-sleeping; the end of the work on the host clock as ``kvtransfer bench nvlink``'s ``behind us``).
+sleeping; the end of the work on the host clock as ``kvtransfer bench nvlink``'s ``behind us``)
+and to the return of the round's last ``wait()``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
     for p, remote in enumerate(remotes):
         remote.start_stamp_notify([t[p] for t in tags], 300.0, ("nvlink",))
     time.sleep(0.1)  # the receivers poll before the first write
-    ends = []
+    ends, waited = [], []
     for r, round_tags in enumerate(tags):
         if r == warmup:
             wall0, cpu0, main0, threads0 = time.monotonic(), time.process_time(), time.thread_time(), thread_cpu()
@@ -85,6 +86,7 @@ def main() -> None:
         mark.record(clock)
         for t in transfers:
             t.wait(timeout=60)
+        waited.append(time.monotonic())
         done.synchronize()
         ends.append(t_mark + mark.elapsed_time(done) / 1e3)
     wall, cpu, main_cpu = time.monotonic() - wall0, time.process_time() - cpu0, time.thread_time() - main0
@@ -93,16 +95,20 @@ def main() -> None:
     for remote in remotes:
         stamps.update(remote.result("stamp_notify"))
     last = [max(stamps[t][1] for t in round_tags) - end for round_tags, end in zip(tags[warmup:], ends[warmup:])]
+    settled = [w - end for w, end in zip(waited[warmup:], ends[warmup:])]
     print(f"{args.peers} peers, {args.rounds} rounds, {args.behind_us:.0f} us of work before each, host steps "
           f"{args.native}: wall {wall:.2f} s; writer CPU {cpu / wall:.2f} s per s (calling thread {main_cpu / wall:.2f}, "
           f"others {(cpu - main_cpu) / wall:.2f}); last peer's notification {statistics.median(last) * 1e6:.1f} us "
-          f"after the work (median; p90 {statistics.quantiles(last, n=10)[-1] * 1e6:.1f})")
+          f"after the work (median; p90 {statistics.quantiles(last, n=10)[-1] * 1e6:.1f}); every wait() returned "
+          f"{statistics.median(settled) * 1e6:.1f} us after it")
     busy = sorted(((v, name) for name, v in threads if name != "main" and v / wall >= 0.02), reverse=True)
     print(f"  other threads over 2% CPU ({len(threads) - 1} threads): "
           + (", ".join(f"{name} {v / wall:.2f}" for v, name in busy) or "none"))
     for peer in peers:
         peer.close()
     transport.close()
+    for remote in remotes:
+        remote.close()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -121,19 +122,41 @@ def main() -> None:
     until("2110 passed", lambda: steps.lander_passed(h) == 2110)
     print("passed")
 
+    # waiting for the thread to pass a number: asleep until then (the GIL let go), or a timeout
+    steps.lander_watch(h, 2111, event(11), 0)
+    t0 = time.monotonic()
+    assert steps.lander_wait(h, 2111, 0.05) is False and time.monotonic() - t0 >= 0.05
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2111, 30.0)))
+    waiter.start()
+    time.sleep(0.01)  # the waiter sleeps in lander_wait while this thread runs
+    assert waiter.is_alive() and not got
+    flags[11] = DONE
+    waiter.join(timeout=5)
+    assert got == [True], got
+    assert steps.lander_wait(h, 2110, 0.0) is True  # passed long ago
+    steps.lander_watch(h, 2112, event(12), 0)
+    assert steps.lander_withdraw(h, 2112) is True
+    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2112, 30.0)))
+    waiter.start()
+    steps.lander_release(h, 2112)
+    waiter.join(timeout=5)
+    assert got == [True, True], f"a withdrawn number, once let go, is passed too: {got}"
+    print("waited")
+
     # more than the ring's first capacity (64), ended in reverse: released in order, all of them
-    numbers = list(range(11, 311))  # events; their numbers are 2100 more
+    numbers = list(range(13, 313))  # events; their numbers are 2100 more
     for n in numbers:
         steps.lander_watch(h, 2100 + n, event(n), n % 3)  # three devices: a context each, retained once
     for n in reversed(numbers[1:]):
         flags[n] = DONE
-    stays("nothing passes the first of 300", lambda: view.read() == 2110)
+    stays("nothing passes the first of 300", lambda: view.read() == 2111)
     flags[numbers[0]] = DONE
     until("all 300 released", lambda: view.read() == 2100 + numbers[-1])
     print("grown")
 
     # bad calls
-    for bad, match in (((h, 2410, event(400), 0), "notification 2410 after 2410"),
+    for bad, match in (((h, 2412, event(400), 0), "notification 2412 after 2412"),
                        ((h, 2500, 0, 0), "event"), ((h, 2500, event(400), 64), "device 64 out of range")):
         try:
             steps.lander_watch(*bad)
@@ -193,6 +216,8 @@ def main() -> None:
     steps.lander_land(h)
     stays("nothing is stored after close", lambda: view.read() == 2100 + numbers[-1], 0.02)
     steps.lander_close(h)  # idempotent
+    t0 = time.monotonic()
+    assert steps.lander_wait(h, 2500, 5.0) is None and time.monotonic() - t0 < 1.0, "a closed lander is waited for"
     retained, released = (ctypes.c_int.in_dll(fake, n).value for n in ("fake_retained", "fake_released"))
     assert retained == released == 3, f"contexts retained {retained}, released {released}"
     assert threads() == alone, "the thread outlived the last lander"

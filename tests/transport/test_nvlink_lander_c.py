@@ -39,5 +39,5 @@ def test_the_lander_releases_in_order_withdraws_and_closes(fake_driver):
     done = subprocess.run([sys.executable, "-m", "tests.transport._fake_cuda_lander"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("lander ok"), done.stdout + done.stderr
-    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "grown", "refused", "shared", "closed"):
+    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "waited", "grown", "refused", "shared", "closed"):
         assert case in done.stdout, done.stdout

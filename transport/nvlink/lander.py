@@ -41,7 +41,7 @@ from types import ModuleType
 
 from transport.nvlink.word import SharedWord
 
-__all__ = ["Lander"]
+__all__ = ["Lander", "Passing"]
 
 
 class Lander:
@@ -87,6 +87,11 @@ class Lander:
         """The receiver was told ``number`` is withdrawn: the thread may go past it."""
         self._native.lander_release(self._handle, number)
 
+    def awaiting(self, number: int, event) -> "Passing":
+        """What the progress thread waits on for watched notification ``number``
+        (:mod:`transport.nvlink.progress`): the thread passing it, no core kept busy."""
+        return Passing(self._native, self._handle, number, event)
+
     def _forget_passed(self) -> None:
         events = self._events
         passed = self._native.lander_passed(self._handle)
@@ -102,3 +107,20 @@ class Lander:
             self._events.clear()
 
     __del__ = close
+
+
+class Passing:
+    """The landers' thread passing one number (storing it, or skipping it withdrawn), waited
+    for like an event: :meth:`synchronize` sleeps (the GIL let go) until then, at most
+    ``WAIT_S`` at a time -- the waiter looks at its transfers' deadlines and CUDA errors in
+    between -- and on the event itself once the lander is closed."""
+
+    WAIT_S = 0.01
+    __slots__ = ("_native", "_handle", "_number", "_event")
+
+    def __init__(self, native: ModuleType, handle, number: int, event):
+        self._native, self._handle, self._number, self._event = native, handle, number, event
+
+    def synchronize(self) -> None:
+        if self._native.lander_wait(self._handle, self._number, self.WAIT_S) is None:
+            self._event.synchronize()

@@ -415,6 +415,12 @@ class Outbox:
             self._lander.land()
         return self._lander.landed(number)
 
+    def awaiting(self, number: int, event):
+        """What to wait on (``synchronize()``) until announced notification ``number`` whose copy
+        ``event`` ends is settled: with a lander its thread passing the number
+        (:meth:`Lander.awaiting`: no core kept busy), else the event."""
+        return event if self._lander is None else self._lander.awaiting(number, event)
+
     def withdraw(self, number: int) -> bool:
         """With a lander: withdraw announced notification ``number`` now, out of order -- the
         thread stops at it, the receiver is sent its Dropped, then the thread goes on -- or

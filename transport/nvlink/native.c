@@ -25,7 +25,7 @@
  * event_create() / event_destroy(event)
  *     a raw event without timing, as an int.
  * lander_new(word_addr) and lander_watch / lander_land / lander_withdraw / lander_release /
- * lander_landed / lander_passed / lander_close
+ * lander_landed / lander_passed / lander_wait / lander_close
  *     a queue of notifications whose numbers one thread of the process (no Python, no GIL,
  *     shared by every lander) stores into a mailbox's landed word once each one's copy event
  *     completed, in order (transport/nvlink/lander.py says what each call promises).
@@ -33,8 +33,8 @@
  * Driver errors raise the class given to set_error_class(cls) (RuntimeError before), naming
  * the call and the CUresult. Every function runs with
  * the GIL held: each is a few microseconds and touches no Python object after the driver call
- * (lander_close lets the GIL go while it waits for the landers' thread to let go of the lander,
- * and joins that thread when it closes the last one).
+ * (lander_wait lets the GIL go while it waits; so does lander_close, while it waits for the
+ * landers' thread to let go of the lander, and joins that thread when it closes the last one).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -456,6 +456,7 @@ static void pop_front(lander *l) {
     l->passed = l->ring[l->head].number;
     l->head = (l->head + 1) % l->cap;
     l->count--;
+    pthread_cond_broadcast(&cv);  /* for lander_wait (no system call while nobody waits) */
 }
 
 /* The front's copy has ended: its number into the word (one release store), then it goes. */
@@ -817,6 +818,34 @@ static PyObject *lander_landed(PyObject *self, PyObject *capsule) { return lande
 
 static PyObject *lander_passed(PyObject *self, PyObject *capsule) { return lander_counter(capsule, 1); }
 
+/* lander_wait(lander, number, timeout_s): wait, the GIL let go, until the thread is past
+ * `number` (stored, or withdrawn and skipped): True; False after timeout_s; None once the
+ * lander is closed (nothing will pass any more). */
+static PyObject *lander_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lander *l;
+    unsigned long long number;
+    if (!check_nargs("lander_wait", nargs, 3) || (l = as_lander(args[0])) == NULL || !as_u64(args[1], &number))
+        return NULL;
+    double timeout = PyFloat_AsDouble(args[2]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    int past, closed;
+    Py_BEGIN_ALLOW_THREADS
+    long long until = now_ns() + (long long)(timeout > 0 ? timeout * 1e9 : 0);
+    struct timespec t = {until / 1000000000LL, until % 1000000000LL};
+    pthread_mutex_lock(&mu);
+    while (!(past = l->passed >= number) && !(closed = l->closed) && now_ns() < until)
+        pthread_cond_timedwait(&cv, &mu, &t);
+    closed = l->closed;
+    pthread_mutex_unlock(&mu);
+    Py_END_ALLOW_THREADS
+    if (past)
+        Py_RETURN_TRUE;
+    if (closed)
+        Py_RETURN_NONE;
+    Py_RETURN_FALSE;
+}
+
 static PyObject *lander_close(PyObject *self, PyObject *capsule) {
     lander *l = as_lander(capsule);
     if (l == NULL)
@@ -846,6 +875,8 @@ static PyMethodDef methods[] = {
     {"lander_release", (PyCFunction)(void (*)(void))lander_release, METH_FASTCALL, "Let the thread pass a held number."},
     {"lander_land", lander_land, METH_O, "Store, from this thread, what has completed at the front."},
     {"lander_landed", lander_landed, METH_O, "The highest number stored."},
+    {"lander_wait", (PyCFunction)(void (*)(void))lander_wait, METH_FASTCALL,
+     "Wait until the thread is past a number (True), a timeout (False) or the close (None)."},
     {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
     {"lander_close", lander_close, METH_O, "Close a lander (nothing is stored for it after it)."},
     {NULL, NULL, 0, NULL},

@@ -65,11 +65,13 @@ class PendingQueue:
         return transfer
 
     def oldest_event(self):
-        """The completion event of the oldest transfer still pending (None: none)."""
+        """What to wait on (``synchronize()``) for the oldest transfer still pending (None: none):
+        its completion event, or with a lander and a notification, the lander passing its
+        number (:meth:`Outbox.awaiting`)."""
         with self.lock:
             for t in self._pending:
                 if t._status is TransferStatus.PENDING and t._event is not None:
-                    return t._event
+                    return t._event if t._number is None else self.outbox.awaiting(t._number, t._event)
         return None
 
     def bury(self, event, keep: tuple) -> None:

@@ -2,15 +2,20 @@
 
 It sleeps (on a lock, the "bell") until a write wakes it, then calls ``advance()`` (which settles finished transfers:
 notification sent, status DONE or FAILED, and returns True while some remain pending). While
-some remain, it waits on the completion event of the oldest one (``oldest_event()``) with the
-event's ``synchronize()``, which releases the GIL: the notification goes out as soon as the
-copy ends, without a caller polling and without a Python loop spinning. One thread per
-transport, whatever the number of transfers. It sleeps again once nothing is pending.
+some remain, it waits on the oldest one (``oldest_event()``, its ``synchronize()``, which
+releases the GIL): the completion event, so that the notification goes out as soon as the copy
+ends, without a caller polling and without a Python loop spinning; or, where a lander stores
+the landed word (:mod:`transport.nvlink.lander`), the lander passing the transfer's
+notification, asleep until then (at most 10 ms at a time): the lander's thread is the one
+that watches the copy, and a second core spinning on the same event would only mark the
+transfer DONE a few microseconds sooner. One thread per transport, whatever the number of
+transfers. It sleeps again once nothing is pending.
 
 ``Transfer.status()`` and ``wait()`` advance the same FIFOs (:mod:`transport.nvlink.pending`)
 from the caller's thread; both sides take the FIFO's lock, and no lock is held while the thread
-waits on an event. A copy that never completes keeps this thread in ``synchronize()``; callers'
-``status()`` / ``wait()`` still fail it at its deadline (``transfer_timeout_s``).
+waits. Without a lander, a copy that never completes keeps this thread in the event's
+``synchronize()``; callers' ``status()`` / ``wait()`` still fail it at its deadline
+(``transfer_timeout_s``). With one, the thread looks at least every 10 ms and fails it itself.
 
 Where the C steps load, the landed word is stored by a lander (:mod:`transport.nvlink.lander`)
 and this thread only marks transfers DONE. Without one it stores the word too, and needs the
@@ -30,7 +35,8 @@ __all__ = ["Progress"]
 
 class Progress:
     """A daemon thread calling ``advance()`` while it reports pending work, waiting between
-    calls on ``oldest_event()`` (None: nothing to wait on; it then polls every ``POLL_S``)."""
+    calls on ``oldest_event()``, an object with ``synchronize()`` (None: nothing to wait on; it
+    then polls every ``POLL_S``)."""
 
     POLL_S = 2e-4
 
