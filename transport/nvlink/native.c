@@ -422,8 +422,16 @@ static long long now_ns(void) {
     return now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
-/* A forked child has no thread and may have copied `mu` held: it starts afresh, every lander it
- * inherited closed. */
+static void init_cv(void) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&cv, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+/* A forked child has no thread and holds copies of `mu` and `cv` taken mid-use: it starts
+ * afresh, every lander it inherited closed. */
 static void fork_prepare(void) { pthread_mutex_lock(&mu); }
 static void fork_parent(void) { pthread_mutex_unlock(&mu); }
 static void fork_child(void) {
@@ -434,14 +442,11 @@ static void fork_child(void) {
     landers = NULL;
     running = 0;
     pthread_mutex_init(&mu, NULL);
+    init_cv();
 }
 
 static void init_once(void) {
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&cv, &attr);
-    pthread_condattr_destroy(&attr);
+    init_cv();
     pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
@@ -531,7 +536,6 @@ static size_t fronts(look **looks, size_t *cap, long long now, long long *shorte
 
 static void *lander_main(void *arg) {
     uint64_t mine = (uint64_t)(uintptr_t)arg;
-    pthread_setname_np(pthread_self(), "kvt-lander");  /* as top -H and /proc name it */
     void *ctxs[MAX_DEVICES] = {0};
     int current = -1;
     look *looks = NULL;
@@ -551,10 +555,11 @@ static void *lander_main(void *arg) {
                        && now_ns() - start < IDLE_SPIN_NS)
                     ;
                 pthread_mutex_lock(&mu);
-                if (news != seen || era != mine)
-                    continue;
+                if (news == seen && era == mine)
+                    pthread_cond_wait(&cv, &mu);  /* until a watch or the end */
+            } else {
+                nap(LONG_NAP_NS);  /* held or faulted fronts only: Python withdraws or releases them */
             }
-            pthread_cond_wait(&cv, &mu);  /* until a watch, a release or the end */
             continue;
         }
         pthread_mutex_unlock(&mu);
@@ -661,6 +666,7 @@ static PyObject *lander_new(PyObject *self, PyObject *arg) {
         uint64_t next = era + 1;
         err = pthread_create(&runner, NULL, lander_main, (void *)(uintptr_t)next);
         if (err == 0) {
+            pthread_setname_np(runner, "kvt-lander");  /* as top -H and /proc name it */
             __atomic_store_n(&era, next, __ATOMIC_RELEASE);
             running = 1;
         }
