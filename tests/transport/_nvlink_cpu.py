@@ -12,12 +12,15 @@
   whose mapping of the owner's regions records what the revokes drop (:class:`DropRecorder`).
   It has a transport's calls (``register``, ``connect``, ``poll_notifications``, ``close``) and
   its peers a peer's (``write``, ``close``), so the writer process (:mod:`tests.transport._writer`)
-  drives it as it drives the real ones.
+  drives it as it drives the real ones;
+- :class:`StandInLander`: the lander's contract (:class:`transport.nvlink.lander.Lander`) in
+  Python, its copies ended by the test.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Optional
 
@@ -136,3 +139,64 @@ class CpuWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StandInLander:
+    """The lander's contract in Python (:class:`transport.nvlink.lander.Lander`), its "events"
+    completed by the test (:meth:`complete`): stores into the word in order, never past a
+    withdrawn number before its release. The outbox and the inbox around it are real."""
+
+    def __init__(self, word):
+        self.word = word
+        self.watched: dict[int, str] = {}  # number -> "watching" | "held" | "skip"
+        self.done: set[int] = set()
+        self.refuse = False
+        self.passing = threading.Condition()  # notified whenever a number is passed
+        self.awaited = 0  # how often something waited in awaiting()
+
+    def watch(self, number: int, event) -> None:
+        if self.refuse:
+            raise ValueError("no event to wait on")
+        self.watched[number] = "watching"
+
+    def complete(self, number: int) -> None:
+        self.done.add(number)
+        self.land()
+
+    def land(self) -> None:
+        for number in sorted(self.watched):
+            state = self.watched[number]
+            if state == "held" or (state == "watching" and number not in self.done):
+                return
+            if state == "watching":
+                self.word.store(number)
+            del self.watched[number]
+            with self.passing:
+                self.passing.notify_all()
+
+    def landed(self, number: int) -> bool:
+        return self.word.value >= number
+
+    def withdraw(self, number: int) -> bool:
+        if self.word.value >= number:
+            return False
+        self.watched[number] = "held"
+        return True
+
+    def release(self, number: int) -> None:
+        self.watched[number] = "skip"
+        self.land()
+
+    def awaiting(self, number: int, event):
+        lander = self
+
+        class Passing:
+            def synchronize(self) -> None:
+                lander.awaited += 1
+                with lander.passing:
+                    lander.passing.wait_for(lambda: number not in lander.watched, timeout=0.01)
+
+        return Passing()
+
+    def close(self) -> None:
+        self.watched.clear()

@@ -21,7 +21,7 @@ from tests.transport._support import (
     kv_strided,
     local_pair,
 )
-from tests.transport._nvlink_cpu import DropRecorder, stand_in_ipc, wait_until
+from tests.transport._nvlink_cpu import DropRecorder, StandInLander, stand_in_ipc, wait_until
 from transport.base import Notification, Region, RegionRevoked, RegionSizes, StridedBatch, TransferStatus
 from transport.nvlink import NvlinkTransport, parse_descriptor
 from transport.nvlink.config import NvlinkConfig
@@ -446,6 +446,31 @@ def test_progress_sends_the_notification_once_the_event_fires_without_polling(se
     event.fire()
     waiter.join(5)
     assert not waiter.is_alive() and t.status() is TransferStatus.DONE
+    got, deadline = [], time.monotonic() + 2
+    while not got and time.monotonic() < deadline:
+        got = inbox.poll()
+    assert [n.payload for n in got] == [b"landed"]
+
+
+def test_with_a_lander_progress_sleeps_until_it_passes_the_number_not_on_the_event(settling):
+    """Where a lander stores the landed word, its thread watches the copy: the progress thread
+    waits for the lander to pass the notification's number and never spins on the event."""
+    inbox, queue, progress = settling
+    lander = StandInLander(None)
+    queue.outbox.land_with(lambda word: setattr(lander, "word", word) or lander)
+    event = _BlockingEvent()
+    t = queue.track(NvlinkTransfer(queue, event, b"landed"))
+    progress.wake()
+    wait_until("the progress thread waiting on the lander", lambda: lander.awaited > 0)
+    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+    waiter.start()
+    time.sleep(0.03)
+    assert t._status is TransferStatus.PENDING
+    event.fire()
+    lander.complete(1)
+    waiter.join(5)
+    assert not waiter.is_alive() and t.status() is TransferStatus.DONE
+    assert event.synchronized == 0
     got, deadline = [], time.monotonic() + 2
     while not got and time.monotonic() < deadline:
         got = inbox.poll()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.transport._nvlink_cpu import wait_until
+from tests.transport._nvlink_cpu import StandInLander, wait_until
 from transport.base import Notification
 from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox
 from transport.nvlink.word import SharedWord, WordView
@@ -340,57 +340,11 @@ def test_across_processes_a_notification_waits_for_its_landing_and_dies_with_its
         remote.close()
 
 
-class _StandInLander:
-    """The lander's contract in Python (:class:`transport.nvlink.lander.Lander`), its "events"
-    completed by the test (:meth:`complete`): stores into the word in order, never past a
-    withdrawn number before its release. The outbox and the inbox around it are real."""
-
-    def __init__(self, word: SharedWord):
-        self.word = word
-        self.watched: dict[int, str] = {}  # number -> "watching" | "held" | "skip"
-        self.done: set[int] = set()
-        self.refuse = False
-
-    def watch(self, number: int, event) -> None:
-        if self.refuse:
-            raise ValueError("no event to wait on")
-        self.watched[number] = "watching"
-
-    def complete(self, number: int) -> None:
-        self.done.add(number)
-        self.land()
-
-    def land(self) -> None:
-        for number in sorted(self.watched):
-            state = self.watched[number]
-            if state == "held" or (state == "watching" and number not in self.done):
-                return
-            if state == "watching":
-                self.word.store(number)
-            del self.watched[number]
-
-    def landed(self, number: int) -> bool:
-        return self.word.value >= number
-
-    def withdraw(self, number: int) -> bool:
-        if self.word.value >= number:
-            return False
-        self.watched[number] = "held"
-        return True
-
-    def release(self, number: int) -> None:
-        self.watched[number] = "skip"
-        self.land()
-
-    def close(self) -> None:
-        self.watched.clear()
-
-
 @pytest.fixture
 def landed_pair(pair):
     inbox, out = pair
     landers = []
-    out.land_with(lambda word: landers.append(_StandInLander(word)) or landers[0])
+    out.land_with(lambda word: landers.append(StandInLander(word)) or landers[0])
     return inbox, out, landers[0]
 
 
