@@ -466,7 +466,7 @@ def _host_steps(transport) -> str:
 
 def _rate_cells(rate: float, copy: float, width: int = 7) -> str:
     """A GB/s column ``width`` wide and its ratio to the peer copy; ``n/a`` where the path did
-    not run (NaN: the staged engine needs a second GPU)."""
+    not run (NaN: the staged engine was off for the peer)."""
     return f"{rate:>{width}.1f} {rate / copy:>6.1%}" if rate == rate else f"{'n/a':>{width}} {'':>6}"
 
 
@@ -571,8 +571,8 @@ def main(argv=None) -> int:
         return 1
     if args.src_device == args.dst_device:
         print(f"one GPU: the receiver process writes into GPU {args.dst_device} too, so 'peer copy' is a copy "
-              "inside it and no byte crosses NVLink; the ratios are not NVLink's, the fixed costs are this "
-              "host's")
+              "inside it and no byte crosses NVLink (the staged engine's copy too: a loopback lane); the ratios "
+              "are not NVLink's, the fixed costs are this host's")
     bench = _Bench(args)
     try:
         bench.setup()

@@ -197,7 +197,7 @@ def test_range_and_stage_arguments_are_checked():
         kern.scatter_rows(rows, plan, "cpu", stage=kern.Stage(kern.StageMode.GATHER, 0, 0))
 
 
-# -- two processes on two GPUs --------------------------------------------------------------------
+# -- two processes: on two GPUs, or on one through a loopback lane (the same pipeline inside one GPU) --
 
 # many chunks even for test-sized batches (rows up to 256 KiB), ramping up from 64 KiB and back
 SMALL = staged.StagedConfig(chunk_bytes=1 << 18, edge_bytes=1 << 16)
@@ -208,11 +208,10 @@ def _staged_pair(remote, num_bufs, buf_bytes):
 
 
 @pytest.mark.gpu
-@pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, False), (64, False), (1, True)])
-def test_two_processes_staged_rows_exact(remote, page_size, head_slice):
+def test_two_processes_staged_rows_exact(remote_any, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
+    t, peer, src, dst_rids = _staged_pair(remote_any, 2 * LAYERS, buf_bytes)
     try:
         batch = kv_batch(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(page_size))
         tag = f"staged {page_size} {head_slice}".encode()
@@ -221,32 +220,30 @@ def test_two_processes_staged_rows_exact(remote, page_size, head_slice):
         tr = peer.write(batch, notify=tag)
         tr.wait(timeout=60)
         assert tr.status() is TransferStatus.DONE and peer.staged_error is None
-        check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.multigpu
 @pytest.mark.parametrize("page_size, head_slice", [(1, False), (16, True)])
-def test_two_processes_staged_strided_exact(remote, page_size, head_slice):
+def test_two_processes_staged_strided_exact(remote_any, page_size, head_slice):
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
+    t, peer, src, dst_rids = _staged_pair(remote_any, 2 * LAYERS, buf_bytes)
     try:
         b = kv_strided(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(3))
-        write_landed(remote, peer, src, dst_rids, b, buf_bytes, f"staged strided {page_size} {head_slice}".encode())
+        write_landed(remote_any, peer, src, dst_rids, b, buf_bytes, f"staged strided {page_size} {head_slice}".encode())
         assert peer.staged_error is None
     finally:
         t.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.multigpu
-def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):
+def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote_any):
     """Eight writes in flight reuse the staging buffers (events order them); rows at odd
     offsets and lengths take the byte path through the stage."""
     buf_bytes = 1 << 17
-    t, peer, src, dst_rids = _staged_pair(remote, 3, buf_bytes)
+    t, peer, src, dst_rids = _staged_pair(remote_any, 3, buf_bytes)
     try:
         rng = np.random.default_rng(11)
         n, slot = 120, 1000
@@ -262,42 +259,41 @@ def test_two_processes_staged_back_to_back_writes_and_odd_rows(remote):
         for tr in trs:
             tr.wait(timeout=60)
         for i in range(7):
-            assert remote.wait_notify(b"odd %d" % i, 60.0) == t.name
-        check_landed(remote, src, dst_rids, batch, buf_bytes, b"odd 7")
+            assert remote_any.wait_notify(b"odd %d" % i, 60.0) == t.name
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, b"odd 7")
     finally:
         t.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.multigpu
 @pytest.mark.parametrize("enabled, min_bytes, min_row_bytes, staged_used", [
     (True, 1 << 40, 0, False), (False, 0, 0, False), (True, 0, 1 << 30, False), (True, 0, TOKEN, True)])
-def test_auto_engine_follows_the_config(remote, enabled, min_bytes, min_row_bytes, staged_used):
+def test_auto_engine_follows_the_config(remote_any, enabled, min_bytes, min_row_bytes, staged_used):
     buf_bytes = SLOTS * TOKEN
     config = NvlinkConfig(staged=staged.StagedConfig(enabled=enabled, min_bytes=min_bytes, min_row_bytes=min_row_bytes,
                                                      chunk_bytes=1 << 18))
-    t, peer, src, dst_rids = local_pair(remote, 4, buf_bytes, config)
+    t, peer, src, dst_rids = local_pair(remote_any, 4, buf_bytes, config)
     try:
         assert config.engine is NvlinkEngine.AUTO
         batch = kv_batch(sorted(src), dst_rids, 16, False, np.random.default_rng(2))
         tag = f"auto {enabled} {min_bytes} {min_row_bytes}".encode()
+        loopback = peer._route.peer_gpu == peer.device  # one GPU: AUTO never stages inside it
         with peer.prepare(batch) as job:
-            assert (job.engine is NvlinkEngine.STAGED) == staged_used
+            assert (job.engine is NvlinkEngine.STAGED) == (staged_used and not loopback)
             job.post(notify=tag).wait(timeout=60)
         with peer.prepare(batch, engine=NvlinkEngine.KERNEL) as job:  # a per-write override
             assert job.engine is NvlinkEngine.KERNEL
-        check_landed(remote, src, dst_rids, batch, buf_bytes, tag)
+        check_landed(remote_any, src, dst_rids, batch, buf_bytes, tag)
     finally:
         t.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.multigpu
-def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):
+def test_a_failed_enqueue_raises_and_the_next_write_lands(remote_any):
     """A launch that fails mid-pipeline raises from write() (after what was queued has run),
     releases the lane, and the next write lands byte for byte."""
     buf_bytes = SLOTS * TOKEN
-    t, peer, src, dst_rids = _staged_pair(remote, 2 * LAYERS, buf_bytes)
+    t, peer, src, dst_rids = _staged_pair(remote_any, 2 * LAYERS, buf_bytes)
     try:
         batch = kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(5))
         prepare, launches = peer.prepare, []
@@ -320,6 +316,6 @@ def test_a_failed_enqueue_raises_and_the_next_write_lands(remote):
             peer.write(batch)
         del peer.prepare  # back to the class's method
         assert not peer._owner._lanes[peer._route.peer_gpu]._lock.locked()
-        write_landed(remote, peer, src, dst_rids, batch, buf_bytes, b"after a failed enqueue")
+        write_landed(remote_any, peer, src, dst_rids, batch, buf_bytes, b"after a failed enqueue")
     finally:
         t.close()

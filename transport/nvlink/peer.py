@@ -78,8 +78,8 @@ class NvlinkPeer(Peer):
         device = self._copy.device
         self._peer_sizes = RegionSizes(self.regions)
         self.tables = WriteTables(owner._registry, self._peer_sizes, self._mapping, device, self._config)
-        self._route = EngineRoute(self._config, name, peer_gpu if peer_gpu != device else None, owner._lane,
-                                  self._mapping)
+        self._route = EngineRoute(self._config, name, peer_gpu, owner._lane, self._mapping,
+                                  loopback=peer_gpu == device)
         self._hold = Hold(name, self._queue, self._mapping)
         owner._mailbox.add(self._hold)  # its thread reads the peer's answer to the Hello, and revokes
 

@@ -3,7 +3,9 @@
 The staged engine needs the peer's GPU among this process's GPUs (found by UUID at connect),
 a lane to it (streams, staging buffers; shared by every peer on that GPU) and the peer's
 regions mapped under that GPU. When any of it fails the first time, the engine stays off for
-this peer and :attr:`EngineRoute.error` says why; writes then take the kernel.
+this peer and :attr:`EngineRoute.error` says why; writes then take the kernel. A peer on this
+process's own GPU gets a loopback lane only when a write asks for ``NvlinkEngine.STAGED``:
+``AUTO`` never stages inside one GPU, where the kernel moves bytes at HBM speed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ class EngineRoute:
     """The engine choice of one peer (:meth:`lane_for`)."""
 
     def __init__(self, config: NvlinkConfig, name: str, peer_gpu: Optional[int],
-                 open_lane: Callable[[int], StagedLane], mapping: PeerMapping):
-        """``peer_gpu``: the peer's GPU as numbered here (None: unknown, or this process's own)."""
+                 open_lane: Callable[[int], StagedLane], mapping: PeerMapping, loopback: bool = False):
+        """``peer_gpu``: the peer's GPU as numbered here (None: unknown); ``loopback``: it is the
+        GPU that runs this process's copies."""
         self._config, self._name, self._peer_gpu = config, name, peer_gpu
-        self._open_lane, self._mapping = open_lane, mapping
+        self._open_lane, self._mapping, self._loopback = open_lane, mapping, loopback
         self.error: Optional[str] = None  # why the staged engine is off for this peer
 
     @property
@@ -36,7 +39,7 @@ class EngineRoute:
         """The staged lane when a batch of ``rows`` rows, ``total`` bytes and rows of at most
         ``max_len`` bytes takes the staged engine under ``engine``, else None (the kernel)."""
         cfg = self._config.staged
-        auto_says_no = engine is NvlinkEngine.AUTO and not cfg.wants(total, rows)
+        auto_says_no = engine is NvlinkEngine.AUTO and (self._loopback or not cfg.wants(total, rows))
         if (auto_says_no or engine is NvlinkEngine.KERNEL or self._peer_gpu is None
                 or self.error is not None or max_len > cfg.chunk_bytes):
             return None

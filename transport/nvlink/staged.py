@@ -180,7 +180,8 @@ class StagedLane:
         self.scatter_stream = torch.cuda.Stream(device=peer)
         n = config.buffers
         with ipc.on_device(api, local):
-            api.enable_peer_access(peer)  # the copy engine writes the peer's staging buffers
+            if peer != local:
+                api.enable_peer_access(peer)  # the copy engine writes the peer's staging buffers
             self._gathered = [api.event_create() for _ in range(n)]  # recorded on the gather stream
             self._copied = [api.event_create() for _ in range(n)]  # recorded on the copy stream
         with ipc.on_device(api, peer):
@@ -261,7 +262,7 @@ class StagedLane:
 
 
 def open_lane(api, local: int, peer: int, config: StagedConfig) -> StagedLane:
-    """A lane, or :class:`ipc.CudaIpcError` when the two GPUs cannot reach each other."""
-    if local == peer:
-        raise ipc.CudaIpcError(f"the staged engine copies between two GPUs, got cuda:{local} twice")
+    """A lane, or :class:`ipc.CudaIpcError` when the two GPUs cannot reach each other. A
+    loopback lane (``peer == local``) runs the same pipeline inside one GPU: gather, a copy
+    between two staging buffers of that GPU, scatter (what one GPU can test and time of it)."""
     return StagedLane(api, local, peer, config)
