@@ -8,6 +8,9 @@
 #               tree's benchmark (the same measurements, the fixed cost per write included), so
 #               each table sits beside the peer copy of its own run
 #   regression  bench nvlink at 16,384 tokens (pages 1, 16), this tree only
+#   crossover   bench nvlink at 8,192 tokens (pages 1, 16), this tree only: with `regression`, where
+#               the staged engine starts to beat the direct path end to end (AUTO's min_bytes)
+#   cpu         bench/probes/lander_cpu.py with 1 and 8 peers on the second GPU
 #   tests       pytest -m gpu over the transport tests (NVLink, strided, direct path, launcher)
 #   probe       bench/probes/direct_path_host.py --cuda at 1,024 and 16,384 tokens: the host time of a
 #               direct-path write step by step, the timeline after the call, raw CUDA call costs
@@ -36,10 +39,17 @@ for what in "${steps[@]}"; do
                 bench "$here" "after_${tokens}" --tokens $tokens --page-sizes $pages
             done ;;
         regression) bench "$here" after_16384 --tokens 16384 --page-sizes 1,16 ;;
+        crossover) bench "$here" after_8192 --tokens 8192 --page-sizes 1,16 ;;
+        cpu)
+            for peers in 1 8; do
+                (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 \
+                    bench/probes/lander_cpu.py --peers $peers --peer-gpu 1) 2>&1 | tee "$OUT/lander_cpu_${peers}.log" || rc=1
+            done ;;
         tests)
             (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m pytest -q -m gpu \
                 -p no:cacheprovider -o addopts= tests/transport/test_nvlink.py tests/transport/test_nvlink_fastpath.py \
-                tests/transport/test_strided.py tests/transport/test_nvlink_staged.py tests/transport/test_triton_launch.py) \
+                tests/transport/test_strided.py tests/transport/test_nvlink_staged.py tests/transport/test_triton_launch.py \
+                tests/transport/test_nvlink_lander.py) \
                 2>&1 | tee "$OUT/gpu_tests_transport.log" || rc=1 ;;
         probe)
             for tokens in 1024 16384; do
@@ -47,7 +57,7 @@ for what in "${steps[@]}"; do
                     bench/probes/direct_path_host.py --cuda --tokens $tokens --reps 200) \
                     2>&1 | tee "$OUT/direct_path_host_${tokens}.log" || rc=1
             done ;;
-        *) echo "unknown step $what (compare | regression | tests | probe)" >&2; exit 2 ;;
+        *) echo "unknown step $what (compare | regression | crossover | cpu | tests | probe)" >&2; exit 2 ;;
     esac
 done
 exit $rc
