@@ -1,0 +1,143 @@
+"""Probe (one-off measurement, not a test): where a staged write's host time goes, step by step.
+
+Usage:
+    python3 bench/probes/staged_host.py [--tokens T] [--page P] [--reps N] [--peer-gpu G]
+
+A Llama-3-70B-shaped request (80 layers x K, V: 160 buffer pairs, 2 KiB token rows, ``T``
+tokens in pages of ``P``) written with ``write_strided(engine=NvlinkEngine.STAGED)`` from an
+nvlink transport on GPU 0 into a receiver process on GPU ``G`` (0: a loopback lane inside one
+GPU, where the copy engine's part is short and the host's shows). Each write is waited for
+before the next. Prints the medians, in microseconds from the call, of: ``prepare`` returned
+(the engine chosen, the staged table built in pinned memory, the chunks cut), the tables
+uploaded (to both GPUs), the pipeline enqueued (``StagedLane.run``: per chunk a gather, a
+copy-engine copy, a scatter and their events), the call returned, and the transfer DONE
+(``wait()``); the number of chunks; the GPU time of the pipeline (timing events on the writer's
+copy stream before its first gather and after the lane's last scatter); and the same write's
+GPU time when the tables are resident and nothing but the pipeline is posted (``PreparedWrite``
+posted again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from transport.base import StridedBatch
+from transport.nvlink import NvlinkConfig, NvlinkEngine, NvlinkTransport
+from transport.nvlink import stream as stream_mod
+from transport.nvlink.staged import StagedLane
+from transport.remote import RemoteBuffers
+
+LAYERS, ROW = 80, 2048
+
+
+class Stamps:
+    """Host times of the steps of the write in progress, by name."""
+
+    def __init__(self):
+        self.now: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            out = real(*args, **kwargs)
+            self.now[label] = time.perf_counter()
+            return out
+
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--page", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--peer-gpu", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="also print cProfile's top calls of the writes")
+    args = ap.parse_args()
+
+    torch.cuda.set_device(0)
+    pool = 2 * args.tokens
+    remote = RemoteBuffers(args.peer_gpu)
+    t = NvlinkTransport(NvlinkConfig(engine=NvlinkEngine.STAGED))
+    src = []
+    for _ in range(2 * LAYERS):
+        buf = torch.randint(0, 256, (pool * ROW,), dtype=torch.uint8, device="cuda:0")
+        src.append((t.register_tensor(buf), buf))
+    dst = remote.alloc([pool * ROW] * (2 * LAYERS), 0)
+    peer = t.connect(remote.export()["nvlink"])
+    rng = np.random.default_rng(0)
+    pages = pool // args.page
+    src_pages = rng.permutation(pages)[: args.tokens // args.page]
+    dst_pages = rng.permutation(pages)[: args.tokens // args.page]
+    row = ROW * args.page
+    sb = StridedBatch.of([r for r, _ in src], 0, row, dst, 0, row, row, src_pages, dst_pages)
+
+    stamps = Stamps()
+    stamps.wrap(stream_mod.CopyStream, "upload", "uploaded")
+    stamps.wrap(StagedLane, "run", "enqueued")
+    real_run = StagedLane.run
+    gpu = []  # [(start event, done event)] of the pipeline
+
+    def run(lane, gather_stream, *rest):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(gather_stream)
+        done = real_run(lane, gather_stream, *rest)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(lane.scatter_stream)
+        gpu.append((start, end))
+        return done
+
+    StagedLane.run = run
+    steps = {k: [] for k in ("prepared", "uploaded", "enqueued", "returned", "done")}
+    chunks = 0
+    profile = cProfile.Profile() if args.profile else None
+    for rep in range(args.reps + 3):
+        if profile is not None and rep == 3:
+            profile.enable()
+        stamps.now.clear()
+        t0 = time.perf_counter()
+        job = peer.prepare(sb, engine=NvlinkEngine.STAGED)
+        prepared = time.perf_counter()
+        if job.engine is not NvlinkEngine.STAGED:
+            raise SystemExit(f"the staged engine is off for this peer: {peer.staged_error}")
+        chunks = int(job.bounds.size - 1)
+        tr = job.post()
+        job.release()
+        returned = time.perf_counter()
+        tr.wait(timeout=60)
+        done = time.perf_counter()
+        if rep >= 3:
+            for k, v in (("prepared", prepared), ("uploaded", stamps.now["uploaded"]),
+                         ("enqueued", stamps.now["enqueued"]), ("returned", returned), ("done", done)):
+                steps[k].append((v - t0) * 1e6)
+    if profile is not None:
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    pipeline_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in gpu[3:])
+    with peer.prepare(sb, engine=NvlinkEngine.STAGED) as job:  # resident tables: the pipeline alone
+        job.post().wait(timeout=60)
+        gpu.clear()
+        for _ in range(args.reps):
+            job.post().wait(timeout=60)
+        resident_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in gpu)
+    mib = int(sb.nbytes) / 2**20
+    print(f"staged write_strided, {args.tokens} tokens, page {args.page}: {sb.num_pairs} pairs x {sb.num_slots} slots, "
+          f"{mib:.0f} MiB, {chunks} chunks, cuda:0 -> cuda:{args.peer_gpu}; medians of {args.reps}, us from the call")
+    print("  " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in steps.items()))
+    print(f"  pipeline on the GPU {pipeline_us:.1f} (first gather to last scatter; tables resident and only the "
+          f"pipeline posted: {resident_us:.1f})")
+    peer.close()
+    t.close()
+    remote.close()
+
+
+if __name__ == "__main__":
+    main()
