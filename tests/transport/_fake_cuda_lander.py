@@ -203,13 +203,24 @@ def main() -> None:
     assert threads() == one, "the thread ended while a lander was open"
     print("shared")
 
-    # closing while the thread waits on a copy that never ends: it returns, stores nothing more
+    # closing while the thread waits on a copy that never ends: it returns, stores nothing more,
+    # and a waiter for that copy wakes
     steps.lander_watch(h, 2500, event(400), 0)
+    other = SharedWord()
+    keep = steps.lander_new(other.address)  # open: h's close is not the thread's end
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2500, 30.0)))
+    waiter.start()
     time.sleep(0.005)  # past the 2 ms without pause: the thread naps between looks
     t0 = time.monotonic()
     steps.lander_close(h)
     took = time.monotonic() - t0
     assert took < 1.0, f"close took {took:.3f} s"
+    waiter.join(timeout=5)
+    assert got == [None], f"a waiter for a closed lander: {got}"
+    assert time.monotonic() - t0 < 1.0, "the waiter woke only at its timeout"
+    steps.lander_close(keep)
+    other.close()
     flags[400] = DONE
     steps.lander_watch(h, 2501, event(401), 0)  # after close: nothing
     flags[401] = DONE

@@ -606,6 +606,7 @@ static void lander_stop(lander *l) {
         return;
     }
     l->closed = 1;
+    pthread_cond_broadcast(&cv);  /* a lander_wait on it returns now */
     if (l->prev != NULL)
         l->prev->next = l->next;
     else
