@@ -37,6 +37,13 @@ def threads() -> tuple[int, int]:
     return len(names), names.count("kvt-lander")
 
 
+def waiting(steps, h, number: int, got: list) -> threading.Thread:
+    """A thread in ``lander_wait(h, number)`` (30 s at most), appending what it returned to ``got``."""
+    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, number, 30.0)))
+    waiter.start()
+    return waiter
+
+
 def main() -> None:
     fake = ctypes.CDLL("libcuda.so.1")
     assert hasattr(fake, "fake_retained"), "libcuda.so.1 is not the stand-in: LD_LIBRARY_PATH"
@@ -127,8 +134,7 @@ def main() -> None:
     t0 = time.monotonic()
     assert steps.lander_wait(h, 2111, 0.05) is False and time.monotonic() - t0 >= 0.05
     got = []
-    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2111, 30.0)))
-    waiter.start()
+    waiter = waiting(steps, h, 2111, got)
     time.sleep(0.01)  # the waiter sleeps in lander_wait while this thread runs
     assert waiter.is_alive() and not got
     flags[11] = DONE
@@ -137,8 +143,7 @@ def main() -> None:
     assert steps.lander_wait(h, 2110, 0.0) is True  # passed long ago
     steps.lander_watch(h, 2112, event(12), 0)
     assert steps.lander_withdraw(h, 2112) is True
-    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2112, 30.0)))
-    waiter.start()
+    waiter = waiting(steps, h, 2112, got)
     steps.lander_release(h, 2112)
     waiter.join(timeout=5)
     assert got == [True, True], f"a withdrawn number, once let go, is passed too: {got}"
@@ -209,8 +214,7 @@ def main() -> None:
     other = SharedWord()
     keep = steps.lander_new(other.address)  # open: h's close is not the thread's end
     got = []
-    waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, 2500, 30.0)))
-    waiter.start()
+    waiter = waiting(steps, h, 2500, got)
     time.sleep(0.005)  # past the 2 ms without pause: the thread naps between looks
     t0 = time.monotonic()
     steps.lander_close(h)

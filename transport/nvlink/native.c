@@ -606,7 +606,6 @@ static void lander_stop(lander *l) {
         return;
     }
     l->closed = 1;
-    pthread_cond_broadcast(&cv);  /* a lander_wait on it returns now */
     if (l->prev != NULL)
         l->prev->next = l->next;
     else
@@ -614,15 +613,15 @@ static void lander_stop(lander *l) {
     if (l->next != NULL)
         l->next->prev = l->prev;
     l->prev = l->next = NULL;
-    while (l->busy != 0)
-        pthread_cond_wait(&cv, &mu);  /* the thread is querying its event */
-    int join = landers == NULL && running;
+    int join = landers == NULL && running;  /* the thread ends once it let go of l */
     pthread_t thread = runner;
     if (join) {
         running = 0;
         __atomic_add_fetch(&era, 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&cv);
     }
+    pthread_cond_broadcast(&cv);  /* a lander_wait on l returns now; an ending thread wakes */
+    while (l->busy != 0)
+        pthread_cond_wait(&cv, &mu);  /* the thread is querying its event */
     pthread_mutex_unlock(&mu);
     if (join)
         pthread_join(thread, NULL);
