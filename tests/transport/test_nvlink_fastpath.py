@@ -262,13 +262,26 @@ for unit, stride, cfg in ((16, 320, kern.KernelConfig(tile_bytes=256, max_block_
     kern.scatter_strided_split(pair_table, ring, base, P, S, plan, "cpu")
     for d, w in zip(dst, want):
         assert torch.equal(d, w), ("split", unit, (d != w).nonzero()[:5])
+    # the staged form: [6 P] resident, each chunk gathered into a staging buffer and scattered from it
+    for d in dst:
+        d.random_(0, 256)
+    want = landed(src, dst, b)
+    staged_table = torch.from_numpy(kern.build_strided_table(src_base, dst_base, pairs, empty, empty, staged=True))
+    stage = torch.zeros(int(length.sum()) * S + 16, dtype=torch.uint8)
+    flat_off = np.concatenate([[0], np.cumsum(np.repeat(length, S))])  # [P * S + 1] off(r), pair-major
+    for a, e in ((0, 7), (7, 8), (8, P * S)):  # chunks of rows, each from the buffer's start
+        for mode in (kern.StageMode.GATHER, kern.StageMode.SCATTER):
+            kern.scatter_strided_split(staged_table, ring, base, P, S, plan, "cpu", begin=a, end=e,
+                                       stage=kern.Stage(mode, stage.data_ptr(), int(flat_off[a])))
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("staged split", unit, (d != w).nonzero()[:5])
 print("SPLIT-KERNEL-OK")
 """
 
 
 def test_split_strided_kernel_under_triton_interpreter():
     """The pair part and the slot part apart (the slots at an offset of a ring): the same bytes
-    as the reference."""
+    as the reference; and in the staged form, chunks through a staging buffer."""
     assert_interpreted_ok(_SPLIT_SCRIPT, "SPLIT-KERNEL-OK")
 
 
@@ -863,11 +876,117 @@ def test_direct_path_steps_aside_for_the_general_path(fake_peer, monkeypatch):
     peer, launches, general, _, _ = fake_peer
     assert peer.write_strided(_kv(np.arange(33), np.arange(33))) == "general"  # 66 slots: past the ring of 64
     assert peer.write_strided(_kv([], [])) == "general"  # nothing to launch
-    monkeypatch.setattr(peer._route, "lane_for", lambda *a: object())  # the staged engine takes it
-    assert peer.write_strided(_kv([1], [1])) == "general"
     monkeypatch.setattr(peer._owner, "_slot_ring", lambda: None)  # slot_ring_bytes=0
     assert peer.write_strided(_kv([1], [1])) == "general"
-    assert launches == [] and len(general) == 4
+    assert launches == [] and len(general) == 3
+
+
+class _StandInLane:
+    """A staged lane to GPU 1 standing in for CUDA: its ring of slots on the peer GPU (a CPU
+    tensor) and :meth:`run`, which records the pipeline's chunks and upload and calls the
+    gather and scatter launches of each chunk as the real lane does."""
+
+    peer = 1
+    scatter_stream = _Stream()
+
+    def __init__(self):
+        self.runs, self.launched, self.slots = [], [], None
+
+    def peer_slots(self, capacity):
+        import torch
+
+        if self.slots is None:
+            self.slots = torch.zeros(capacity, dtype=torch.int64)
+        return self.slots
+
+    def run(self, gather_stream, bounds, offsets, gather, scatter, upload=None):
+        from transport.nvlink.kernel import Stage, StageMode
+
+        self.runs.append((bounds.tolist(), offsets.tolist(), upload))
+        for k in range(bounds.size - 1):
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            gather(a, b, Stage(StageMode.GATHER, 0xA000, int(offsets[k])), gather_stream)
+            scatter(a, b, Stage(StageMode.SCATTER, 0xB000, int(offsets[k])), self.scatter_stream)
+        return _DoneEvent()
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def staged_peer(fake_peer):
+    """``fake_peer`` whose peer sits on GPU 1 behind a stand-in lane (:class:`_StandInLane`),
+    the staged engine's chunks cut at 2 KiB; its staged plans are built as the peer builds
+    them, tables kept on the host and launches recorded as ``(mode, slot base, slots, rows,
+    stage)``."""
+    from transport.nvlink import staged
+    from transport.nvlink.fastpath import StagedPart, build_plan
+    from transport.nvlink.route import EngineRoute
+    from transport.nvlink.tables import base_table
+
+    peer, launches, general, remote, api = fake_peer
+    lane = _StandInLane()
+    peer._config = dataclasses.replace(peer._config, staged=staged.StagedConfig(
+        chunk_bytes=1 << 16, edge_bytes=1 << 16))
+    peer._route = EngineRoute(peer._config, "fake", 1, lambda gpu: lane, peer._mapping)
+    registry = peer._owner._registry
+
+    def recorder(mode):
+        def launch(slot_base, num_slots, stream, begin, end, stage):
+            assert stage.mode.name == mode
+            lane.launched.append((mode, slot_base, num_slots, (begin, end), stage.origin))
+        return launch
+
+    def stage(host, table, shape):
+        return StagedPart(lane, host, recorder("GATHER"), recorder("SCATTER"))
+
+    peer.staged_plans = PairCache(peer._config.pair_plans, lambda: registry.sizes, lambda b: build_plan(
+        b, registry.sizes, peer._peer_sizes, registry.derived(base_table), peer._mapping.bases(1), lambda h: h,
+        peer._config.kernel, pin=False, stage=stage))
+    yield peer, lane, launches, general, api
+
+
+def test_a_staged_write_takes_the_direct_path_over_its_resident_staged_pairs(staged_peer):
+    """``engine=STAGED``: the pairs' staged form is built once per pair set (``[6 * P]``: the
+    pair part and each pair's staging prefix); a write brings only its slots, staged once in
+    the host ring and uploaded to both GPUs' rings at the same offset; the lane runs the chunks
+    cut from the resident prefixes, which match the expanded rows' offsets; no direct launch,
+    no general path."""
+    from transport.nvlink.config import NvlinkEngine
+
+    peer, lane, launches, general, api = staged_peer
+    row, pairs = 1024, 4
+    for src_slots, dst_slots in (([3, 1, 2], [0, 5, 9]), ([7, 8], [10, 11])):
+        batch = _kv(src_slots, dst_slots, pairs, row)
+        tr = peer.write_strided(batch, b"staged", engine=NvlinkEngine.STAGED)
+        tr.wait(timeout=5)
+        assert tr.status() is TransferStatus.DONE
+        n = len(src_slots)
+        bounds, offsets, upload = lane.runs[-1]
+        start = (upload[1] - peer._owner._ring.addresses(0)[1]) // 8
+        assert upload == (lane.slots.data_ptr() + 8 * start, peer._owner._ring.addresses(start)[1], 16 * n)
+        flat = np.arange(pairs * n + 1) * row  # every row is 1 KiB: row r starts at r KiB
+        assert bounds[0] == 0 and bounds[-1] == pairs * n and offsets == flat[bounds].tolist()
+        assert [c[3] for c in lane.launched[-2 * (len(bounds) - 1):]] == [
+            (a, b) for a, b in zip(bounds[:-1], bounds[1:]) for _ in range(2)]
+        assert {c[1:3] for c in lane.launched[-2 * (len(bounds) - 1):]} == {(start, n)}  # the slots' place
+        ring = peer._owner._ring
+        assert ring.host[start: start + 2 * n].tolist() == src_slots + dst_slots
+        assert api.copies[-1] == (*ring.addresses(start), 16 * n, _Stream.cuda_stream)  # up to the local ring
+    plan = peer.staged_plans.get(batch)
+    assert peer.staged_plans.builds == 1 and plan.host_table.numel() == 6 * pairs
+    assert plan.host_table[5 * pairs:].tolist() == [0, row, 2 * row, 3 * row]  # the staging prefixes
+    assert launches == [] and general == []
+
+
+def test_a_staged_write_out_of_bounds_runs_nothing(staged_peer):
+    from transport.nvlink.config import NvlinkEngine
+
+    peer, lane, launches, general, api = staged_peer
+    with pytest.raises(ValueError, match=r"batch pair 0: destination \(peer\) range \[0, 66560\) is outside region 0"):
+        peer.write_strided(_kv([0], [64]), engine=NvlinkEngine.STAGED)  # 64 KiB regions: slots 0..63
+    assert lane.runs == [] and launches == [] and general == []
+    assert peer._owner._ring.space.take(64) == 0  # the refused write holds nothing of the ring
 
 
 def test_direct_path_to_a_lost_peer_fails_without_launching(fake_peer):

@@ -109,9 +109,10 @@ def test_staged_tables_carry_prefix_offsets():
                                            "dst_stride", "length"))
     table = kern.build_strided_table(src_base, dst_base, pairs, b.src_slot, b.dst_slot, staged=True)
     assert table.size == kern.strided_table_size(2, 3, staged=True) == 6 * 2 + 2 * 3
-    assert table[-2:].tolist() == [0, 16 * 3]  # pair 1 starts after pair 0's three 16-byte rows
-    np.testing.assert_array_equal(table[:16], kern.build_strided_table(src_base, dst_base, pairs, b.src_slot,
-                                                                       b.dst_slot))
+    plain = kern.build_strided_table(src_base, dst_base, pairs, b.src_slot, b.dst_slot)
+    assert table[10:12].tolist() == [0, 16]  # pair 1's rows follow pair 0's 16 bytes per slot
+    np.testing.assert_array_equal(table[:10], plain[:10])  # the five pair sections
+    np.testing.assert_array_equal(table[12:], plain[10:])  # the slots, after the sixth
 
 
 _INTERPRET_SCRIPT = r"""
@@ -166,7 +167,7 @@ for unit in (16, 1):
     pairs = b.pairs
     table = kern.build_strided_table(sb, db, pairs, b.src_slot, b.dst_slot, staged=True)
     plan = kern.plan_launch(P * S, int(plen.max()), kern.choose_path(table[:5 * P]), cfg)
-    po = table[5 * P + 2 * S:]
+    po = table[5 * P:6 * P] * S  # staging offset of each pair's slot 0
     bounds = staged.strided_chunks(po, b.length, S, staged.chunk_starts(int((b.length * S).sum()), 64, 16))
     offsets = staged.strided_offsets(po, b.length, S, bounds)
     stage = torch.zeros(int(np.diff(offsets).max()) + 16, dtype=torch.uint8)

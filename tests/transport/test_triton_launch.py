@@ -208,7 +208,7 @@ def test_split_launch_passes_the_slot_part_and_the_rows(monkeypatch):
             return _Bound()
 
     monkeypatch.setattr(kern, "_kernel", lambda interpret, body=None: _Launcher())
-    monkeypatch.setattr(kern, "check_split_tables", lambda *a: None)
+    monkeypatch.setattr(kern, "check_split_tables", lambda *a, **k: None)
     pairs, ring = torch.zeros(5 * 3, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
     plan = kern.plan_shape(2048, kern.CopyPath.VEC16, kern.KernelConfig())  # 2 KiB rows: 4 rows a tile
     launch = kern.SplitLaunch(pairs, ring, 3, plan, 1, 8)

@@ -431,11 +431,11 @@ class KernelStaging(Staging):
         already queued on the caller's current stream (what produced the source bytes)."""
         rows = StridedRows(addr, stride, length, slot)
         p, n = rows.pairs, rows.slots
-        table = np.empty(6 * p + 2 * n, dtype=np.int64)  # [6 P + 2 S] (transport.nvlink.kernel, "Strided table")
+        table = np.empty(6 * p + 2 * n, dtype=np.int64)  # [6 P + 2 S] (transport.nvlink.kernel, "Staged copies")
         table[: 5 * p].reshape(5, p)[:] = (addr, stride, addr, stride, length)
-        table[5 * p: 5 * p + n] = slot
-        table[5 * p + n: 5 * p + 2 * n] = slot
-        table[5 * p + 2 * n:] = rows.pair_offset
+        table[5 * p: 6 * p] = rows.pair_offset // max(n, 1)  # [P] staging prefix: bytes of one slot before p
+        table[6 * p: 6 * p + n] = slot
+        table[6 * p + n:] = slot
         rows.bits = int(np.bitwise_or.reduce(table[: 5 * p])) | int(np.bitwise_or.reduce(rows.pair_offset))
         (rows.table,) = self._upload(table)
         return rows

@@ -32,6 +32,15 @@ at the first write that uses it; a slot part larger than the ring takes the gene
 
 Given the C steps (:mod:`transport.nvlink.native`), the slots' copy in and bounds check is one
 call, and so is the comparison of a batch's pairs with the last plan's key.
+
+The staged engine's writes (:mod:`transport.nvlink.staged`)
+-----------------------------------------------------------
+take the same road: a plan of the pairs' staged form (:class:`StagedPart`; the pair part with
+its staging prefixes, ``[6 * P]``, resident on both GPUs, destinations as mapped under the
+peer's GPU) is made once per pair set, and a write brings only its slots, checked the same
+way, uploaded to the transport's ring for the gather and to the lane's ring on the peer's GPU,
+at the same offsets, for the scatter. Only the chunk cuts are computed per write (O(P +
+chunks), they depend on the number of slots).
 """
 
 from __future__ import annotations
@@ -44,9 +53,11 @@ import numpy as np
 
 from transport.base import RegionSizes, SMALL_BATCH, StridedBatch
 from transport.nvlink import kernel as kern
+from transport.nvlink import staged
 from transport.nvlink.stream import empty_for
 
-__all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "check_slots", "pair_key", "slot_limits"]
+__all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "StagedPart", "check_slots", "pair_key",
+           "slot_limits"]
 
 NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits
 
@@ -104,10 +115,25 @@ def check_slots(batch: StridedBatch, src_limit: int, dst_limit: int) -> bool:
 
 
 @dataclass(frozen=True)
+class StagedPart:
+    """What a staged plan adds (module doc): the lane, the ``[6 * P]`` pair part on the peer's
+    GPU, and the two bound launches -- ``gather`` over the plan's ``device_table`` and the
+    transport's ring on the local GPU, ``scatter`` over ``peer_table`` and the lane's ring on
+    the peer's (:class:`~transport.nvlink.kernel.SplitLaunch`)."""
+
+    lane: object  # transport.nvlink.staged.StagedLane
+    peer_table: object  # int64 tensor [6 * P] on the peer's GPU
+    gather: kern.SplitLaunch
+    scatter: kern.SplitLaunch
+
+
+@dataclass(frozen=True)
 class PairPlan:
     """One pair set, resident: see the module doc. ``device_table`` is the ``[5 * P]`` pair part
     on the GPU (``host_table``: its pinned source, kept while the plan lives); ``launcher``
-    launches the split kernel over it and the transport's ring of slots."""
+    launches the split kernel over it and the transport's ring of slots. A staged plan
+    (``staged`` not None) holds the ``[6 * P]`` staged form instead and launches through its
+    :class:`StagedPart`."""
 
     num_pairs: int
     slot_bytes: int  # bytes of one slot over all pairs (sum of length)
@@ -119,6 +145,13 @@ class PairPlan:
     host_table: object  # pinned int64 tensor [5 * P]
     device_table: object  # int64 tensor [5 * P] on the local GPU
     launcher: Optional[kern.SplitLaunch] = None  # the launch over device_table and the ring (None: not bound)
+    staged: Optional[StagedPart] = None
+
+    def cuts(self, num_slots: int, config: "staged.StagedConfig") -> tuple[np.ndarray, np.ndarray]:
+        """A staged plan's chunks for ``num_slots`` slots (:func:`~transport.nvlink.staged.strided_cuts`)."""
+        table = self.host_table.numpy()  # [6 * P]
+        p = self.num_pairs
+        return staged.strided_cuts(table[5 * p: 6 * p], table[4 * p: 5 * p], num_slots, config)
 
 
 class PairCache:
@@ -345,23 +378,29 @@ class SlotRing:
 def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
                src_base: np.ndarray, dst_base: np.ndarray, upload: Callable[[object], object],
                config: kern.KernelConfig, pin: bool = True,
-               bind: Optional[Callable[[object, int, kern.LaunchPlan], kern.SplitLaunch]] = None) -> Optional[PairPlan]:
+               bind: Optional[Callable[[object, int, kern.LaunchPlan], kern.SplitLaunch]] = None,
+               stage: Optional[Callable[[object, object, kern.LaunchPlan], StagedPart]] = None) -> Optional[PairPlan]:
     """The :class:`PairPlan` of ``batch``'s pairs, or None when some pair fits no slot (the
     caller runs the full check, which names it). ``upload(pinned tensor)`` returns it on the
     GPU; ``config``: the kernel's launch shape; ``pin``: the host table in pinned memory (tests
     without CUDA say False); ``bind(device table, num_pairs, launch shape)``: the plan's
-    launcher (None: none, writes launch through :func:`~transport.nvlink.kernel.scatter_strided_split`)."""
+    launcher (None: none, writes launch through :func:`~transport.nvlink.kernel.scatter_strided_split`).
+    ``stage(pinned table, device table, launch shape)``: a staged plan -- the table in its
+    staged form (``dst_base``: the peer's regions as mapped under its GPU), and its
+    :class:`StagedPart` (``bind`` is not called)."""
     import torch
 
     src_limit, dst_limit = slot_limits(batch, local_sizes, peer_sizes)
     if src_limit < 0 or dst_limit < 0:
         return None
-    p = batch.num_pairs
+    p, staged = batch.num_pairs, stage is not None
     empty = np.zeros(0, dtype=np.int64)
-    host = torch.empty(5 * p, dtype=torch.int64, pin_memory=pin)  # [5 * P] the pair part
-    table = kern.build_strided_table(src_base, dst_base, batch.pairs,
-                                     empty, empty, out=host.numpy())
-    max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table)
+    host = torch.empty(kern.strided_table_size(p, 0, staged), dtype=torch.int64, pin_memory=pin)  # the pair part
+    table = kern.build_strided_table(src_base, dst_base, batch.pairs, empty, empty, out=host.numpy(), staged=staged)
+    max_len, path = int(batch.length.max()) if p else 1, kern.choose_path(table[: 5 * p])
     shape, device_table = kern.plan_shape(max_len, path, config), upload(host)
+    if staged:
+        return PairPlan(p, int(batch.length.sum()), max_len, path, shape, src_limit, dst_limit, host, device_table,
+                        staged=stage(host, device_table, shape))
     return PairPlan(p, int(batch.length.sum()), max_len, path, shape, src_limit, dst_limit, host, device_table,
                     bind(device_table, p, shape) if bind is not None else None)

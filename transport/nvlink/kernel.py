@@ -63,7 +63,15 @@ destinations. A row's place in the staging stream is its byte offset ``off(r)`` 
 ``stage + off(r) - off(b)`` (:class:`Stage`). The tables carry ``off`` as one more section:
 
     rows[3]  # [num_rows] off(r), the row table's staged form is [4, num_rows]
-    table[5 * P + 2 * S :]  # [P] off of slot 0 of each pair; off(p, s) = that + s * bytes
+
+and the strided table's staged form has a sixth pair section, ``[6 * P + 2 * S]`` in all::
+
+    table[5 * P : 6 * P]  # [P] bytes of one slot over the pairs before p (exclusive prefix sum of the lengths)
+    table[6 * P :]        # [2 * S] the slot part, as above
+
+Rows are pair-major, so ``off(p, s) = S * table[5 * P + p] + s * bytes(p)``: the pair part
+depends on the layouts alone, and a staged write's pair part stays resident like a direct
+one's (:mod:`transport.nvlink.fastpath`).
 
 CPU tensors run the same kernel in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
 set before triton is imported: tests do so in a subprocess, with tiny shapes, to check the
@@ -226,29 +234,29 @@ def build_strided_table(
     """The ``[5 * P + 2 * S]`` strided table (module doc) of a factored batch.
 
     ``pairs`` = ``(src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride,
-    length)``, ``[P]`` each; region ids already checked against the pointer tables. ``staged``
-    appends the ``[P]`` staging offsets of each pair's first row. ``out`` may be a preallocated
-    int64 array of that size (a pinned staging buffer's view).
+    length)``, ``[P]`` each; region ids already checked against the pointer tables. ``staged``:
+    the ``[6 * P + 2 * S]`` form, whose sixth pair section is each pair's staging prefix (bytes
+    of one slot over the pairs before it). ``out`` may be a preallocated int64 array of that
+    size (a pinned staging buffer's view).
     """
     src_region, src_offset, src_stride, dst_region, dst_offset, dst_stride, length = pairs
     p, n = int(length.size), int(src_slot.size)
-    size = strided_table_size(p, n, staged)
+    size, k = strided_table_size(p, n, staged), 6 if staged else 5
     if out is None:
-        out = np.empty(size, dtype=np.int64)  # [5 * P + 2 * S (+ P)]
+        out = np.empty(size, dtype=np.int64)  # [5 or 6 * P + 2 * S]
     elif out.shape != (size,) or out.dtype != np.int64:
         raise ValueError(f"out must be a [{size}] int64 array, got {list(out.shape)} {out.dtype}")
-    head = out[: 5 * p].reshape(5, p)  # [5, P] the pair part
+    head = out[: k * p].reshape(k, p)  # [5 or 6, P] the pair part
     np.add(np.take(src_base, src_region), src_offset, out=head[0])
     head[1] = src_stride
     np.add(np.take(dst_base, dst_region), dst_offset, out=head[2])
     head[3] = dst_stride
     head[4] = length
-    out[5 * p : 5 * p + n] = src_slot
-    out[5 * p + n : 5 * p + 2 * n] = dst_slot
     if staged and p:
-        tail = out[5 * p + 2 * n :]  # [P] staging offset of each pair's slot 0
-        tail[0] = 0
-        np.cumsum(length[:-1] * n, out=tail[1:])
+        head[5, 0] = 0
+        np.cumsum(length[:-1], out=head[5, 1:])
+    out[k * p : k * p + n] = src_slot
+    out[k * p + n : k * p + 2 * n] = dst_slot
     return out
 
 
@@ -394,7 +402,7 @@ def _scatter_strided_body(
         dst = tl.load(tab_ptr + 2 * n_pairs + p, mask=ok, other=0) + tl.load(
             slot_ptr + n_slots + s, mask=ok, other=0) * tl.load(tab_ptr + 3 * n_pairs + p, mask=ok, other=0)
         if STAGE != 0:
-            staged = stage + tl.load(slot_ptr + 2 * n_slots + p, mask=ok, other=0) + s * nbytes - stage_origin
+            staged = stage + n_slots * tl.load(tab_ptr + 5 * n_pairs + p, mask=ok, other=0) + s * nbytes - stage_origin
             if STAGE == 1:
                 dst = staged
             else:
@@ -486,7 +494,7 @@ def scatter_rows(rows, plan: LaunchPlan, device, num_warps: int = 4, *, begin: i
 
 
 def strided_table_size(num_pairs: int, num_slots: int, staged: bool = False) -> int:
-    """Elements of the strided table: ``5 P + 2 S``, plus ``P`` staging offsets when staged."""
+    """Elements of the strided table: ``5 P + 2 S``, plus ``P`` staging prefixes when staged."""
     return (6 if staged else 5) * num_pairs + 2 * num_slots
 
 
@@ -525,17 +533,20 @@ def scatter_strided(table, num_pairs: int, num_slots: int, plan: LaunchPlan, dev
     mode, address, origin = _stage_args(stage)
     num_tiles = -(-(end - begin) // plan.block_r)
     _run(_kernel(table.device.type == "cpu", _scatter_strided_body), min(plan.num_programs, num_tiles), table, device,
-         stream, (table, table, 5 * num_pairs, num_pairs, num_slots, begin, end, num_tiles, address, origin),
+         stream, (table, table, (6 if stage is not None else 5) * num_pairs, num_pairs, num_slots, begin, end,
+                  num_tiles, address, origin),
          _constexprs(mode, plan), num_warps)
 
 
-def check_split_tables(pairs, slots, num_pairs: int, slot_base: int, num_slots: int, device) -> None:
+def check_split_tables(pairs, slots, num_pairs: int, slot_base: int, num_slots: int, device,
+                       staged: bool = False) -> None:
     """The shape/dtype/device check of a split strided launch: ``pairs`` a contiguous int64
-    ``[5 * num_pairs]`` tensor (the pair part), ``slots`` a contiguous int64 1-D tensor holding
-    the ``[2 * num_slots]`` slot part at element ``slot_base``, both on ``device``."""
+    ``[5 * num_pairs]`` tensor (the pair part; ``[6 * num_pairs]`` when ``staged``), ``slots`` a
+    contiguous int64 1-D tensor holding the ``[2 * num_slots]`` slot part at element
+    ``slot_base``, both on ``device``."""
     import torch
 
-    check_strided_table(pairs, num_pairs, 0, device)
+    check_strided_table(pairs, num_pairs, 0, device, staged)
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
     if slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous():
@@ -546,24 +557,29 @@ def check_split_tables(pairs, slots, num_pairs: int, slot_base: int, num_slots: 
 
 
 def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slots: int, plan: LaunchPlan, device,
-                          num_warps: int = 4, *, checked: bool = False, stream=None) -> None:
-    """Launch the copy of all ``num_pairs * num_slots`` rows of a factored batch whose table is
-    split: the pair part ``pairs`` (``[5 * P]``, resident: built once per buffer-pair set) and
-    the slot part at ``slots[slot_base : slot_base + 2 * S]`` (source slots, then destination
-    slots; uploaded per write). The direct path of a write (no staging). ``plan``: from
-    :func:`plan_launch` or, for any number of rows, :func:`plan_shape`. CPU tensors run in
-    Triton's interpreter; ``checked`` (:func:`check_split_tables` already ran) and ``stream``
-    as for :func:`scatter_rows`."""
+                          num_warps: int = 4, *, begin: int = 0, end: Optional[int] = None,
+                          stage: Optional[Stage] = None, checked: bool = False, stream=None) -> None:
+    """Launch the copy of rows ``[begin, end)`` (default: all ``num_pairs * num_slots``) of a
+    factored batch whose table is split: the pair part ``pairs`` (``[5 * P]``, or ``[6 * P]``
+    with the staging prefixes when ``stage`` is given; resident: built once per buffer-pair set)
+    and the slot part at ``slots[slot_base : slot_base + 2 * S]`` (source slots, then
+    destination slots; uploaded per write). ``plan``: from :func:`plan_launch` or, for any
+    number of rows, :func:`plan_shape`. CPU tensors run in Triton's interpreter; ``checked``
+    (:func:`check_split_tables` already ran) and ``stream`` as for :func:`scatter_rows`."""
     if not checked:
-        check_split_tables(pairs, slots, num_pairs, slot_base, num_slots, device)
+        check_split_tables(pairs, slots, num_pairs, slot_base, num_slots, device, staged=stage is not None)
     rows = num_pairs * num_slots
-    if rows == 0:
+    end = rows if end is None else int(end)
+    if not 0 <= begin <= end <= rows:
+        raise ValueError(f"row range [{begin}, {end}) must lie within [0, {rows}]")
+    if end == begin:
         return
-    num_tiles = -(-rows // plan.block_r)
+    mode, address, origin = _stage_args(stage)
+    num_tiles = -(-(end - begin) // plan.block_r)
     grid = min(plan.num_programs, num_tiles) if plan.num_programs else num_tiles
     _run(_kernel(pairs.device.type == "cpu", _scatter_strided_body), grid, pairs,
-         device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, 0, rows, num_tiles, 0, 0),
-         _constexprs(0, plan), num_warps)
+         device, stream, (pairs, slots, int(slot_base), num_pairs, num_slots, begin, end, num_tiles, address, origin),
+         _constexprs(mode, plan), num_warps)
 
 
 _I32_MAX = (1 << 31) - 1
@@ -571,35 +587,46 @@ _I32_MAX = (1 << 31) - 1
 
 class SplitLaunch:
     """:func:`scatter_strided_split` over fixed tables -- a pair set's resident pair part
-    ``pairs`` (``[5 * num_pairs]``) and a ring ``slots`` that holds each write's slot part at
-    some ``slot_base`` -- checked once here (:func:`check_split_tables`); a call launches the
-    copy of ``num_pairs * num_slots`` rows with only the slot part's place and count (the
-    launch bound once, :meth:`~transport.nvlink.launch.Relauncher.bind`). Tensors on GPU
-    ``device`` (an int) only."""
+    ``pairs`` (``[5 * num_pairs]``, ``[6 * num_pairs]`` for a staged ``mode``) and a ring
+    ``slots`` that holds each write's slot part at some ``slot_base`` -- checked once here
+    (:func:`check_split_tables`); a call launches the copy of rows ``[begin, end)`` of
+    ``num_pairs * num_slots`` with only the slot part's place and count (and, staged, the
+    staging buffer) -- the launch bound once, :meth:`~transport.nvlink.launch.Relauncher.bind`.
+    ``mode``: None for the direct copy, or the :class:`StageMode` of every call (the staged
+    engine binds one launch to gather on the local GPU, one to scatter on the peer's). Tensors on
+    GPU ``device`` (an int) only."""
 
     def __init__(self, pairs, slots, num_pairs: int, plan: LaunchPlan, device: int, num_warps: int = 4,
-                 native=None):
+                 native=None, mode: Optional[StageMode] = None):
         """``native``: the C launch (:mod:`transport.nvlink.native`; None: Triton's launcher)."""
         import torch
 
-        check_split_tables(pairs, slots, num_pairs, 0, 0, torch.device("cuda", device))
-        self.num_pairs, self.plan, self._ring_size = num_pairs, plan, int(slots.numel())
-        self._launch = _kernel(False, _scatter_strided_body).bind(device, num_warps, (pairs, slots),
-                                                                  _constexprs(0, plan), native)
+        check_split_tables(pairs, slots, num_pairs, 0, 0, torch.device("cuda", device), staged=mode is not None)
+        self.num_pairs, self.plan, self.mode, self._ring_size = num_pairs, plan, mode, int(slots.numel())
+        self._launch = _kernel(False, _scatter_strided_body).bind(
+            device, num_warps, (pairs, slots), _constexprs(0 if mode is None else mode.value, plan), native)
 
-    def __call__(self, slot_base: int, num_slots: int, stream) -> None:
+    def __call__(self, slot_base: int, num_slots: int, stream, begin: int = 0, end: Optional[int] = None,
+                 stage: Optional[Stage] = None) -> None:
         """Launch on the torch ``stream`` (its device current in CUDA) over the slot part at
-        ``slots[slot_base : slot_base + 2 * num_slots]`` (both Python ints)."""
+        ``slots[slot_base : slot_base + 2 * num_slots]`` (Python ints): rows ``[begin, end)``
+        (default: all), through the staging buffer ``stage`` (its mode this launch's)."""
         if not 0 <= slot_base <= self._ring_size - 2 * num_slots:
             raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {self._ring_size} elements")
+        if (stage is None) != (self.mode is None) or (stage is not None and stage.mode is not self.mode):
+            raise ValueError(f"this launch stages as {self.mode}, got stage {stage!r}")
         rows = self.num_pairs * num_slots
-        if rows == 0:
+        end = rows if end is None else end
+        if not 0 <= begin <= end <= rows:
+            raise ValueError(f"row range [{begin}, {end}) must lie within [0, {rows}]")
+        if end == begin:
             return
-        num_tiles = -(-rows // self.plan.block_r)
+        num_tiles = -(-(end - begin) // self.plan.block_r)
         programs = self.plan.num_programs
-        ints = (slot_base, self.num_pairs, num_slots, 0, rows, num_tiles, 0, 0)  # rows and slot_base the largest
+        address, origin = (0, 0) if stage is None else (stage.address, stage.origin)
+        ints = (slot_base, self.num_pairs, num_slots, begin, end, num_tiles, address, origin)
         grid = min(programs, num_tiles) if programs else num_tiles
-        if rows <= _I32_MAX and slot_base <= _I32_MAX:
+        if end <= _I32_MAX and slot_base <= _I32_MAX and stage is None:  # rows and slot_base the largest
             self._launch.launch_i32(grid, stream, ints)
         else:
             self._launch(grid, stream, ints)

@@ -18,10 +18,10 @@ import numpy as np
 from transport.base import Peer, Region, RegionSizes, StridedBatch, TransportClosed, WriteBatch
 from transport.nvlink import job as jobs
 from transport.nvlink.config import NvlinkEngine, NvlinkUnsupported, check_engine
-from transport.nvlink.fastpath import PairCache, build_plan
+from transport.nvlink.fastpath import PairCache, StagedPart, build_plan
 from transport.nvlink.holds import Hold
 from transport.nvlink.job import PreparedWrite
-from transport.nvlink.kernel import SplitLaunch
+from transport.nvlink.kernel import SplitLaunch, StageMode
 from transport.nvlink.lander import Lander
 from transport.nvlink.mailbox import MailboxUnreachable, Outbox
 from transport.nvlink.mapping import PeerMapping
@@ -62,6 +62,9 @@ class NvlinkPeer(Peer):
         # pair sets resident on the GPU (the direct path of write_strided), rebuilt when the local regions change
         self.pair_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes, self._build_pairs,
                                     owner._native_steps())
+        # the same pair sets in the staged engine's form, for the staged writes' direct path
+        self.staged_plans = PairCache(self._config.pair_plans, lambda: owner._registry.sizes,
+                                      self._build_staged_pairs, owner._native_steps())
         try:
             self._mapping.bases(self._copy.device)
             try:
@@ -104,13 +107,14 @@ class NvlinkPeer(Peer):
     def write_strided(self, batch: StridedBatch, notify: Optional[bytes] = None, *,
                       engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         """A factored write expanded on the GPU by the strided kernel, which computes each row's
-        addresses. When it takes the direct kernel (engine KERNEL, or AUTO below the staged
-        engine's sizes), it takes the direct path (:mod:`transport.nvlink.fastpath`): the pair
-        part resident on the GPU since this pair set's first write, the slots checked in one
-        pass against the pairs' slot limits and uploaded from a ring, one launch. Otherwise the
-        host checks bounds in O(P + S) and stages the ``[5 * P + 2 * S]`` strided table
-        (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`. ``engine`` overrides
-        the config's for this write."""
+        addresses. It takes the direct path (:mod:`transport.nvlink.fastpath`): the pair part
+        resident on the GPU since this pair set's first write, the slots checked in one pass
+        against the pairs' slot limits and uploaded from a ring, one launch -- or, when it takes
+        the staged engine (``STAGED``, or ``AUTO`` past the staged engine's sizes), its pipeline
+        over the pairs' staged form, resident on both GPUs. Slots past the ring (or no ring)
+        take the general path: the host checks bounds in O(P + S) and stages the whole strided
+        table (:mod:`transport.nvlink.kernel`). Completion as for :meth:`write`. ``engine``
+        overrides the config's for this write."""
         if not isinstance(batch, StridedBatch):
             raise TypeError(f"batch must be a StridedBatch, got {type(batch).__name__}")
         notify = self._check_notify(notify)
@@ -120,8 +124,8 @@ class NvlinkPeer(Peer):
 
     def _write_direct(self, batch: StridedBatch, notify: Optional[bytes],
                       engine: NvlinkEngine) -> Optional[NvlinkTransfer]:
-        """The direct path of ``batch``, or None when it takes the general one (no ring, slots
-        past the ring, an empty batch, or the staged engine)."""
+        """The direct path of ``batch`` (with either engine), or None when it takes the general
+        one (no ring, slots past the ring, an empty batch)."""
         src_slot = batch.src_slot
         num_slots = src_slot.size
         if num_slots == 0 or batch.length.size == 0:
@@ -133,9 +137,11 @@ class NvlinkPeer(Peer):
         if plan is None:
             self.tables.check_bounds(batch)  # names the first pair that fits no slot
             raise ValueError("batch out of bounds")  # not reached: the two checks agree
+        cuts = None
         if engine is not NvlinkEngine.KERNEL and self._route.lane_for(
                 engine, plan.slot_bytes * num_slots, plan.num_pairs * num_slots, plan.max_len) is not None:
-            return None
+            plan = self.staged_plans.get(batch)  # the same pairs, so the same limits: never None here
+            cuts = plan.cuts(num_slots, self._config.staged)
         hold = self._hold
         if not hold.acked:
             why = hold.wait_ready(self._config.revoke_timeout_s)
@@ -150,7 +156,7 @@ class NvlinkPeer(Peer):
             if not self._queue.outbox.alive():
                 ring.space.hold(start, None)
                 return self._lost()
-            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps)
+            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps, cuts)
             transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         return self._posted(transfer)
 
@@ -187,6 +193,27 @@ class NvlinkPeer(Peer):
                           lambda host: self._copy._table_on(host, device, self._copy.stream), self._config.kernel,
                           bind=None if ring is None else lambda table, num_pairs, shape: SplitLaunch(
                               table, ring.dev, num_pairs, shape, device, num_warps, self._owner._native_steps()))
+
+    def _build_staged_pairs(self, batch: StridedBatch):
+        """The staged form of :meth:`_build_pairs` for this peer's lane (open: a write took it):
+        the ``[6 * P]`` table with destinations under the peer's GPU, on both GPUs, a gather
+        launch over the transport's ring and a scatter launch over the lane's."""
+        ring, lane, device = self._owner._slot_ring(), self._route.lane, self.device
+        num_warps, native, copy = self._config.kernel.num_warps, self._owner._native_steps(), self._copy
+
+        def stage(host, table, shape) -> StagedPart:
+            peer_table = copy._table_on(host, lane.peer, lane.scatter_stream)
+            slots = lane.peer_slots(ring.space.capacity)
+            return StagedPart(lane, peer_table,
+                              SplitLaunch(table, ring.dev, batch.num_pairs, shape, device, num_warps, native,
+                                          StageMode.GATHER),
+                              SplitLaunch(peer_table, slots, batch.num_pairs, shape, lane.peer, num_warps, native,
+                                          StageMode.SCATTER))
+
+        return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
+                          self._owner._registry.derived(base_table), self._mapping.bases(lane.peer),
+                          lambda host: copy._table_on(host, device, copy.stream), self.tables.kernel_config(True),
+                          stage=stage)
 
     def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
         notify = self._check_notify(notify)  # idempotent: bytes stay bytes
@@ -292,6 +319,7 @@ class NvlinkPeer(Peer):
         """Wait for copies in flight, then unmap the peer's memory and end the connection (the
         peer forgets this hold when it reads the end)."""
         self.pair_plans.clear()
+        self.staged_plans.clear()
         if self._mapping.opened:
             self._copy.synchronize()
             self._owner._sync_lanes()

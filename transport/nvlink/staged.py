@@ -60,14 +60,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from transport.nvlink import ipc
 from transport.nvlink.kernel import Stage, StageMode
+from transport.nvlink.stream import empty_for
 
-__all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_offsets"]
+__all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_cuts",
+           "strided_offsets"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,18 @@ def strided_chunks(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, 
     return np.unique(np.append(p * num_slots + s, num_pairs * num_slots)).astype(np.int64)
 
 
+def strided_cuts(prefix: np.ndarray, length: np.ndarray, num_slots: int,
+                 config: StagedConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of a factored batch of ``num_slots`` slots whose pairs have rows of
+    ``length`` bytes and staging prefixes ``prefix`` (``[P]`` each; the staged strided table's
+    sixth section): ``(bounds, offsets)``, chunk ``k`` being rows ``[bounds[k], bounds[k + 1])``
+    from staging offset ``offsets[k]`` (``offsets[-1]``: the batch's bytes)."""
+    pair_offset = prefix * num_slots  # [P] staging offset of each pair's slot 0
+    total = int(pair_offset[-1] + length[-1] * num_slots) if length.size else 0
+    bounds = strided_chunks(pair_offset, length, num_slots, chunk_starts(total, config.chunk_bytes, config.edge_bytes))
+    return bounds, strided_offsets(pair_offset, length, num_slots, bounds)
+
+
 Launch = Callable[[int, int, Stage, object], None]  # (first row, end row, staging side, torch stream) -> a launch
 
 
@@ -188,6 +202,19 @@ class StagedLane:
             self._scattered = [api.event_create() for _ in range(n)]  # recorded on the scatter stream
         self._bufs: list = []  # [(local staging tensor, peer staging tensor)]
         self._next = 0
+        self._peer_slots = None  # int64 tensor on the peer GPU: the transport's ring of slots, mirrored there
+
+    def peer_slots(self, capacity: int):
+        """The ring of ``capacity`` int64 slots on the peer's GPU that staged writes' scatters
+        read (made at the first call, for the scatter stream): a write's slots go there at the
+        offsets they take in the transport's ring (:mod:`transport.nvlink.fastpath`)."""
+        import torch
+
+        if self._peer_slots is None:
+            self._peer_slots = empty_for(self.scatter_stream, capacity, torch.int64, self.peer)  # [capacity]
+        elif self._peer_slots.numel() != capacity:
+            raise ValueError(f"the lane's ring of slots has {self._peer_slots.numel()} elements, asked for {capacity}")
+        return self._peer_slots
 
     @property
     def buffer_bytes(self) -> int:
@@ -210,12 +237,14 @@ class StagedLane:
             for _ in range(self._config.buffers)
         ]
 
-    def run(self, gather_stream, bounds: np.ndarray, bound_offsets: np.ndarray, gather: Launch, scatter: Launch):
+    def run(self, gather_stream, bounds: np.ndarray, bound_offsets: np.ndarray, gather: Launch, scatter: Launch,
+            upload: Optional[tuple[int, int, int]] = None):
         """Enqueue the pipeline for chunks ``[bounds[k], bounds[k + 1])`` whose staging offsets
         start at ``bound_offsets[k]``; ``gather`` runs with the local GPU current on
         ``gather_stream`` (a torch stream), ``scatter`` with the peer GPU current on
-        :attr:`scatter_stream`. Returns a torch event recorded on the peer GPU after the last
-        scatter."""
+        :attr:`scatter_stream`. ``upload``: ``(peer GPU address, host address, bytes)`` copied
+        on the scatter stream before the first scatter (a write's slots, :meth:`peer_slots`).
+        Returns a torch event recorded on the peer GPU after the last scatter."""
         import torch
 
         api = self._api
@@ -225,6 +254,9 @@ class StagedLane:
             self._ensure(int(sizes.max()) if sizes.size else 0)
             bufs = [(mine.data_ptr(), theirs.data_ptr()) for mine, theirs in self._bufs]
             with ipc.on_device(api, self.local, torch_too=False):
+                if upload is not None:
+                    api.set_device(self.peer)
+                    api.memcpy_async(upload[0], upload[1], upload[2], s)
                 for k in range(sizes.size):
                     a, b, origin, nbytes = int(bounds[k]), int(bounds[k + 1]), int(bound_offsets[k]), int(sizes[k])
                     slot = self._next % len(bufs)
@@ -253,7 +285,7 @@ class StagedLane:
 
     def close(self) -> None:
         self.synchronize()
-        self._bufs = []
+        self._bufs, self._peer_slots = [], None
         for device, events in ((self.local, self._gathered + self._copied), (self.peer, self._scattered)):
             with ipc.on_device(self._api, device):
                 for event in events:

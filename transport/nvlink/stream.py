@@ -130,13 +130,19 @@ class CopyStream:
             self._api.event_record(self._order_event, current)
             self._api.stream_wait_event(stream.cuda_stream, self._order_event)
 
-    def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int):
+    def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int,
+                      cuts: Optional[tuple] = None):
         """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
         pairs resident in ``plan``: the slots' upload, the wait for the caller's stream, one
         launch, the event. The upload reads only the pinned ring, so it goes ahead of the wait
         and runs while the caller's work does (a write posted behind compute starts its copy
         that much sooner). Returns the event (recorded after the copy); the ring's span is
-        fenced with it (or freed once nothing can read it, on an error)."""
+        fenced with it (or freed once nothing can read it, on an error).
+
+        A staged plan (``plan.staged``) runs its lane's pipeline instead of the one launch,
+        over the chunks ``cuts`` (``(bounds, offsets)``, :meth:`PairPlan.cuts`), the slots also
+        uploaded to the lane's ring on the peer's GPU; the event is then the lane's, after the
+        last scatter."""
         import torch
 
         api, device, stream, native = self._api, self.device, self.stream, self._native
@@ -152,17 +158,28 @@ class CopyStream:
             else:
                 ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
                 self._wait_caller(stream)
-            if plan.launcher is not None:  # the launch bound at the plan's making
-                plan.launcher(start, num_slots, stream)
+            part = plan.staged
+            if part is not None:
+                slots_dev = part.lane.peer_slots(ring.space.capacity).data_ptr() + 8 * start
+                event = part.lane.run(
+                    stream, *cuts,
+                    lambda a, b, stage, s: part.gather(start, num_slots, s, a, b, stage),
+                    lambda a, b, stage, s: part.scatter(start, num_slots, s, a, b, stage),
+                    upload=(slots_dev, ring.addresses(start)[1], 16 * num_slots))
             else:
-                kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots, plan.launch,
-                                           device, num_warps, checked=True, stream=stream)
-            event = torch.cuda.Event()
-            event.record(stream)
+                if plan.launcher is not None:  # the launch bound at the plan's making
+                    plan.launcher(start, num_slots, stream)
+                else:
+                    kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots,
+                                               plan.launch, device, num_warps, checked=True, stream=stream)
+                event = torch.cuda.Event()
+                event.record(stream)
         finally:
             if event is None:  # part of it may be queued: let the span go only once nothing reads it
                 with contextlib.suppress(Exception):
                     self.synchronize()
+                    if plan.staged is not None:
+                        plan.staged.lane.synchronize()
             ring.space.hold(start, event)
             if prev != device and prev >= 0:  # -1: no device was current on this thread (native's answer)
                 api.set_device(prev)

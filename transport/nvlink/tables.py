@@ -71,7 +71,8 @@ class WriteTables:
         return kern.build_strided_table(self._local.derived(base_table), self._dst_base(lane), pairs,
                                         batch.src_slot, batch.dst_slot, out=out, staged=lane is not None)
 
-    def _kernel_config(self, staged_launch: bool) -> kern.KernelConfig:
+    def kernel_config(self, staged_launch: bool) -> kern.KernelConfig:
+        """The launch settings: the config's, with the staged engine's ``max_programs`` for its launches."""
         if not staged_launch:
             return self._config.kernel
         return dataclasses.replace(self._config.kernel, max_programs=self._config.staged.max_programs)
@@ -80,10 +81,10 @@ class WriteTables:
         """Copy path and tile shape for ``batch`` (``rows`` from :meth:`row_table`)."""
         n = len(batch)
         return kern.plan_launch(n, int(batch.length.max()) if n else 1, kern.choose_path(rows),
-                                self._kernel_config(staged_launch))
+                                self.kernel_config(staged_launch))
 
     def strided_plan(self, batch: StridedBatch, table: np.ndarray, staged_launch: bool = False) -> kern.LaunchPlan:
         """Copy path (from the pair part alone, O(P)) and tile shape for ``batch``."""
         n = len(batch)
         path = kern.choose_path(table[: 5 * batch.num_pairs])
-        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self._kernel_config(staged_launch))
+        return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self.kernel_config(staged_launch))
