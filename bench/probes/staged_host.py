@@ -7,14 +7,15 @@ A Llama-3-70B-shaped request (80 layers x K, V: 160 buffer pairs, 2 KiB token ro
 tokens in pages of ``P``) written with ``write_strided(engine=NvlinkEngine.STAGED)`` from an
 nvlink transport on GPU 0 into a receiver process on GPU ``G`` (0: a loopback lane inside one
 GPU, where the copy engine's part is short and the host's shows). Each write is waited for
-before the next. Prints the medians, in microseconds from the call, of: ``prepare`` returned
-(the engine chosen, the staged table built in pinned memory, the chunks cut), the tables
-uploaded (to both GPUs), the pipeline enqueued (``StagedLane.run``: per chunk a gather, a
-copy-engine copy, a scatter and their events), the call returned, and the transfer DONE
-(``wait()``); the number of chunks; the GPU time of the pipeline (timing events on the writer's
-copy stream before its first gather and after the lane's last scatter); and the same write's
-GPU time when the tables are resident and nothing but the pipeline is posted (``PreparedWrite``
-posted again).
+before the next. Prints the medians, in microseconds from the call, of the steps the write
+took -- on the direct path (since the staged pairs went resident): the chunks ``cut``
+(``PairPlan.cuts``); on the general path (a tree before that): the tables ``uploaded`` (to
+both GPUs, after ``prepare`` built them); then, either way, the pipeline ``enqueued``
+(``StagedLane.run``: per chunk a gather, a copy-engine copy, a scatter and their events), the
+call ``returned`` and the transfer ``done`` (``wait()``) -- the number of chunks, the GPU time of
+the pipeline (timing events on the writer's copy stream before its first gather and after the
+lane's last scatter), and the same write's GPU time when a ``PreparedWrite`` is posted again
+(its tables resident, nothing but the pipeline posted).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from transport.base import StridedBatch
 from transport.nvlink import NvlinkConfig, NvlinkEngine, NvlinkTransport
+from transport.nvlink import fastpath
 from transport.nvlink import stream as stream_mod
 from transport.nvlink.staged import StagedLane
 from transport.remote import RemoteBuffers
@@ -82,42 +84,40 @@ def main() -> None:
 
     stamps = Stamps()
     stamps.wrap(stream_mod.CopyStream, "upload", "uploaded")
+    if hasattr(fastpath.PairPlan, "cuts"):
+        stamps.wrap(fastpath.PairPlan, "cuts", "cut")
     stamps.wrap(StagedLane, "run", "enqueued")
     real_run = StagedLane.run
     gpu = []  # [(start event, done event)] of the pipeline
+    chunks = []
 
-    def run(lane, gather_stream, *rest):
+    def run(lane, gather_stream, bounds, *rest, **kw):
         start = torch.cuda.Event(enable_timing=True)
         start.record(gather_stream)
-        done = real_run(lane, gather_stream, *rest)
+        done = real_run(lane, gather_stream, bounds, *rest, **kw)
         end = torch.cuda.Event(enable_timing=True)
         end.record(lane.scatter_stream)
         gpu.append((start, end))
+        chunks.append(int(bounds.size - 1))
         return done
 
     StagedLane.run = run
-    steps = {k: [] for k in ("prepared", "uploaded", "enqueued", "returned", "done")}
-    chunks = 0
+    steps: dict[str, list] = {}
     profile = cProfile.Profile() if args.profile else None
     for rep in range(args.reps + 3):
         if profile is not None and rep == 3:
             profile.enable()
         stamps.now.clear()
         t0 = time.perf_counter()
-        job = peer.prepare(sb, engine=NvlinkEngine.STAGED)
-        prepared = time.perf_counter()
-        if job.engine is not NvlinkEngine.STAGED:
-            raise SystemExit(f"the staged engine is off for this peer: {peer.staged_error}")
-        chunks = int(job.bounds.size - 1)
-        tr = job.post()
-        job.release()
+        tr = peer.write_strided(sb, engine=NvlinkEngine.STAGED)
         returned = time.perf_counter()
         tr.wait(timeout=60)
         done = time.perf_counter()
+        if not stamps.now.get("enqueued"):
+            raise SystemExit(f"the staged engine is off for this peer: {peer.staged_error}")
         if rep >= 3:
-            for k, v in (("prepared", prepared), ("uploaded", stamps.now["uploaded"]),
-                         ("enqueued", stamps.now["enqueued"]), ("returned", returned), ("done", done)):
-                steps[k].append((v - t0) * 1e6)
+            for k, v in sorted(stamps.now.items(), key=lambda kv: kv[1]) + [("returned", returned), ("done", done)]:
+                steps.setdefault(k, []).append((v - t0) * 1e6)
     if profile is not None:
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
@@ -130,7 +130,7 @@ def main() -> None:
         resident_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in gpu)
     mib = int(sb.nbytes) / 2**20
     print(f"staged write_strided, {args.tokens} tokens, page {args.page}: {sb.num_pairs} pairs x {sb.num_slots} slots, "
-          f"{mib:.0f} MiB, {chunks} chunks, cuda:0 -> cuda:{args.peer_gpu}; medians of {args.reps}, us from the call")
+          f"{mib:.0f} MiB, {chunks[-1]} chunks, cuda:0 -> cuda:{args.peer_gpu}; medians of {args.reps}, us from the call")
     print("  " + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in steps.items()))
     print(f"  pipeline on the GPU {pipeline_us:.1f} (first gather to last scatter; tables resident and only the "
           f"pipeline posted: {resident_us:.1f})")

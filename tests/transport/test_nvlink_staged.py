@@ -56,19 +56,20 @@ def test_row_chunks_cut_at_row_starts(seed):
     _check_chunks(bounds, lambda r: np.append(offsets, total)[r], starts, int(length.max()), n)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_strided_chunks_match_the_expanded_rows(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_strided_cuts_match_the_expanded_rows(seed):
+    """The chunks of a factored batch, cut from its pairs' staging prefixes, against the
+    offsets of its rows expanded one by one."""
     rng = np.random.default_rng(seed)
     P, S = int(rng.integers(1, 9)), int(rng.integers(1, 50))
     length = rng.integers(1, 3000, P)
-    pair_offset = np.concatenate([[0], np.cumsum(length * S)[:-1]])
+    prefix = np.concatenate([[0], np.cumsum(length)[:-1]])
     total = int((length * S).sum())
-    flat_len = np.repeat(length, S)
-    flat_off = np.concatenate([[0], np.cumsum(flat_len)])
-    np.testing.assert_array_equal(staged.strided_offsets(pair_offset, length, S, np.arange(P * S + 1)), flat_off)
-    starts = staged.chunk_starts(total, int(rng.integers(1, 30)) * 997, 997)
-    bounds = staged.strided_chunks(pair_offset, length, S, starts)
-    _check_chunks(bounds, lambda r: flat_off[r], starts, int(length.max()), P * S)
+    flat_off = np.concatenate([[0], np.cumsum(np.repeat(length, S))])  # [P * S + 1] off(r), pair-major
+    chunk, edge = int(rng.integers(1, 30)) * 997, int(rng.integers(1, 4)) * 331
+    bounds, offsets = staged.strided_cuts(prefix.tolist(), length.tolist(), S, chunk, edge)
+    _check_chunks(bounds, lambda r: flat_off[r], staged.chunk_starts(total, chunk, edge), int(length.max()), P * S)
+    np.testing.assert_array_equal(offsets, flat_off[bounds])
 
 
 def test_auto_wants_large_batches_of_long_rows():
@@ -79,7 +80,7 @@ def test_auto_wants_large_batches_of_long_rows():
 
 def test_empty_batches_have_one_bound():
     assert staged.row_chunks(np.zeros(0, np.int64), 0, staged.chunk_starts(0, 1 << 16, 1 << 16)).tolist() == [0]
-    assert staged.strided_chunks(np.zeros(0, np.int64), np.zeros(0, np.int64), 5, np.zeros(1, np.int64)).tolist() == [0]
+    assert [a.tolist() for a in staged.strided_cuts([], [], 5, 1 << 16, 1 << 16)] == [[0], [0]]
 
 
 def test_staged_config_and_engine_reject_bad_values():
@@ -167,9 +168,7 @@ for unit in (16, 1):
     pairs = b.pairs
     table = kern.build_strided_table(sb, db, pairs, b.src_slot, b.dst_slot, staged=True)
     plan = kern.plan_launch(P * S, int(plen.max()), kern.choose_path(table[:5 * P]), cfg)
-    po = table[5 * P:6 * P] * S  # staging offset of each pair's slot 0
-    bounds = staged.strided_chunks(po, b.length, S, staged.chunk_starts(int((b.length * S).sum()), 64, 16))
-    offsets = staged.strided_offsets(po, b.length, S, bounds)
+    bounds, offsets = staged.strided_cuts(table[5 * P:6 * P].tolist(), b.length.tolist(), S, 64, 16)
     stage = torch.zeros(int(np.diff(offsets).max()) + 16, dtype=torch.uint8)
     t = torch.from_numpy(table)
     for k in range(bounds.size - 1):
@@ -235,6 +234,35 @@ def test_two_processes_staged_strided_exact(remote_any, page_size, head_slice):
         b = kv_strided(sorted(src), dst_rids, page_size, head_slice, np.random.default_rng(3))
         write_landed(remote_any, peer, src, dst_rids, b, buf_bytes, f"staged strided {page_size} {head_slice}".encode())
         assert peer.staged_error is None
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+def test_staged_strided_writes_in_flight_with_direct_ones_between(remote_any):
+    """Eight strided writes of one pair set in flight, staged and direct in turn, each to its
+    own destination pages: the staged ones over the resident staged pairs (built once), each
+    write's span of the slot rings held until it completes; every byte lands."""
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = _staged_pair(remote_any, 2 * LAYERS, buf_bytes)
+    try:
+        rng = np.random.default_rng(8)
+        dst_pages = rng.permutation(np.arange(1, SLOTS))[:64].reshape(8, 8)  # [write, slot] disjoint
+        batches = [StridedBatch.of(sorted(src), 0, TOKEN, dst_rids, 0, TOKEN, TOKEN,
+                                   rng.choice(np.arange(SLOTS), 8, replace=False), d) for d in dst_pages]
+        trs = [peer.write_strided(b, notify=b"mix %d" % i,
+                                  engine=NvlinkEngine.STAGED if i % 2 == 0 else NvlinkEngine.KERNEL)
+               for i, b in enumerate(batches)]
+        for tr in trs:
+            tr.wait(timeout=60)
+            assert tr.status() is TransferStatus.DONE
+        for i in range(7):
+            assert remote_any.wait_notify(b"mix %d" % i, 60.0) == t.name
+        flat = [b.expand() for b in batches]
+        union = WriteBatch.of(*(np.concatenate([getattr(f, a) for f in flat])
+                                for a in ("src_region", "src_offset", "dst_region", "dst_offset", "length")))
+        check_landed(remote_any, src, dst_rids, union, buf_bytes, b"mix 7")
+        assert peer.staged_plans.builds == 1 and peer.pair_plans.builds == 1 and peer.staged_error is None
     finally:
         t.close()
 

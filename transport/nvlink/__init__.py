@@ -33,7 +33,9 @@ Data path (push, on the writer)
 - The staged engine (:mod:`~transport.nvlink.staged`) packs rows on the local GPU, moves the
   packed bytes with the copy engine and unpacks them with a kernel this process launches on
   the peer GPU; ``NvlinkEngine.AUTO`` takes it for batches of 2 GiB and more whose rows
-  average 1 KiB or more (``StagedConfig``; figures in bench/RESULTS.md).
+  average 1 KiB or more (``StagedConfig``; figures in bench/RESULTS.md). Its strided writes
+  take the direct path as well: the pairs' staged form resident on both GPUs, a write's slots
+  uploaded to a ring on each, the pipeline enqueued over them.
 
 Notification channel (the "mailbox", :mod:`~transport.nvlink.mailbox`)
 ---------------------------------------------------------------------

@@ -45,6 +45,7 @@ chunks), they depend on the number of slots).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -149,9 +150,13 @@ class PairPlan:
 
     def cuts(self, num_slots: int, config: "staged.StagedConfig") -> tuple[np.ndarray, np.ndarray]:
         """A staged plan's chunks for ``num_slots`` slots (:func:`~transport.nvlink.staged.strided_cuts`)."""
-        table = self.host_table.numpy()  # [6 * P]
-        p = self.num_pairs
-        return staged.strided_cuts(table[5 * p: 6 * p], table[4 * p: 5 * p], num_slots, config)
+        return staged.strided_cuts(*self._prefix_and_length, num_slots, config.chunk_bytes, config.edge_bytes)
+
+    @functools.cached_property
+    def _prefix_and_length(self) -> tuple[list, list]:
+        """A staged plan's staging prefixes and row lengths, as Python ints (made once)."""
+        table, p = self.host_table.numpy(), self.num_pairs  # [6 * P]
+        return table[5 * p: 6 * p].tolist(), table[4 * p: 5 * p].tolist()
 
 
 class PairCache:

@@ -108,8 +108,8 @@ def build(peer: "NvlinkPeer", batch: Union[WriteBatch, StridedBatch], engine: Nv
 
         if lane is None:
             return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region)
-        bounds, offsets = staged.strided_cuts(table[5 * num_pairs: 6 * num_pairs], batch.length, num_slots,
-                                              config.staged)
+        bounds, offsets = staged.strided_cuts(table[5 * num_pairs: 6 * num_pairs].tolist(), batch.length.tolist(),
+                                              num_slots, config.staged.chunk_bytes, config.staged.edge_bytes)
         return PreparedWrite(peer, host, launch, batch.nbytes, batch.dst_region, lane, bounds, offsets)
     lane = route.lane_for(engine, int(batch.length.sum()), n, max_len) if n else None
     host = torch.empty((3 if lane is None else 4, n), dtype=torch.int64, pin_memory=True)  # [3 or 4, num_rows]

@@ -34,7 +34,7 @@ much host time per chunk, so :class:`StagedLane` enqueues with raw CUDA calls an
 kernels directly (:mod:`transport.nvlink.launch`), at a third of it.
 
 A row's place in the staging stream is its offset among all rows of the batch
-(:mod:`transport.nvlink.kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_chunks`
+(:mod:`transport.nvlink.kernel`, "Staged copies"); :func:`row_chunks` / :func:`strided_cuts`
 cut the batch at the last row that starts at or before each chunk start, so a chunk holds less
 than its share plus one row.
 
@@ -48,8 +48,10 @@ Costs, and when AUTO takes it
 - The peer's IPC handles are opened a second time, under the peer GPU: a mapping opened under
   one GPU faults when another GPU's kernels use it, and opening one handle under both GPUs
   works (both seen on two H200s).
-- Each write costs more host time before the GPU starts (chunk cuts, a table on each GPU):
-  end to end it beats the direct kernel only for large batches, hence ``min_bytes`` 2 GiB.
+- Each write costs more host time than a direct one (the chunk cuts, per chunk three
+  enqueues and their events; a row-table write also builds and uploads a table to each GPU,
+  where a strided one finds its pairs resident, :mod:`transport.nvlink.fastpath`): end to end
+  it beats the direct kernel only for large batches, hence ``min_bytes`` 2 GiB.
 - Short rows gather and scatter slowly (256 B head slices stay faster on the direct kernel),
   hence ``min_row_bytes``.
 
@@ -58,9 +60,10 @@ Measured throughput of both engines: ``kvtransfer bench nvlink`` (bench/RESULTS.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -68,8 +71,7 @@ from transport.nvlink import ipc
 from transport.nvlink.kernel import Stage, StageMode
 from transport.nvlink.stream import empty_for
 
-__all__ = ["StagedConfig", "StagedLane", "chunk_starts", "row_chunks", "strided_chunks", "strided_cuts",
-           "strided_offsets"]
+__all__ = ["StagedConfig", "StagedLane", "chunk_sizes", "chunk_starts", "row_chunks", "strided_cuts"]
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,10 @@ class StagedConfig:
         return self.enabled and total >= self.min_bytes and total >= self.min_row_bytes * rows
 
 
-def chunk_starts(total: int, chunk_bytes: int, edge_bytes: int) -> np.ndarray:
-    """Byte offsets where the chunks of a ``total``-byte stream start (``[num_chunks]``, first
-    0). Sizes double from ``edge_bytes`` towards ``chunk_bytes`` at the front and halve back at
-    the end (as long as the middle keeps at least the next size); the middle is split evenly
+def chunk_sizes(total: int, chunk_bytes: int, edge_bytes: int) -> list[int]:
+    """Sizes of the chunks of a ``total``-byte stream, in order (Python ints; ``[]`` for 0
+    bytes). Sizes double from ``edge_bytes`` towards ``chunk_bytes`` at the front and halve back
+    at the end (as long as the middle keeps at least the next size); the middle is split evenly
     into chunks of at most ``chunk_bytes``. No chunk is above ``chunk_bytes`` or below
     ``min(edge_bytes, chunk_bytes // 2, total)``."""
     ramp, acc, size = [], 0, min(edge_bytes, chunk_bytes)
@@ -126,7 +128,13 @@ def chunk_starts(total: int, chunk_bytes: int, edge_bytes: int) -> np.ndarray:
     middle = total - 2 * acc
     parts = -(-middle // chunk_bytes)
     mid = [middle // parts + (1 if i < middle % parts else 0) for i in range(parts)]
-    sizes = np.asarray(ramp + mid + ramp[::-1], dtype=np.int64)
+    return ramp + mid + ramp[::-1]
+
+
+def chunk_starts(total: int, chunk_bytes: int, edge_bytes: int) -> np.ndarray:
+    """Byte offsets where the chunks of a ``total``-byte stream start (``[num_chunks]``, first
+    0; :func:`chunk_sizes`)."""
+    sizes = np.asarray(chunk_sizes(total, chunk_bytes, edge_bytes), dtype=np.int64)
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(sizes)[:-1]])
 
 
@@ -141,36 +149,30 @@ def row_chunks(offsets: np.ndarray, total: int, starts: np.ndarray) -> np.ndarra
     return np.unique(np.append(first, n)).astype(np.int64)
 
 
-def strided_offsets(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, rows: np.ndarray) -> np.ndarray:
-    """Staging offsets of rows ``rows`` (pair-major, ``p * S + s``; ``P * S`` is the end) of a
-    factored batch whose pair ``p`` starts at ``pair_offset[p]`` with rows of ``length[p]``."""
-    num_pairs = int(length.size)
-    total = int(pair_offset[-1] + length[-1] * num_slots) if num_pairs else 0
-    p = np.minimum(rows // num_slots, num_pairs - 1)
-    s = rows - p * num_slots
-    return np.where(rows >= num_pairs * num_slots, total, pair_offset[p] + s * length[p]).astype(np.int64)
-
-
-def strided_chunks(pair_offset: np.ndarray, length: np.ndarray, num_slots: int, starts: np.ndarray) -> np.ndarray:
-    """:func:`row_chunks` for a factored batch, in O(P + number of chunks)."""
-    num_pairs = int(length.size)
-    if num_pairs == 0 or num_slots == 0:
-        return np.zeros(1, dtype=np.int64)
-    p = np.searchsorted(pair_offset, starts, side="right") - 1
-    s = np.minimum((starts - pair_offset[p]) // length[p], num_slots - 1)
-    return np.unique(np.append(p * num_slots + s, num_pairs * num_slots)).astype(np.int64)
-
-
-def strided_cuts(prefix: np.ndarray, length: np.ndarray, num_slots: int,
-                 config: StagedConfig) -> tuple[np.ndarray, np.ndarray]:
+def strided_cuts(prefix: Sequence[int], length: Sequence[int], num_slots: int, chunk_bytes: int,
+                 edge_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The chunks of a factored batch of ``num_slots`` slots whose pairs have rows of
-    ``length`` bytes and staging prefixes ``prefix`` (``[P]`` each; the staged strided table's
-    sixth section): ``(bounds, offsets)``, chunk ``k`` being rows ``[bounds[k], bounds[k + 1])``
-    from staging offset ``offsets[k]`` (``offsets[-1]``: the batch's bytes)."""
-    pair_offset = prefix * num_slots  # [P] staging offset of each pair's slot 0
-    total = int(pair_offset[-1] + length[-1] * num_slots) if length.size else 0
-    bounds = strided_chunks(pair_offset, length, num_slots, chunk_starts(total, config.chunk_bytes, config.edge_bytes))
-    return bounds, strided_offsets(pair_offset, length, num_slots, bounds)
+    ``length`` bytes and staging prefixes ``prefix`` (``P`` Python ints each, lengths > 0; the
+    staged strided table's sixth section): ``(bounds, offsets)``, chunk ``k`` being rows
+    ``[bounds[k], bounds[k + 1])`` from staging offset ``offsets[k]`` (``offsets[-1]``: the
+    batch's bytes) -- cut at :func:`chunk_starts`, in plain Python over the few chunks and a bisection of the pairs
+    each (a write's host cost: a dozen numpy calls took tens of microseconds)."""
+    num_pairs, s_count = len(length), num_slots
+    if num_pairs == 0 or s_count == 0:
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    rows, total = num_pairs * s_count, (prefix[-1] + length[-1]) * s_count
+    bounds, offsets, start = [], [], 0
+    for size in chunk_sizes(total, chunk_bytes, edge_bytes):
+        p = bisect.bisect_right(prefix, start // s_count) - 1  # the last pair starting at or before start
+        s = min((start - prefix[p] * s_count) // length[p], s_count - 1)
+        row = p * s_count + s  # the last row starting at or before start
+        if not bounds or row > bounds[-1]:
+            bounds.append(row)
+            offsets.append(prefix[p] * s_count + s * length[p])
+        start += size
+    bounds.append(rows)
+    offsets.append(total)
+    return np.asarray(bounds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
 
 
 Launch = Callable[[int, int, Stage, object], None]  # (first row, end row, staging side, torch stream) -> a launch
