@@ -11,7 +11,8 @@ before the next. Prints the medians, in microseconds from the call, of the steps
 took -- on the direct path (since the staged pairs went resident): the chunks ``cut``
 (``PairPlan.cuts``); on the general path (a tree before that): the tables ``uploaded`` (to
 both GPUs, after ``prepare`` built them); then, either way, the pipeline ``enqueued``
-(``StagedLane.run``: per chunk a gather, a copy-engine copy, a scatter and their events), the
+(``StagedLane.run``: per chunk a gather, a copy-engine copy, a scatter and their events; ``enqueued
+in C`` where ``StagedLane.run_native`` did it in one call of C), the
 call ``returned`` and the transfer ``done`` (``wait()``) -- the number of chunks, the GPU time of
 the pipeline (timing events on the writer's copy stream before its first gather and after the
 lane's last scatter), and the same write's GPU time when a ``PreparedWrite`` is posted again
@@ -86,22 +87,26 @@ def main() -> None:
     stamps.wrap(stream_mod.CopyStream, "upload", "uploaded")
     if hasattr(fastpath.PairPlan, "cuts"):
         stamps.wrap(fastpath.PairPlan, "cuts", "cut")
-    stamps.wrap(StagedLane, "run", "enqueued")
-    real_run = StagedLane.run
     gpu = []  # [(start event, done event)] of the pipeline
     chunks = []
 
-    def run(lane, gather_stream, bounds, *rest, **kw):
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(gather_stream)
-        done = real_run(lane, gather_stream, bounds, *rest, **kw)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(lane.scatter_stream)
-        gpu.append((start, end))
-        chunks.append(int(bounds.size - 1))
-        return done
+    def timed(real, label: str, bounds_at: int):
+        def run(lane, *args, **kw):
+            stream, bounds = args[bounds_at - 1], args[bounds_at]
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            done = real(lane, *args, **kw)
+            stamps.now[label] = time.perf_counter()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(lane.scatter_stream)
+            gpu.append((start, end))
+            chunks.append(int(bounds.size - 1))
+            return done
+        return run
 
-    StagedLane.run = run
+    StagedLane.run = timed(StagedLane.run, "enqueued", 1)
+    if hasattr(StagedLane, "run_native"):  # (native, gather stream, bounds, ...): the pipeline in one C call
+        StagedLane.run_native = timed(StagedLane.run_native, "enqueued in C", 2)
     steps: dict[str, list] = {}
     profile = cProfile.Profile() if args.profile else None
     for rep in range(args.reps + 3):
@@ -113,7 +118,7 @@ def main() -> None:
         returned = time.perf_counter()
         tr.wait(timeout=60)
         done = time.perf_counter()
-        if not stamps.now.get("enqueued"):
+        if not (stamps.now.get("enqueued") or stamps.now.get("enqueued in C")):
             raise SystemExit(f"the staged engine is off for this peer: {peer.staged_error}")
         if rep >= 3:
             for k, v in sorted(stamps.now.items(), key=lambda kv: kv[1]) + [("returned", returned), ("done", done)]:

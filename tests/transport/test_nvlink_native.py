@@ -191,14 +191,20 @@ def test_native_launch_is_kept_only_where_it_is_tritons_own_launch():
     """Two pointers and three int32s, then Triton's two scratch pointers: kept, with the block
     and shared memory of the kernel; anything else (other parameters, scratch memory, clusters,
     cooperative or PDL launches, a driver that cannot tell) falls back to Triton's launcher."""
-    assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(), 2, 3) == (0x1234, 128, 1024, 2)
-    assert native_launch(_Steps([8, 8, 4, 4, 4]), _compiled(), 2, 3) == (0x1234, 128, 1024, 0)
+    i32 = ("i32",) * 3
+    assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(), 2, i32) == (0x1234, 128, 1024, 2, 0)
+    assert native_launch(_Steps([8, 8, 4, 4, 4]), _compiled(), 2, i32) == (0x1234, 128, 1024, 0, 0)
+    # an int64 the kernel declares (the staging address): 8 bytes, its bit set in wide
+    assert native_launch(_Steps([8, 8, 4, 8, 8, 8, 8]), _compiled(), 2, ("i32", "i64", "i64")) == (
+        0x1234, 128, 1024, 2, 0b110)
     for sizes in ([8, 8, 4, 4], [8, 8, 4, 4, 8, 8, 8], [8, 8, 4, 4, 4, 4], [8, 4, 4, 4, 4], None):
-        assert native_launch(_Steps(sizes), _compiled(), 2, 3) is None, sizes
+        assert native_launch(_Steps(sizes), _compiled(), 2, i32) is None, sizes
+    assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(), 2, ("i32", "i64", "i32")) is None  # 4 != 8
+    assert native_launch(_Steps([8, 8, 4, 4, 8]), _compiled(), 2, ("i32", "i32", "u64")) is None  # not a declared type
     for meta in (dict(num_ctas=2), dict(launch_cooperative_grid=True), dict(launch_pdl=True),
                  dict(global_scratch_size=64), dict(profile_scratch_size=8), dict(shared=None)):
-        assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(**meta), 2, 3) is None, meta
-    assert native_launch(None, _compiled(), 2, 3) is None
+        assert native_launch(_Steps([8, 8, 4, 4, 4, 8, 8]), _compiled(**meta), 2, i32) is None, meta
+    assert native_launch(None, _compiled(), 2, i32) is None
 
 
 def test_config_takes_native_as_a_bool():

@@ -162,7 +162,7 @@ def test_bound_launch_calls_the_compiled_kernel_with_the_fixed_arguments(monkeyp
     bound(3, _Stream(), (100, 5))  # the first launch compiles (through the JIT)
     assert len(jit.jit) == 1 and jit.runs == [] and r.direct_launches == 0
     bound(2, _Stream(), (7, -8))
-    bound.launch_i32(1, _Stream(), (9, 10))
+    bound.launch_fitted(1, _Stream(), (9, 10))
     assert jit.runs == [(2, 1, 1, 99, "fn", "meta", None, None, None, x, out, 7, -8, 64),
                         (1, 1, 1, 99, "fn", "meta", None, None, None, x, out, 9, 10, 64)]
     assert r.direct_launches == 2 and len(jit.jit) == 1
@@ -196,7 +196,7 @@ def test_split_launch_passes_the_slot_part_and_the_rows(monkeypatch):
     calls = []
 
     class _Bound:
-        def launch_i32(self, grid, stream, ints):
+        def launch_fitted(self, grid, stream, ints):
             calls.append(("i32", grid, ints))
 
         def __call__(self, grid, stream, ints):

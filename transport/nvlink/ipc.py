@@ -100,6 +100,10 @@ class _CudaApi:
 
     def event_destroy(self, event) -> None: ...
 
+    def raw(self, event) -> int:
+        """An event's handle as an int (``cudaEvent_t`` is ``CUevent``), for C."""
+        return int(event)
+
     def event_record(self, event, stream: int) -> None:
         """``cudaEventRecord`` on a raw stream of the event's device."""
 
@@ -286,6 +290,9 @@ class _CtypesApi(_CudaApi):
         code = self.rt.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream)
         if code != 0:  # the message only on failure (hot path)
             self._ok(code, f"cudaMemcpyAsync(0x{dst:x}, 0x{src:x}, {nbytes})")
+
+    def raw(self, event) -> int:
+        return event.value or 0
 
     def event_create(self):
         event = ctypes.c_void_p()

@@ -355,7 +355,7 @@ _copy_rows = triton.jit(_copy_rows_body) if triton is not None else None
 
 
 def _scatter_rows_body(
-    rows_ptr, n_rows, row_begin, row_end, num_tiles, stage, stage_origin,
+    rows_ptr, n_rows, row_begin, row_end, num_tiles, stage: tl.int64, stage_origin: tl.int64,
     STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
@@ -382,7 +382,8 @@ def _scatter_rows_body(
 
 
 def _scatter_strided_body(
-    tab_ptr, slots_ptr, slot_base, n_pairs, n_slots, row_begin, row_end, num_tiles, stage, stage_origin,
+    tab_ptr, slots_ptr, slot_base, n_pairs, n_slots, row_begin, row_end, num_tiles,
+    stage: tl.int64, stage_origin: tl.int64,
     STAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     LOAD_CACHE: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
@@ -606,6 +607,12 @@ class SplitLaunch:
         self._launch = _kernel(False, _scatter_strided_body).bind(
             device, num_warps, (pairs, slots), _constexprs(0 if mode is None else mode.value, plan), native)
 
+    def native_spec(self) -> Optional[tuple]:
+        """``(function, block, shared, trailing, wide, pair table, ring)``: this launch as the C
+        pipeline (:mod:`transport.nvlink.native`) takes it, once a launch kept the kernel and
+        found the C launch equivalent; None before, or where it is not."""
+        return self._launch.native_spec
+
     def __call__(self, slot_base: int, num_slots: int, stream, begin: int = 0, end: Optional[int] = None,
                  stage: Optional[Stage] = None) -> None:
         """Launch on the torch ``stream`` (its device current in CUDA) over the slot part at
@@ -626,7 +633,7 @@ class SplitLaunch:
         address, origin = (0, 0) if stage is None else (stage.address, stage.origin)
         ints = (slot_base, self.num_pairs, num_slots, begin, end, num_tiles, address, origin)
         grid = min(programs, num_tiles) if programs else num_tiles
-        if end <= _I32_MAX and slot_base <= _I32_MAX and stage is None:  # rows and slot_base the largest
-            self._launch.launch_i32(grid, stream, ints)
+        if end <= _I32_MAX and slot_base <= _I32_MAX:  # rows and slot_base the largest int32s (stages: int64)
+            self._launch.launch_fitted(grid, stream, ints)
         else:
             self._launch(grid, stream, ints)

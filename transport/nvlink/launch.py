@@ -26,7 +26,7 @@ The direct path is used only where it is known to work: Triton's ``CompiledKerne
 profiler) are installed. Otherwise every launch goes through ``kernel[grid](...)``.
 
 A launch that repeats with the same tensors, constexprs, device and ``num_warps`` -- only its
-integers change, all within int32 -- is bound once (:meth:`Relauncher.bind`): the bound launch
+integers change, each within int32 or the int64 the kernel declares for it -- is bound once (:meth:`Relauncher.bind`): the bound launch
 keeps the compiled kernel and its fixed arguments, and a launch is then one range check of the
 integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
 :mod:`transport.nvlink.fastpath`, where the key and the argument tuples cost more than the launch).
@@ -58,6 +58,20 @@ def _int_type(v: int) -> str:
     if _I64[0] <= v <= _I64[1]:
         return "i64"
     return "u64"
+
+
+_DECLARED = ("i32", "i64")  # integer annotations a kernel may declare (``x: tl.int64``), which Triton then keeps
+
+
+def _declared(param) -> str:
+    """The integer type a kernel parameter declares (``""``: none; Triton types it by value)."""
+    kind = getattr(param, "annotation_type", "")
+    return kind if kind in _DECLARED else ""
+
+
+def _param_type(param, v: int) -> str:
+    """Triton's type for int ``v`` passed to ``param``: the declared one, else by value."""
+    return _declared(param) or _int_type(v)
 
 
 _KNOBS: list = []  # triton.knobs once imported (None: this Triton has none)
@@ -113,7 +127,7 @@ class Relauncher:
         if params is None or not isinstance(signature, dict) or len(params) < len(args):
             return False
         for p, a in zip(params, args):
-            if isinstance(a, int) and not (p.do_not_specialize and signature.get(p.name) == _int_type(a)):
+            if isinstance(a, int) and not (p.do_not_specialize and signature.get(p.name) == _param_type(p, a)):
                 return False
         return [p.name for p in params[len(args):]] == [name for name, _ in constexprs]
 
@@ -143,16 +157,17 @@ class Relauncher:
         return BoundLaunch(self, device, num_warps, tuple(tensors), tuple(constexprs), native)
 
 
-def native_launch(native, compiled, num_tensors: int, num_ints: int) -> Optional[tuple]:
-    """``(function, block, shared, trailing)`` for ``native.launch`` of ``compiled`` with
-    ``num_tensors`` pointers then ``num_ints`` int32 arguments, or None where that launch would
-    not be the launch Triton's launcher makes: a kernel needing scratch memory, clusters, a
-    cooperative or programmatic-dependent launch, or whose parameters (read from the driver) are
-    not those pointers and ints followed only by pointer-sized ones (Triton's scratch arguments,
+def native_launch(native, compiled, num_tensors: int, int_types: tuple) -> Optional[tuple]:
+    """``(function, block, shared, trailing, wide)`` for ``native.launch`` of ``compiled`` with
+    ``num_tensors`` pointers then integers of ``int_types`` (``"i32"`` / ``"i64"``; bit ``i`` of
+    ``wide`` set for the 8-byte ones), or None where that launch would not be the launch
+    Triton's launcher makes: a kernel needing scratch memory, clusters, a cooperative or
+    programmatic-dependent launch, or whose parameters (read from the driver) are not those
+    pointers and integers followed only by pointer-sized ones (Triton's scratch arguments,
     passed null as its launcher does when it needs none)."""
     meta = getattr(compiled, "metadata", None)
     function = getattr(compiled, "function", None)
-    if native is None or meta is None or not isinstance(function, int):
+    if native is None or meta is None or not isinstance(function, int) or not set(int_types) <= set(_DECLARED):
         return None
     if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
             or getattr(meta, "launch_pdl", False) or getattr(meta, "global_scratch_size", 0)
@@ -163,47 +178,62 @@ def native_launch(native, compiled, num_tensors: int, num_ints: int) -> Optional
         sizes = native.param_sizes(function)
     except Exception:  # the driver cannot tell: Triton's launcher
         return None
-    head = [8] * num_tensors + [4] * num_ints
+    head = [8] * num_tensors + [8 if t == "i64" else 4 for t in int_types]
     if sizes is None or sizes[:len(head)] != head or any(n != 8 for n in sizes[len(head):]):
         return None
-    return function, 32 * meta.num_warps, meta.shared, len(sizes) - len(head)
+    wide = sum(1 << i for i, t in enumerate(int_types) if t == "i64")
+    return function, 32 * meta.num_warps, meta.shared, len(sizes) - len(head), wide
 
 
 class BoundLaunch:
     """One kernel's launch with fixed tensors, constexprs, device and ``num_warps``; each call
     gives the grid, the stream and the integer arguments. Once the relauncher keeps the kernel
-    for this launch's key with int32 integers, a call whose integers are all int32 calls its
-    launcher directly; any other call goes through :class:`Relauncher` (the JIT at first)."""
+    for this launch's key, a call whose integers fit the bound types -- int32, or int64 where
+    the kernel declares it (``x: tl.int64``) -- calls its launcher directly; any other call goes
+    through :class:`Relauncher` (the JIT at first)."""
 
     def __init__(self, relauncher: Relauncher, device: int, num_warps: int, tensors: tuple, constexprs: tuple,
                  native=None):
         self._relauncher, self._device, self._num_warps = relauncher, device, num_warps
         self._tensors, self._constexprs = tensors, constexprs
         self._values = tuple(v for _, v in constexprs)
-        self._compiled = None  # the kept kernel of the all-int32 key
+        self._compiled = None  # the kept kernel of the bound types' key
         self._native_module = native
-        self._native: Optional[tuple] = None  # (function, block, shared, trailing) once kept (native_launch)
+        self._native: Optional[tuple] = None  # (function, block, shared, trailing, wide) once kept (native_launch)
         self._pointers = tuple(t.data_ptr() for t in tensors) if native is not None else ()
+        params = getattr(relauncher._fn, "params", None) or []
+        self._limits = [_I64 if _declared(p) == "i64" else _I32 for p in params[len(tensors):]]  # per parameter
+
+    def fits(self, ints: tuple) -> bool:
+        """Whether ``ints`` fit the bound types (:meth:`launch_fitted` takes them)."""
+        return len(ints) <= len(self._limits) and all(lo <= v <= hi for v, (lo, hi) in zip(ints, self._limits))
 
     def __call__(self, grid: int, stream, ints: tuple) -> None:
         """Launch ``grid`` programs on the torch ``stream`` with integer arguments ``ints``
         (at least one)."""
-        if _I32[0] <= min(ints) and max(ints) <= _I32[1]:
-            self.launch_i32(grid, stream, ints)
+        if self.fits(ints):
+            self.launch_fitted(grid, stream, ints)
         else:
             self._relauncher(grid, stream, self._device, self._tensors + tuple(ints), self._constexprs, self._num_warps)
 
-    def launch_i32(self, grid: int, stream, ints: tuple) -> None:
-        """:meth:`__call__` for ``ints`` the caller knows to be int32 (Python ints): through
-        the C launch where it was found equivalent (:func:`native_launch`), else Triton's
-        launcher."""
+    @property
+    def native_spec(self) -> Optional[tuple]:
+        """``(function, block, shared, trailing, wide, *tensor addresses)``: what ``native``'s
+        launches of this kernel take, once it is kept and found equivalent (None before, or
+        where it is not)."""
+        return None if self._native is None else self._native + self._pointers
+
+    def launch_fitted(self, grid: int, stream, ints: tuple) -> None:
+        """:meth:`__call__` for ``ints`` the caller knows to fit the bound types (:meth:`fits`;
+        Python ints): through the C launch where it was found equivalent
+        (:func:`native_launch`), else Triton's launcher."""
         compiled = self._compiled
         if compiled is not None and not _hooks_installed():
             native = self._native
             if native is not None:
-                function, block, shared, trailing = native
+                function, block, shared, trailing, wide = native
                 self._native_module.launch(function, block, shared, stream.cuda_stream, grid, self._pointers, ints,
-                                           trailing)
+                                           trailing, wide)
                 self._relauncher.direct_launches += 1
                 return
             compiled.run(grid, 1, 1, stream.cuda_stream, compiled.function, compiled.packed_metadata, None, None, None,
@@ -217,4 +247,7 @@ class BoundLaunch:
             key = r._key(self._device, self._num_warps, args, self._constexprs)
             self._compiled = r._compiled.get(key) if key is not None else None
             if self._compiled is not None:
-                self._native = native_launch(self._native_module, self._compiled, len(self._tensors), len(ints))
+                signature = getattr(self._compiled.src, "signature", {})
+                names = [p.name for p in r._fn.params[len(self._tensors): len(args)]]
+                self._native = native_launch(self._native_module, self._compiled, len(self._tensors),
+                                             tuple(signature.get(name) for name in names))

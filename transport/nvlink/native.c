@@ -14,9 +14,15 @@
  * upload_after(copy_stream, dev_addr, host_addr, nbytes, caller_stream, order_event)
  *     queue the host-to-device copy on copy_stream, then (caller_stream not None) make
  *     copy_stream wait for the work queued so far on caller_stream, through order_event.
- * launch(function, block, shared, stream, grid, pointers, ints, trailing)
- *     cuLaunchKernel over the parameters: the pointers (8 bytes each), the ints (int32 each),
- *     then `trailing` null pointers (Triton's scratch arguments).
+ * launch(function, block, shared, stream, grid, pointers, ints, trailing[, wide])
+ *     cuLaunchKernel over the parameters: the pointers (8 bytes each), the ints (int32 each,
+ *     int64 where bit i of `wide` is set), then `trailing` null pointers (Triton's scratch
+ *     arguments).
+ * pipeline(local, peer, streams, events, buffers, next, gather, scatter, ints, bounds, offsets, upload)
+ *     the staged engine's pipeline (transport/nvlink/staged.py, StagedLane.run) enqueued in one
+ *     call: per chunk, on the local GPU a gather launch, on the copy stream a copy-engine copy
+ *     into the peer's staging buffer, on the peer GPU a scatter launch, and the events that
+ *     order them; returns the staging buffer index after the last chunk's.
  * param_sizes(function)
  *     the kernel's parameter sizes in bytes (cuFuncGetParamInfo; None on a driver without it).
  * current_device()
@@ -55,8 +61,10 @@ typedef unsigned long long CUdeviceptr;
 
 #define EVENT_DISABLE_TIMING 0x2
 #define MAX_PARAMS 64
+#define MAX_DEVICES 64
 
 static CUresult (*cu_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+static CUresult (*cu_memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 static CUresult (*cu_event_create)(CUevent *, unsigned int);
 static CUresult (*cu_event_destroy)(CUevent);
 static CUresult (*cu_event_record)(CUevent, CUstream);
@@ -203,6 +211,7 @@ static PyObject *load_driver(PyObject *self, PyObject *unused) {
         return PyErr_Format(PyExc_OSError, "cannot load libcuda.so.1: %s", dlerror());
     struct { void **slot; const char *name; int required; } entries[] = {
         {(void **)&cu_memcpy_htod_async, "cuMemcpyHtoDAsync_v2", 1},
+        {(void **)&cu_memcpy_async, "cuMemcpyAsync", 1},
         {(void **)&cu_event_create, "cuEventCreate", 1},
         {(void **)&cu_event_destroy, "cuEventDestroy_v2", 1},
         {(void **)&cu_event_record, "cuEventRecord", 1},
@@ -246,38 +255,39 @@ static PyObject *upload_after(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    void *function, *stream;
-    unsigned long long block, shared, grid, trailing;
-    if (!check_nargs("launch", nargs, 8) || !need_driver() || !as_handle(args[0], &function)
-            || !as_u64(args[1], &block) || !as_u64(args[2], &shared) || !as_handle(args[3], &stream)
-            || !as_u64(args[4], &grid) || !as_u64(args[7], &trailing))
-        return NULL;
-    PyObject *pointers = args[5], *ints = args[6];
-    if (!PyTuple_Check(pointers) || !PyTuple_Check(ints))
-        return PyErr_Format(PyExc_TypeError, "launch() takes its pointers and ints as tuples");
-    Py_ssize_t np = PyTuple_GET_SIZE(pointers), ni = PyTuple_GET_SIZE(ints);
-    if (np + ni + (Py_ssize_t)trailing > MAX_PARAMS)
-        return PyErr_Format(PyExc_ValueError, "launch() takes at most %d parameters", MAX_PARAMS);
-    if (grid == 0 || grid > 0x7fffffffULL || block == 0 || block > 1024)
-        return PyErr_Format(PyExc_ValueError, "launch() grid %llu or block %llu out of range", grid, block);
+/* cuLaunchKernel over np pointers, ni integers (int64 where bit i of wide is set, else int32),
+ * then trailing null pointers; 0 with an exception set on failure. */
+static int launch_params(void *function, unsigned long long grid, unsigned long long block,
+                         unsigned long long shared, void *stream, const CUdeviceptr *pointers, Py_ssize_t np,
+                         const long long *ints, Py_ssize_t ni, unsigned long long wide, unsigned long long trailing) {
+    if (np < 0 || ni < 0 || trailing > MAX_PARAMS || np + ni + (Py_ssize_t)trailing > MAX_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "launch() takes at most %d parameters", MAX_PARAMS);
+        return 0;
+    }
+    if (grid == 0 || grid > 0x7fffffffULL || block == 0 || block > 1024) {
+        PyErr_Format(PyExc_ValueError, "launch() grid %llu or block %llu out of range", grid, block);
+        return 0;
+    }
     CUdeviceptr ptrs[MAX_PARAMS];
+    int64_t longs[MAX_PARAMS];
     int32_t values[MAX_PARAMS];
     void *params[MAX_PARAMS];
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < np; i++) {
-        void *p;
-        if (!as_handle(PyTuple_GET_ITEM(pointers, i), &p))
-            return NULL;
-        ptrs[i] = (CUdeviceptr)(uintptr_t)p;
+        ptrs[i] = pointers[i];
         params[k++] = &ptrs[i];
     }
     for (Py_ssize_t i = 0; i < ni; i++) {
-        long long v;
-        if (!as_i64(PyTuple_GET_ITEM(ints, i), &v))
-            return NULL;
-        if (v < INT32_MIN || v > INT32_MAX)
-            return PyErr_Format(PyExc_OverflowError, "launch() integer %lld is not an int32", v);
+        long long v = ints[i];
+        if (i < 64 && (wide >> i) & 1) {
+            longs[i] = v;
+            params[k++] = &longs[i];
+            continue;
+        }
+        if (v < INT32_MIN || v > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "launch() integer %lld is not an int32", v);
+            return 0;
+        }
         values[i] = (int32_t)v;
         params[k++] = &values[i];
     }
@@ -287,8 +297,41 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     CUresult rc = cu_launch_kernel(function, (unsigned)grid, 1, 1, (unsigned)block, 1, 1, (unsigned)shared, stream,
                                    params, NULL);
-    if (rc != 0)
-        return driver_error("cuLaunchKernel", rc);
+    if (rc != 0) {
+        driver_error("cuLaunchKernel", rc);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *function, *stream;
+    unsigned long long block, shared, grid, trailing, wide = 0;
+    if (nargs != 9 && !check_nargs("launch", nargs, 8))
+        return NULL;
+    if (!need_driver() || !as_handle(args[0], &function) || !as_u64(args[1], &block) || !as_u64(args[2], &shared)
+            || !as_handle(args[3], &stream) || !as_u64(args[4], &grid) || !as_u64(args[7], &trailing)
+            || (nargs == 9 && !as_u64(args[8], &wide)))
+        return NULL;
+    PyObject *pointers = args[5], *ints = args[6];
+    if (!PyTuple_Check(pointers) || !PyTuple_Check(ints))
+        return PyErr_Format(PyExc_TypeError, "launch() takes its pointers and ints as tuples");
+    Py_ssize_t np = PyTuple_GET_SIZE(pointers), ni = PyTuple_GET_SIZE(ints);
+    if (np + ni > MAX_PARAMS)
+        return PyErr_Format(PyExc_ValueError, "launch() takes at most %d parameters", MAX_PARAMS);
+    CUdeviceptr ptrs[MAX_PARAMS];
+    long long values[MAX_PARAMS];
+    for (Py_ssize_t i = 0; i < np; i++) {
+        void *p;
+        if (!as_handle(PyTuple_GET_ITEM(pointers, i), &p))
+            return NULL;
+        ptrs[i] = (CUdeviceptr)(uintptr_t)p;
+    }
+    for (Py_ssize_t i = 0; i < ni; i++)
+        if (!as_i64(PyTuple_GET_ITEM(ints, i), &values[i]))
+            return NULL;
+    if (!launch_params(function, grid, block, shared, stream, ptrs, np, values, ni, wide, trailing))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -359,6 +402,176 @@ static PyObject *event_destroy(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* -- pipeline ----------------------------------------------------------------------------- */
+
+#define MAX_BUFFERS 16
+
+typedef struct {
+    void *function;
+    unsigned long long block, shared, trailing, wide;
+    CUdeviceptr pointers[2];  /* the pair table and the ring of slots on the launch's GPU */
+} launch_spec;
+
+/* (function, block, shared, trailing, wide, pair table, ring of slots) */
+static int as_spec(PyObject *obj, launch_spec *spec) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 7) {
+        PyErr_SetString(PyExc_TypeError, "pipeline() takes each launch as (function, block, shared, trailing, wide, "
+                        "table, slots)");
+        return 0;
+    }
+    void *a, *b;
+    if (!as_handle(PyTuple_GET_ITEM(obj, 0), &spec->function) || !as_u64(PyTuple_GET_ITEM(obj, 1), &spec->block)
+            || !as_u64(PyTuple_GET_ITEM(obj, 2), &spec->shared) || !as_u64(PyTuple_GET_ITEM(obj, 3), &spec->trailing)
+            || !as_u64(PyTuple_GET_ITEM(obj, 4), &spec->wide) || !as_handle(PyTuple_GET_ITEM(obj, 5), &a)
+            || !as_handle(PyTuple_GET_ITEM(obj, 6), &b))
+        return 0;
+    spec->pointers[0] = (CUdeviceptr)(uintptr_t)a;
+    spec->pointers[1] = (CUdeviceptr)(uintptr_t)b;
+    return 1;
+}
+
+/* The handles of a tuple of n ints into out (n at most cap). */
+static int as_handles(PyObject *obj, void **out, Py_ssize_t n, const char *what) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != n) {
+        PyErr_Format(PyExc_TypeError, "pipeline() takes %s as a tuple of %zd ints", what, n);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!as_handle(PyTuple_GET_ITEM(obj, i), &out[i]))
+            return 0;
+    return 1;
+}
+
+static void *pipeline_ctxs[MAX_DEVICES];  /* primary contexts, retained at their first use for the process */
+
+static int make_current(int device) {
+    CUresult rc;
+    int dev;
+    if (device < 0 || device >= MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "pipeline() device %d out of range", device);
+        return 0;
+    }
+    if (pipeline_ctxs[device] == NULL) {
+        if ((rc = cu_device_get(&dev, device)) != 0) {
+            driver_error("cuDeviceGet", rc);
+            return 0;
+        }
+        if ((rc = cu_primary_ctx_retain(&pipeline_ctxs[device], dev)) != 0) {
+            pipeline_ctxs[device] = NULL;
+            driver_error("cuDevicePrimaryCtxRetain", rc);
+            return 0;
+        }
+    }
+    if ((rc = cu_ctx_set_current(pipeline_ctxs[device])) != 0) {
+        driver_error("cuCtxSetCurrent", rc);
+        return 0;
+    }
+    return 1;
+}
+
+#define STEP(call, name) do { CUresult rc_ = (call); if (rc_ != 0) { driver_error(name, rc_); goto fail; } } while (0)
+
+static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long local, peer, next, slot_base, num_pairs, num_slots, block_r, programs;
+    if (!check_nargs("pipeline", nargs, 12) || !need_driver() || !as_i64(args[0], &local) || !as_i64(args[1], &peer)
+            || !as_i64(args[5], &next))
+        return NULL;
+    void *streams[3], *events[3 * MAX_BUFFERS], *buffers[2 * MAX_BUFFERS];
+    Py_ssize_t n = PyTuple_Check(args[4]) ? PyTuple_GET_SIZE(args[4]) / 2 : 0;
+    if (n < 1 || n > MAX_BUFFERS)
+        return PyErr_Format(PyExc_ValueError, "pipeline() takes 1 to %d staging buffer pairs", MAX_BUFFERS);
+    launch_spec gather, scatter;
+    if (!as_handles(args[2], streams, 3, "its streams") || !as_handles(args[3], events, 3 * n, "its events")
+            || !as_handles(args[4], buffers, 2 * n, "its buffers") || !as_spec(args[6], &gather)
+            || !as_spec(args[7], &scatter))
+        return NULL;
+    PyObject *ints = args[8];
+    if (!PyTuple_Check(ints) || PyTuple_GET_SIZE(ints) != 5)
+        return PyErr_Format(PyExc_TypeError, "pipeline() takes (slot_base, num_pairs, num_slots, block_r, programs)");
+    if (!as_i64(PyTuple_GET_ITEM(ints, 0), &slot_base) || !as_i64(PyTuple_GET_ITEM(ints, 1), &num_pairs)
+            || !as_i64(PyTuple_GET_ITEM(ints, 2), &num_slots) || !as_i64(PyTuple_GET_ITEM(ints, 3), &block_r)
+            || !as_i64(PyTuple_GET_ITEM(ints, 4), &programs))
+        return NULL;
+    if (block_r < 1 || programs < 0 || next < 0)
+        return PyErr_Format(PyExc_ValueError, "pipeline() block_r %lld, programs %lld or next %lld out of range",
+                            block_r, programs, next);
+    void *upload[3] = {NULL, NULL, NULL};
+    if (args[11] != Py_None && !as_handles(args[11], upload, 3, "its upload (device address, host address, bytes)"))
+        return NULL;
+    Py_buffer bounds, offsets;
+    if (!int64_buffer(args[9], &bounds))
+        return PyErr_Format(PyExc_TypeError, "pipeline() takes its bounds as a C-contiguous int64 buffer");
+    if (!int64_buffer(args[10], &offsets)) {
+        PyBuffer_Release(&bounds);
+        return PyErr_Format(PyExc_TypeError, "pipeline() takes its offsets as a C-contiguous int64 buffer");
+    }
+    const long long *bound = bounds.buf, *offset = offsets.buf;
+    Py_ssize_t chunks = bounds.len / 8 - 1;
+    void *prev = NULL;
+    void *g = streams[0], *c = streams[1], *sc = streams[2];
+    CUresult rc;
+    if (offsets.len != bounds.len || chunks < 0) {
+        PyErr_Format(PyExc_ValueError, "pipeline() bounds and offsets differ: %zd and %zd", bounds.len / 8,
+                     offsets.len / 8);
+        goto fail_args;
+    }
+    for (Py_ssize_t k = 0; k < chunks; k++)
+        if (bound[k + 1] <= bound[k] || offset[k + 1] < offset[k] || bound[k] < 0 || offset[k] < 0) {
+            PyErr_Format(PyExc_ValueError, "pipeline() chunk %zd: rows [%lld, %lld) from offset %lld", k, bound[k],
+                         bound[k + 1], offset[k]);
+            goto fail_args;
+        }
+    if ((rc = cu_ctx_get_current(&prev)) != 0) {
+        driver_error("cuCtxGetCurrent", rc);
+        goto fail_args;
+    }
+    if (upload[0] != NULL) {
+        if (!make_current((int)peer))
+            goto fail;
+        STEP(cu_memcpy_async((CUdeviceptr)(uintptr_t)upload[0], (CUdeviceptr)(uintptr_t)upload[1],
+                             (size_t)(uintptr_t)upload[2], sc), "cuMemcpyAsync (slots)");
+    }
+    for (Py_ssize_t k = 0; k < chunks; k++) {
+        long long a = bound[k], b = bound[k + 1], origin = offset[k];
+        size_t nbytes = (size_t)(offset[k + 1] - offset[k]);
+        Py_ssize_t slot = (Py_ssize_t)(next++ % n);
+        void *gathered = events[slot], *copied = events[n + slot], *scattered = events[2 * n + slot];
+        CUdeviceptr mine = (CUdeviceptr)(uintptr_t)buffers[slot], theirs = (CUdeviceptr)(uintptr_t)buffers[n + slot];
+        long long tiles = (b - a + block_r - 1) / block_r;
+        long long grid = programs && programs < tiles ? programs : tiles;
+        long long gather_ints[8] = {slot_base, num_pairs, num_slots, a, b, tiles, (long long)mine, origin};
+        long long scatter_ints[8] = {slot_base, num_pairs, num_slots, a, b, tiles, (long long)theirs, origin};
+        if (!make_current((int)local))
+            goto fail;
+        STEP(cu_stream_wait_event(g, copied, 0), "cuStreamWaitEvent");  /* the copy that last read mine is done */
+        if (!launch_params(gather.function, grid, gather.block, gather.shared, g, gather.pointers, 2, gather_ints, 8,
+                           gather.wide, gather.trailing))
+            goto fail;
+        STEP(cu_event_record(gathered, g), "cuEventRecord");
+        STEP(cu_stream_wait_event(c, gathered, 0), "cuStreamWaitEvent");
+        STEP(cu_stream_wait_event(c, scattered, 0), "cuStreamWaitEvent");  /* the scatter that last read theirs */
+        STEP(cu_memcpy_async(theirs, mine, nbytes, c), "cuMemcpyAsync");
+        STEP(cu_event_record(copied, c), "cuEventRecord");
+        if (!make_current((int)peer))
+            goto fail;
+        STEP(cu_stream_wait_event(sc, copied, 0), "cuStreamWaitEvent");
+        if (!launch_params(scatter.function, grid, scatter.block, scatter.shared, sc, scatter.pointers, 2,
+                           scatter_ints, 8, scatter.wide, scatter.trailing))
+            goto fail;
+        STEP(cu_event_record(scattered, sc), "cuEventRecord");
+    }
+    cu_ctx_set_current(prev);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&offsets);
+    return PyLong_FromLongLong(next);
+fail:
+    cu_ctx_set_current(prev);
+fail_args:
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&offsets);
+    return NULL;
+}
+
 /* -- lander ------------------------------------------------------------------------------- */
 
 /* A lander is the queue of the notifications one mailbox outbox announced; ONE thread of the
@@ -381,7 +594,6 @@ enum { WATCHING = 0, HELD = 1, SKIP = 2 };
 #define LONG_NAP_NS 1000000LL
 #define IDLE_SPIN_NS 200000LL    /* with nothing watched, look for 200 us before sleeping */
 
-#define MAX_DEVICES 64
 
 typedef struct {
     uint64_t number;
@@ -868,7 +1080,8 @@ static PyMethodDef methods[] = {
      "Whether int64 arrays, back to back, are these bytes."},
     {"load_driver", load_driver, METH_NOARGS, "Resolve the driver entry points in libcuda."},
     {"upload_after", (PyCFunction)(void (*)(void))upload_after, METH_FASTCALL, "Upload, then order after a stream."},
-    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "cuLaunchKernel over pointers, int32s, nulls."},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "cuLaunchKernel over pointers, int32s or int64s, nulls."},
+    {"pipeline", (PyCFunction)(void (*)(void))pipeline, METH_FASTCALL, "Enqueue a staged pipeline's chunks."},
     {"param_sizes", param_sizes, METH_O, "A kernel's parameter sizes in bytes."},
     {"current_device", current_device, METH_NOARGS, "The current context's device (-1: no context)."},
     {"set_error_class", set_error_class, METH_O, "The exception class driver errors raise."},

@@ -280,6 +280,27 @@ class StagedLane:
             done.record(self.scatter_stream)
         return done
 
+    def run_native(self, native, gather_stream, bounds: np.ndarray, bound_offsets: np.ndarray, gather: tuple,
+                   scatter: tuple, ints: tuple, upload: tuple[int, int, int]):
+        """:meth:`run` in one call of C (``native.pipeline``, :mod:`transport.nvlink.native`):
+        the same steps per chunk, the launches given as ``native.pipeline`` takes them
+        (:meth:`~transport.nvlink.kernel.SplitLaunch.native_spec`) with ``ints`` = ``(slot
+        base, pairs, slots, rows per tile, programs)``; ``bounds`` and ``bound_offsets`` int64
+        arrays. Returns a torch event recorded on the peer GPU after the last scatter."""
+        import torch
+
+        with self._lock:
+            self._ensure(int(np.diff(bound_offsets).max()) if bound_offsets.size > 1 else 0)
+            raw = self._api.raw
+            events = tuple(raw(e) for e in self._gathered + self._copied + self._scattered)
+            buffers = tuple(mine.data_ptr() for mine, _ in self._bufs) + tuple(t.data_ptr() for _, t in self._bufs)
+            streams = (gather_stream.cuda_stream, self._copy.cuda_stream, self.scatter_stream.cuda_stream)
+            self._next = native.pipeline(self.local, self.peer, streams, events, buffers, self._next, gather, scatter,
+                                         ints, bounds, bound_offsets, upload)
+            done = torch.cuda.Event()
+            done.record(self.scatter_stream)
+        return done
+
     def synchronize(self) -> None:
         """Wait for every copy and scatter enqueued so far."""
         self._copy.synchronize()

@@ -160,12 +160,17 @@ class CopyStream:
                 self._wait_caller(stream)
             part = plan.staged
             if part is not None:
-                slots_dev = part.lane.peer_slots(ring.space.capacity).data_ptr() + 8 * start
-                event = part.lane.run(
-                    stream, *cuts,
-                    lambda a, b, stage, s: part.gather(start, num_slots, s, a, b, stage),
-                    lambda a, b, stage, s: part.scatter(start, num_slots, s, a, b, stage),
-                    upload=(slots_dev, ring.addresses(start)[1], 16 * num_slots))
+                upload = (part.lane.peer_slots(ring.space.capacity).data_ptr() + 8 * start, ring.addresses(start)[1],
+                          16 * num_slots)
+                specs = (part.gather.native_spec(), part.scatter.native_spec()) if native is not None else (None,)
+                if None not in specs:  # both launches kept and found equivalent in C: the pipeline in one call
+                    event = part.lane.run_native(native, stream, *cuts, *specs, (
+                        start, plan.num_pairs, num_slots, plan.launch.block_r, plan.launch.num_programs), upload)
+                else:
+                    event = part.lane.run(
+                        stream, *cuts,
+                        lambda a, b, stage, s: part.gather(start, num_slots, s, a, b, stage),
+                        lambda a, b, stage, s: part.scatter(start, num_slots, s, a, b, stage), upload=upload)
             else:
                 if plan.launcher is not None:  # the launch bound at the plan's making
                     plan.launcher(start, num_slots, stream)
