@@ -241,8 +241,9 @@ def test_two_processes_staged_strided_exact(remote_any, page_size, head_slice):
 @pytest.mark.gpu
 def test_staged_strided_writes_in_flight_with_direct_ones_between(remote_any):
     """Eight strided writes of one pair set in flight, staged and direct in turn, each to its
-    own destination pages: the staged ones over the resident staged pairs (built once), each
-    write's span of the slot rings held until it completes; every byte lands."""
+    own destination pages: the staged ones over the resident staged pairs (built once), the
+    first one's pipeline enqueued from Python, the others' in one call of C; each write's span
+    of the slot rings held until it completes; every byte lands."""
     buf_bytes = SLOTS * TOKEN
     t, peer, src, dst_rids = _staged_pair(remote_any, 2 * LAYERS, buf_bytes)
     try:
@@ -263,6 +264,8 @@ def test_staged_strided_writes_in_flight_with_direct_ones_between(remote_any):
                                 for a in ("src_region", "src_offset", "dst_region", "dst_offset", "length")))
         check_landed(remote_any, src, dst_rids, union, buf_bytes, b"mix 7")
         assert peer.staged_plans.builds == 1 and peer.pair_plans.builds == 1 and peer.staged_error is None
+        if t._native_steps() is not None:  # the first staged write kept both launches; the other three ran in C
+            assert peer._route.lane.native_runs == 3
     finally:
         t.close()
 

@@ -205,6 +205,7 @@ class StagedLane:
         self._bufs: list = []  # [(local staging tensor, peer staging tensor)]
         self._next = 0
         self._peer_slots = None  # int64 tensor on the peer GPU: the transport's ring of slots, mirrored there
+        self.native_runs = 0  # pipelines enqueued by one call of C (tests and benchmarks read it)
 
     def peer_slots(self, capacity: int):
         """The ring of ``capacity`` int64 slots on the peer's GPU that staged writes' scatters
@@ -297,6 +298,7 @@ class StagedLane:
             streams = (gather_stream.cuda_stream, self._copy.cuda_stream, self.scatter_stream.cuda_stream)
             self._next = native.pipeline(self.local, self.peer, streams, events, buffers, self._next, gather, scatter,
                                          ints, bounds, bound_offsets, upload)
+            self.native_runs += 1
             done = torch.cuda.Event()
             done.record(self.scatter_stream)
         return done
