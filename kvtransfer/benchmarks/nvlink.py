@@ -21,8 +21,8 @@ count between two contiguous tensors on GPU 0 and GPU 1 of this process (CUDA ev
 median). The first write of each case is verified: the receiver waits for its notification
 (from this transport), then both sides checksum the rows (position-weighted); so is the first
 ``write_strided()`` with each engine (``verified``: write/kernel/staged). ``write_strided()``
-with the kernel engine takes the direct path (``transport.nvlink.fastpath``) where the
-transport has one, else a prepared write.
+with either engine takes the direct path (``transport.nvlink.fastpath``) where the transport
+has one (the staged engine's since its pairs went resident too), else a prepared write.
 
 Fixed cost per write (second table): ``write_strided()`` (kernel engine) call to the
 notification seen by the receiver process, which polls without sleeping and stamps arrivals on
@@ -136,16 +136,17 @@ def _median_ms_events(fn, reps: int, warmup: int, one_launch: bool = False) -> f
     return time_cuda(fn, reps, warmup, busy_cycles=BUSY_CYCLES if one_launch else 0).median * 1e3
 
 
-def _has_direct(peer) -> bool:
-    """The peer takes ``write_strided(..., engine=)`` and its direct path (issue 18's code)."""
-    return hasattr(peer, "pair_plans")
+def _has_direct(peer, engine) -> bool:
+    """The peer takes ``write_strided(..., engine=)`` and its direct path with ``engine`` (issue
+    18's code: the kernel's first, then the staged engine's, with its resident staged pairs)."""
+    return hasattr(peer, "pair_plans") and (engine.value == "kernel" or hasattr(peer, "staged_plans"))
 
 
 def _strided_write(peer, batch, engine, notify=None):
-    """``write_strided`` with ``engine``: the direct path where the peer has one and the engine
-    is the kernel; else a prepared write with that engine, posted once and released (the same
-    host work as ``write_strided`` before the direct path)."""
-    if engine is not None and engine.value == "kernel" and _has_direct(peer):
+    """``write_strided`` with ``engine``: the direct path where the peer has one for that
+    engine; else a prepared write with that engine, posted once and released (the same host
+    work as ``write_strided`` before the direct path)."""
+    if engine is not None and _has_direct(peer, engine):
         return peer.write_strided(batch, notify, engine=engine)
     with peer.prepare(batch, engine=engine) as job:
         return job.post(notify)
@@ -504,7 +505,7 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     fixed = bench.tiny_fixed()
     print(f"\nfixed cost per write = write_strided() call -> notification seen by the receiver (it polls without "
           f"sleeping), minus the strided kernel's own time for the same batch; median of {args.fixed_reps}; "
-          f"{'direct path' if _has_direct(bench.peers['nvlink']) else 'prepared write (no direct path)'}, "
+          f"{'direct path' if _has_direct(bench.peers['nvlink'], bench.engines.KERNEL) else 'prepared write'}, "
           f"host steps in {_host_steps(bench.transports['nvlink'])}, "
           "kernel engine; behind us = the same write called while the caller's stream still runs ~1 ms of work "
           "that the copy waits for (a model's layer): from that work's end to the notification seen, minus the "

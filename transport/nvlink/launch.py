@@ -26,9 +26,10 @@ The direct path is used only where it is known to work: Triton's ``CompiledKerne
 profiler) are installed. Otherwise every launch goes through ``kernel[grid](...)``.
 
 A launch that repeats with the same tensors, constexprs, device and ``num_warps`` -- only its
-integers change, each within int32 or the int64 the kernel declares for it -- is bound once (:meth:`Relauncher.bind`): the bound launch
-keeps the compiled kernel and its fixed arguments, and a launch is then one range check of the
-integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
+integers change, each within int32 or the int64 the kernel declares for it (``x: tl.int64``,
+which Triton keeps whatever the value) -- is bound once (:meth:`Relauncher.bind`): the bound
+launch keeps the compiled kernel and its fixed arguments, and a launch is then one range check
+of the integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
 :mod:`transport.nvlink.fastpath`, where the key and the argument tuples cost more than the launch).
 
 Given the C steps (:mod:`transport.nvlink.native`), a bound launch goes one step further once
