@@ -46,10 +46,13 @@ class Stamps:
     def __init__(self):
         self.now: dict[str, float] = {}
 
-    def wrap(self, owner, name: str, label: str) -> None:
+    def wrap(self, owner, name: str, label: str, entered: str = "") -> None:
+        """Stamp ``label`` when ``owner.name`` returns (and ``entered`` when it is called)."""
         real = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if entered:
+                self.now[entered] = time.perf_counter()
             out = real(*args, **kwargs)
             self.now[label] = time.perf_counter()
             return out
@@ -64,12 +67,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--peer-gpu", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top calls of the writes")
+    ap.add_argument("--python-steps", action="store_true", help="NvlinkConfig(native=False): no C steps")
     args = ap.parse_args()
 
     torch.cuda.set_device(0)
     pool = 2 * args.tokens
     remote = RemoteBuffers(args.peer_gpu)
-    t = NvlinkTransport(NvlinkConfig(engine=NvlinkEngine.STAGED))
+    t = NvlinkTransport(NvlinkConfig(engine=NvlinkEngine.STAGED, native=not args.python_steps))
     src = []
     for _ in range(2 * LAYERS):
         buf = torch.randint(0, 256, (pool * ROW,), dtype=torch.uint8, device="cuda:0")
@@ -87,6 +91,12 @@ def main() -> None:
     stamps.wrap(stream_mod.CopyStream, "upload", "uploaded")
     if hasattr(fastpath.PairPlan, "cuts"):
         stamps.wrap(fastpath.PairPlan, "cuts", "cut")
+        stamps.wrap(fastpath.SlotRing, "stage", "slots staged")
+        stamps.wrap(StagedLane, "_ensure", "buffers checked")
+    c_steps = t._native_steps()
+    if c_steps is not None and hasattr(c_steps, "pipeline"):  # inside the C calls (module attributes can be replaced)
+        stamps.wrap(c_steps, "upload_after", "slots uploaded")
+        stamps.wrap(c_steps, "pipeline", "C returned", entered="C called")
     gpu = []  # [(start event, done event)] of the pipeline
     chunks = []
 
