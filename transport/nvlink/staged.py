@@ -155,22 +155,22 @@ def strided_cuts(prefix: Sequence[int], length: Sequence[int], num_slots: int, c
     ``length`` bytes and staging prefixes ``prefix`` (``P`` Python ints each, lengths > 0; the
     staged strided table's sixth section): ``(bounds, offsets)``, chunk ``k`` being rows
     ``[bounds[k], bounds[k + 1])`` from staging offset ``offsets[k]`` (``offsets[-1]``: the
-    batch's bytes) -- cut at :func:`chunk_starts`, in plain Python over the few chunks and a bisection of the pairs
-    each (a write's host cost: a dozen numpy calls took tens of microseconds)."""
-    num_pairs, s_count = len(length), num_slots
-    if num_pairs == 0 or s_count == 0:
+    batch's bytes), cut at :func:`chunk_starts`. Plain Python, a bisection of the pairs per
+    chunk: the dozen numpy calls of the same cut took tens of microseconds of each write."""
+    n = num_slots
+    if not length or n == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    rows, total = num_pairs * s_count, (prefix[-1] + length[-1]) * s_count
+    total = (prefix[-1] + length[-1]) * n
     bounds, offsets, start = [], [], 0
     for size in chunk_sizes(total, chunk_bytes, edge_bytes):
-        p = bisect.bisect_right(prefix, start // s_count) - 1  # the last pair starting at or before start
-        s = min((start - prefix[p] * s_count) // length[p], s_count - 1)
-        row = p * s_count + s  # the last row starting at or before start
+        p = bisect.bisect_right(prefix, start // n) - 1  # the last pair whose first row starts at or before start
+        s = min((start - prefix[p] * n) // length[p], n - 1)
+        row = p * n + s  # the last row that starts at or before start
         if not bounds or row > bounds[-1]:
             bounds.append(row)
-            offsets.append(prefix[p] * s_count + s * length[p])
+            offsets.append(prefix[p] * n + s * length[p])
         start += size
-    bounds.append(rows)
+    bounds.append(len(length) * n)
     offsets.append(total)
     return np.asarray(bounds, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
 
