@@ -14,9 +14,11 @@
 #   tests       pytest -m gpu over the transport tests (NVLink, strided, direct path, launcher)
 #   probe       bench/probes/direct_path_host.py --cuda at 1,024 and 16,384 tokens: the host time of a
 #               direct-path write step by step, the timeline after the call, raw CUDA call costs
+#   staged      bench/probes/staged_host.py on the second GPU at 1,024 and 4,096 tokens (pages 1, 16),
+#               OLD_TREE's transport and then this tree's: a staged write's host steps and DONE
 set -o pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|tests|probe]...}" && pwd); shift
+old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|crossover|cpu|tests|probe|staged]...}" && pwd); shift
 OUT=${OUT:-$here/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(compare tests)
@@ -57,7 +59,19 @@ for what in "${steps[@]}"; do
                     bench/probes/direct_path_host.py --cuda --tokens $tokens --reps 200) \
                     2>&1 | tee "$OUT/direct_path_host_${tokens}.log" || rc=1
             done ;;
-        *) echo "unknown step $what (compare | regression | crossover | cpu | tests | probe)" >&2; exit 2 ;;
+        staged)
+            rm -rf "$before" && mkdir -p "$before"
+            cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$before/"
+            for spec in "1024 1" "4096 1" "1024 16" "4096 16"; do
+                set -- $spec
+                for tree in "$before" "$here"; do
+                    label=$([ "$tree" = "$before" ] && echo before || echo after)
+                    (cd "$here" && PYTHONPATH=$tree${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 \
+                        bench/probes/staged_host.py --peer-gpu 1 --tokens $1 --page $2 --reps 30) \
+                        2>&1 | tee "$OUT/staged_host_${label}_$1_$2.log" || rc=1
+                done
+            done ;;
+        *) echo "unknown step $what (compare | regression | crossover | cpu | tests | probe | staged)" >&2; exit 2 ;;
     esac
 done
 exit $rc
