@@ -979,6 +979,33 @@ def test_a_staged_write_takes_the_direct_path_over_its_resident_staged_pairs(sta
     assert launches == [] and general == []
 
 
+def test_a_staged_write_whose_pipeline_fails_raises_frees_its_span_and_the_next_one_runs(staged_peer, monkeypatch):
+    """The lane fails midway (a launch's CUDA error): the write raises it, after waiting for
+    what was queued (the lane and the copy stream synchronized), and its span of the ring is
+    free again; the next write runs."""
+    from transport.nvlink.config import NvlinkEngine
+
+    peer, lane, launches, general, api = staged_peer
+    real_run, synced = lane.run, []
+
+    def failing_run(*args, **kw):
+        real_run(*args, **kw)  # every chunk enqueued, then the failure
+        raise RuntimeError("injected pipeline failure")
+
+    monkeypatch.setattr(lane, "run", failing_run)
+    monkeypatch.setattr(lane, "synchronize", lambda: synced.append("lane"))
+    with pytest.raises(RuntimeError, match="injected pipeline failure"):
+        peer.write_strided(_kv([1, 2], [3, 4]), b"fails", engine=NvlinkEngine.STAGED)
+    assert synced == ["lane"]
+    ring = peer._owner._ring
+    assert ring.space.take(64) == 0  # nothing of the ring is still held for it
+    ring.space.hold(0, None)
+    monkeypatch.setattr(lane, "run", real_run)
+    tr = peer.write_strided(_kv([1, 2], [3, 4]), b"after", engine=NvlinkEngine.STAGED)
+    tr.wait(timeout=5)
+    assert tr.status() is TransferStatus.DONE and len(lane.runs) == 2 and general == []
+
+
 def test_a_staged_write_out_of_bounds_runs_nothing(staged_peer):
     from transport.nvlink.config import NvlinkEngine
 

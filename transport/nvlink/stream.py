@@ -181,10 +181,7 @@ class CopyStream:
                 event.record(stream)
         finally:
             if event is None:  # part of it may be queued: let the span go only once nothing reads it
-                with contextlib.suppress(Exception):
-                    self.synchronize()
-                    if plan.staged is not None:
-                        plan.staged.lane.synchronize()
+                self._drain(plan.staged.lane if plan.staged is not None else None)
             ring.space.hold(start, event)
             if prev != device and prev >= 0:  # -1: no device was current on this thread (native's answer)
                 api.set_device(prev)
@@ -193,10 +190,15 @@ class CopyStream:
     def quiesce(self, job: "PreparedWrite") -> None:
         """Wait for everything queued (after a failed enqueue: part of it may be queued, and
         nothing may read the tables once they go)."""
-        with contextlib.suppress(Exception):  # a CUDA error here would only repeat the first one
-            self.synchronize()
-            if job.lane is not None:
-                job.lane.synchronize()
+        self._drain(job.lane)
+
+    def _drain(self, lane=None) -> None:
+        """Wait for the copy stream and, given one, a staged lane's streams, each whatever the
+        other did (a CUDA error here would only repeat the first one)."""
+        for sync in (self.synchronize, None if lane is None else lane.synchronize):
+            if sync is not None:
+                with contextlib.suppress(Exception):
+                    sync()
 
     def synchronize(self) -> None:
         if self._stream is not None:
