@@ -86,6 +86,8 @@ def test_empty_batches_have_one_bound():
 def test_staged_config_and_engine_reject_bad_values():
     with pytest.raises(ValueError, match="buffers must be an int >= 2, got 1"):
         staged.StagedConfig(buffers=1)
+    with pytest.raises(ValueError, match=r"buffers must be at most 16 \(the C pipeline's\), got 17"):
+        staged.StagedConfig(buffers=17)
     with pytest.raises(ValueError, match="chunk_bytes must be an int >= 65536, got 4096"):
         staged.StagedConfig(chunk_bytes=4096)
     with pytest.raises(ValueError, match="edge_bytes must be an int >= 65536, got 0"):

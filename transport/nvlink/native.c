@@ -404,7 +404,7 @@ static PyObject *event_destroy(PyObject *self, PyObject *arg) {
 
 /* -- pipeline ----------------------------------------------------------------------------- */
 
-#define MAX_BUFFERS 16
+#define MAX_BUFFERS 16  /* staged.py: MAX_BUFFERS */
 
 typedef struct {
     void *function;

@@ -74,6 +74,9 @@ from transport.nvlink.stream import empty_for
 __all__ = ["StagedConfig", "StagedLane", "chunk_sizes", "chunk_starts", "row_chunks", "strided_cuts"]
 
 
+MAX_BUFFERS = 16  # staging buffers per GPU that native.c's pipeline takes (its MAX_BUFFERS)
+
+
 @dataclass(frozen=True)
 class StagedConfig:
     """Settings of the staged engine (module doc).
@@ -88,7 +91,8 @@ class StagedConfig:
         direct); also the size of each staging buffer.
     edge_bytes: size of the first and last chunk; chunks double from it up to ``chunk_bytes``
         and halve back towards the end, so the pipeline fills and drains quickly.
-    buffers: staging buffers per GPU, >= 2 so that gather, copy and scatter overlap.
+    buffers: staging buffers per GPU, >= 2 so that gather, copy and scatter overlap (and at
+        most :data:`MAX_BUFFERS`).
     max_programs: programs of each gather / scatter launch (grid stride; 0: one per tile).
     """
 
@@ -108,6 +112,8 @@ class StagedConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        if self.buffers > MAX_BUFFERS:
+            raise ValueError(f"buffers must be at most {MAX_BUFFERS} (the C pipeline's), got {self.buffers}")
 
     def wants(self, total: int, rows: int) -> bool:
         """Whether ``NvlinkEngine.AUTO`` stages a batch of ``rows`` rows and ``total`` bytes."""
