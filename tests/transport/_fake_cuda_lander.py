@@ -244,6 +244,39 @@ def main() -> None:
     steps.lander_close(again)
     assert threads() == alone
     print("closed")
+
+    # the window of looking without pause (lander_spin): 0 naps 20 us between looks from the
+    # first one; a long window looks on without pause
+    queries = ctypes.c_long.in_dll(fake, "fake_queries")
+    spin_word = SharedWord()
+    spin_view = WordView(spin_word.fd)
+    spun = steps.lander_new(spin_word.address)
+
+    def looks_in(window_ns: int, number: int, seconds: float = 0.1) -> int:
+        steps.lander_spin(window_ns)
+        steps.lander_watch(spun, number, event(600 + number), 0)
+        start = queries.value
+        time.sleep(seconds)
+        looks = queries.value - start
+        flags[600 + number] = DONE
+        until(f"released under a window of {window_ns} ns", lambda: spin_view.read() == number)
+        return looks
+
+    assert steps.lander_spin(2_000_000) == 2_000_000, "the default window is 2 ms"
+    napping, spinning = looks_in(0, 1), looks_in(10 ** 10, 2)
+    assert napping <= 0.1 / 20e-6 + 100, f"{napping} looks in 100 ms napping 20 us between them"
+    assert spinning > 4 * napping, f"{spinning} looks without pause against {napping} napping"
+    assert steps.lander_spin(2_000_000) == 10 ** 10
+    try:
+        steps.lander_spin(-1)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a negative window was taken")
+    steps.lander_close(spun)
+    spin_view.close()
+    spin_word.close()
+    print(f"spin ({napping} looks napping, {spinning} without pause)")
     for v, w in zip(views, words):
         v.close()
         w.close()

@@ -45,7 +45,8 @@ def _run(fake_driver, module: str) -> subprocess.CompletedProcess:
 def test_the_lander_releases_in_order_withdraws_and_closes(fake_driver):
     done = _run(fake_driver, "tests.transport._fake_cuda_lander")
     assert done.returncode == 0 and done.stdout.rstrip().endswith("lander ok"), done.stdout + done.stderr
-    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "waited", "grown", "refused", "shared", "closed"):
+    for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "waited", "grown", "refused", "shared", "closed",
+                 "spin"):
         assert case in done.stdout, done.stdout
 
 

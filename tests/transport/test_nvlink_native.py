@@ -207,6 +207,23 @@ def test_native_launch_is_kept_only_where_it_is_tritons_own_launch():
     assert native_launch(None, _compiled(), 2, i32) is None
 
 
+def test_the_landers_window_is_the_smallest_any_transport_asked_for(monkeypatch):
+    """``NvlinkConfig.lander_spin_us``: checked; ``lander.ask_spin`` sets the process's one
+    thread's window only when a transport asks for less than what is in force."""
+    from transport.nvlink import lander
+
+    assert NvlinkConfig().lander_spin_us == 2000 and NvlinkConfig(lander_spin_us=0).lander_spin_us == 0
+    for bad in (-1, 10 ** 7 + 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"lander_spin_us must be an int in \[0, 10\*\*7\]"):
+            NvlinkConfig(lander_spin_us=bad)
+    monkeypatch.setattr(lander, "_spin_ns", [])
+    set_to = []
+    steps = types.SimpleNamespace(lander_spin=lambda ns: set_to.append(ns))
+    assert [lander.ask_spin(steps, ns) for ns in (2_000_000, 500_000, 2_000_000, 0, 100)] == [
+        2_000_000, 500_000, 500_000, 0, 0]
+    assert set_to == [2_000_000, 500_000, 0]
+
+
 def test_config_takes_native_as_a_bool():
     assert NvlinkConfig().native is True and NvlinkConfig(native=False).native is False
     with pytest.raises(TypeError, match="native must be a bool, got 'yes'"):

@@ -52,6 +52,10 @@ class NvlinkConfig:
     native: the direct path's host steps (slots staged and checked, uploaded, ordered after the
         caller's stream, launched) in C (:mod:`transport.nvlink.native`, built at first use
         with the system's C compiler); False, or where it cannot be built, in Python.
+    lander_spin_us: how long the landers' thread (:mod:`transport.nvlink.lander`) looks
+        without pause at a copy in flight before it naps 20 us at a time: the notification
+        within a microsecond of the copy's end against a core busy meanwhile (0: naps from
+        its first look). Process-wide: the smallest any transport of the process asked for.
     revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
         region to acknowledge its revocation (or be found gone) before it refuses
         (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
@@ -69,6 +73,7 @@ class NvlinkConfig:
     slot_ring_bytes: int = 8 << 20
     pair_plans: int = 64
     native: bool = True
+    lander_spin_us: int = 2000
     revoke_timeout_s: float = 5.0
 
     def __post_init__(self):
@@ -90,6 +95,9 @@ class NvlinkConfig:
             raise ValueError(f"slot_ring_bytes must be a multiple of 8 in [0, 2**40), got {self.slot_ring_bytes!r}")
         if not isinstance(self.native, bool):
             raise TypeError(f"native must be a bool, got {self.native!r}")
+        if not isinstance(self.lander_spin_us, int) or isinstance(self.lander_spin_us, bool) \
+                or not 0 <= self.lander_spin_us <= 10_000_000:
+            raise ValueError(f"lander_spin_us must be an int in [0, 10**7], got {self.lander_spin_us!r}")
         if not isinstance(self.pair_plans, int) or isinstance(self.pair_plans, bool) or self.pair_plans < 1:
             raise ValueError(f"pair_plans must be an int >= 1, got {self.pair_plans!r}")
 

@@ -19,7 +19,9 @@ front has waited less than 2 ms, then every 20 us, and once all have waited 100 
 (a new watch ends a pause at once); with nothing to wait on, it looks for new work for 200 us
 before it sleeps, so that a write that follows soon finds it awake. A process writing to many
 peers thus keeps one core busy while copies run, as the progress thread did, not one per
-peer. The thread starts with the first lander and ends when the last one closes. A caller that
+peer; ``NvlinkConfig.lander_spin_us`` shortens that window (0: it naps from its first look),
+trading up to a nap's 20 us on a notification for that core (:func:`ask_spin`: process-wide,
+the smallest any transport asked for). The thread starts with the first lander and ends when the last one closes. A caller that
 finds the copy already complete (the write call's first look, :mod:`transport.nvlink.pending`)
 stores it itself (:meth:`land`): a short copy does not wait for the thread to wake. The rest
 stays in Python, in :mod:`transport.nvlink.pending`: transfers are marked DONE from
@@ -41,7 +43,19 @@ from types import ModuleType
 
 from transport.nvlink.word import SharedWord
 
-__all__ = ["Lander", "Passing"]
+__all__ = ["Lander", "Passing", "ask_spin"]
+
+_spin_ns: list = []  # the window set in this process: the smallest any transport asked for
+
+
+def ask_spin(native: ModuleType, ns: int) -> int:
+    """Ask the landers' thread to look without pause for at most ``ns`` nanoseconds at a copy
+    in flight before it naps. The thread is one per process, so the window is too: the
+    smallest any transport asked for. Returns the window now in force."""
+    if not _spin_ns or ns < _spin_ns[0]:
+        native.lander_spin(ns)
+        _spin_ns[:] = [ns]
+    return _spin_ns[0]
 
 
 class Lander:

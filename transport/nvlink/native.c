@@ -35,6 +35,9 @@
  *     a queue of notifications whose numbers one thread of the process (no Python, no GIL,
  *     shared by every lander) stores into a mailbox's landed word once each one's copy event
  *     completed, in order (transport/nvlink/lander.py says what each call promises).
+ * lander_spin(ns)
+ *     how long that thread looks at a copy in flight without pause before it naps (default
+ *     2 ms; 0: it naps from the first look); returns the value it replaces.
  *
  * Driver errors raise the class given to set_error_class(cls) (RuntimeError before), naming
  * the call and the CUresult. Every function runs with
@@ -588,7 +591,7 @@ fail_args:
 
 enum { WATCHING = 0, HELD = 1, SKIP = 2 };
 #define CUDA_ERROR_NOT_READY 600
-#define SPIN_NS 2000000LL        /* look without pause while some front has waited less than 2 ms */
+#define SPIN_NS 2000000LL        /* look without pause while some front has waited less than 2 ms (lander_spin) */
 #define NAP_NS 20000LL           /* then every 20 us */
 #define LONG_WAIT_NS 100000000LL /* and once every front has waited 100 ms, every 1 ms */
 #define LONG_NAP_NS 1000000LL
@@ -621,6 +624,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv;  /* on CLOCK_MONOTONIC: a nap ends early when there is news */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static lander *landers;    /* the open ones */
+static long long spin_ns = SPIN_NS;  /* the window of looking without pause (lander_spin) */
 static uint64_t era;       /* the running thread's; a thread whose era is past ends */
 static uint64_t news;      /* raised by every watch: new work for a thread looking without the mutex */
 static int running;        /* a thread of this era runs */
@@ -795,7 +799,7 @@ static void *lander_main(void *arg) {
         }
         if (closed)
             pthread_cond_broadcast(&cv);  /* lander_stop waits for the thread to let go of it */
-        if (!stored && shortest > SPIN_NS)
+        if (!stored && shortest >= spin_ns)
             nap(shortest > LONG_WAIT_NS ? LONG_NAP_NS : NAP_NS);
     }
     pthread_mutex_unlock(&mu);
@@ -1064,6 +1068,21 @@ static PyObject *lander_wait(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_FALSE;
 }
 
+static PyObject *lander_spin(PyObject *self, PyObject *arg) {
+    long long ns;
+    if (!as_i64(arg, &ns))
+        return NULL;
+    if (ns < 0)
+        return PyErr_Format(PyExc_ValueError, "lander_spin() takes nanoseconds >= 0, got %lld", ns);
+    pthread_once(&once, init_once);
+    pthread_mutex_lock(&mu);
+    long long was = spin_ns;
+    spin_ns = ns;
+    pthread_cond_broadcast(&cv);  /* a napping thread looks again under the new window */
+    pthread_mutex_unlock(&mu);
+    return PyLong_FromLongLong(was);
+}
+
 static PyObject *lander_close(PyObject *self, PyObject *capsule) {
     lander *l = as_lander(capsule);
     if (l == NULL)
@@ -1098,6 +1117,7 @@ static PyMethodDef methods[] = {
      "Wait until the thread is past a number (True), a timeout (False) or the close (None)."},
     {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
     {"lander_close", lander_close, METH_O, "Close a lander (nothing is stored for it after it)."},
+    {"lander_spin", lander_spin, METH_O, "Set how long the thread looks without pause (ns); the old value."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 
 from transport.base import Notification, Region, Transport, TransportClosed, pack_descriptor
 from transport.nvlink import ipc
+from transport.nvlink import lander
 from transport.nvlink import native
 from transport.nvlink import staged
 from transport.nvlink.config import NvlinkConfig, NvlinkUnsupported
@@ -82,6 +83,8 @@ class NvlinkTransport(Transport):
         call; None when configured off or unavailable (:attr:`native_unavailable` says why)."""
         if self._native is _UNSET:
             self._native = native.load() if self.config.native else None
+            if self._native is not None:
+                lander.ask_spin(self._native, self.config.lander_spin_us * 1000)
         return self._native
 
     @property

@@ -2,7 +2,7 @@
  * (tests/transport/test_nvlink_lander_c.py): an "event" is the address of a uint64 flag in host
  * memory that the test sets -- 0 running, 1 completed, 2 failed (a CUDA error) -- and every other
  * entry point the native module resolves succeeds doing nothing. Primary-context retains and
- * releases are counted (fake_retained, fake_released).
+ * releases are counted (fake_retained, fake_released), and so are event queries (fake_queries).
  *
  * With fake_logging set, the calls that enqueue work -- context switches, stream waits, event
  * records, copies, launches -- go to fake_log (fake_logged entries, FAKE_LOG at most), a launch's
@@ -14,6 +14,7 @@
 typedef int CUresult;
 
 int fake_retained = 0, fake_released = 0;
+long fake_queries = 0;  /* cuEventQuery calls */
 
 #define FAKE_LOG 4096
 enum { CTX = 1, WAIT = 2, RECORD = 3, COPY = 4, LAUNCH = 5 };
@@ -33,6 +34,7 @@ static CUresult logged(uint64_t call, const uint64_t *a, int n) {
 }
 
 CUresult cuEventQuery(void *event) {
+    __atomic_add_fetch(&fake_queries, 1, __ATOMIC_RELAXED);
     uint64_t v = __atomic_load_n((volatile uint64_t *)event, __ATOMIC_ACQUIRE);
     return v == 1 ? 0 : v == 2 ? 700 /* CUDA_ERROR_ILLEGAL_ADDRESS */ : 600 /* CUDA_ERROR_NOT_READY */;
 }
