@@ -49,7 +49,7 @@ def expected_pipeline(local_ctx, peer_ctx, streams, events, buffers, nxt, gather
     g, c, s = streams
     n = len(buffers) // 2
     slot_base, num_pairs, num_slots, block_r, programs = ints
-    pad = [0] * (11 - (len(sizes) - 0))
+    pad = [0] * (11 - len(sizes))
 
     def launch(spec, stream, grid, a, b, tiles, stage, origin):
         function, block, shared, trailing, _wide, table, slots = spec

@@ -267,7 +267,7 @@ def test_staged_strided_writes_in_flight_with_direct_ones_between(remote_any):
         check_landed(remote_any, src, dst_rids, union, buf_bytes, b"mix 7")
         assert peer.staged_plans.builds == 1 and peer.pair_plans.builds == 1 and peer.staged_error is None
         if t._native_steps() is not None:  # the first staged write kept both launches; the other three ran in C
-            assert peer._route.lane.native_runs == 3
+            assert peer._owner._lanes[peer._route.peer_gpu].native_runs == 3
     finally:
         t.close()
 

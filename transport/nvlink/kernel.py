@@ -451,12 +451,13 @@ def _run(kernel, grid: int, table, device, stream, args: tuple, constexprs: tupl
 
 
 def _range(n: int, begin: int, end, plan: LaunchPlan) -> tuple[int, int]:
-    """Check ``[begin, end)`` against ``n`` rows and the plan; return it with ``end`` filled in."""
+    """Check ``[begin, end)`` against ``n`` rows and the plan (one of :func:`plan_shape`, with
+    ``num_tiles`` 0, covers any number); return it with ``end`` filled in."""
     end = n if end is None else int(end)
     begin = int(begin)
     if not 0 <= begin <= end <= n:
         raise ValueError(f"row range [{begin}, {end}) must lie within [0, {n}]")
-    if plan.num_tiles * plan.block_r < end - begin:
+    if plan.num_tiles and plan.num_tiles * plan.block_r < end - begin:
         raise ValueError(f"plan covers {plan.num_tiles * plan.block_r} rows, the range has {end - begin}")
     return begin, end
 
@@ -569,10 +570,7 @@ def scatter_strided_split(pairs, slots, slot_base: int, num_pairs: int, num_slot
     (:func:`check_split_tables` already ran) and ``stream`` as for :func:`scatter_rows`."""
     if not checked:
         check_split_tables(pairs, slots, num_pairs, slot_base, num_slots, device, staged=stage is not None)
-    rows = num_pairs * num_slots
-    end = rows if end is None else int(end)
-    if not 0 <= begin <= end <= rows:
-        raise ValueError(f"row range [{begin}, {end}) must lie within [0, {rows}]")
+    begin, end = _range(num_pairs * num_slots, begin, end, plan)
     if end == begin:
         return
     mode, address, origin = _stage_args(stage)
@@ -622,15 +620,12 @@ class SplitLaunch:
             raise ValueError(f"slot part [{slot_base}, +{2 * num_slots}) runs past slots of {self._ring_size} elements")
         if (stage is None) != (self.mode is None) or (stage is not None and stage.mode is not self.mode):
             raise ValueError(f"this launch stages as {self.mode}, got stage {stage!r}")
-        rows = self.num_pairs * num_slots
-        end = rows if end is None else end
-        if not 0 <= begin <= end <= rows:
-            raise ValueError(f"row range [{begin}, {end}) must lie within [0, {rows}]")
+        begin, end = _range(self.num_pairs * num_slots, begin, end, self.plan)
         if end == begin:
             return
         num_tiles = -(-(end - begin) // self.plan.block_r)
         programs = self.plan.num_programs
-        address, origin = (0, 0) if stage is None else (stage.address, stage.origin)
+        _, address, origin = _stage_args(stage)
         ints = (slot_base, self.num_pairs, num_slots, begin, end, num_tiles, address, origin)
         grid = min(programs, num_tiles) if programs else num_tiles
         if end <= _I32_MAX and slot_base <= _I32_MAX:  # rows and slot_base the largest int32s (stages: int64)

@@ -405,6 +405,37 @@ static PyObject *event_destroy(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* -- contexts ----------------------------------------------------------------------------- */
+
+/* Make device's primary context current on the calling thread (retained at its first use, in
+ * ctxs; whoever owns ctxs releases them), unless *current says it is already. 0, or the failing
+ * call's CUresult with *call naming it. */
+static CUresult use_device(void **ctxs, int device, int *current, const char **call) {
+    CUresult rc;
+    int dev;
+    if (device == *current)
+        return 0;
+    if (device < 0 || device >= MAX_DEVICES) {
+        *call = "cuDeviceGet (device out of range)";
+        return 101;  /* CUDA_ERROR_INVALID_DEVICE */
+    }
+    if ((rc = cu_device_get(&dev, device)) != 0) {
+        *call = "cuDeviceGet";
+        return rc;
+    }
+    if (ctxs[device] == NULL && (rc = cu_primary_ctx_retain(&ctxs[device], dev)) != 0) {
+        ctxs[device] = NULL;
+        *call = "cuDevicePrimaryCtxRetain";
+        return rc;
+    }
+    if ((rc = cu_ctx_set_current(ctxs[device])) != 0) {
+        *call = "cuCtxSetCurrent";
+        return rc;
+    }
+    *current = device;
+    return 0;
+}
+
 /* -- pipeline ----------------------------------------------------------------------------- */
 
 #define MAX_BUFFERS 16  /* staged.py: MAX_BUFFERS */
@@ -447,31 +478,6 @@ static int as_handles(PyObject *obj, void **out, Py_ssize_t n, const char *what)
 
 static void *pipeline_ctxs[MAX_DEVICES];  /* primary contexts, retained at their first use for the process */
 
-static int make_current(int device) {
-    CUresult rc;
-    int dev;
-    if (device < 0 || device >= MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "pipeline() device %d out of range", device);
-        return 0;
-    }
-    if (pipeline_ctxs[device] == NULL) {
-        if ((rc = cu_device_get(&dev, device)) != 0) {
-            driver_error("cuDeviceGet", rc);
-            return 0;
-        }
-        if ((rc = cu_primary_ctx_retain(&pipeline_ctxs[device], dev)) != 0) {
-            pipeline_ctxs[device] = NULL;
-            driver_error("cuDevicePrimaryCtxRetain", rc);
-            return 0;
-        }
-    }
-    if ((rc = cu_ctx_set_current(pipeline_ctxs[device])) != 0) {
-        driver_error("cuCtxSetCurrent", rc);
-        return 0;
-    }
-    return 1;
-}
-
 #define STEP(call, name) do { CUresult rc_ = (call); if (rc_ != 0) { driver_error(name, rc_); goto fail; } } while (0)
 
 static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -511,6 +517,8 @@ static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t narg
     const long long *bound = bounds.buf, *offset = offsets.buf;
     Py_ssize_t chunks = bounds.len / 8 - 1;
     void *prev = NULL;
+    int current = -1;  /* the device whose context this call made current (-1: none yet) */
+    const char *call = NULL;  /* the driver call that failed */
     void *g = streams[0], *c = streams[1], *sc = streams[2];
     CUresult rc;
     if (offsets.len != bounds.len || chunks < 0) {
@@ -528,9 +536,14 @@ static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t narg
         driver_error("cuCtxGetCurrent", rc);
         goto fail_args;
     }
+    if (local < 0 || local >= MAX_DEVICES || peer < 0 || peer >= MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "pipeline() devices %lld and %lld out of range", local, peer);
+        goto fail_args;
+    }
+#define USE(device) do { if ((rc = use_device(pipeline_ctxs, (int)(device), &current, &call)) != 0) { \
+        driver_error(call, rc); goto fail; } } while (0)
     if (upload[0] != NULL) {
-        if (!make_current((int)peer))
-            goto fail;
+        USE(peer);
         STEP(cu_memcpy_async((CUdeviceptr)(uintptr_t)upload[0], (CUdeviceptr)(uintptr_t)upload[1],
                              (size_t)(uintptr_t)upload[2], sc), "cuMemcpyAsync (slots)");
     }
@@ -544,8 +557,7 @@ static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t narg
         long long grid = programs && programs < tiles ? programs : tiles;
         long long gather_ints[8] = {slot_base, num_pairs, num_slots, a, b, tiles, (long long)mine, origin};
         long long scatter_ints[8] = {slot_base, num_pairs, num_slots, a, b, tiles, (long long)theirs, origin};
-        if (!make_current((int)local))
-            goto fail;
+        USE(local);
         STEP(cu_stream_wait_event(g, copied, 0), "cuStreamWaitEvent");  /* the copy that last read mine is done */
         if (!launch_params(gather.function, grid, gather.block, gather.shared, g, gather.pointers, 2, gather_ints, 8,
                            gather.wide, gather.trailing))
@@ -555,14 +567,14 @@ static PyObject *pipeline(PyObject *self, PyObject *const *args, Py_ssize_t narg
         STEP(cu_stream_wait_event(c, scattered, 0), "cuStreamWaitEvent");  /* the scatter that last read theirs */
         STEP(cu_memcpy_async(theirs, mine, nbytes, c), "cuMemcpyAsync");
         STEP(cu_event_record(copied, c), "cuEventRecord");
-        if (!make_current((int)peer))
-            goto fail;
+        USE(peer);
         STEP(cu_stream_wait_event(sc, copied, 0), "cuStreamWaitEvent");
         if (!launch_params(scatter.function, grid, scatter.block, scatter.shared, sc, scatter.pointers, 2,
                            scatter_ints, 8, scatter.wide, scatter.trailing))
             goto fail;
         STEP(cu_event_record(scattered, sc), "cuEventRecord");
     }
+#undef USE
     cu_ctx_set_current(prev);
     PyBuffer_Release(&bounds);
     PyBuffer_Release(&offsets);
@@ -688,24 +700,6 @@ static void store_front(lander *l) {
     pop_front(l);
 }
 
-/* Make device's primary context current on the thread (retained at its first use, in ctxs;
- * released when the thread ends); 0 when the driver refuses it. */
-static int use_device(void **ctxs, int device, int *current) {
-    if (device == *current)
-        return 1;
-    int dev;
-    if (device < 0 || device >= MAX_DEVICES || cu_device_get(&dev, device) != 0)
-        return 0;
-    if (ctxs[device] == NULL && cu_primary_ctx_retain(&ctxs[device], dev) != 0) {
-        ctxs[device] = NULL;
-        return 0;
-    }
-    if (cu_ctx_set_current(ctxs[device]) != 0)
-        return 0;
-    *current = device;
-    return 1;
-}
-
 typedef struct {
     lander *l;
     uint64_t number;
@@ -754,6 +748,7 @@ static void *lander_main(void *arg) {
     uint64_t mine = (uint64_t)(uintptr_t)arg;
     void *ctxs[MAX_DEVICES] = {0};
     int current = -1;
+    const char *call = NULL;  /* unused: a front whose context cannot be made current counts as faulted */
     look *looks = NULL;
     size_t cap = 0;
     pthread_mutex_lock(&mu);
@@ -780,7 +775,7 @@ static void *lander_main(void *arg) {
         }
         pthread_mutex_unlock(&mu);
         for (size_t i = 0; i < n; i++)
-            looks[i].rc = use_device(ctxs, looks[i].device, &current) ? cu_event_query(looks[i].event) : -1;
+            looks[i].rc = use_device(ctxs, looks[i].device, &current, &call) == 0 ? cu_event_query(looks[i].event) : -1;
         pthread_mutex_lock(&mu);
         int stored = 0, closed = 0;
         for (size_t i = 0; i < n; i++) {

@@ -198,7 +198,7 @@ class NvlinkPeer(Peer):
         """The staged form of :meth:`_build_pairs` for this peer's lane (open: a write took it):
         the ``[6 * P]`` table with destinations under the peer's GPU, on both GPUs, a gather
         launch over the transport's ring and a scatter launch over the lane's."""
-        ring, lane, device = self._owner._slot_ring(), self._route.lane, self.device
+        ring, lane, device = self._owner._slot_ring(), self._owner._lane(self._route.peer_gpu), self.device
         num_warps, native, copy = self._config.kernel.num_warps, self._owner._native_steps(), self._copy
 
         def stage(host, table, shape) -> StagedPart:

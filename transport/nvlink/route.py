@@ -30,7 +30,6 @@ class EngineRoute:
         self._config, self._name, self._peer_gpu = config, name, peer_gpu
         self._open_lane, self._mapping, self._loopback = open_lane, mapping, loopback
         self.error: Optional[str] = None  # why the staged engine is off for this peer
-        self.lane: Optional[StagedLane] = None  # the lane, once a write took it
 
     @property
     def peer_gpu(self) -> Optional[int]:
@@ -47,7 +46,6 @@ class EngineRoute:
         try:
             lane = self._open_lane(self._peer_gpu)
             self._mapping.bases(self._peer_gpu)  # the scatter kernel writes the peer's regions from there
-            self.lane = lane
             return lane
         except (ipc.CudaIpcError, NvlinkUnsupported, RuntimeError) as exc:
             self.error = f"staged engine off for peer {self._name!r}: {exc}"

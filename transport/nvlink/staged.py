@@ -208,7 +208,9 @@ class StagedLane:
             self._copied = [api.event_create() for _ in range(n)]  # recorded on the copy stream
         with ipc.on_device(api, peer):
             self._scattered = [api.event_create() for _ in range(n)]  # recorded on the scatter stream
+        self._raw_events = tuple(api.raw(e) for e in self._gathered + self._copied + self._scattered)  # for C
         self._bufs: list = []  # [(local staging tensor, peer staging tensor)]
+        self._addresses: tuple = ()  # the staging buffers' addresses: the local ones, then the peer's
         self._next = 0
         self._peer_slots = None  # int64 tensor on the peer GPU: the transport's ring of slots, mirrored there
         self.native_runs = 0  # pipelines enqueued by one call of C (tests and benchmarks read it)
@@ -239,12 +241,13 @@ class StagedLane:
         for device in (self.local, self.peer):  # a reused block may still be written by work queued there
             torch.cuda.current_stream(device).synchronize()
         size = -(-max(nbytes, self._config.chunk_bytes) // (2 << 20)) * (2 << 20)
-        self._bufs = []  # drop the old buffers before allocating the new ones
+        self._bufs, self._addresses = [], ()  # drop the old buffers before allocating the new ones
         self._bufs = [
             (torch.empty(size, dtype=torch.uint8, device=f"cuda:{self.local}"),
              torch.empty(size, dtype=torch.uint8, device=f"cuda:{self.peer}"))
             for _ in range(self._config.buffers)
         ]
+        self._addresses = tuple(b[0].data_ptr() for b in self._bufs) + tuple(b[1].data_ptr() for b in self._bufs)
 
     def run(self, gather_stream, bounds: np.ndarray, bound_offsets: np.ndarray, gather: Launch, scatter: Launch,
             upload: Optional[tuple[int, int, int]] = None):
@@ -261,16 +264,16 @@ class StagedLane:
         g, c, s = gather_stream.cuda_stream, self._copy.cuda_stream, self.scatter_stream.cuda_stream
         with self._lock:
             self._ensure(int(sizes.max()) if sizes.size else 0)
-            bufs = [(mine.data_ptr(), theirs.data_ptr()) for mine, theirs in self._bufs]
+            addresses, n = self._addresses, len(self._bufs)
             with ipc.on_device(api, self.local, torch_too=False):
                 if upload is not None:
                     api.set_device(self.peer)
                     api.memcpy_async(upload[0], upload[1], upload[2], s)
                 for k in range(sizes.size):
                     a, b, origin, nbytes = int(bounds[k]), int(bounds[k + 1]), int(bound_offsets[k]), int(sizes[k])
-                    slot = self._next % len(bufs)
+                    slot = self._next % n
                     self._next += 1
-                    mine, theirs = bufs[slot]
+                    mine, theirs = addresses[slot], addresses[n + slot]
                     api.set_device(self.local)
                     api.stream_wait_event(g, self._copied[slot])  # the copy that last read mine is done
                     gather(a, b, Stage(StageMode.GATHER, mine, origin), gather_stream)
@@ -298,12 +301,9 @@ class StagedLane:
 
         with self._lock:
             self._ensure(int(np.diff(bound_offsets).max()) if bound_offsets.size > 1 else 0)
-            raw = self._api.raw
-            events = tuple(raw(e) for e in self._gathered + self._copied + self._scattered)
-            buffers = tuple(mine.data_ptr() for mine, _ in self._bufs) + tuple(t.data_ptr() for _, t in self._bufs)
             streams = (gather_stream.cuda_stream, self._copy.cuda_stream, self.scatter_stream.cuda_stream)
-            self._next = native.pipeline(self.local, self.peer, streams, events, buffers, self._next, gather, scatter,
-                                         ints, bounds, bound_offsets, upload)
+            self._next = native.pipeline(self.local, self.peer, streams, self._raw_events, self._addresses, self._next,
+                                         gather, scatter, ints, bounds, bound_offsets, upload)
             self.native_runs += 1
             done = torch.cuda.Event()
             done.record(self.scatter_stream)
@@ -316,12 +316,12 @@ class StagedLane:
 
     def close(self) -> None:
         self.synchronize()
-        self._bufs, self._peer_slots = [], None
+        self._bufs, self._addresses, self._peer_slots = [], (), None
         for device, events in ((self.local, self._gathered + self._copied), (self.peer, self._scattered)):
             with ipc.on_device(self._api, device):
                 for event in events:
                     self._api.event_destroy(event)
-        self._gathered, self._copied, self._scattered = [], [], []
+        self._gathered, self._copied, self._scattered, self._raw_events = [], [], [], ()
 
 
 def open_lane(api, local: int, peer: int, config: StagedConfig) -> StagedLane:
