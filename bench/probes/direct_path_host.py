@@ -203,7 +203,8 @@ def cpu_setup(tokens, page):
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.device = torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     launcher = kern._kernel(False, kern._scatter_strided_body)
-    launcher._fn = type("Jit", (), {"__getitem__": lambda self, grid: lambda *a, **k: _Compiled()})()
+    launcher._fn = type("Jit", (), {"__getitem__": lambda self, grid: lambda *a, **k: _Compiled(),
+                                    "params": getattr(launcher._fn, "params", [])})()  # the real kernel's
     launcher._keepable = lambda *a: True
     pool = 2 * tokens
     registry = RegionRegistry()

@@ -2,7 +2,7 @@
 behind compute, and how soon each peer sees its notification.
 
 Usage:
-    python3 bench/probes/lander_cpu.py [--peers N] [--rounds R] [--behind-us U] [--peer-gpu G]
+    python3 bench/probes/lander_cpu.py [--peers N] [--rounds R] [--behind-us U] [--peer-gpu G] [--spin-us S]
 
 One writer (an nvlink transport on GPU 0) and N receiver processes on GPU ``G``
 (``transport.remote.RemoteBuffers``), each holding one 2 KiB row. Each round queues ``U`` us of
@@ -14,7 +14,8 @@ the others (by name, from ``/proc/self/task``: the landers' thread is ``kvt-land
 C names it), and the medians from the end of each round's GPU work to the last peer's
 notification (the receivers stamp arrivals on the host's monotonic clock, polling without
 sleeping; the end of the work on the host clock as ``kvtransfer bench nvlink``'s ``behind us``)
-and to the return of the round's last ``wait()``.
+and to the return of the round's last ``wait()``. ``--spin-us`` sets ``NvlinkConfig.lander_spin_us``
+(how long the landers' thread looks before it naps; the configuration's default when left out).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import time
 import torch
 
 from transport.base import StridedBatch
-from transport.remote import RemoteBuffers, make_transport
+from transport.nvlink import NvlinkConfig, NvlinkTransport
+from transport.remote import RemoteBuffers
 
 ROW = 2048
 
@@ -55,10 +57,12 @@ def main() -> None:
     ap.add_argument("--behind-us", type=float, default=1000.0, help="GPU work queued before each round's writes")
     ap.add_argument("--peer-gpu", type=int, default=1)
     ap.add_argument("--native", choices=("c", "python"), default="c", help="the direct path's host steps")
+    ap.add_argument("--spin-us", type=int, default=None, help="NvlinkConfig.lander_spin_us")
     args = ap.parse_args()
 
     torch.cuda.set_device(0)
-    transport = make_transport("nvlink", native=args.native == "c")
+    spin = {} if args.spin_us is None else {"lander_spin_us": args.spin_us}
+    transport = NvlinkTransport(NvlinkConfig(native=args.native == "c", **spin))
     src = torch.full((ROW,), 7, dtype=torch.uint8, device="cuda:0")
     src_rid = transport.register_tensor(src)
     remotes = [RemoteBuffers(args.peer_gpu) for _ in range(args.peers)]
@@ -97,7 +101,7 @@ def main() -> None:
     last = [max(stamps[t][1] for t in round_tags) - end for round_tags, end in zip(tags[warmup:], ends[warmup:])]
     settled = [w - end for w, end in zip(waited[warmup:], ends[warmup:])]
     print(f"{args.peers} peers, {args.rounds} rounds, {args.behind_us:.0f} us of work before each, host steps "
-          f"{args.native}: wall {wall:.2f} s; writer CPU {cpu / wall:.2f} s per s (calling thread {main_cpu / wall:.2f}, "
+          f"{args.native}, lander window {transport.config.lander_spin_us} us: wall {wall:.2f} s; writer CPU {cpu / wall:.2f} s per s (calling thread {main_cpu / wall:.2f}, "
           f"others {(cpu - main_cpu) / wall:.2f}); last peer's notification {statistics.median(last) * 1e6:.1f} us "
           f"after the work (median; p90 {statistics.quantiles(last, n=10)[-1] * 1e6:.1f}); every wait() returned "
           f"{statistics.median(settled) * 1e6:.1f} us after it")

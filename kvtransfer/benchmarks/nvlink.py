@@ -36,6 +36,14 @@ layer-wise streaming posts that layer's write): from the end of that work (on th
 timing event recorded on an idle stream once the call returned, plus the GPU time from it to
 the work's end) to the notification seen, minus the kernel. The call's host time
 is then hidden; what is left is the copy's start after the wait and the notification's path.
+Layer-wise streaming (third table): ``--layers`` layers of a bf16 matmul of ``--layer-us`` each on
+the writer's GPU (it takes the SMs, as a layer's compute does), each followed by a
+``write_strided()`` of that layer's buffers (the pairs cut into ``--layers`` consecutive groups,
+every slot, the last write notifying), against the same layers followed by one write of the
+whole request: from the last layer's end to the notification seen (``tail``), the layers' GPU
+time with and without the copies beside them (``stretch``), the caller's time per write call,
+and the pair plans built and slot-ring waits while streaming (what a request's many pair sets
+and in-flight writes cost the direct path).
 The one-row write's fixed cost is also measured through NIXL when it is importable (one
 descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
@@ -303,39 +311,62 @@ class _Bench:
         is recorded on an idle stream of the busy GPU (it passes as it is recorded, within a few
         microseconds) and the host time of that record plus the GPU time from it to an event
         recorded after the work."""
+        late = 0
+
+        def one(tag: bytes) -> float:
+            nonlocal late
+            if not behind:
+                t0 = time.monotonic()
+                write(tag).wait(timeout=120)
+                return t0
+            torch = self.torch
+            with torch.cuda.device(self.src_dev):
+                done = torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(BEHIND_CYCLES)
+                done.record()
+                transfer = write(tag)
+                late += bool(done.query())
+                return self._host_time_of(done, lambda: transfer.wait(timeout=120))
+
+        arrivals = self._stamped("landed", warmup + reps, one, backend)
+        self.not_hidden += late
+        return arrivals[warmup:]
+
+    def _stamped(self, label: str, count: int, run, backend: str = "nvlink") -> list[float]:
+        """``run(tag)`` for ``count`` fresh tags, one after the other, while the receiver stamps
+        the notifications carrying them (polling ``backend``'s transport without sleeping, on
+        the host's monotonic clock); ``run`` returns the host time to count each arrival from.
+        Returns the seconds from that time to the arrival, per tag; ``RuntimeError`` when a
+        notification did not come."""
         self._stamps = getattr(self, "_stamps", 0) + 1
-        tags = [f"landed {self._stamps} {i}".encode() for i in range(warmup + reps)]
+        tags = [f"{label} {self._stamps} {i}".encode() for i in range(count)]
         self.remote.start_stamp_notify(tags, 120.0, (backend,))
         time.sleep(0.05)  # the receiver is polling before the first write
-        starts, late = [], 0
+        starts = []
         try:
             for tag in tags:
-                if not behind:
-                    t0 = time.monotonic()
-                    write(tag).wait(timeout=120)
-                    starts.append(t0)
-                    continue
-                torch = self.torch
-                with torch.cuda.device(self.src_dev):
-                    if self._clock_stream is None:
-                        self._clock_stream = torch.cuda.Stream()
-                    done, mark = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda._sleep(BEHIND_CYCLES)
-                    done.record()
-                    transfer = write(tag)
-                    late += bool(done.query())
-                    t_mark = time.monotonic()
-                    mark.record(self._clock_stream)
-                    transfer.wait(timeout=120)
-                    done.synchronize()
-                    starts.append(t_mark + mark.elapsed_time(done) / 1e3)
+                starts.append(run(tag))
         finally:
             stamps = self.remote.result("stamp_notify")
         missing = [t for t in tags if t not in stamps]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(tags)} notifications did not reach the receiver")
-        self.not_hidden += late
-        return [stamps[t][1] - t0 for t, t0 in zip(tags[warmup:], starts[warmup:])]
+        return [stamps[t][1] - t0 for t, t0 in zip(tags, starts)]
+
+    def _host_time_of(self, event, wait) -> float:
+        """The host's monotonic time at which ``event`` (recorded on the writer's GPU, still to
+        pass) passes: a timing event recorded on an idle stream now passes within microseconds,
+        and the GPU time from it to ``event`` is added; ``wait()`` runs in between (whatever
+        must finish before ``event`` is read)."""
+        torch = self.torch
+        if self._clock_stream is None:
+            self._clock_stream = torch.cuda.Stream(self.src_dev)
+        mark = torch.cuda.Event(enable_timing=True)
+        t_mark = time.monotonic()
+        mark.record(self._clock_stream)
+        wait()
+        event.synchronize()
+        return t_mark + mark.elapsed_time(event) / 1e3
 
     def tiny_fixed(self) -> dict:
         """Fixed cost of a write of one 2 KiB row (1 pair x 1 slot) per backend, microseconds:
@@ -363,6 +394,79 @@ class _Bench:
                 out["nixl"] = (statistics.median(landed) * 1e6, 0.0)
             except Exception as exc:  # NIXL's figure must not cost the table
                 out["nixl"] = f"failed: {type(exc).__name__}: {exc}"
+        return out
+
+    def layer_compute(self):
+        """``(fn, us)``: a square bf16 matmul on the writer's GPU sized to take about
+        ``--layer-us`` (a model layer's compute: it takes the SMs, as a layer does, and the
+        kernel engine's copies share them), and its measured time."""
+        torch, args = self.torch, self.args
+
+        def matmul(n: int):
+            a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=self.src_dev) for _ in range(2))
+            out = torch.empty_like(a)
+            return lambda: torch.mm(a, b, out=out)
+
+        with torch.cuda.device(self.src_dev):
+            probe = 2048
+            rate = 2 * probe**3 / time_cuda(matmul(probe), 5, 2).median  # FLOP/s at the probe's size
+            n = int(min(16384, max(128, round((args.layer_us * 1e-6 * rate / 2) ** (1 / 3) / 128) * 128)))
+            fn = matmul(n)
+            return fn, time_cuda(fn, 5, 2).median * 1e6
+
+    def layerwise(self, case: Case, compute) -> dict:
+        """Layer-wise streaming of ``case``'s request, against writing it whole. Each round runs
+        ``--layers`` layers of ``compute`` on the caller's stream; streamed, each layer is
+        followed by a ``write_strided`` (kernel engine) of that layer's buffers (the case's
+        pairs cut into ``--layers`` consecutive groups, every slot; the last layer's write
+        carries the notification), which waits for that layer's compute and runs beside the
+        next; whole, one write of every pair follows the last layer. Per mode, medians over
+        ``--layerwise-reps`` rounds (after ``--warmup``): ``tail`` = from the last layer's
+        compute end to the notification seen by the receiver; ``compute`` = the layers' GPU
+        time, first layer's start to last layer's end (streamed: stretched by the copies
+        sharing the GPU); ``call`` = a streamed ``write_strided`` call on the caller's thread.
+        ``builds`` / ``ring waits``: pair plans built and slot-ring waits during the timed
+        streamed rounds (direct path only)."""
+        torch, args, peer = self.torch, self.args, self.peers["nvlink"]
+        sb = case.strided_batch()
+        fields = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+        layers = [StridedBatch(*(getattr(sb, f)[g] for f in fields), sb.src_slot, sb.dst_slot)
+                  for g in np.array_split(np.arange(sb.num_pairs), args.layers) if g.size]
+        engine, warmup = self.engines.KERNEL, args.warmup
+        ring = getattr(self.transports["nvlink"], "_slot_ring", lambda: None)()
+        out = {"layer_bytes": layers[-1].nbytes, "layers": len(layers)}
+        for mode in ("whole", "streamed"):
+            compute_s, calls, counters = [], [], []
+
+            def run(tag: bytes) -> float:
+                with torch.cuda.device(self.src_dev):
+                    if len(compute_s) == warmup:
+                        counters.append((getattr(peer, "pair_plans", None) and peer.pair_plans.builds,
+                                         None if ring is None else ring.space.waits))
+                    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    posted = []
+                    for i, layer in enumerate(layers):
+                        compute()
+                        if i == len(layers) - 1:
+                            done.record()  # the last layer's end, before its write's call
+                        if mode == "streamed":
+                            t0 = time.perf_counter()
+                            posted.append(_strided_write(peer, layer, engine, tag if i == len(layers) - 1 else None))
+                            calls.append(time.perf_counter() - t0)
+                    if mode == "whole":
+                        posted.append(_strided_write(peer, sb, engine, tag))
+                    end = self._host_time_of(done, lambda: [t.wait(timeout=120) for t in posted])
+                    compute_s.append(start.elapsed_time(done) / 1e3)
+                    return end
+
+            tails = self._stamped(f"layerwise {mode}", warmup + args.layerwise_reps, run)[warmup:]
+            out[mode] = dict(tail_s=statistics.median(tails), compute_s=statistics.median(compute_s[warmup:]))
+            if mode == "streamed":
+                builds0, waits0 = counters[0]
+                out[mode].update(call_s=statistics.median(calls[warmup * len(layers):]),
+                                 builds=None if builds0 is None else peer.pair_plans.builds - builds0,
+                                 ring_waits=None if waits0 is None else ring.space.waits - waits0)
         return out
 
     def copy_ms(self, nbytes: int) -> float:
@@ -532,6 +636,24 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     if bench.not_hidden:
         print(f"behind us: {bench.not_hidden} write calls returned after the work queued before them had ended "
               "(their host time partly counted)")
+    compute, layer_us = bench.layer_compute()
+    print(f"\nlayer-wise streaming: {args.layers} layers, each {layer_us:.0f} us of bf16 matmul on the writer's GPU "
+          f"(--layer-us {args.layer_us:g}); streamed = each layer followed by a write_strided() of its buffers (kernel "
+          "engine, the last one notifying), whole = one write of the request after the last layer; tail = last "
+          "layer's end -> notification seen; compute = the layers' GPU time; call = one streamed write_strided() "
+          f"on the caller's thread; builds / ring waits in the streamed rounds; medians of {args.layerwise_reps}")
+    head = (f"{'case':<11} {'layer MiB':>9} {'tail streamed us':>16} {'tail whole us':>13} {'compute ms':>10} "
+            f"{'streamed ms':>11} {'stretch':>7} {'call us':>7} {'builds':>6} {'ring waits':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        lw = bench.layerwise(r["case"], compute)
+        st, wh = lw["streamed"], lw["whole"]
+        count = lambda v: "n/a" if v is None else str(v)  # noqa: E731
+        print(f"{r['case'].name:<11} {lw['layer_bytes'] / 2**20:>9.2f} {st['tail_s'] * 1e6:>16.1f} "
+              f"{wh['tail_s'] * 1e6:>13.1f} {wh['compute_s'] * 1e3:>10.2f} {st['compute_s'] * 1e3:>11.2f} "
+              f"{st['compute_s'] / wh['compute_s'] - 1:>+7.1%} {st['call_s'] * 1e6:>7.1f} {count(st['builds']):>6} "
+              f"{count(st['ring_waits']):>10}")
     for r in results:
         sb_pairs, sb_slots = r["strided_shape"]
         print(f"write_strided {r['case'].name}: {sb_pairs} pairs x {sb_slots} slots; strided kernel alone "
@@ -558,6 +680,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
     ap.add_argument("--fixed-reps", type=int, default=21, help="writes timed for the fixed cost per write")
+    ap.add_argument("--layer-us", type=float, default=300.0,
+                    help="GPU time of one layer's compute in the layer-wise streaming table (a bf16 matmul)")
+    ap.add_argument("--layerwise-reps", type=int, default=7, help="rounds timed per mode in the layer-wise table")
     ap.add_argument("--host-steps", choices=("c", "python"), default="c",
                     help="the direct path's host steps in C (NvlinkConfig.native, the default) or in Python")
     args = ap.parse_args(argv)

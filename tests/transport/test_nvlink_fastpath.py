@@ -809,6 +809,26 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
     assert got == [Notification("fake-writer", b"n%d" % i) for i in range(3)]
 
 
+def test_a_request_written_layer_by_layer_builds_each_layers_plan_once(fake_peer):
+    """80 layers' pair sets in turn, three requests over them: with the default config each
+    plan is built at its first write and found after (a cache smaller than the cycle, 64 as
+    before, rebuilt every write of it)."""
+    peer, launches, general, remote, api = fake_peer
+    layers = [StridedBatch.of([k % 4, (k + 1) % 4], 64 * k, 1024, [k % 4, (k + 2) % 4], 0, 1024, 512, [1, 2], [3, 4])
+              for k in range(80)]
+    assert len({pair_key(b) for b in layers}) == 80 and peer._config.pair_plans >= 80
+    for _ in range(3):
+        transfers = [peer.write_strided(b) for b in layers]
+    for t in transfers:
+        t.wait(timeout=5)
+    assert general == [] and len(launches) == 240 and peer.pair_plans.builds == 80
+    small = PairCache(64, lambda: None, lambda b: object())
+    for _ in range(3):
+        for b in layers:
+            small.get(b)
+    assert small.builds == 240
+
+
 def test_a_write_announces_before_it_returns_and_settles_a_copy_already_done(fake_peer, monkeypatch):
     """The call makes the first look at the FIFO: a copy that ended before the call returns is
     DONE with its notification released and no progress thread woken; a copy still running has

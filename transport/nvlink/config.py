@@ -48,7 +48,12 @@ class NvlinkConfig:
         (:mod:`transport.nvlink.fastpath`), pinned on the host and on the GPU, allocated at the
         first such write; a write whose ``2 * S`` int64 slots exceed it takes the general path.
         0: no direct path (every write prepares its own tables).
-    pair_plans: pair sets kept resident on the GPU per peer (least recently used out).
+    pair_plans: pair sets kept resident on the GPU per peer (least recently used out): at
+        least as many as the writes to one peer cycle through, or each write rebuilds its
+        plan (~0.3 ms of host time). A request written layer by layer uses one pair set per
+        layer (and per head slice): 80 for a 70B-class model, where 64 made every write of
+        the cycle miss. A plan holds its pair table, 40 bytes per pair on the GPU and pinned
+        on the host (48 in the staged engine's form, on both GPUs).
     native: the direct path's host steps (slots staged and checked, uploaded, ordered after the
         caller's stream, launched) in C (:mod:`transport.nvlink.native`, built at first use
         with the system's C compiler); False, or where it cannot be built, in Python.
@@ -71,7 +76,7 @@ class NvlinkConfig:
     wait_current_stream: bool = True
     max_notify_bytes: int = 1 << 20
     slot_ring_bytes: int = 8 << 20
-    pair_plans: int = 64
+    pair_plans: int = 1024
     native: bool = True
     lander_spin_us: int = 2000
     revoke_timeout_s: float = 5.0
