@@ -181,8 +181,10 @@ def _write_times(peer, batch, reps: int, engine=None) -> tuple[float, float]:
     return statistics.median(prep), statistics.median(total)
 
 
-def _sweep_configs(kern, sweep: bool, num_sms: int, programs: list) -> list:
-    configs = [kern.KernelConfig()] + [kern.KernelConfig(max_programs=p) for p in programs]
+def _sweep_configs(kern, sweep: bool, num_sms: int, programs: list, max_programs: int = 0) -> list:
+    """The kernel configurations timed alone: the transport's first (``--max-programs``), then
+    the ``--programs`` and ``--sweep`` variants."""
+    configs = [kern.KernelConfig(max_programs=max_programs)] + [kern.KernelConfig(max_programs=p) for p in programs]
     if sweep:
         configs += [
             kern.KernelConfig(tile_bytes=4096),
@@ -217,7 +219,9 @@ class _Bench:
         self.dst_dev = torch.device("cuda", args.dst_device)
         torch.cuda.set_device(self.src_dev)
         self.remote = RemoteBuffers(args.dst_device, self.backends)
-        self.transports = {b: make_transport(b, native=args.host_steps == "c") for b in self.backends}
+        kernel = kern.KernelConfig(max_programs=args.max_programs) if args.max_programs else None
+        self.transports = {b: make_transport(b, native=args.host_steps == "c", **({"kernel": kernel} if b == "nvlink" else {}))
+                           for b in self.backends}
 
     def setup(self) -> None:
         args, torch = self.args, self.torch
@@ -239,7 +243,7 @@ class _Bench:
         self.pc_src = torch.empty(max_bytes, dtype=torch.uint8, device=self.src_dev).random_(0, 255)
         self.pc_dst = torch.empty(max_bytes, dtype=torch.uint8, device=self.dst_dev)
         num_sms = torch.cuda.get_device_properties(self.src_dev).multi_processor_count
-        self.configs = _sweep_configs(self.kern, args.sweep, num_sms, args.programs)
+        self.configs = _sweep_configs(self.kern, args.sweep, num_sms, args.programs, args.max_programs)
 
     def verify(self, case: Case, engine=None) -> bool:
         """One write with a notification: ``peer.write`` (engine None), else the strided form
@@ -580,7 +584,8 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
     gbs = lambda nbytes, sec: nbytes / sec / 1e9  # noqa: E731
     print(f"\nnvlink bench: {args.layers} layers x K,V, {args.heads} heads x {args.head_dim} bf16, "
           f"{args.tokens} tokens, cuda:{args.src_device} -> cuda:{args.dst_device} (two processes), "
-          f"{torch.cuda.get_device_name(bench.src_dev)}")
+          f"{torch.cuda.get_device_name(bench.src_dev)}"
+          + (f"; the copy kernel at most {args.max_programs} programs (--max-programs)" if args.max_programs else ""))
     if len(bench.configs) > 1:
         print("kernel sweep, GB/s:  " + " | ".join(_config_name(c) for c in bench.configs))
         for r in results:
@@ -680,6 +685,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experiments", action="store_true", help="SM + copy engine at once; pull from the destination GPU")
     ap.add_argument("--nixl-layers", type=int, default=4, help="layers of the NIXL page-1 slice")
     ap.add_argument("--fixed-reps", type=int, default=21, help="writes timed for the fixed cost per write")
+    ap.add_argument("--max-programs", type=int, default=0,
+                    help="the nvlink transport's KernelConfig.max_programs (its writes and the kernel timed alone; "
+                         "0: one program per tile): fewer leave more of the GPU to a layer's compute")
     ap.add_argument("--layer-us", type=float, default=300.0,
                     help="GPU time of one layer's compute in the layer-wise streaming table (a bf16 matmul)")
     ap.add_argument("--layerwise-reps", type=int, default=7, help="rounds timed per mode in the layer-wise table")

@@ -216,6 +216,32 @@ def test_ring_refuses_what_it_cannot_hold():
         RingSpace(0, bool, print)
 
 
+def test_ring_renews_only_its_newest_fenced_span_and_gives_back_the_old_fence():
+    """A renewed span is held by its new fence, or, given None, by its old one again; only the
+    newest span with a fence can be renewed."""
+    ring, waited = _ring(100)
+    a = ring.take(20)
+    assert not ring.renew(a, a + 20)  # taken, no fence yet
+    old = _Fence()
+    ring.hold(a, old)
+    assert not ring.renew(a, a + 10) and ring.renew(a, a + 20)
+    assert not ring.renew(a, a + 20)  # taken again, not yet fenced
+    ring.hold(a, None)  # the write that renewed it failed: the old fence holds it again
+    assert ring.take(90) == 0 and waited == [old]  # wraps onto it: waits for that fence
+    ring.hold(0, None)
+    b = ring.take(20)
+    first, second = _Fence(), _Fence()
+    ring.hold(b, first)
+    assert ring.renew(b, b + 20)
+    ring.hold(b, second)  # the new fence replaces the old one
+    c = ring.take(50)
+    assert not ring.renew(b, b + 20)  # a span was taken since
+    ring.hold(c, None)
+    waited.clear()
+    ring.take(100)
+    assert waited == [second]
+
+
 def test_ring_never_hands_out_a_span_whose_fence_is_pending():
     """Random sizes, fences passing in order at random times: no two live spans overlap."""
     rng = np.random.default_rng(4)
@@ -360,6 +386,29 @@ for i in range(12):  # slots change per write; the ring (48) wraps every few wri
         assert torch.equal(d, w), ("enqueue_split", i, (d != w).nonzero()[:5])
 assert plan.src_limit == 15 and plan.dst_limit == 15
 assert Api.copies == 12 and ring.space.live <= 12
+# layer by layer: other pair sets, the same slots; the first write's span serves the next ones
+layer_pairs = [dict(pairs, src_region=[1, 0, 0], src_offset=[192, 0, 64], dst_region=[2, 1, 0],
+                    dst_offset=[192, 0, 64]), dict(pairs, dst_region=[1, 1, 2])]
+slots = rng.choice(16, 6, replace=False), rng.choice(16, 6, replace=False)
+start = None
+for i, lp in enumerate([pairs] + layer_pairs):
+    b = StridedBatch.of(*lp.values(), *slots)
+    plan = build_plan(b, sizes_src, sizes_dst, src_base, dst_base, lambda h: h.clone(), cfg, pin=False)
+    want = landed(src, dst, b)
+    again = ring.reuse(b.src_slot, b.dst_slot, plan.src_limit, plan.dst_limit)
+    assert (again is None) == (i == 0), (i, again)
+    if again is None:
+        start, fits = ring.stage(b.src_slot, b.dst_slot, plan.src_limit, plan.dst_limit)
+        ring.dev[start:start + 12] = -1  # what the upload must replace
+    else:
+        assert again == start
+        ring.host[start:start + 12] = 99  # the kernel reads the GPU's ring, uploaded by the first write
+    copy.enqueue_split(plan, 6, ring, start, 4, upload=again is None)
+    ring.host[start:start + 12] = torch.from_numpy(np.concatenate(slots))  # as the host ring holds them
+    ring.keep(start, 6, plan.src_limit, plan.dst_limit)
+    for d, w in zip(dst, want):
+        assert torch.equal(d, w), ("layer", i, (d != w).nonzero()[:5])
+assert Api.copies == 13
 too_far = StridedBatch.of(*pairs.values(), [16], [0])
 assert not check_slots(too_far, plan.src_limit, plan.dst_limit)
 for src, dst, fits in (([3, -1], [2, 5], False), ([3, 1], [2, -5], False),  # negative: past any limit
@@ -812,16 +861,22 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
 def test_a_request_written_layer_by_layer_builds_each_layers_plan_once(fake_peer):
     """80 layers' pair sets in turn, three requests over them: with the default config each
     plan is built at its first write and found after (a cache smaller than the cycle, 64 as
-    before, rebuilt every write of it)."""
+    before, rebuilt every write of it). A request's slots go up once for all its layers: each
+    layer's write reads the span of the one before (other slots: a span and an upload again)."""
     peer, launches, general, remote, api = fake_peer
-    layers = [StridedBatch.of([k % 4, (k + 1) % 4], 64 * k, 1024, [k % 4, (k + 2) % 4], 0, 1024, 512, [1, 2], [3, 4])
-              for k in range(80)]
+    layers = [StridedBatch.of([k % 4, (k + 1) % 4], 0, 1024, [k % 4, (k + 2) % 4], 0, 1024, 8 * (k + 1), [1, 2],
+                              [3, 4]) for k in range(80)]  # as a model's layers: one layout, so one slot limit
     assert len({pair_key(b) for b in layers}) == 80 and peer._config.pair_plans >= 80
-    for _ in range(3):
-        transfers = [peer.write_strided(b) for b in layers]
+    ring = peer._owner._slot_ring()
+    for r in range(3):
+        slots = (np.array([1, 2]), np.array([3, 4])) if r < 2 else (np.array([5, 2]), np.array([3, 4]))
+        transfers = [peer.write_strided(StridedBatch(*b.pairs, *slots)) for b in layers]
     for t in transfers:
         t.wait(timeout=5)
     assert general == [] and len(launches) == 240 and peer.pair_plans.builds == 80
+    assert [n for _, _, n, _ in api.copies] == [32, 32]  # the first request's slots, the third's
+    assert len({a[2] for a in launches[:160]}) == len({a[2] for a in launches[160:]}) == 1  # every layer: one span
+    assert ring.host[launches[-1][2]:][:4].tolist() == [5, 2, 3, 4] and ring.space.live <= 2
     small = PairCache(64, lambda: None, lambda b: object())
     for _ in range(3):
         for b in layers:
@@ -997,6 +1052,35 @@ def test_a_staged_write_takes_the_direct_path_over_its_resident_staged_pairs(sta
     assert peer.staged_plans.builds == 1 and plan.host_table.numel() == 6 * pairs
     assert plan.host_table[5 * pairs:].tolist() == [0, row, 2 * row, 3 * row]  # the staging prefixes
     assert launches == [] and general == []
+
+
+def test_a_staged_write_neither_reuses_nor_leaves_a_span_to_reuse(staged_peer):
+    """The same slots written direct, staged, direct: the staged write stages and uploads its
+    own (the lane's ring has only its own), and the direct write after it does too (the staged
+    span's fence is the lane's, on another stream); two direct writes in a row share one."""
+    from transport.nvlink.config import NvlinkEngine
+
+    peer, lane, launches, general, api = staged_peer
+    batch = _kv([1, 2], [3, 4])
+    for engine in (NvlinkEngine.KERNEL, NvlinkEngine.STAGED, NvlinkEngine.KERNEL, NvlinkEngine.KERNEL):
+        peer.write_strided(batch, engine=engine).wait(timeout=5)
+    assert [n for _, _, n, _ in api.copies] == [32, 32, 32]  # the fourth write read the third's span
+    assert len(lane.runs) == 1 and lane.runs[0][2] is not None and len(launches) == 3
+    assert launches[1][2] == launches[2][2] and general == []
+
+
+def test_a_reused_span_refused_for_a_lost_peer_keeps_the_fence_it_had(fake_peer, monkeypatch):
+    """A write that found its slots in the ring, then its peer gone: it fails, launching
+    nothing, and the span is held again by the fence of the write that uploaded it."""
+    peer, launches, _, remote, api = fake_peer
+    first = peer.write_strided(_kv([1, 2], [3, 4]))
+    ring = peer._owner._ring
+    held = ring.space._live[-1]
+    assert held[2] is first._event
+    monkeypatch.setattr(peer._queue.outbox, "alive", lambda: False)
+    lost = peer.write_strided(_kv([1, 2], [3, 4]))
+    assert lost.status() is TransferStatus.FAILED and len(launches) == 1
+    assert ring.space._live[-1] is held and held[2] is first._event and len(api.copies) == 1
 
 
 def test_a_staged_write_whose_pipeline_fails_raises_frees_its_span_and_the_next_one_runs(staged_peer, monkeypatch):

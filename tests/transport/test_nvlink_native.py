@@ -112,6 +112,38 @@ def test_slot_ring_stages_alike_in_c_and_in_numpy(module):
             r.space.hold(start, None)
 
 
+def test_slot_ring_reuses_a_kept_span_alike_in_c_and_in_numpy(module):
+    """``SlotRing.reuse``, the C compare and numpy's: the kept span for the same slots (whatever
+    the arrays' dtype or identity), None for a byte changed in place, another count, a kept
+    check against larger limits than asked, a span taken since, or nothing kept."""
+    import torch
+
+    for steps in (module, None):
+        ring = SlotRing(None, 0, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64), steps)
+        src, dst = np.array([3, 9, 4]), np.array([7, 1, 30])
+        assert ring.reuse(src, dst, 40, 40) is None  # nothing kept
+        start, fits = ring.stage(src, dst, 31, 31)
+        assert fits
+        ring.space.hold(start, "fence")
+        ring.keep(start, 3, 31, 31)
+        assert ring.reuse(src.copy(), dst.astype(np.int32), 40, 31) == start  # values alike, limits as large
+        ring.space.hold(start, "fence 2")
+        assert ring.reuse(src, dst, 30, 31) is None  # checked against 31: not enough for 30
+        assert ring.reuse(src[:2], dst[:2], 40, 40) is None
+        changed = dst.copy()
+        changed[2] = 31
+        assert ring.reuse(src, changed, 40, 40) is None
+        again = ring.reuse(src, dst, 31, 31)
+        assert again == start and ring.space.live == 1
+        ring.space.hold(start, None)  # a write that failed: the span keeps "fence 2"
+        assert ring.space._live[-1][2] == "fence 2"
+        other, _ = ring.stage(dst, src, 31, 31)  # another span taken: nothing kept
+        ring.space.hold(other, "fence 3")
+        assert ring.reuse(src, dst, 31, 31) is None
+        ring.keep(start, 3, 31, 31)  # said kept again, but no longer the newest span: not renewed
+        assert ring.reuse(src, dst, 31, 31) is None
+
+
 def test_the_driver_calls_refuse_to_run_before_the_driver_is_loaded(module):
     try:
         import ctypes
@@ -260,6 +292,41 @@ def test_the_c_and_python_host_steps_land_the_same_bytes(remote_any):
         finally:
             t.close()
     assert kern._KERNELS[(False, "_scatter_strided_body")].direct_launches > 0
+
+
+@pytest.mark.gpu
+def test_a_request_written_layer_by_layer_lands_exactly_from_one_span_of_slots(remote_any):
+    """A request's layers written one by one, in flight behind GPU work, the last one notifying:
+    page 1 and head slices, host steps in C and in Python. Every byte exact; the slots went up
+    with the first layer and every later layer read them there."""
+    import torch
+
+    buf_bytes = SLOTS * TOKEN
+    for steps_in_c in (True, False):
+        t, peer, src, dst_rids = local_pair(remote_any, 2 * 4, buf_bytes, NvlinkConfig(native=steps_in_c))
+        try:
+            ring = t._slot_ring()
+            reused = []
+            real_reuse = ring.reuse
+            ring.reuse = lambda *a: reused.append(real_reuse(*a)) or reused[-1]
+            for i, head in enumerate((False, True)):
+                whole = kv_strided(sorted(src), dst_rids, 1, head, np.random.default_rng(90 + i), tokens=40)
+                layers = [StridedBatch(*(p[g] for p in whole.pairs), whole.src_slot, whole.dst_slot)
+                          for g in np.array_split(np.arange(whole.num_pairs), 4)]  # 4 layers: K and V each
+                remote_any.fill(dst_rids, 0x5A)
+                reused.clear()
+                tag = b"layers %d %d" % (steps_in_c, i)
+                torch.cuda._sleep(5_000_000)  # the writes wait behind this, all in flight
+                transfers = [peer.write_strided(b, notify=tag if k == len(layers) - 1 else None)
+                             for k, b in enumerate(layers)]
+                for tr in transfers:
+                    tr.wait(timeout=60)
+                    assert tr.status() is TransferStatus.DONE, tr.error
+                check_landed(remote_any, src, dst_rids, whole.expand(), buf_bytes, tag, sender=t.name)
+                assert [r is not None for r in reused] == [False, True, True, True]
+                assert len(set(reused[1:])) == 1
+        finally:
+            t.close()
 
 
 @pytest.mark.gpu

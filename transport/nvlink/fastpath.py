@@ -30,6 +30,13 @@ writes waited for one by one stay in memory the cache still holds (walking the 8
 each write's copy in and bounds pass cost ~2-3x more). The ring is allocated once per transport,
 at the first write that uses it; a slot part larger than the ring takes the general path.
 
+A direct write whose slots are byte for byte those of the last direct write, with no span taken
+since, reads that write's span again (:meth:`SlotRing.reuse`: one compare, no copy in, no
+upload; the span's fence becomes the new write's, later on the same stream). A request written
+layer by layer brings the same slots with each layer's pairs: one span serves them all, where
+80 layers' spans of 16,384 slots filled the 8 MiB ring and blocked the caller's thread
+(bench/RESULTS.md).
+
 Given the C steps (:mod:`transport.nvlink.native`), the slots' copy in and bounds check is one
 call, and so is the comparison of a batch's pairs with the last plan's key.
 
@@ -219,7 +226,9 @@ class RingSpace:
     ``done(fence)`` says whether a fence has passed (a fence of None has); ``wait(fence)``
     blocks until it has. :meth:`take` returns the start of a free span of ``n`` elements,
     waiting for the oldest fences that still hold it; :meth:`hold` attaches the fence that
-    frees it. Spans are taken in order, wrapping to 0 when the rest of the ring is too short."""
+    frees it. Spans are taken in order, wrapping to 0 when the rest of the ring is too short.
+    :meth:`renew` takes the newest span again for another reader of the same contents, whose
+    fence must pass no sooner than the one it replaces."""
 
     def __init__(self, capacity: int, done: Callable[[object], bool], wait: Callable[[object], None]):
         if not isinstance(capacity, int) or capacity <= 0:
@@ -227,7 +236,7 @@ class RingSpace:
         self.capacity = capacity
         self._done, self._wait = done, wait
         self._head = 0
-        self._live: deque[list] = deque()  # [start, end, fence] in the order taken
+        self._live: deque[list] = deque()  # [start, end, fence, fence before a renew] in the order taken
         self.waits = 0  # times a take had to wait for a fence (tests read it)
 
     def fits(self, n: int) -> bool:
@@ -255,14 +264,29 @@ class RingSpace:
             sp[2] = None  # passed
         self._head = end
         if n:
-            self._live.append([start, end, _TAKEN])
+            self._live.append([start, end, _TAKEN, None])
         return start
 
+    def renew(self, start: int, end: int) -> bool:
+        """Take ``[start, end)`` again, held until :meth:`hold` gives its new fence, when it is
+        the newest span and has its fence (False otherwise: some span was taken since, or it
+        is taken now). Nothing was written over it since, so its contents are as its last
+        taker left them. The new fence replaces the old one: it must pass no sooner (both
+        recorded on one stream, the old first); :meth:`hold` with None puts the old one back."""
+        if not self._live:
+            return False
+        sp = self._live[-1]
+        if sp[0] != start or sp[1] != end or sp[2] is _TAKEN:
+            return False
+        sp[2], sp[3] = _TAKEN, sp[2]
+        return True
+
     def hold(self, start: int, fence: object) -> None:
-        """Attach ``fence`` to the span taken at ``start`` (None: free it now)."""
+        """Attach ``fence`` to the span taken at ``start`` (None: free it now, or, renewed, give
+        it back its fence from before)."""
         for sp in reversed(self._live):
             if sp[0] == start and sp[2] is _TAKEN:
-                sp[2] = fence
+                sp[2], sp[3] = (sp[3] if fence is None else fence), None
                 return
 
     def _passed(self, fence) -> bool:
@@ -314,6 +338,7 @@ class SlotRing:
         self._host_np = host.numpy()
         self._host_u64 = self._host_np.view(np.uint64)
         self._host_ptr, self._dev_ptr = host.data_ptr(), dev.data_ptr()
+        self._kept: Optional[tuple[int, int, int, int]] = None  # (start, slots, src limit, dst limit): reuse
 
     @classmethod
     def allocate(cls, api, device: int, capacity: int, stream, native=None) -> "SlotRing":
@@ -337,6 +362,7 @@ class SlotRing:
         The C step does the same in one pass per array (arrays that are not C-contiguous int64
         take numpy's)."""
         n = src_slot.size
+        self._kept = None  # a span taken: the kept one is no longer the newest
         start = self.space.take(2 * n)
         if self._native is not None:
             fits = self._native.stage(self._host_ptr + 8 * start, src_slot, dst_slot, src_limit, dst_limit)
@@ -353,6 +379,33 @@ class SlotRing:
         if src_limit == dst_limit:
             return start, False
         return start, _top(slots, start, start + n) <= src_limit and _top(slots, start + n, end) <= dst_limit
+
+    def keep(self, start: int, num_slots: int, src_limit: int, dst_limit: int) -> None:
+        """The span at ``start`` holds ``num_slots`` slots per side, checked against these
+        limits, uploaded on the copy stream and read by a copy on it whose event fences the
+        span: a later write of the same slots may read it again (:meth:`reuse`). Only a write
+        on the copy stream keeps its span (a staged write's slots also go to the lane's ring,
+        on another stream, where a later fence would not cover them)."""
+        self._kept = (start, num_slots, src_limit, dst_limit)
+
+    def reuse(self, src_slot: np.ndarray, dst_slot: np.ndarray, src_limit: int, dst_limit: int) -> Optional[int]:
+        """The start of the kept span, taken again (:meth:`RingSpace.renew`), when it holds
+        exactly these slots (compared byte for byte: arrays may change in place), checked
+        against limits no larger than these, and no span was taken since; else None (the
+        caller stages them). A layer-wise request writes the same slots once per layer: one
+        span and one upload serve every layer."""
+        kept = self._kept
+        n = src_slot.size
+        if kept is None or kept[1] != n or n == 0 or kept[2] > src_limit or kept[3] > dst_limit:
+            return None
+        start = kept[0]
+        same = None if self._native is None else self._native.same_slots(self._host_ptr + 8 * start, src_slot, dst_slot)
+        if same is None:  # no C steps, or arrays C cannot read as int64
+            same = bool(np.array_equal(self._host_np[start: start + n], src_slot)
+                        and np.array_equal(self._host_np[start + n: start + 2 * n], dst_slot))
+        if not same or not self.space.renew(start, start + 2 * n):
+            return None
+        return start
 
     def upload(self, start: int, n: int, stream_handle: int) -> None:
         """Queue the copy of ``n`` staged elements at ``start`` to the GPU ring on the raw

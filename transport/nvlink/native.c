@@ -5,6 +5,10 @@
  *     copy two int64 arrays back to back to host memory at dst_addr and say whether every slot,
  *     read as unsigned, is at most its side's limit (a negative slot is past any limit); None
  *     when an array is not a C-contiguous int64 buffer (the caller takes its numpy path).
+ * same_slots(addr, src_slots, dst_slots)
+ *     whether host memory at addr holds the two int64 arrays back to back, as stage() copied
+ *     them (None: an array is not a C-contiguous int64 buffer): a write's slots found already
+ *     in the ring.
  * same_bytes(key, arrays)
  *     whether the int64 arrays of the tuple, back to back, hold exactly the bytes of key (None:
  *     some array is not a C-contiguous int64 buffer): a pair set compared with the last one
@@ -182,6 +186,27 @@ static PyObject *stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     int fits = n == 0 || (src_limit >= 0 && dst_limit >= 0 && src_top <= (uint64_t)src_limit
                           && dst_top <= (uint64_t)dst_limit);
     return PyBool_FromLong(fits);
+}
+
+/* same_slots(addr, src, dst): whether the ring at addr holds src then dst (as stage() left
+ * them); None when either array cannot be read as C-contiguous int64. */
+static PyObject *same_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long addr;
+    if (!check_nargs("same_slots", nargs, 3) || !as_u64(args[0], &addr))
+        return NULL;
+    Py_buffer src, dst;
+    if (!int64_buffer(args[1], &src))
+        Py_RETURN_NONE;
+    if (!int64_buffer(args[2], &dst)) {
+        PyBuffer_Release(&src);
+        Py_RETURN_NONE;
+    }
+    const char *ring = (const char *)(uintptr_t)addr;
+    int same = src.len == dst.len && memcmp(ring, src.buf, (size_t)src.len) == 0
+               && memcmp(ring + src.len, dst.buf, (size_t)dst.len) == 0;
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return PyBool_FromLong(same);
 }
 
 static PyObject *same_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1090,6 +1115,8 @@ static PyObject *lander_close(PyObject *self, PyObject *capsule) {
 
 static PyMethodDef methods[] = {
     {"stage", (PyCFunction)(void (*)(void))stage, METH_FASTCALL, "Copy two slot arrays in; True if in bounds."},
+    {"same_slots", (PyCFunction)(void (*)(void))same_slots, METH_FASTCALL,
+     "Whether the ring at an address holds two slot arrays back to back."},
     {"same_bytes", (PyCFunction)(void (*)(void))same_bytes, METH_FASTCALL,
      "Whether int64 arrays, back to back, are these bytes."},
     {"load_driver", load_driver, METH_NOARGS, "Resolve the driver entry points in libcuda."},

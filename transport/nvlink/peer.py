@@ -149,14 +149,20 @@ class NvlinkPeer(Peer):
                 return NvlinkTransfer(self._queue, None, None, error=why)
         with hold.lock:  # as _post: a revoke's snapshot holds every copy that could reach a region it revokes
             hold.refuse(batch.dst_region)
-            start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
-            if not fits:
-                ring.space.hold(start, None)
-                self._refuse_slots(batch, plan)
+            start = None if cuts is not None else ring.reuse(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)
+            fresh = start is None  # else the last direct write's slots, the same, still on the GPU
+            if fresh:
+                start, fits = ring.stage(src_slot, batch.dst_slot, plan.src_limit, plan.dst_limit)  # bounds in the copy
+                if not fits:
+                    ring.space.hold(start, None)
+                    self._refuse_slots(batch, plan)
             if not self._queue.outbox.alive():
                 ring.space.hold(start, None)
                 return self._lost()
-            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps, cuts)
+            event = self._copy.enqueue_split(plan, num_slots, ring, start, self._config.kernel.num_warps, cuts,
+                                             upload=fresh)
+            if cuts is None:  # a direct write: the next one with these slots reads them where they are
+                ring.keep(start, num_slots, plan.src_limit, plan.dst_limit)
             transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify, keep=(plan,)))
         return self._posted(transfer)
 

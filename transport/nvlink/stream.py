@@ -131,7 +131,7 @@ class CopyStream:
             self._api.stream_wait_event(stream.cuda_stream, self._order_event)
 
     def enqueue_split(self, plan: "PairPlan", num_slots: int, ring: "SlotRing", start: int, num_warps: int,
-                      cuts: Optional[tuple] = None):
+                      cuts: Optional[tuple] = None, upload: bool = True):
         """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
         pairs resident in ``plan``: the slots' upload, the wait for the caller's stream, one
         launch, the event. The upload reads only the pinned ring, so it goes ahead of the wait
@@ -142,7 +142,8 @@ class CopyStream:
         A staged plan (``plan.staged``) runs its lane's pipeline instead of the one launch,
         over the chunks ``cuts`` (``(bounds, offsets)``, :meth:`PairPlan.cuts`), the slots also
         uploaded to the lane's ring on the peer's GPU; the event is then the lane's, after the
-        last scatter."""
+        last scatter. ``upload`` False: the span's slots are on the GPU already, uploaded by an
+        earlier write on this stream (:meth:`SlotRing.reuse`; direct writes only)."""
         import torch
 
         api, device, stream, native = self._api, self.device, self.stream, self._native
@@ -151,12 +152,15 @@ class CopyStream:
             api.set_device(device)
         event = None
         try:
+            if not upload and plan.staged is not None:
+                raise ValueError("a staged write uploads its slots (the lane's ring has only its own)")
             if native is not None:  # the same two steps, one C call
                 caller = self._caller(stream)  # (makes the order event at the first wait)
-                native.upload_after(stream.cuda_stream, *ring.addresses(start), 16 * num_slots, caller,
-                                    self._order_event)
+                native.upload_after(stream.cuda_stream, *ring.addresses(start), 16 * num_slots if upload else 0,
+                                    caller, self._order_event)
             else:
-                ring.upload(start, 2 * num_slots, stream.cuda_stream)  # needs nothing of the caller's: ahead of the wait
+                if upload:  # needs nothing of the caller's: ahead of the wait
+                    ring.upload(start, 2 * num_slots, stream.cuda_stream)
                 self._wait_caller(stream)
             part = plan.staged
             if part is not None:
