@@ -158,6 +158,17 @@ static uint64_t copy_max(uint64_t *dst, const uint64_t *src, Py_ssize_t n) {
     return top;
 }
 
+/* Both slot arrays as C-contiguous int64 buffers (1), or neither (0: the caller answers None). */
+static int slot_buffers(PyObject *src_obj, PyObject *dst_obj, Py_buffer *src, Py_buffer *dst) {
+    if (!int64_buffer(src_obj, src))
+        return 0;
+    if (!int64_buffer(dst_obj, dst)) {
+        PyBuffer_Release(src);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long addr;
     long long src_limit, dst_limit;
@@ -165,12 +176,8 @@ static PyObject *stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
             || !as_i64(args[4], &dst_limit))
         return NULL;
     Py_buffer src, dst;
-    if (!int64_buffer(args[1], &src))
+    if (!slot_buffers(args[1], args[2], &src, &dst))
         Py_RETURN_NONE;
-    if (!int64_buffer(args[2], &dst)) {
-        PyBuffer_Release(&src);
-        Py_RETURN_NONE;
-    }
     Py_ssize_t n = src.len / 8;
     if (dst.len / 8 != n) {
         PyBuffer_Release(&src);
@@ -195,12 +202,8 @@ static PyObject *same_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (!check_nargs("same_slots", nargs, 3) || !as_u64(args[0], &addr))
         return NULL;
     Py_buffer src, dst;
-    if (!int64_buffer(args[1], &src))
+    if (!slot_buffers(args[1], args[2], &src, &dst))
         Py_RETURN_NONE;
-    if (!int64_buffer(args[2], &dst)) {
-        PyBuffer_Release(&src);
-        Py_RETURN_NONE;
-    }
     const char *ring = (const char *)(uintptr_t)addr;
     int same = src.len == dst.len && memcmp(ring, src.buf, (size_t)src.len) == 0
                && memcmp(ring + src.len, dst.buf, (size_t)dst.len) == 0;
