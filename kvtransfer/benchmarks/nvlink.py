@@ -220,7 +220,8 @@ class _Bench:
         torch.cuda.set_device(self.src_dev)
         self.remote = RemoteBuffers(args.dst_device, self.backends)
         kernel = kern.KernelConfig(max_programs=args.max_programs) if args.max_programs else None
-        self.transports = {b: make_transport(b, native=args.host_steps == "c", **({"kernel": kernel} if b == "nvlink" else {}))
+        extra = {} if kernel is None else {"kernel": kernel}  # (older trees' make_transport takes no kernel)
+        self.transports = {b: make_transport(b, native=args.host_steps == "c", **(extra if b == "nvlink" else {}))
                            for b in self.backends}
 
     def setup(self) -> None:
