@@ -16,15 +16,23 @@
 #               direct-path write step by step, the timeline after the call, raw CUDA call costs
 #   staged      bench/probes/staged_host.py on the second GPU at 1,024 and 4,096 tokens (pages 1, 16),
 #               OLD_TREE's transport and then this tree's: a staged write's host steps and DONE
+#   fixed       bench nvlink at 1,024 tokens (pages 1, 16), OLD_TREE's transport and this tree's
+#               alternated, three rounds: the fixed cost per write, idle and behind compute (the
+#               host's speed drifts within a call: one run each would not tell a 10 us change)
 set -o pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|crossover|cpu|tests|probe|staged]...}" && pwd); shift
+old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|crossover|cpu|tests|probe|staged|fixed]...}" && pwd); shift
 OUT=${OUT:-$here/gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(compare tests)
 before=/tmp/kvt-before
 rc=0
-bench() {  # tree label args...
+before_tree() {  # OLD_TREE's transport with this tree's benchmarks and receiver (its arrival stamps)
+    rm -rf "$before" && mkdir -p "$before"
+    cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$here/pools" "$before/"
+    cp "$here/transport/remote.py" "$before/transport/remote.py"
+}
+bench() {  # tree label args... (run from the tree: python -m puts the working directory first)
     local tree=$1 label=$2; shift 2
     (cd "$tree" && PYTHONPATH=$tree${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m kvtransfer bench nvlink "$@") \
         2>&1 | tee "$OUT/nvlink_${label}.log" || rc=1
@@ -32,13 +40,17 @@ bench() {  # tree label args...
 for what in "${steps[@]}"; do
     case "$what" in
         compare)
-            rm -rf "$before" && mkdir -p "$before"
-            cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$before/"
-            cp "$here/transport/remote.py" "$before/transport/remote.py"  # the receiver's arrival stamps
+            before_tree
             for tokens in 1024 4096; do
                 pages=$([ $tokens = 1024 ] && echo 1,16 || echo 1)
                 bench "$before" "before_${tokens}" --tokens $tokens --page-sizes $pages
                 bench "$here" "after_${tokens}" --tokens $tokens --page-sizes $pages
+            done ;;
+        fixed)
+            before_tree
+            for round in 1 2 3; do
+                bench "$before" "fixed_before_$round" --tokens 1024 --page-sizes 1,16 --fixed-reps 21
+                bench "$here" "fixed_after_$round" --tokens 1024 --page-sizes 1,16 --fixed-reps 21
             done ;;
         regression) bench "$here" after_16384 --tokens 16384 --page-sizes 1,16 ;;
         crossover) bench "$here" after_8192 --tokens 8192 --page-sizes 1,16 ;;
@@ -60,8 +72,7 @@ for what in "${steps[@]}"; do
                     2>&1 | tee "$OUT/direct_path_host_${tokens}.log" || rc=1
             done ;;
         staged)
-            rm -rf "$before" && mkdir -p "$before"
-            cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$before/"
+            before_tree
             for spec in "1024 1" "4096 1" "1024 16" "4096 16"; do
                 set -- $spec
                 for tree in "$before" "$here"; do
@@ -71,7 +82,7 @@ for what in "${steps[@]}"; do
                         2>&1 | tee "$OUT/staged_host_${label}_$1_$2.log" || rc=1
                 done
             done ;;
-        *) echo "unknown step $what (compare | regression | crossover | cpu | tests | probe | staged)" >&2; exit 2 ;;
+        *) echo "unknown step $what (compare | regression | crossover | cpu | tests | probe | staged | fixed)" >&2; exit 2 ;;
     esac
 done
 exit $rc
