@@ -6,7 +6,9 @@ ROUTER), and registers with the bootstrap service. Decode ranks then introduce t
 (``DecodeHello``: layout, one endpoint per transport: export and buffer map); the manager
 checks the layouts (a mismatch is refused, naming the field and both values) and connects
 over the best transport both sides have: ``nvlink`` when both offer it on one host and CUDA
-IPC works, else ``nixl``.
+IPC works, else ``nixl``. Where the transport keeps a pair set's part of a write resident
+(NVLink's direct path), the pairs of this rank's writes to that decode rank are made resident
+then, once: they depend on the two layouts only (:meth:`_DecodePeer.plan_ahead`).
 
 Per request, the engine calls ``sender = manager.sender(request_id)`` and then
 ``sender.send(slots, last=...)`` once per chunk of a chunked prefill: ``slots`` are this
@@ -77,7 +79,7 @@ from kvtransfer.control.wire import (
 )
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, TransferStatus, TransportError
+from transport.base import PeerDescriptorError, StridedBatch, TransferStatus, TransportError
 
 __all__ = ["KVSender", "PrefillKVManager"]
 
@@ -162,6 +164,38 @@ class _DecodePeer:
     def batch(self, plan):
         """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
         return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.takes_strided(plan.num_token_entries))
+
+    def plan_ahead(self, mine: RankLayout) -> int:
+        """Make the pair sets of this rank's writes resident in its transport now, where the
+        transport keeps them (``plan_pairs``: NVLink's direct path). A write's pairs -- which
+        buffer to which, offsets, strides, row bytes -- come from the two layouts alone, so
+        a one-token plan (the first slot of page 1 on each side; state slot 1) gives the pairs
+        of every request's KV write, and of its Mamba state write; the first request then finds them built, as every
+        later one does. Returns how many pair sets were made resident (0: the transport keeps
+        none, or this rank reads nothing from ``mine``)."""
+        plan_pairs = getattr(self.peer, "plan_pairs", None)
+        if plan_pairs is None or not self.reads_from_me:
+            return 0
+        plans = [plan_kv_transfer(mine, self.layout, [mine.page_size], [self.layout.page_size])]  # page 1, token 0
+        if mine.state_kind is StateKind.MAMBA:
+            plans.append(plan_state_transfer(mine, self.layout, 1, 1))
+        made = 0
+        for plan in plans:
+            batch = None if plan.empty else self.batch(plan)
+            if isinstance(batch, StridedBatch) and batch.num_pairs:  # (NSA's sectioned pages write flat rows)
+                plan_pairs(batch)
+                made += 1
+        return made
+
+    def plan_ahead_or_log(self, mine: RankLayout, key) -> int:
+        """:meth:`plan_ahead`, its failure logged: it is not the hello's (the first write
+        builds the pair sets instead, and raises what is wrong there, for that request)."""
+        try:
+            return self.plan_ahead(mine)
+        except Exception as exc:  # a CUDA or bounds error of the transport: whatever it is, the hello stands
+            log.warning("prefill rank %d: the pair sets of the writes to decode rank %s were not made ahead: %s",
+                        mine.tp_rank, key, exc)
+            return 0
 
 
 @dataclass
@@ -501,10 +535,11 @@ class PrefillKVManager:
                 error = connected
             else:
                 backend, peer, regions = connected
-                self._decode[hello.key] = _DecodePeer(
+                entry = self._decode[hello.key] = _DecodePeer(
                     hello, identity, layout, backend, self.endpoints.regions[backend], regions, peer,
                     reads_from_me=self.layout.tp_rank in readers,
                     writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
+                entry.plan_ahead_or_log(self.layout, hello.key)
                 self._by_identity[identity] = hello.key
                 self._dropped.pop(identity, None)
                 log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
