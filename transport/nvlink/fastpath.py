@@ -23,8 +23,8 @@ Per write (:class:`SlotRing`)
 The ``[2 * S]`` slot part goes into a ring of pinned host memory (where one reduction over it
 gives both sides' largest slot for the bounds check) and, by one
 ``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
-kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span
-of the ring is reused once the write that holds it has completed (its event; the host copy ran
+kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span's
+space is handed out again once the write that holds it has completed (its event; the host copy ran
 before the kernel on the same stream), and a write that finds nothing held starts at 0 again:
 writes waited for one by one stay in memory the cache still holds (walking the 8 MiB ring,
 each write's copy in and bounds pass cost ~2-3x more). The ring is allocated once per transport,
