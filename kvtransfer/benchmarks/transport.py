@@ -6,7 +6,10 @@ process, holds two agents connected to it: kvtransfer's ``NixlTransport`` and a 
 ``nixl_agent`` driven with direct ``_api`` calls. For each block size the same write -- the
 whole source as ``total / block`` blocks to a random permutation of destination blocks, with
 a notification -- runs through both, alternating, ``--iters`` times; the report shows median
-GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one).
+GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one). Then the fixed
+cost per write: ``--fixed-entries`` descriptors of 2 KiB with a notification, call to
+``wait()`` returned, through both, alternated ``--fixed-reps`` times (medians, and kvtransfer's
+difference to bare NIXL).
 
 ``--cuda`` puts the source on cuda:0 and the destination on cuda:1 (UCX cuda_ipc) and adds
 torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
@@ -245,11 +248,56 @@ def run(args) -> list[dict]:
                 del dst2
             rows.append(row)
             print(_format(row, args.cuda), flush=True)
+        for entries in args.fixed_entries:
+            if entries * FIXED_SPACING > total:
+                print(f"fixed cost per write, {entries} x {FIXED_BLOCK // KiB} KiB: skipped (--total holds "
+                      f"{total // FIXED_SPACING} rows {FIXED_SPACING // KiB} KiB apart)", flush=True)
+                continue
+            print(_format_fixed(_fixed_cost(ours, peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps)),
+                  flush=True)
         bare.close()
         ours.close()
     finally:
         receiver.stop(Quit())
     return rows
+
+
+FIXED_BLOCK = 2 * KiB  # a token row of the Llama-3-70B preset (8 KV heads x 128 bf16)
+FIXED_SPACING = 16 * KiB  # between the rows of one write: none adjacent, so none merge into one descriptor
+
+
+def _fixed_cost(ours, peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int) -> dict:
+    """The fixed cost of a write: ``entries`` descriptors of :data:`FIXED_BLOCK` bytes
+    (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification, call to ``wait()`` returned DONE on the
+    writer, through kvtransfer's transport (a ``WriteBatch`` made beforehand) and through bare
+    NIXL (its descriptor arrays made beforehand), alternated ``reps`` times. Medians in
+    microseconds; the bytes themselves take well under a microsecond."""
+    src_off = np.arange(entries, dtype=np.int64) * FIXED_SPACING  # [entries]
+    dst_off = src_off[::-1].copy()
+    dev = 0 if device is None else device
+    local, remote = _descs(src_ptr, src_off, FIXED_BLOCK, dev), _descs(dst_region.ptr, dst_off, FIXED_BLOCK,
+                                                                       dst_region.device or 0)
+
+    batch = WriteBatch.of(np.full(entries, sid), src_off, np.full(entries, dst_region.region_id), dst_off,
+                          np.full(entries, FIXED_BLOCK))  # made once, as bare NIXL's descriptor arrays
+
+    def ours_write():
+        peer.write(batch, notify=b"fixed").wait(120)
+
+    for _ in range(3):  # warm-up: the descriptor lists' first use
+        ours_write(), bare.write(local, remote, b"fixed")
+    t_ours, t_bare = [], []
+    for _ in range(reps):
+        t_ours.append(time_once(ours_write))
+        t_bare.append(time_once(lambda: bare.write(local, remote, b"fixed")))
+    return {"entries": entries, "reps": reps, "ours_us": statistics.median(t_ours) * 1e6,
+            "bare_us": statistics.median(t_bare) * 1e6}
+
+
+def _format_fixed(row: dict) -> str:
+    return (f"fixed cost per write, {row['entries']} x {FIXED_BLOCK // KiB} KiB with a notification (call -> wait() "
+            f"returned, median of {row['reps']}): kvtransfer {row['ours_us']:.1f} us, bare NIXL {row['bare_us']:.1f} us "
+            f"({row['ours_us'] - row['bare_us']:+.1f} us)")
 
 
 def _metadata(peer_bytes: bytes) -> bytes:
@@ -288,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=positive_int, default=5, help="timed writes per path and block size")
     parser.add_argument("--cuda", action="store_true", help="cuda:0 -> cuda:1 (two GPUs)")
     parser.add_argument("--progress-thread", action="store_true", help="run NIXL's progress thread")
+    parser.add_argument("--fixed-entries", type=lambda s: [int(x) for x in s.split(",")], default=[1, 160],
+                        help="descriptors of 2 KiB per write for the fixed cost per write (default 1,160: one row, "
+                             "one token's row in each of 160 buffers)")
+    parser.add_argument("--fixed-reps", type=positive_int, default=51, help="writes per path for the fixed cost")
     parser.add_argument("--kv", action="store_true",
                         help="a planned KV request: staged vs direct NIXL vs --block blocks (transport_kv)")
     parser.add_argument("--block", type=_size, default=None,
@@ -315,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [b for b in args.blocks if b <= 0 or args.total % b]
     if bad:
         parser.error(f"block sizes must divide --total ({args.total}); got blocks {bad}")
+    if any(n <= 0 for n in args.fixed_entries):
+        parser.error(f"--fixed-entries must be counts > 0, got {args.fixed_entries}")
     where = "cuda:0 -> cuda:1" if args.cuda else "host -> host (loopback)"
     print(f"NIXL transport, {where}, {args.total / GiB:.2f} GiB per write, median of {args.iters}, "
           f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)

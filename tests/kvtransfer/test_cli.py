@@ -1,6 +1,7 @@
 """The command line: every benchmark runs at a small size and prints its table."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -21,9 +22,15 @@ def test_bench_lists_names_and_rejects_unknown():
 
 
 def test_bench_transport_small():
-    out = _kvt("bench", "transport", "--total", "8M", "--blocks", "256K", "--iters", "1")
+    out = _kvt("bench", "transport", "--total", "8M", "--blocks", "256K", "--iters", "1", "--fixed-reps", "3")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "GB/s" in out.stdout
+    for entries in (1, 160):  # the fixed cost per write, beside bare NIXL's
+        assert re.search(rf"fixed cost per write, {entries} x 2 KiB .*: kvtransfer \d+\.\d us, bare NIXL \d+\.\d us "
+                         r"\([+-]\d+\.\d us\)", out.stdout), out.stdout
+    small = _kvt("bench", "transport", "--total", "1M", "--blocks", "256K", "--iters", "1", "--fixed-reps", "1")
+    assert small.returncode == 0 and "fixed cost per write, 160 x 2 KiB: skipped (--total holds 64 rows 16 KiB apart)" \
+        in small.stdout, small.stdout + small.stderr
 
 
 def test_bench_move_kv_cpu():
@@ -75,6 +82,7 @@ def test_bench_nvlink_prints_n_a_for_a_path_that_did_not_run():
     ("kvtransfer.benchmarks.transport", ["--kv", "--cuda", "--two-hosts"],
      r"--two-hosts goes with --kv on host memory \(not --cuda\)"),
     ("kvtransfer.benchmarks.transport", ["--two-hosts"], r"--two-hosts goes with --kv on host memory"),
+    ("kvtransfer.benchmarks.transport", ["--fixed-entries", "1,0"], r"--fixed-entries must be counts > 0, got \[1, 0\]"),
 ])
 def test_bad_arguments_are_one_usage_line(command, args, match, capsys):
     import importlib
