@@ -253,8 +253,8 @@ def run(args) -> list[dict]:
                 print(f"fixed cost per write, {entries} x {FIXED_BLOCK // KiB} KiB: skipped (--total holds "
                       f"{total // FIXED_SPACING} rows {FIXED_SPACING // KiB} KiB apart)", flush=True)
                 continue
-            print(_format_fixed(_fixed_cost(ours, peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps)),
-                  flush=True)
+            fixed = _fixed_cost(peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps)
+            print(_format_fixed(fixed), flush=True)
         bare.close()
         ours.close()
     finally:
@@ -266,12 +266,13 @@ FIXED_BLOCK = 2 * KiB  # a token row of the Llama-3-70B preset (8 KV heads x 128
 FIXED_SPACING = 16 * KiB  # between the rows of one write: none adjacent, so none merge into one descriptor
 
 
-def _fixed_cost(ours, peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int) -> dict:
+def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int) -> dict:
     """The fixed cost of a write: ``entries`` descriptors of :data:`FIXED_BLOCK` bytes
-    (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification, call to ``wait()`` returned DONE on the
-    writer, through kvtransfer's transport (a ``WriteBatch`` made beforehand) and through bare
-    NIXL (its descriptor arrays made beforehand), alternated ``reps`` times. Medians in
-    microseconds; the bytes themselves take well under a microsecond."""
+    (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification, call
+    to ``wait()`` returned DONE on the writer, through kvtransfer's transport (``peer``; a
+    ``WriteBatch`` made beforehand) and through bare NIXL (its descriptor arrays made
+    beforehand), alternated ``reps`` times. Medians in microseconds; the bytes themselves take
+    well under a microsecond."""
     src_off = np.arange(entries, dtype=np.int64) * FIXED_SPACING  # [entries]
     dst_off = src_off[::-1].copy()
     dev = 0 if device is None else device

@@ -168,11 +168,11 @@ class _DecodePeer:
     def plan_ahead(self, mine: RankLayout) -> int:
         """Make the pair sets of this rank's writes resident in its transport now, where the
         transport keeps them (``plan_pairs``: NVLink's direct path). A write's pairs -- which
-        buffer to which, offsets, strides, row bytes -- come from the two layouts alone, so
-        a one-token plan (the first slot of page 1 on each side; state slot 1) gives the pairs
-        of every request's KV write, and of its Mamba state write; the first request then finds them built, as every
-        later one does. Returns how many pair sets were made resident (0: the transport keeps
-        none, or this rank reads nothing from ``mine``)."""
+        buffer to which, offsets, strides, row bytes -- come from the two layouts alone, so a
+        one-token plan (the first slot of page 1 on each side; state slot 1) gives the pairs of
+        every request's KV write, and of its Mamba state write: the first request then finds
+        them built, as every later one does. Returns how many pair sets were made resident (0:
+        the transport keeps none, or this rank reads nothing from ``mine``)."""
         plan_pairs = getattr(self.peer, "plan_pairs", None)
         if plan_pairs is None or not self.reads_from_me:
             return 0
