@@ -62,16 +62,17 @@ def nixl_direct_config():
     return _nixl_config(staged=False)
 
 
-def make_transport(backend: str, ipc_api: str = "auto", native: bool = True, kernel=None):
+def make_transport(backend: str, ipc_api: str = "auto", native: bool = True, **nvlink):
     """A transport of ``backend``: "nvlink" (default settings; ``native``: its direct path's host
-    steps in C; ``kernel``: its copy kernel's ``KernelConfig``, None for the default), "nixl" (:func:`nixl_direct_config`:
+    steps in C; ``nvlink``: other ``NvlinkConfig`` fields), "nixl" (:func:`nixl_direct_config`:
     every range its own descriptor) or "nixl-staged" (:func:`nixl_staged_config`; ``ValueError``
     when the backend has no staged mode)."""
     if backend == "nvlink":
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
-        extra = {} if kernel is None else {"kernel": kernel}
-        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api, native=native, **extra))
+        return NvlinkTransport(NvlinkConfig(ipc_api=ipc_api, native=native, **nvlink))
+    if nvlink:
+        raise ValueError(f"NvlinkConfig fields {sorted(nvlink)} given for the {backend!r} backend")
     if backend == "nixl":
         from transport.nixl import NixlTransport
 

@@ -28,8 +28,7 @@ import time
 import torch
 
 from transport.base import StridedBatch
-from transport.nvlink import NvlinkConfig, NvlinkTransport
-from transport.remote import RemoteBuffers
+from transport.remote import RemoteBuffers, make_transport
 
 ROW = 2048
 
@@ -62,7 +61,7 @@ def main() -> None:
 
     torch.cuda.set_device(0)
     spin = {} if args.spin_us is None else {"lander_spin_us": args.spin_us}
-    transport = NvlinkTransport(NvlinkConfig(native=args.native == "c", **spin))
+    transport = make_transport("nvlink", native=args.native == "c", **spin)
     src = torch.full((ROW,), 7, dtype=torch.uint8, device="cuda:0")
     src_rid = transport.register_tensor(src)
     remotes = [RemoteBuffers(args.peer_gpu) for _ in range(args.peers)]

@@ -219,9 +219,9 @@ class _Bench:
         self.dst_dev = torch.device("cuda", args.dst_device)
         torch.cuda.set_device(self.src_dev)
         self.remote = RemoteBuffers(args.dst_device, self.backends)
-        kernel = kern.KernelConfig(max_programs=args.max_programs) if args.max_programs else None
-        extra = {} if kernel is None else {"kernel": kernel}  # (older trees' make_transport takes no kernel)
-        self.transports = {b: make_transport(b, native=args.host_steps == "c", **(extra if b == "nvlink" else {}))
+        # (only when asked: older trees' make_transport takes no NvlinkConfig fields)
+        nvlink = {"kernel": kern.KernelConfig(max_programs=args.max_programs)} if args.max_programs else {}
+        self.transports = {b: make_transport(b, native=args.host_steps == "c", **(nvlink if b == "nvlink" else {}))
                            for b in self.backends}
 
     def setup(self) -> None:
@@ -435,6 +435,7 @@ class _Bench:
         torch, args, peer = self.torch, self.args, self.peers["nvlink"]
         sb = case.strided_batch()
         fields = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
+        # (the fields by name, not StridedBatch.pairs: the trees before the direct path lack it)
         layers = [StridedBatch(*(getattr(sb, f)[g] for f in fields), sb.src_slot, sb.dst_slot)
                   for g in np.array_split(np.arange(sb.num_pairs), args.layers) if g.size]
         engine, warmup = self.engines.KERNEL, args.warmup

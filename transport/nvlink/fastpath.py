@@ -324,7 +324,7 @@ def _event_wait(event) -> None:
 
 class SlotRing:
     """A ring of int64 slots in pinned host memory and, at the same element offsets, on a GPU
-    (module doc). ``put`` copies the arrays in and queues the host-to-device copy on a stream."""
+    (module doc): :meth:`stage` copies a write's slots in, :meth:`upload` queues their copy to the GPU."""
 
     def __init__(self, api, device: int, host, dev, native=None):
         """``host``: int64 tensor ``[capacity]`` in pinned memory; ``dev``: the same on GPU
@@ -418,19 +418,6 @@ class SlotRing:
         """The GPU ring's and the host ring's address of element ``start`` (the same offset in
         both): what an upload of a span copies to and from."""
         return self._dev_ptr + 8 * start, self._host_ptr + 8 * start
-
-    def put(self, arrays: tuple, stream_handle: int) -> int:
-        """Copy ``arrays`` (int64, back to back) into a free span and queue its upload; return
-        the span's start (fence it with ``space.hold(start, event)``)."""
-        n = sum(a.size for a in arrays)
-        start = self.space.take(n)
-        at = start
-        for a in arrays:
-            self._host_np[at: at + a.size] = a
-            at += a.size
-        if n:
-            self.upload(start, n, stream_handle)
-        return start
 
 
 def build_plan(batch: StridedBatch, local_sizes: RegionSizes, peer_sizes: RegionSizes,
