@@ -583,8 +583,8 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
     fresh, fresh_id = host_region(peer._transport, nbytes, 30 + num_threads)
     tr = stalled_write(rx, peer, sid, nbytes, rng)
     delay = 0.3
+    start = time.monotonic()  # before the timer: its delay counts from its own start
     resume = resumed_later(rx, delay)
-    start = time.monotonic()
     tr.abort()
     waited = time.monotonic() - start
     resume.join()

@@ -324,8 +324,8 @@ STRIDED_OR_FLAT = pytest.mark.parametrize("strided", [False, True], ids=["flat",
 @STRIDED_OR_FLAT
 def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver, strided):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0, strided=strided)
+    start = time.monotonic()  # before the timer: its delay counts from its own start
     resume = resumed_later(rx, 0.3)
-    start = time.monotonic()
     tr.abort()
     waited = time.monotonic() - start
     resume.join()
