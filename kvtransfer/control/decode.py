@@ -24,9 +24,10 @@ prefill ranks. ``receiver.released`` turns True once every sender has said ``Qui
 was lost in a way that proves it writes nothing more: reuse the request's pages only then. A
 rank lost to silence may be only paused, so the requests it was lost with are *fenced*: released
 once it answers a new hello (it drops its old entry of this rank with drain before it
-acknowledges), answers ``NotConnected`` (it dropped it so already), restarts or says goodbye, or
-after ``transfer_timeout_s`` without any of these (a prefill rank posts no chunk past a
-request's deadline).
+acknowledges), answers ``NotConnected`` (it dropped it so already), restarts or says goodbye, is
+seen to have ended (on one host: its process, named in its hello ack, is gone from ``/proc``;
+:mod:`kvtransfer.control.liveness`), or after ``transfer_timeout_s`` without any of these (a
+prefill rank posts no chunk past a request's deadline).
 
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
@@ -35,7 +36,8 @@ incarnation of it (a restarted rank). A new request that needs a lost rank waits
 this rank has looked it up) and then fails naming it; a request not done after ``transfer_timeout_s`` fails
 and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
-so a rank that was killed and came back is reconnected without waiting for the timeout.
+so a rank that was killed and came back is reconnected without waiting for the timeout; a
+suspect rank whose process has ended (one host) is lost at once, its requests settled.
 A lost rank is still sent heartbeats: one that answers was alive after all (one side's loop
 was paused past the timeout), and this rank says hello to it again; so it does when a prefill
 rank answers ``NotConnected`` (it dropped this rank as lost). Silence is counted from the first
@@ -62,6 +64,7 @@ import zmq
 from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
 from kvtransfer.control.common import (SWEEP_INTERVAL_S, AuxRecords, ControlConfig, Endpoints, EventLoop,
                                       default_host_id, unpack_first_token)
+from kvtransfer.control.liveness import ProcessId, ended
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -77,6 +80,7 @@ from kvtransfer.control.wire import (
     WireError,
     decode,
     endpoints_of,
+    process_of,
 )
 from kvtransfer.layout import RankLayout, StateKind
 from kvtransfer.plan import senders_for
@@ -171,6 +175,7 @@ class _PrefillPeer:
     since: float  # when the state was entered
     unanswered_since: Optional[float] = None  # when the first heartbeat not followed by any message went
     incarnation: str = ""  # the one its hello ack named
+    process: Optional[ProcessId] = None  # the process its hello ack named (None: it could not)
     error: str = ""
     heartbeat_seq: int = 0
     last_heartbeat: float = 0.0
@@ -211,6 +216,7 @@ class DecodeKVManager:
         self.instance = instance or f"decode-{uuid.uuid4().hex[:12]}"
         self.incarnation = uuid.uuid4().hex
         self._host = host_id or default_host_id()
+        self._process = ProcessId.mine()
         self._bootstrap = BootstrapClient(bootstrap)
         topo = self._bootstrap.wait_for_topology(config.dp_rank, deadline_s=config.bootstrap_timeout_s)
         self.prefill_tp_size = topo.tp_size
@@ -292,7 +298,8 @@ class DecodeKVManager:
         sock.send(DecodeHello(
             instance=self.instance, dp_rank=self.config.dp_rank, tp_rank=self.layout.tp_rank,
             tp_size=self.layout.tp_size, host=self._host, endpoints=self.endpoints.wire(),
-            layout=self.layout.to_msgpack(), incarnation=self.incarnation).to_msgpack(), zmq.NOBLOCK)
+            layout=self.layout.to_msgpack(), incarnation=self.incarnation,
+            process=self._process.to_wire() if self._process else {}).to_msgpack(), zmq.NOBLOCK)
 
     def _await_handshakes(self) -> None:
         deadline = time.monotonic() + self.config.handshake_timeout_s
@@ -382,6 +389,7 @@ class DecodeKVManager:
                       ack.error)
             return
         peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
+        peer.process = process_of(ack)
         # the same process replaced its old entry of this rank (requests failed, transport peer
         # closed with drain) before it answered; another one means the old process is gone
         self._settle(peer.registration.tp_rank, "answered a new hello")
@@ -536,6 +544,10 @@ class DecodeKVManager:
             self._ask_held()
         if now >= self._next_sweep:  # deadlines are seconds long: a look every SWEEP_INTERVAL_S, not every turn
             self._next_sweep = now + SWEEP_INTERVAL_S
+            for rank, peer in list(self._peers.items()):  # silent, or lost with pages fenced: is it dead?
+                if (self._suspect(peer, now) or rank in self._fences) and ended(peer.process, self._process):
+                    self._lose(rank, f"prefill rank {rank} lost: its process (pid {peer.process.pid}) has exited",
+                               settled=True)
             for rank, fence in list(self._fences.items()):
                 if now - fence.since > cfg.transfer_timeout_s:
                     log.warning("decode rank %d: no word from lost prefill rank %d for %g s: the pages of the "

@@ -34,7 +34,9 @@ manager sends ``Quiesced`` so decode may reuse the pages. No chunk is posted pas
 deadline (a decode rank that lost this one lets the pages go by then).
 
 A decode rank that sends no heartbeat for ``heartbeat_timeout_s`` is dropped (its requests
-fail; what came on the socket meanwhile is read first). If it was only paused, its next message
+fail; what came on the socket meanwhile is read first); so is one silent for two heartbeat
+intervals whose process has ended (on one host: named in its hello,
+:mod:`kvtransfer.control.liveness`). If it was only paused, its next message
 is answered ``NotConnected`` and it says hello again; a hello from a known rank replaces the old
 entry (its requests fail, its transport peer is closed with drain) before it is acknowledged.
 
@@ -61,6 +63,7 @@ from kvtransfer.batches import BufferRegions, plan_batch, write_batch
 from kvtransfer.control.bootstrap import BootstrapClient
 from kvtransfer.control.common import (AUX_RECORD_BYTES, SWEEP_INTERVAL_S, ControlConfig, Endpoints, EventLoop,
                                       default_host_id, pick_backend)
+from kvtransfer.control.liveness import ProcessId, ended
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -76,6 +79,7 @@ from kvtransfer.control.wire import (
     WireError,
     decode,
     endpoints_of,
+    process_of,
 )
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
@@ -231,6 +235,7 @@ class PrefillKVManager:
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._device = device  # the pools' GPU (None: host memory)
         self._host = host_id or default_host_id()
+        self._process = ProcessId.mine()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -545,7 +550,8 @@ class PrefillKVManager:
                 log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
-        self._router.send_multipart([identity, HelloAck(error=error, incarnation=self.incarnation).to_msgpack()],
+        self._router.send_multipart([identity, HelloAck(
+            error=error, incarnation=self.incarnation, process=self._process.to_wire() if self._process else {}).to_msgpack()],
                                     zmq.NOBLOCK)
 
     def _connect(self, hello: DecodeHello, theirs: dict):
@@ -630,7 +636,14 @@ class PrefillKVManager:
         return self.config.loop_pause(busy)
 
     def _sweep(self, now: float) -> None:
-        """Fail the requests past their deadline; forget the ids nobody claimed in time."""
+        """Fail the requests past their deadline; forget the ids nobody claimed in time; drop the
+        decode ranks silent for two heartbeat intervals whose process has ended (no need to wait
+        for the heartbeat timeout: :mod:`kvtransfer.control.liveness`)."""
+        for key, peer in list(self._decode.items()):
+            if now - peer.last_seen > 2 * self.config.heartbeat_interval_s \
+                    and ended(process := process_of(peer.hello), self._process):
+                del self._decode[key]
+                self._drop_peer(peer, f"decode rank {key} lost: its process (pid {process.pid}) has exited")
         for rid, out in list(self._outgoing.items()):
             if not out.sender.status.state.final and now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")

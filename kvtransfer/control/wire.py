@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import msgpack
+
+from kvtransfer.control.liveness import ProcessId
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -55,9 +57,10 @@ __all__ = [
     "WireError",
     "decode",
     "endpoints_of",
+    "process_of",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: hellos and their answers name the sender's process (liveness.ProcessId)
 MAX_FRAME_BYTES = 64 << 20  # a frame larger than this is refused before it is parsed
 
 _TYPES = {"int": int, "str": str, "bytes": bytes, "bool": bool, "float": (int, float), "list": list, "dict": dict}
@@ -187,6 +190,14 @@ def endpoints_of(msg) -> dict:
     return out
 
 
+def process_of(msg) -> Optional[ProcessId]:
+    """The sender's process named by a hello or its answer (None: it could not name itself)."""
+    try:
+        return ProcessId.from_wire(msg.process)
+    except ValueError as exc:
+        raise WireError(f"{msg.KIND}: {exc}") from None
+
+
 # -- bootstrap ---------------------------------------------------------------------------------
 
 
@@ -298,10 +309,12 @@ class DecodeHello(Message):
     endpoints: list  # Endpoint.to_wire() per transport this rank receives on
     layout: bytes  # RankLayout.to_msgpack()
     incarnation: str
+    process: dict  # liveness.ProcessId.to_wire(), {} where it cannot name itself
 
     def __post_init__(self):
         super().__post_init__()
         endpoints_of(self)
+        process_of(self)
 
     @property
     def key(self) -> tuple:
@@ -316,6 +329,11 @@ class HelloAck(Message):
     KIND: ClassVar[str] = "hello_ack"
     error: str
     incarnation: str  # the prefill rank's: a change tells decode the rank restarted
+    process: dict  # liveness.ProcessId.to_wire(), {} where it cannot name itself
+
+    def __post_init__(self):
+        super().__post_init__()
+        process_of(self)
 
 
 @dataclass(frozen=True)

@@ -76,23 +76,23 @@ def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(
     for p in prefill:
         p.call(Prefill("doomed", 40, (16, 24), hold_last=True))
     t0 = time.monotonic()
+    pid = prefill[1].child.proc.pid
     prefill[1].kill()
     state, reason = decode.call(Wait("doomed", timeout_s=20))
-    assert state == "Failed" and "prefill rank 1 lost" in reason
+    # silent for two heartbeat intervals, and its process is gone (one host): lost before the
+    # heartbeat timeout, and its death proves it writes nothing more
+    assert state == "Failed" and f"prefill rank 1 lost: its process (pid {pid}) has exited" in reason, reason
     assert time.monotonic() - t0 < 10
     state, reason = prefill[0].call(Wait("doomed", timeout_s=20))
     assert state == "Failed" and "prefill rank 1 lost" in reason  # decode told the survivor
-    # dead, or only paused and still able to write: the pages wait for proof
-    assert decode.call(IsReleased("doomed")) is False
+    assert decode.call(Released("doomed")) < 10  # rank 0 quiesced; rank 1 is dead: no wait for the transfer timeout
     # a request while rank 1 is down fails at once, naming it; nothing was asked of anyone
     decode.call(Receive("while-down", 8))
     state, reason = decode.call(Wait("while-down", timeout_s=10))
     assert state == "Failed" and "prefill rank 1" in reason
     decode.call(Released("while-down"))
-    # restart rank 1: it registers again (the old process is gone: the pages go), decode
-    # reconnects by itself
+    # restart rank 1: it registers again, decode reconnects by itself
     prefill[1] = ranks(prefill_spec(bootstrap, 1, 2))
-    assert decode.call(Released("doomed")) < 10
     wait_ready(decode, [0, 1])
     decode.call(Receive("again", 30))
     for p in prefill:
@@ -214,18 +214,36 @@ def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected
     assert_lands(prefill, decode, "after")
 
 
-def test_a_lost_prefill_rank_that_never_answers_again_has_its_pages_released_after_the_transfer_timeout(
-        bootstrap, ranks):
-    """A prefill rank killed and not restarted: the pages of the request it was lost with are
-    fenced (it might only be paused) until the transfer timeout, after which it posts nothing
-    for that request, and then released."""
+def test_a_prefill_rank_paused_past_the_transfer_timeout_has_its_pages_released_then(bootstrap, ranks):
+    """A prefill rank that stays silent (here paused: alive, so nothing proves it will not
+    write) past the transfer timeout: the pages of the request it was lost with are fenced
+    until then, after which it posts nothing for that request, and then released."""
     config = {**FAST, "transfer_timeout_s": 4.0}
     prefill, decode = one_request_in_flight(bootstrap, ranks, "orphan", prefill=config, decode=config)
-    prefill.kill()
-    state, reason = decode.call(Wait("orphan", timeout_s=20))
-    assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason
-    assert decode.call(IsReleased("orphan")) is False
-    assert decode.call(Released("orphan", timeout_s=20.0)) > 1.0  # the fence held past the loss
+    with paused(prefill):
+        state, reason = decode.call(Wait("orphan", timeout_s=20))
+        assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason
+        assert decode.call(IsReleased("orphan")) is False
+        assert decode.call(Released("orphan", timeout_s=20.0)) > 1.0  # the fence held past the loss
+    state, reason = prefill.call(Wait("orphan", timeout_s=20))
+    assert state == "Failed", (state, reason)  # its deadline passed while paused: nothing more was posted
+    wait_ready(decode, [0])
+    assert_lands(prefill, decode, "after")
+
+
+def test_a_killed_decode_rank_is_dropped_before_the_heartbeat_timeout(bootstrap, ranks):
+    """One host: a decode rank killed mid-request is dropped once silent for two heartbeat
+    intervals, its process gone, not after the (here long) heartbeat timeout."""
+    patient = {**FAST, "heartbeat_timeout_s": 20.0}
+    prefill, decode = one_request_in_flight(bootstrap, ranks, "doomed", prefill=patient, decode=patient)
+    pid = decode.child.proc.pid
+    t0 = time.monotonic()
+    decode.kill()
+    state, reason = prefill.call(Wait("doomed", timeout_s=30))
+    assert state == "Failed" and f"decode rank ('decode-a', 0) lost: its process (pid {pid}) has exited" in reason, \
+        reason
+    assert time.monotonic() - t0 < 10
+    wait_forgotten(prefill)
 
 
 def test_a_chunk_sent_after_its_requests_deadline_is_not_posted(bootstrap, ranks):

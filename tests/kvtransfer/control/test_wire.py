@@ -33,7 +33,8 @@ def test_topology_decodes_its_registrations():
     (b"\xc1", "not valid msgpack"),
     (register().to_msgpack()[:-3], "not valid msgpack"),
     (msgpack.packb([1, 2]), "must be a map with keys"),
-    (frame("ping", {"nonce": 1}, v=2), "protocol version 2, this side speaks 1"),
+    (frame("ping", {"nonce": 1}, v=wire.PROTOCOL_VERSION - 1),
+     f"protocol version {wire.PROTOCOL_VERSION - 1}, this side speaks {wire.PROTOCOL_VERSION}"),
     (frame("launch_missiles", {}), "unknown message kind 'launch_missiles'"),
     (frame("ping", {}), r"missing \['nonce'\]"),
     (frame("ping", {"nonce": 1, "extra": 2}), r"unexpected \['extra'\]"),
@@ -69,8 +70,9 @@ def test_decode_prefill_messages_round_trip():
                                          Quiesced, TransferRequest)
 
     msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h",
-                        endpoints=[endpoint(name="d0"), endpoint("nvlink", "d0-nvlink")], layout=b"l", incarnation="i"),
-            HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p"),
+                        endpoints=[endpoint(name="d0"), endpoint("nvlink", "d0-nvlink")], layout=b"l", incarnation="i",
+                        process={"boot": "b", "pid_ns": 4026531836, "pid": 7, "started": 12}),
+            HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p", process={}),
             TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7),
                             prefix_tokens=0, state_slot=-1),
             KVArrived(request_id="r", part="kv", seq=0, total=1, aux=b"\x07" * 16), AbortRequest(request_id="r", reason="client"),
@@ -95,3 +97,15 @@ def test_bad_endpoints_are_refused(endpoints, match):
 def test_a_backend_listed_twice_is_refused():
     with pytest.raises(WireError, match="backend 'nixl' listed twice"):
         register(endpoints=[endpoint(), endpoint(name="other")])
+
+
+@pytest.mark.parametrize("process, match", [
+    ({"boot": "b", "pid": 7, "started": 12}, r"process id needs the fields \['boot', 'pid', 'pid_ns', 'started'\]"),
+    ({"boot": "b", "pid_ns": 1, "pid": "7", "started": 12}, "process id field 'pid' must be int"),
+    ({"boot": "b", "pid_ns": 1, "pid": True, "started": 12}, "process id field 'pid' must be int"),
+    ({"boot": "b", "pid_ns": 1, "pid": 0, "started": 12}, "pid 0 / started 12 out of range"),
+    ([1], "hello_ack.process must be dict, got list"),
+])
+def test_a_malformed_process_id_in_a_hello_answer_is_refused(process, match):
+    with pytest.raises(WireError, match=match):
+        decode(frame("hello_ack", {"error": "", "incarnation": "p", "process": process}))
