@@ -170,6 +170,8 @@ def prepped_indices(batch: WriteBatch, rows: Optional[list], local: _List, remot
             return None
         sides.append(start + (offset >> shift))
     counts = batch.length >> shift  # [n] blocks per entry
+    if int(counts.max()) == 1:  # one block each (rows of the granule): the firsts are the indices
+        return tuple(first.astype(np.int32) for first in sides)
     before = np.cumsum(counts) - counts  # [n] indices ahead of each entry
     step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(before, counts)  # [k] block within its entry
     return tuple((np.repeat(first, counts) + step).astype(np.int32) for first in sides)

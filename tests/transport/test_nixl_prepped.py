@@ -169,6 +169,9 @@ def test_indices_address_each_entrys_blocks(small, monkeypatch):
     assert (granule, nbytes) == (256, 1024)
     li, ri = prepped.prepped_indices(batch, rows, lst, lst)
     assert list(li) == [2, 3, 17, 0] and list(ri) == [16, 17, 4, 15]
+    rows_of_one_block = wb([0, 2, 0], [512, 256, 0], [2, 0, 0], [0, 1024, 3840], 256)  # numpy: the firsts alone
+    li, ri = prepped.prepped_indices(rows_of_one_block, prepped.shape_of(rows_of_one_block)[2], lst, lst)
+    assert list(li) == [2, 17, 0] and list(ri) == [16, 4, 15]
     for bad in (wb(2, 768, 0, 0, 256),  # past region 2's last whole block
                 wb(0, 0, 3, 0, 64),  # a CUDA region: not in a DRAM list
                 wb(0, 0, 7, 0, 256)):  # an id beyond the list
