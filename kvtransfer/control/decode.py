@@ -64,7 +64,7 @@ import zmq
 from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
 from kvtransfer.control.common import (SWEEP_INTERVAL_S, AuxRecords, ControlConfig, Endpoints, EventLoop,
                                       default_host_id, unpack_first_token)
-from kvtransfer.control.liveness import ProcessId, ended
+from kvtransfer.control.liveness import ProcessId, ended, wire_of
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -299,7 +299,7 @@ class DecodeKVManager:
             instance=self.instance, dp_rank=self.config.dp_rank, tp_rank=self.layout.tp_rank,
             tp_size=self.layout.tp_size, host=self._host, endpoints=self.endpoints.wire(),
             layout=self.layout.to_msgpack(), incarnation=self.incarnation,
-            process=self._process.to_wire() if self._process else {}).to_msgpack(), zmq.NOBLOCK)
+            process=wire_of(self._process)).to_msgpack(), zmq.NOBLOCK)
 
     def _await_handshakes(self) -> None:
         deadline = time.monotonic() + self.config.handshake_timeout_s

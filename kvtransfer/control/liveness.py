@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ProcessId", "ended"]
+__all__ = ["ProcessId", "ended", "wire_of"]
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -72,6 +72,11 @@ class ProcessId:
         if body["pid"] <= 0 or body["started"] < 0:
             raise ValueError(f"process id pid {body['pid']} / started {body['started']} out of range")
         return cls(**body)
+
+
+def wire_of(process: Optional[ProcessId]) -> dict:
+    """What a hello carries for ``process``: its fields, or {} where it could not be named."""
+    return process.to_wire() if process is not None else {}
 
 
 def ended(process: Optional[ProcessId], here: Optional[ProcessId]) -> bool:

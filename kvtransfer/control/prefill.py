@@ -63,7 +63,7 @@ from kvtransfer.batches import BufferRegions, plan_batch, write_batch
 from kvtransfer.control.bootstrap import BootstrapClient
 from kvtransfer.control.common import (AUX_RECORD_BYTES, SWEEP_INTERVAL_S, ControlConfig, Endpoints, EventLoop,
                                       default_host_id, pick_backend)
-from kvtransfer.control.liveness import ProcessId, ended
+from kvtransfer.control.liveness import ProcessId, ended, wire_of
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     AbortRequest,
@@ -164,6 +164,7 @@ class _DecodePeer:
     reads_from_me: bool  # this rank is one of its senders_for(...)
     writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
     last_seen: float
+    process: Optional[ProcessId] = None  # the process its hello named (None: it could not)
 
     def batch(self, plan):
         """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
@@ -543,16 +544,16 @@ class PrefillKVManager:
                 entry = self._decode[hello.key] = _DecodePeer(
                     hello, identity, layout, backend, self.endpoints.regions[backend], regions, peer,
                     reads_from_me=self.layout.tp_rank in readers,
-                    writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic())
+                    writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic(),
+                    process=process_of(hello))
                 entry.plan_ahead_or_log(self.layout, hello.key)
                 self._by_identity[identity] = hello.key
                 self._dropped.pop(identity, None)
                 log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
-        self._router.send_multipart([identity, HelloAck(
-            error=error, incarnation=self.incarnation, process=self._process.to_wire() if self._process else {}).to_msgpack()],
-                                    zmq.NOBLOCK)
+        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process))
+        self._router.send_multipart([identity, ack.to_msgpack()], zmq.NOBLOCK)
 
     def _connect(self, hello: DecodeHello, theirs: dict):
         """``(backend, transport Peer, the decode rank's BufferRegions)`` over the best shared
@@ -640,10 +641,9 @@ class PrefillKVManager:
         decode ranks silent for two heartbeat intervals whose process has ended (no need to wait
         for the heartbeat timeout: :mod:`kvtransfer.control.liveness`)."""
         for key, peer in list(self._decode.items()):
-            if now - peer.last_seen > 2 * self.config.heartbeat_interval_s \
-                    and ended(process := process_of(peer.hello), self._process):
+            if now - peer.last_seen > 2 * self.config.heartbeat_interval_s and ended(peer.process, self._process):
                 del self._decode[key]
-                self._drop_peer(peer, f"decode rank {key} lost: its process (pid {process.pid}) has exited")
+                self._drop_peer(peer, f"decode rank {key} lost: its process (pid {peer.process.pid}) has exited")
         for rid, out in list(self._outgoing.items()):
             if not out.sender.status.state.final and now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
