@@ -36,6 +36,7 @@ import zmq
 
 from kvtransfer.control.wire import (
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     GetTopology,
     Message,
     Ping,
@@ -44,6 +45,7 @@ from kvtransfer.control.wire import (
     RegisterPrefill,
     Topology,
     UnregisterPrefill,
+    VersionMismatch,
     WireError,
     decode,
 )
@@ -118,6 +120,10 @@ class BootstrapService:
             identity, frame = parts
             try:
                 reply = self._answer(decode(frame), frame)
+            except VersionMismatch as exc:  # answered in this version: the requester fails naming both
+                self._drop(str(exc))
+                reply = Registered(error=f"the bootstrap service speaks control protocol {PROTOCOL_VERSION}, "
+                                         f"not {exc.version!r}")
             except WireError as exc:
                 self._drop(str(exc))
                 continue

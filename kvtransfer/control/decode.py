@@ -67,6 +67,7 @@ from kvtransfer.control.common import (SWEEP_INTERVAL_S, AuxRecords, ControlConf
 from kvtransfer.control.liveness import ProcessId, ended, wire_of
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
+    PROTOCOL_VERSION,
     AbortRequest,
     DecodeHello,
     Goodbye,
@@ -77,6 +78,7 @@ from kvtransfer.control.wire import (
     Quiesced,
     RegisterPrefill,
     TransferRequest,
+    VersionMismatch,
     WireError,
     decode,
     endpoints_of,
@@ -327,6 +329,11 @@ class DecodeKVManager:
             try:
                 msg = decode(frame)
             except WireError as exc:
+                if isinstance(exc, VersionMismatch) and peer.state is _PeerState.CONNECTING:  # the answer to our hello
+                    peer.state, peer.error = _PeerState.REFUSED, f"it speaks control protocol {exc.version!r}, " \
+                                                                 f"this rank {PROTOCOL_VERSION}"
+                    log.error("prefill rank %d refused decode rank %d: %s", rank, self.layout.tp_rank, peer.error)
+                    continue
                 log.warning("decode rank %d dropped a frame from prefill rank %d: %s", self.layout.tp_rank, rank, exc)
                 continue
             peer.unanswered_since = None

@@ -66,6 +66,7 @@ from kvtransfer.control.common import (AUX_RECORD_BYTES, SWEEP_INTERVAL_S, Contr
 from kvtransfer.control.liveness import ProcessId, ended, wire_of
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
+    PROTOCOL_VERSION,
     AbortRequest,
     DecodeHello,
     Goodbye,
@@ -76,6 +77,7 @@ from kvtransfer.control.wire import (
     Quiesced,
     RegisterPrefill,
     TransferRequest,
+    VersionMismatch,
     WireError,
     decode,
     endpoints_of,
@@ -478,6 +480,10 @@ class PrefillKVManager:
                 msg = decode(frame)
             except WireError as exc:
                 log.warning("prefill rank %d dropped a frame: %s", self.layout.tp_rank, exc)
+                if isinstance(exc, VersionMismatch) and exc.kind == DecodeHello.KIND:  # refused in this version
+                    self._router.send_multipart([identity, HelloAck(
+                        error=f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not {exc.version!r}",
+                        incarnation=self.incarnation, process=wire_of(self._process)).to_msgpack()], zmq.NOBLOCK)
                 continue
             if isinstance(msg, DecodeHello):
                 self._on_hello(identity, msg)

@@ -4,7 +4,11 @@ Every frame is a msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, "body": {fi
 :func:`decode` trusts nothing: a frame that is too large, not msgpack, of another protocol
 version, of an unknown kind, or whose body lacks a field, has an extra one or a value of the
 wrong type raises :class:`WireError` naming what was expected and what arrived. Receivers
-log and drop such frames; the socket and the process carry on.
+log and drop such frames; the socket and the process carry on. A request of another version
+(:class:`VersionMismatch`) is answered all the same, in the receiver's version -- the bootstrap
+service's :class:`Registered` and a prefill rank's :class:`HelloAck` with an error -- and a
+requester refuses such an answer naming both versions (a decode rank's start-up fails with
+``HandshakeError``), instead of waiting out its timeout.
 
 Messages (who sends them):
 
@@ -54,6 +58,7 @@ __all__ = [
     "Topology",
     "TransferRequest",
     "UnregisterPrefill",
+    "VersionMismatch",
     "WireError",
     "decode",
     "endpoints_of",
@@ -68,6 +73,18 @@ _TYPES = {"int": int, "str": str, "bytes": bytes, "bool": bool, "float": (int, f
 
 class WireError(ValueError):
     """A frame that cannot be trusted; the message says what was expected and what arrived."""
+
+
+class VersionMismatch(WireError):
+    """A well-formed frame of another protocol version. ``version`` is the sender's and ``kind``
+    the kind it names, as sent (not checked further). Whoever receives a request of another
+    version answers it all the same, in its own version, with an error: the requester's
+    :func:`decode` then raises this, and it fails naming both versions instead of waiting out
+    its timeout."""
+
+    def __init__(self, version, kind):
+        super().__init__(f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
+        self.version, self.kind = version, kind
 
 
 _KINDS: dict = {}
@@ -131,7 +148,7 @@ def decode(data) -> Message:
         got = sorted(frame) if isinstance(frame, dict) else type(frame).__name__
         raise WireError(f"a frame must be a map with keys ['body', 'kind', 'v'], got {got}")
     if frame["v"] != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {frame['v']!r}, this side speaks {PROTOCOL_VERSION}")
+        raise VersionMismatch(frame["v"], frame["kind"])
     cls = _KINDS.get(frame["kind"]) if isinstance(frame["kind"], str) else None
     if cls is None:
         raise WireError(f"unknown message kind {frame['kind']!r}; known: {sorted(_KINDS)}")
