@@ -133,7 +133,11 @@ over NIXL notifications, :mod:`transport.nvlink` over its mailbox connections):
 - ``Peer.close()`` (nixl: once no write to that owner is pending) and ``close()`` tell the
   owner to forget this transport; ``close()`` of an owner tells holders its regions are gone
   but waits for nobody: deregister memory explicitly before ``close()`` when peers may still
-  write, or keep it alive until they are gone.
+  write, or keep it alive until they are gone;
+- ``writer_gone(name)`` says what the owner knows of one holder: that it let go or is known
+  dead (nixl: a probe write into it, sent here at most every 0.2 s, failed with a disconnect),
+  or nothing (None) -- what the control plane asks before it reuses pages a silent writer was
+  writing into.
 
 When each side answers: a nixl holder only inside its own calls into its transport (``write``,
 a transfer's ``status``/``wait``, ``poll_notifications``, ``connect``, ``Peer.close``): a
@@ -752,6 +756,14 @@ class Transport(abc.ABC):
     def poll_notifications(self) -> list[Notification]:
         """Notifications delivered since the last call (see :class:`Notification`); each
         sender's in the order it posted them."""
+
+    def writer_gone(self, name: str) -> Optional[str]:
+        """Why no write of the transport named ``name`` (a peer connected to this one's export)
+        can land here any more -- it let go of the export, or it is known dead -- else None (it
+        may still write, or nothing is known of it). What revocation knows of its holders
+        (``transport.revocation``), asked for one of them: it does not block, and a backend may
+        start a liveness probe here and answer on a later call. Here: None."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -770,6 +770,13 @@ class NixlTransport(Transport):
         out, self._notes = self._notes, []
         return out
 
+    def writer_gone(self, name: str) -> Optional[str]:
+        """See :meth:`Transport.writer_gone`: a Release read from ``name``, or a 1-byte probe
+        write into its scratch that failed with a disconnect (its process died; a probe every
+        ``PROBE_INTERVAL_S`` while it holds)."""
+        self._agent_checked()
+        return self._holders.gone(name)
+
     # -- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -25,9 +25,10 @@ was lost in a way that proves it writes nothing more: reuse the request's pages 
 rank lost to silence may be only paused, so the requests it was lost with are *fenced*: released
 once it answers a new hello (it drops its old entry of this rank with drain before it
 acknowledges), answers ``NotConnected`` (it dropped it so already), restarts or says goodbye, is
-seen to have ended (on one host: its process, named in its hello ack, is gone from ``/proc``;
-:mod:`kvtransfer.control.liveness`), or after ``transfer_timeout_s`` without any of these (a
-prefill rank posts no chunk past a request's deadline).
+seen to have ended (on one host: its process, named in its hello ack, is gone from ``/proc``,
+:mod:`kvtransfer.control.liveness`; on any host: each transport it shares with this rank says
+its writer let go or is lost, ``Transport.writer_gone``), or after ``transfer_timeout_s``
+without any of these (a prefill rank posts no chunk past a request's deadline).
 
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
@@ -37,7 +38,7 @@ this rank has looked it up) and then fails naming it; a request not done after `
 and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
 so a rank that was killed and came back is reconnected without waiting for the timeout; a
-suspect rank whose process has ended (one host) is lost at once, its requests settled.
+suspect rank known to have ended (as for a fence, above) is lost at once, its requests settled.
 A lost rank is still sent heartbeats: one that answers was alive after all (one side's loop
 was paused past the timeout), and this rank says hello to it again; so it does when a prefill
 rank answers ``NotConnected`` (it dropped this rank as lost). Silence is counted from the first
@@ -178,6 +179,7 @@ class _PrefillPeer:
     unanswered_since: Optional[float] = None  # when the first heartbeat not followed by any message went
     incarnation: str = ""  # the one its hello ack named
     process: Optional[ProcessId] = None  # the process its hello ack named (None: it could not)
+    backend: str = ""  # the transport it writes here through, as its hello ack named it
     error: str = ""
     heartbeat_seq: int = 0
     last_heartbeat: float = 0.0
@@ -396,7 +398,7 @@ class DecodeKVManager:
                       ack.error)
             return
         peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
-        peer.process = process_of(ack)
+        peer.process, peer.backend = process_of(ack), ack.backend
         # the same process replaced its old entry of this rank (requests failed, transport peer
         # closed with drain) before it answered; another one means the old process is gone
         self._settle(peer.registration.tp_rank, "answered a new hello")
@@ -552,9 +554,10 @@ class DecodeKVManager:
         if now >= self._next_sweep:  # deadlines are seconds long: a look every SWEEP_INTERVAL_S, not every turn
             self._next_sweep = now + SWEEP_INTERVAL_S
             for rank, peer in list(self._peers.items()):  # silent, or lost with pages fenced: is it dead?
-                if (self._suspect(peer, now) or rank in self._fences) and ended(peer.process, self._process):
-                    self._lose(rank, f"prefill rank {rank} lost: its process (pid {peer.process.pid}) has exited",
-                               settled=True)
+                if self._suspect(peer, now) or rank in self._fences:
+                    gone = self._gone(peer)
+                    if gone is not None:
+                        self._lose(rank, f"prefill rank {rank} lost: {gone}", settled=True)
             for rank, fence in list(self._fences.items()):
                 if now - fence.since > cfg.transfer_timeout_s:
                     log.warning("decode rank %d: no word from lost prefill rank %d for %g s: the pages of the "
@@ -618,6 +621,19 @@ class DecodeKVManager:
         if released:
             log.info("decode rank %d: prefill rank %d %s: %d failed request(s) it was lost with can no longer be "
                      "written, their pages are released", self.layout.tp_rank, rank, why, released)
+
+    def _gone(self, peer: _PrefillPeer) -> Optional[str]:
+        """How a prefill rank is known to write nothing more here, else None: its process has
+        ended (one host: :mod:`kvtransfer.control.liveness`), or the transport it writes here
+        through (its hello ack named it) says that writer let go or is lost
+        (:meth:`transport.base.Transport.writer_gone`: across hosts, NIXL's probe write failing
+        with a disconnect)."""
+        if ended(peer.process, self._process):
+            return f"its process (pid {peer.process.pid}) has exited"
+        ep = endpoints_of(peer.registration).get(peer.backend)
+        transport = self.endpoints.transports.get(peer.backend)
+        why = transport.writer_gone(ep.name) if ep is not None and transport is not None else None
+        return f"its {peer.backend} transport {why}" if why is not None else None
 
     def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
         """A ready rank silent for two heartbeat intervals (not lost yet)."""

@@ -483,7 +483,8 @@ class PrefillKVManager:
                 if isinstance(exc, VersionMismatch) and exc.kind == DecodeHello.KIND:  # refused in this version
                     self._router.send_multipart([identity, HelloAck(
                         error=f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not {exc.version!r}",
-                        incarnation=self.incarnation, process=wire_of(self._process)).to_msgpack()], zmq.NOBLOCK)
+                        incarnation=self.incarnation, process=wire_of(self._process), backend="").to_msgpack()],
+                        zmq.NOBLOCK)
                 continue
             if isinstance(msg, DecodeHello):
                 self._on_hello(identity, msg)
@@ -558,7 +559,9 @@ class PrefillKVManager:
                 log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
-        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process))
+        entry = self._decode.get(hello.key) if not error else None
+        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process),
+                       backend=entry.backend if entry is not None else "")
         self._router.send_multipart([identity, ack.to_msgpack()], zmq.NOBLOCK)
 
     def _connect(self, hello: DecodeHello, theirs: dict):

@@ -65,7 +65,7 @@ __all__ = [
     "process_of",
 ]
 
-PROTOCOL_VERSION = 2  # 2: hellos and their answers name the sender's process (liveness.ProcessId)
+PROTOCOL_VERSION = 2  # 2: hellos and their answers name the sender's process (liveness.ProcessId), acks the backend
 MAX_FRAME_BYTES = 64 << 20  # a frame larger than this is refused before it is parsed
 
 _TYPES = {"int": int, "str": str, "bytes": bytes, "bool": bool, "float": (int, float), "list": list, "dict": dict}
@@ -347,6 +347,7 @@ class HelloAck(Message):
     error: str
     incarnation: str  # the prefill rank's: a change tells decode the rank restarted
     process: dict  # liveness.ProcessId.to_wire(), {} where it cannot name itself
+    backend: str  # the transport it writes to the decode rank through ("" when refused)
 
     def __post_init__(self):
         super().__post_init__()

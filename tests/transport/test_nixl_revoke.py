@@ -8,7 +8,9 @@ this process owning the memory and writer processes (``_writer``) writing into i
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 
@@ -22,6 +24,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
+from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer, _writer  # noqa: E402
 from tests.transport._support import assert_same  # noqa: E402
 from transport.base import RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch  # noqa: E402
@@ -140,6 +143,59 @@ def test_a_dead_writer_does_not_hang_deregister(writer, writer_proc):
     took = time.monotonic() - start
     assert took < 10.0, f"deregister took {took:.1f} s with a dead holder (revoke timeout 30 s)"
     assert rid not in owner.regions
+
+
+def gone_within(owner, name: str, timeout_s: float = 10.0):
+    """``owner.writer_gone(name)`` asked until it answers (its probes pace themselves), the
+    owner's notifications read meanwhile; (why, seconds), or (None, timeout_s)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        owner.poll_notifications()
+        why = owner.writer_gone(name)
+        if why is not None:
+            return why, time.monotonic() - start
+        time.sleep(0.01)
+    return None, timeout_s
+
+
+def test_writer_gone_says_a_killed_writer_is_lost_and_a_closed_one_let_go(writer, writer_proc):
+    """What the control plane asks to settle a silent sender's requests: nothing is known of a
+    stranger, a writer that holds is not gone, one that closed its peer let go, and a killed one
+    is found lost by a probe write that reports the disconnect."""
+    owner = writer()
+    mem, rid = owned(owner, 1 * MiB)
+    assert owner.writer_gone("nobody-we-know") is None
+    ws = [writer_proc(seed, 1 * MiB) for seed in (5, 6)]
+    for tag, w in enumerate(ws, 1):
+        w.connect(owner.export())
+        w.write(tag, rid, 0, 1 * MiB, pump=owner.poll_notifications)
+        assert w.wait_finished(tag, pump=owner.poll_notifications).status == "DONE"
+    assert gone_within(owner, ws[0].name, timeout_s=1.0)[0] is None  # holds, alive: probes answer
+    ws[0].close_peer(pump=owner.poll_notifications)
+    assert gone_within(owner, ws[0].name)[0] == "let go of this side's export"
+    ws[1].kill()
+    why, took = gone_within(owner, ws[1].name)
+    assert why is not None and why.startswith("is lost (") and "DISCONNECT" in why.upper(), why
+    ws[0].connect(owner.export(), pump=owner.poll_notifications)  # holds again: no longer gone
+    ws[0].write(3, rid, 0, 1 * MiB, pump=owner.poll_notifications)
+    assert ws[0].wait_finished(3, pump=owner.poll_notifications).status == "DONE"
+    assert owner.writer_gone(ws[0].name) is None
+
+
+def test_writer_gone_never_says_a_stopped_writer_is(writer, writer_proc):
+    """A stopped (paused) writer may run again and write: however long it is silent, it is not
+    gone."""
+    owner = writer()
+    mem, rid = owned(owner, 1 * MiB)
+    w = writer_proc(7, 1 * MiB)
+    w.connect(owner.export())
+    w.write(1, rid, 0, 1 * MiB, pump=owner.poll_notifications)
+    assert w.wait_finished(1, pump=owner.poll_notifications).status == "DONE"
+    stop(w.proc.pid)
+    try:
+        assert gone_within(owner, w.name, timeout_s=2.0)[0] is None
+    finally:
+        os.kill(w.proc.pid, signal.SIGCONT)
 
 
 def test_every_writer_answers_or_deregister_refuses_naming_the_silent_one(writer, writer_proc):

@@ -385,6 +385,20 @@ def test_a_writer_killed_mid_revoke_counts_as_lost(owner, writer_proc):
     assert rids[0] not in t.regions
 
 
+def test_writer_gone_follows_the_writers_mailbox_connections(owner, writer_proc):
+    """A writer that holds is not gone; once killed (its mailbox connection ends) it is lost."""
+    t, rids = owner([4096])
+    w = writer_proc(3, 4096, backend="nvlink-cpu")
+    w.connect(t.export(), pump=t.poll_notifications)
+    w.write(1, rids[0], 0, 4096, pump=t.poll_notifications)
+    assert w.wait_finished(1, pump=t.poll_notifications).status == "DONE"
+    assert t.writer_gone(w.name) is None and t.writer_gone("nobody-we-know") is None
+    w.kill()
+    wait_until("the killed writer's connection seen ended",
+               lambda: t.poll_notifications() is not None and t.writer_gone(w.name) is not None)
+    assert t.writer_gone(w.name) == "let go of this side's export"
+
+
 def test_a_stopped_writer_is_silent_and_answers_once_it_runs_again(owner, writer_proc):
     """SIGSTOP: the writer's mailbox thread cannot answer; deregister refuses after the timeout
     naming it and keeps the region; force releases another one at once. SIGCONT: it answers the

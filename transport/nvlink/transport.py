@@ -181,6 +181,12 @@ class NvlinkTransport(Transport):
         self._check_open()
         return self._inbox.poll()
 
+    def writer_gone(self, name: str) -> Optional[str]:
+        """See :meth:`Transport.writer_gone`: every mailbox connection of ``name`` ended (it
+        closed those peers, or its process is gone), as the inbox read it."""
+        self._check_open()
+        return self._holders.gone(name)
+
     def close(self) -> None:
         if self._closed:
             return

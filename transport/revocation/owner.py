@@ -32,6 +32,8 @@ from transport.revocation.wire import HoldAck, Message, Revoke
 
 __all__ = ["Holder", "Holders"]
 
+LET_GO_KEPT = 1024  # holders that let go or were lost, remembered for Holders.gone
+
 
 class Holder:
     """One hold of this side's export: a remote transport that can address some of its regions."""
@@ -55,6 +57,7 @@ class Holders(abc.ABC):
         self._holders: dict[Hashable, Holder] = {}
         self._seq = 0
         self._revoking: set[int] = set()  # regions a deregister is revoking: gone for a hold that comes now
+        self._let_go: dict[str, str] = {}  # holder name -> how it went (let go or lost), until it holds again
 
     # -- what a backend provides -----------------------------------------------------------------
 
@@ -82,6 +85,24 @@ class Holders(abc.ABC):
         """``holder`` let go, or is lost: it holds nothing of this side any more."""
         if self._holders.get(holder.key) is holder:
             del self._holders[holder.key]
+            self._let_go.pop(holder.name, None)  # newest last: the oldest go first past the bound
+            self._let_go[holder.name] = f"is lost ({holder.lost})" if holder.lost else "let go of this side's export"
+            while len(self._let_go) > LET_GO_KEPT:
+                del self._let_go[next(iter(self._let_go))]
+
+    def gone(self, name: str) -> Optional[str]:
+        """Why the holder named ``name`` can write nothing more here (it let go, or is lost),
+        else None (it holds, or was never heard of). A holder that holds is probed
+        (:meth:`_probe`, which paces itself): its loss shows on a later call."""
+        holder = next((h for h in self._holders.values() if h.name == name), None)
+        if holder is None:
+            return self._let_go.get(name)
+        if holder.lost is None:
+            self._probe(holder)
+        if holder.lost is None:
+            return None
+        self._forget(holder)
+        return self._let_go[name]
 
     # -- holds -----------------------------------------------------------------------------------
 
@@ -97,6 +118,7 @@ class Holders(abc.ABC):
         being revoked, and answer ``HoldAck(seq, the others)``."""
         regions = list(regions)
         self._holders[holder.key] = holder
+        self._let_go.pop(holder.name, None)  # it holds again
         live = {r for r in regions if self._live(r) and r not in self._revoking}
         holder.regions |= live
         self._send_to(holder, HoldAck(seq, sorted({r for r in regions if r not in live})))

@@ -35,6 +35,7 @@ class RankSpec:
     config: dict = field(default_factory=dict)  # ControlConfig fields
     instance: Optional[str] = None
     netns: Optional[object] = None  # a kvtransfer.netns.Host: the rank runs on that "host"
+    names_process: bool = True  # False: it cannot name its process (as where /proc is another pid namespace's)
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -314,6 +315,10 @@ def rank_main(conn, spec: RankSpec) -> None:
             from kvtransfer.netns import enter
 
             enter(spec.netns)
+        if not spec.names_process:  # its hellos then carry no process: peers cannot read its death in /proc
+            from kvtransfer.control.liveness import ProcessId
+
+            ProcessId.mine = classmethod(lambda cls: None)
         rank = _Rank(spec)
         conn.send(Reply(True, rank.layout.to_msgpack()))
         while True:

@@ -75,7 +75,7 @@ def test_a_decode_rank_whose_hello_is_answered_in_another_version_fails_at_start
         while not stop.is_set():
             if router.poll(50):
                 identity, _ = router.recv_multipart()
-                router.send_multipart([identity, frame("hello_ack", {"error": "", "incarnation": "newer"})])
+                router.send_multipart([identity, frame("hello_ack", {"error": "", "incarnation": "newer", "backend": "nixl"})])
 
     BootstrapClient(service.address).register(register(tp_rank=0, tp_size=1, control_addr=f"tcp://127.0.0.1:{port}",
                                                         endpoints=[endpoint(name="newer-prefill")]))

@@ -72,7 +72,8 @@ def test_decode_prefill_messages_round_trip():
     msgs = [DecodeHello(instance="decode-a", dp_rank=0, tp_rank=0, tp_size=1, host="h",
                         endpoints=[endpoint(name="d0"), endpoint("nvlink", "d0-nvlink")], layout=b"l", incarnation="i",
                         process={"boot": "b", "pid_ns": 4026531836, "pid": 7, "started": 12}),
-            HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p", process={}),
+            HelloAck(error="layouts differ in dtype: this side 'bfloat16', peer 'float16'", incarnation="p", process={},
+                     backend=""),
             TransferRequest(request_id="r", instance="decode-a", decode_tp_rank=0, dst_slots=b"\x01" + bytes(7),
                             prefix_tokens=0, state_slot=-1),
             KVArrived(request_id="r", part="kv", seq=0, total=1, aux=b"\x07" * 16), AbortRequest(request_id="r", reason="client"),
@@ -108,4 +109,4 @@ def test_a_backend_listed_twice_is_refused():
 ])
 def test_a_malformed_process_id_in_a_hello_answer_is_refused(process, match):
     with pytest.raises(WireError, match=match):
-        decode(frame("hello_ack", {"error": "", "incarnation": "p", "process": process}))
+        decode(frame("hello_ack", {"error": "", "incarnation": "p", "process": process, "backend": "nixl"}))
