@@ -22,15 +22,18 @@ try:
 except ImportError as exc:
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 from kvtransfer._procs import Child  # noqa: E402
 from kvtransfer.layout import RankLayout  # noqa: E402
 from kvtransfer.plan import senders_for  # noqa: E402
 from tests.kvtransfer import _host_ranks as hr  # noqa: E402
-from tests.kvtransfer.control._ranks import Prefill, RankProcess, RankSpec, Receive, Verify, Wait  # noqa: E402
+from tests.kvtransfer.control._ranks import (Prefill, RankProcess, RankSpec, Receive, Released, Verify,  # noqa: E402
+                                             Wait)
 
 REPLY_S = 120.0
 
@@ -136,38 +139,74 @@ def test_a_cut_link_fails_the_transfer_and_the_next_request_succeeds(cluster):
     assert cluster.check() == hr.Checked(0, 0), "rows of a done request differ, or bytes landed in unreserved slots"
 
 
+@contextlib.contextmanager
+def bootstrap_on(host):
+    """``kvtransfer bootstrap`` serving on ``host``'s address: its address."""
+    boot = subprocess.Popen(["ip", "netns", "exec", host.netns, sys.executable, "-m", "kvtransfer", "bootstrap",
+                             "--host", host.address, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        line = boot.stdout.readline()
+        assert "serving on tcp://" in line, line
+        yield line.rsplit(" ", 1)[1].strip()
+    finally:
+        boot.terminate()
+        boot.wait(10)
+
+
+FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 30.0}
+
+
 def test_the_control_plane_across_the_hosts(cluster):
     """The bootstrap service and two prefill ranks (TP 2) on A, a decode rank (TP 1) on B, their
     KV managers over zmq and NIXL between the veth addresses: two requests land byte for byte."""
     a, b = cluster.hosts.a, cluster.hosts.b
-    boot = subprocess.Popen(["ip", "netns", "exec", a.netns, sys.executable, "-m", "kvtransfer", "bootstrap",
-                             "--host", a.address, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     ranks = []
-    try:
-        line = boot.stdout.readline()
-        assert "serving on tcp://" in line, line
-        address = line.rsplit(" ", 1)[1].strip()
-        fast = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 30.0}
-        ranks = [RankProcess(RankSpec(role, r, tp, page, address, config={**fast, "host": host.address},
-                                      instance="decode-two-hosts", netns=host))
-                 for role, tp, page, host in (("prefill", 2, 16, a), ("decode", 1, 4, b)) for r in range(tp)]
-        for r in ranks:
-            r.started()
-        prefill, decode = ranks[:2], ranks[2:]
-        for i, tokens in enumerate((70, 33)):
-            rid = f"hosts-{i}"
-            decode[0].call(Receive(rid, tokens))
-            for p in prefill:
-                p.call(Prefill(rid, tokens, (tokens - 20, 20), first_token=50 + i))
+    with bootstrap_on(a) as address:
+        try:
+            ranks = [RankProcess(RankSpec(role, r, tp, page, address, config={**FAST, "host": host.address},
+                                          instance="decode-two-hosts", netns=host))
+                     for role, tp, page, host in (("prefill", 2, 16, a), ("decode", 1, 4, b)) for r in range(tp)]
             for r in ranks:
-                assert r.call(Wait(rid)) == ("Success", None), r.name
-            assert decode[0].call(Verify(rid)) == (0, 50 + i)
-    finally:
-        for r in ranks:
-            r.close()
-        boot.terminate()
-        boot.wait(10)
+                r.started()
+            prefill, decode = ranks[:2], ranks[2:]
+            for i, tokens in enumerate((70, 33)):
+                rid = f"hosts-{i}"
+                decode[0].call(Receive(rid, tokens))
+                for p in prefill:
+                    p.call(Prefill(rid, tokens, (tokens - 20, 20), first_token=50 + i))
+                for r in ranks:
+                    assert r.call(Wait(rid)) == ("Success", None), r.name
+                assert decode[0].call(Verify(rid)) == (0, 50 + i)
+        finally:
+            for r in ranks:
+                r.close()
+
+
+def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(cluster):
+    """A prefill rank on A killed mid-request, its decode rank on B. Its process is not one B
+    can read (it names none, as on another kernel): B's NIXL transport, asked about that writer
+    once it is silent, probes it over the veth pair and the probe fails with a disconnect; the
+    request fails and its pages are released well before the (30 s) transfer timeout."""
+    a, b = cluster.hosts.a, cluster.hosts.b
+    with bootstrap_on(a) as address:
+        prefill = RankProcess(RankSpec("prefill", 0, 1, 16, address, config={**FAST, "host": a.address}, netns=a,
+                                       names_process=False))
+        decode = RankProcess(RankSpec("decode", 0, 1, 4, address, config={**FAST, "host": b.address},
+                                      instance="decode-killed-peer", netns=b))
+        try:
+            prefill.started(), decode.started()
+            decode.call(Receive("doomed", 20))
+            prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
+            prefill.kill()
+            start = time.monotonic()
+            state, reason = decode.call(Wait("doomed", timeout_s=30))
+            assert state == "Failed" and "prefill rank 0 lost: its nixl transport is lost (" in reason, reason
+            assert decode.call(Released("doomed", timeout_s=30.0)) < 10.0
+            assert time.monotonic() - start < 15.0
+        finally:
+            decode.close()
+            prefill.close()
 
 
 def test_the_transport_benchmark_runs_between_two_hosts():
