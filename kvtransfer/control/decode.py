@@ -26,9 +26,10 @@ rank lost to silence may be only paused, so the requests it was lost with are *f
 once it answers a new hello (it drops its old entry of this rank with drain before it
 acknowledges), answers ``NotConnected`` (it dropped it so already), restarts or says goodbye, is
 seen to have ended (on one host: its process, named in its hello ack, is gone from ``/proc``,
-:mod:`kvtransfer.control.liveness`; on any host: each transport it shares with this rank says
-its writer let go or is lost, ``Transport.writer_gone``), or after ``transfer_timeout_s``
-without any of these (a prefill rank posts no chunk past a request's deadline).
+:mod:`kvtransfer.control.liveness`; on any host: the transport it writes here through, named
+in its hello ack, says that writer let go or is lost, ``Transport.writer_gone``), or after
+``transfer_timeout_s`` without any of these (a prefill rank posts no chunk past a request's
+deadline).
 
 Failures: a prefill rank that stops answering heartbeats for ``heartbeat_timeout_s`` fails
 every request that expects it, and is reconnected once the bootstrap service lists a new
