@@ -691,10 +691,15 @@ def test_a_region_deregistered_between_two_chunks_of_a_strided_write_is_not_writ
     assert_same(dst, want, "the second chunk, regions unchanged")
 
 
-def test_host_staging_gathers_and_scatters_strided_rows():
+@pytest.mark.parametrize("flat_slots", [0, 1 << 20], ids=["per-pair", "flat-rows"])
+def test_host_staging_gathers_and_scatters_strided_rows(flat_slots, monkeypatch):
     """Rows ``[begin, end)`` of a strided batch (a range that starts and ends inside pairs),
-    gathered into a slot back to back and scattered out again, against plain loops."""
+    gathered into a slot back to back and scattered out again, against plain loops: one view
+    per pair part, and the range expanded to flat rows (``FLAT_SLOTS``)."""
+    from transport.nixl_staged import copy
     from transport.nixl_staged.copy import HostStaging
+
+    monkeypatch.setattr(copy, "FLAT_SLOTS", flat_slots)
 
     rng = np.random.default_rng(15)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)

@@ -25,8 +25,11 @@ as a :class:`StridedRows`: per pair the address of slot 0, the stride and the ro
 ``addr[p] + slot[s] * stride[p]``, and sits in the staging at its offset ``off(r)`` (pair-major,
 back to back). ``gather_strided`` / ``scatter_strided`` copy rows ``[begin, end)`` of it:
 
-- host: one vectorised copy per pair part in the range (the rows of one pair are one strided
-  ``[positions, row]`` view of the memory they span, indexed by slot): O(pairs) Python steps;
+- host: a range of few slots per pair (at most :data:`FLAT_SLOTS` on average: a small
+  request's, or a TP change's head slices) as flat rows, through the same one-step copies as
+  ``gather`` / ``scatter``; else one vectorised copy per pair part in the range (the rows of
+  one pair are one strided ``[positions, row]`` view of the memory they span, indexed by
+  slot): O(pairs) Python steps;
 - CUDA: ONE launch of the NVLink strided kernel in its staged mode (``scatter_strided`` with
   ``Stage(GATHER | SCATTER, slot address, off(begin))``) over the write's strided table,
   uploaded once per write, on this staging's stream; a slot's event (not the device) is waited
@@ -47,6 +50,11 @@ from transport.nixl_staged.wire import (STRIDED_HEADER_BYTES, ChunkHeader, Desti
                                         StridedHeader, data_start)
 
 __all__ = ["Staging", "HostStaging", "KernelStaging", "StridedRows", "Landed", "make_staging"]
+
+# Up to this many slots per pair, a host copy of strided rows expands them to flat rows (a few
+# numpy passes, ~10-20 ns a row) and copies them in one step per row length; past it, one view
+# per pair (~40 us of Python and torch calls each on the 2-core VM) costs less than the expansion.
+FLAT_SLOTS = 1024
 
 
 def _merged(addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +128,18 @@ class StridedRows:
         if p == self.pairs:
             return int(self.pair_offset[-1] + self.length[-1] * self.slots)
         return int(self.pair_offset[p]) + s * int(self.length[p])
+
+    def few_slots(self, begin: int, end: int) -> bool:
+        """Rows ``[begin, end)`` hold at most :data:`FLAT_SLOTS` slots per pair on average: a
+        host copy then takes them as flat rows (:meth:`flat`), one step for the whole range,
+        rather than one per pair part."""
+        pairs = (end - 1) // self.slots - begin // self.slots + 1
+        return end - begin <= FLAT_SLOTS * pairs
+
+    def flat(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(addr, length)`` of rows ``[begin, end)`` (``[end - begin]`` each), in staging order."""
+        pair, slot = np.divmod(np.arange(begin, end, dtype=np.int64), self.slots)  # [rows] each
+        return self.addr[pair] + self.slot[slot] * self.stride[pair], self.length[pair]
 
     def parts(self, begin: int, end: int):
         """``(pair, first slot, end slot, staging offset from off(begin))`` of each pair part of rows
@@ -350,6 +370,9 @@ class HostStaging(Staging):
     def gather_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
         import torch
 
+        if rows.few_slots(begin, end):
+            self.gather(k, at, *rows.flat(begin, end))
+            return
         out = self.buf[k * self.slot_bytes + at:]
         with _one_torch_thread():
             for p, s0, s1, o in rows.parts(begin, end):
@@ -362,6 +385,9 @@ class HostStaging(Staging):
                 torch.index_select(src, 0, torch.from_numpy(slot - low), out=torch.from_numpy(dst).view(s1 - s0, -1))
 
     def scatter_strided(self, k: int, at: int, rows: StridedRows, begin: int, end: int) -> None:
+        if rows.few_slots(begin, end):
+            self.scatter(k, at, *rows.flat(begin, end))
+            return
         src = self.buf[k * self.slot_bytes + at:]
         for p, s0, s1, o in rows.parts(begin, end):
             row, stride, slot = int(rows.length[p]), int(rows.stride[p]), rows.slot[s0:s1]
