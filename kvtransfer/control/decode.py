@@ -630,8 +630,8 @@ class DecodeKVManager:
         already, its pages fenced), the transport it writes here through (its hello ack named
         it) says that writer let go or is lost (:meth:`transport.base.Transport.writer_gone`:
         across hosts, NIXL's probe write failing with a disconnect). A rank that is only
-        suspect is not probed: a busy one is often a second late, and probe writes to it every
-        0.2 s slowed the demo's transfers three-fold (bench/RESULTS.md)."""
+        suspect is not asked of: a busy one is often a second late, and asking of suspects
+        slowed the demo's transfers about three-fold, for a cause not found (bench/RESULTS.md)."""
         if ended(peer.process, self._process):
             return f"its process (pid {peer.process.pid}) has exited"
         if not probe:
