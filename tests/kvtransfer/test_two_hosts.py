@@ -187,7 +187,9 @@ def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(
     """A prefill rank on A killed mid-request, its decode rank on B. Its process is not one B
     can read (it names none, as on another kernel): the request fails at the heartbeat timeout,
     then B's NIXL transport, asked about that writer, probes it over the veth pair and the probe
-    fails with a disconnect; the pages are released well before the (30 s) transfer timeout."""
+    fails with a disconnect; the pages are released well before the (30 s) transfer timeout.
+    It is killed once its first chunk is posted: a writer killed before its first direct write
+    never held the export, and nothing is known of it (``writer_gone`` says None)."""
     a, b = cluster.hosts.a, cluster.hosts.b
     with bootstrap_on(a) as address:
         prefill = RankProcess(RankSpec("prefill", 0, 1, 16, address, config={**FAST, "host": a.address}, netns=a,
@@ -198,6 +200,9 @@ def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(
             prefill.started(), decode.started()
             decode.call(Receive("doomed", 20))
             prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
+            deadline = time.monotonic() + 30  # its first chunk posted: it holds the decode rank's export
+            while prefill.call(Wait("doomed", timeout_s=0.05))[0] != "Transferring":
+                assert time.monotonic() < deadline, "the first chunk was not posted within 30 s"
             prefill.kill()
             start = time.monotonic()
             state, reason = decode.call(Wait("doomed", timeout_s=30))
