@@ -73,6 +73,7 @@ from kvtransfer.control.wire import (
     PROTOCOL_VERSION,
     AbortRequest,
     DecodeHello,
+    Endpoint,
     Goodbye,
     Heartbeat,
     HelloAck,
@@ -181,7 +182,7 @@ class _PrefillPeer:
     unanswered_since: Optional[float] = None  # when the first heartbeat not followed by any message went
     incarnation: str = ""  # the one its hello ack named
     process: Optional[ProcessId] = None  # the process its hello ack named (None: it could not)
-    backend: str = ""  # the transport it writes here through, as its hello ack named it
+    writer: Optional[Endpoint] = None  # its endpoint on the transport its hello ack says it writes through
     error: str = ""
     heartbeat_seq: int = 0
     last_heartbeat: float = 0.0
@@ -400,7 +401,7 @@ class DecodeKVManager:
                       ack.error)
             return
         peer.state, peer.incarnation, peer.since = _PeerState.READY, ack.incarnation, time.monotonic()
-        peer.process, peer.backend = process_of(ack), ack.backend
+        peer.process, peer.writer = process_of(ack), endpoints_of(peer.registration).get(ack.backend)
         # the same process replaced its old entry of this rank (requests failed, transport peer
         # closed with drain) before it answered; another one means the old process is gone
         self._settle(peer.registration.tp_rank, "answered a new hello")
@@ -636,10 +637,9 @@ class DecodeKVManager:
             return f"its process (pid {peer.process.pid}) has exited"
         if not probe:
             return None
-        ep = endpoints_of(peer.registration).get(peer.backend)
-        transport = self.endpoints.transports.get(peer.backend)
-        why = transport.writer_gone(ep.name) if ep is not None and transport is not None else None
-        return f"its {peer.backend} transport {why}" if why is not None else None
+        transport = self.endpoints.transports.get(peer.writer.backend) if peer.writer is not None else None
+        why = transport.writer_gone(peer.writer.name) if transport is not None else None
+        return f"its {peer.writer.backend} transport {why}" if why is not None else None
 
     def _suspect(self, peer: _PrefillPeer, now: float) -> bool:
         """A ready rank silent for two heartbeat intervals (not lost yet)."""

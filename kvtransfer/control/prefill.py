@@ -481,10 +481,8 @@ class PrefillKVManager:
             except WireError as exc:
                 log.warning("prefill rank %d dropped a frame: %s", self.layout.tp_rank, exc)
                 if isinstance(exc, VersionMismatch) and exc.kind == DecodeHello.KIND:  # refused in this version
-                    self._router.send_multipart([identity, HelloAck(
-                        error=f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not {exc.version!r}",
-                        incarnation=self.incarnation, process=wire_of(self._process), backend="").to_msgpack()],
-                        zmq.NOBLOCK)
+                    self._ack(identity, f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not "
+                                        f"{exc.version!r}")
                 continue
             if isinstance(msg, DecodeHello):
                 self._on_hello(identity, msg)
@@ -560,8 +558,11 @@ class PrefillKVManager:
         if error:
             log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
         entry = self._decode.get(hello.key) if not error else None
-        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process),
-                       backend=entry.backend if entry is not None else "")
+        self._ack(identity, error, entry.backend if entry is not None else "")
+
+    def _ack(self, identity: bytes, error: str, backend: str = "") -> None:
+        """Answer a hello: ``error`` empty when accepted, ``backend`` what this rank writes through."""
+        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process), backend=backend)
         self._router.send_multipart([identity, ack.to_msgpack()], zmq.NOBLOCK)
 
     def _connect(self, hello: DecodeHello, theirs: dict):

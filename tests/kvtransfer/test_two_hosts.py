@@ -33,7 +33,7 @@ from kvtransfer.layout import RankLayout  # noqa: E402
 from kvtransfer.plan import senders_for  # noqa: E402
 from tests.kvtransfer import _host_ranks as hr  # noqa: E402
 from tests.kvtransfer.control._ranks import (Prefill, RankProcess, RankSpec, Receive, Released, Verify,  # noqa: E402
-                                             Wait)
+                                             Wait, until_state)
 
 REPLY_S = 120.0
 
@@ -200,9 +200,7 @@ def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(
             prefill.started(), decode.started()
             decode.call(Receive("doomed", 20))
             prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
-            deadline = time.monotonic() + 30  # its first chunk posted: it holds the decode rank's export
-            while prefill.call(Wait("doomed", timeout_s=0.05))[0] != "Transferring":
-                assert time.monotonic() < deadline, "the first chunk was not posted within 30 s"
+            until_state(prefill, "doomed", "Transferring", timeout_s=30)  # its first chunk posted: it holds the export
             prefill.kill()
             start = time.monotonic()
             state, reason = decode.call(Wait("doomed", timeout_s=30))

@@ -368,6 +368,17 @@ class RankProcess:
         self.child.stop(Quit(), timeout=10)
 
 
+def until_state(rank, rid, state, timeout_s=20.0):
+    """Poll a request until it reaches ``state`` (a name), or fail naming where it stands."""
+    deadline = time.monotonic() + timeout_s
+    got = None
+    while time.monotonic() < deadline:
+        got = rank.call(Wait(rid, timeout_s=0.05))[0]
+        if got == state:
+            return
+    raise AssertionError(f"{rank.name}: request {rid} is {got}, not {state}, after {timeout_s} s")
+
+
 def wait_forgotten(rank, timeout_s: float = 10.0) -> None:
     """Assert that ``rank``'s manager holds no request within ``timeout_s``. A manager forgets
     an ended request on its loop thread, in the turn that ended it, which may come just after a

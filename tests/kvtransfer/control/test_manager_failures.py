@@ -15,7 +15,8 @@ import pytest
 
 from kvtransfer.control.bootstrap import BootstrapService
 from tests.kvtransfer.control._ranks import (Abort, HoldLoop, IsReleased, Prefill, RankProcess, RankSpec, Receive,
-                                             Released, SendLast, Stats, Verify, Wait, wait_forgotten)
+                                             Released, SendLast, Stats, Verify, Wait, until_state,
+                                             wait_forgotten)
 from tests._stop import stop
 
 FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 30.0}
@@ -39,17 +40,6 @@ def ranks():
     yield start
     for rank in started:
         rank.close()
-
-
-def until_state(rank, rid, state, timeout_s=20.0):
-    """Poll a request until it reaches ``state`` (a name), or fail naming where it stands."""
-    deadline = time.monotonic() + timeout_s
-    got = None
-    while time.monotonic() < deadline:
-        got = rank.call(Wait(rid, timeout_s=0.05))[0]
-        if got == state:
-            return
-    raise AssertionError(f"{rank.name}: request {rid} is {got}, not {state}, after {timeout_s} s")
 
 
 def wait_ready(decode, senders, timeout_s=20.0):
