@@ -39,8 +39,7 @@ this rank has looked it up) and then fails naming it; a request not done after `
 and is aborted on its senders. A rank silent for two heartbeat intervals is *suspect*: no
 request is asked of it meanwhile, and the bootstrap service is asked whether it restarted,
 so a rank that was killed and came back is reconnected without waiting for the timeout; a
-suspect rank whose process has ended (one host) is lost at once, its requests settled (the
-transport is asked only of a rank lost already, above).
+suspect rank seen to have ended (as for a fence, above) is lost at once, its requests settled.
 A lost rank is still sent heartbeats: one that answers was alive after all (one side's loop
 was paused past the timeout), and this rank says hello to it again; so it does when a prefill
 rank answers ``NotConnected`` (it dropped this rank as lost). Silence is counted from the first
@@ -558,7 +557,7 @@ class DecodeKVManager:
             self._next_sweep = now + SWEEP_INTERVAL_S
             for rank, peer in list(self._peers.items()):  # silent, or lost with pages fenced: is it dead?
                 if self._suspect(peer, now) or rank in self._fences:
-                    gone = self._gone(peer, probe=rank in self._fences)
+                    gone = self._gone(peer)
                     if gone is not None:
                         self._lose(rank, f"prefill rank {rank} lost: {gone}", settled=True)
             for rank, fence in list(self._fences.items()):
@@ -625,18 +624,14 @@ class DecodeKVManager:
             log.info("decode rank %d: prefill rank %d %s: %d failed request(s) it was lost with can no longer be "
                      "written, their pages are released", self.layout.tp_rank, rank, why, released)
 
-    def _gone(self, peer: _PrefillPeer, probe: bool) -> Optional[str]:
-        """How a prefill rank is known to write nothing more here, else None: its process has
-        ended (one host: :mod:`kvtransfer.control.liveness`), or, with ``probe`` (a rank lost
-        already, its pages fenced), the transport it writes here through (its hello ack named
-        it) says that writer let go or is lost (:meth:`transport.base.Transport.writer_gone`:
-        across hosts, NIXL's probe write failing with a disconnect). A rank that is only
-        suspect is not asked of: a busy one is often a second late, and asking of suspects
-        slowed the demo's transfers about three-fold, for a cause not found (bench/RESULTS.md)."""
+    def _gone(self, peer: _PrefillPeer) -> Optional[str]:
+        """How a prefill rank (suspect, or lost with pages fenced) is known to write nothing
+        more here, else None: its process has ended (one host: :mod:`kvtransfer.control.liveness`),
+        or the transport it writes here through (its hello ack named it) says that writer let go
+        or is lost (:meth:`transport.base.Transport.writer_gone`: across hosts, NIXL's 1-byte
+        probe write failing with a disconnect, one every 0.2 s at most)."""
         if ended(peer.process, self._process):
             return f"its process (pid {peer.process.pid}) has exited"
-        if not probe:
-            return None
         transport = self.endpoints.transports.get(peer.writer.backend) if peer.writer is not None else None
         why = transport.writer_gone(peer.writer.name) if transport is not None else None
         return f"its {peer.writer.backend} transport {why}" if why is not None else None

@@ -206,19 +206,22 @@ def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected
 
 def test_a_killed_prefill_rank_whose_process_is_unknown_is_found_lost_by_its_transport(bootstrap, ranks):
     """As across hosts: the prefill rank cannot name its process, so its death is not read in
-    /proc. It is lost at the heartbeat timeout; then the decode rank's NIXL transport, asked
-    about that writer, probes it with a 1-byte write, which fails with a disconnect: the pages
-    are released then, not after the transfer timeout."""
-    prefill = ranks(prefill_spec(bootstrap, 0, 1, names_process=False))
-    decode = ranks(decode_spec(bootstrap))
+    /proc. Once it is suspect (silent for two heartbeat intervals), the decode rank's NIXL
+    transport, asked about that writer, probes it with a 1-byte write, which fails with a
+    disconnect: the request fails and its pages are released then, long before the (20 s)
+    heartbeat timeout and the (30 s) transfer timeout."""
+    patient = {**FAST, "heartbeat_timeout_s": 20.0}
+    prefill = ranks(prefill_spec(bootstrap, 0, 1, names_process=False, config=patient))
+    decode = ranks(decode_spec(bootstrap, config=patient))
     decode.call(Receive("doomed", 20))
     prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
     until_state(prefill, "doomed", "Transferring")
     t0 = time.monotonic()
     prefill.kill()
     state, reason = decode.call(Wait("doomed", timeout_s=20))
-    assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason, reason
-    assert decode.call(Released("doomed")) < 10  # FAST: the transfer timeout is 30 s
+    assert state == "Failed" and "prefill rank 0 lost: its nixl transport is lost (" in reason, reason
+    assert "DISCONNECT" in reason.upper(), reason
+    assert decode.call(Released("doomed")) < 10
     assert time.monotonic() - t0 < 12
 
 
