@@ -19,6 +19,7 @@
 #   fixed       bench nvlink at 1,024 tokens (pages 1, 16), OLD_TREE's transport and this tree's
 #               alternated, three rounds: the fixed cost per write, idle and behind compute (the
 #               host's speed drifts within a call: one run each would not tell a 10 us change)
+# BENCH_ARGS: more arguments for every bench nvlink run ("--dst-device 0": a dry run on one GPU)
 set -o pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 old=$(cd "${1:?usage: bench/before_after_nvlink.sh OLD_TREE [compare|regression|crossover|cpu|tests|probe|staged|fixed]...}" && pwd); shift
@@ -34,7 +35,7 @@ before_tree() {  # OLD_TREE's transport with this tree's benchmarks and receiver
 }
 bench() {  # tree label args... (run from the tree: python -m puts the working directory first)
     local tree=$1 label=$2; shift 2
-    (cd "$tree" && PYTHONPATH=$tree${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m kvtransfer bench nvlink "$@") \
+    (cd "$tree" && PYTHONPATH=$tree${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m kvtransfer bench nvlink "$@" $BENCH_ARGS) \
         2>&1 | tee "$OUT/nvlink_${label}.log" || rc=1
 }
 for what in "${steps[@]}"; do

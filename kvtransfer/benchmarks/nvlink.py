@@ -571,7 +571,7 @@ class _Bench:
 
 def _host_steps(transport) -> str:
     """Where the direct path's host steps ran: "C", or "Python" and why."""
-    why = transport.native_unavailable
+    why = getattr(transport, "native_unavailable", "an older transport, before the C steps")
     return "C" if why is None else f"Python ({why})"
 
 
