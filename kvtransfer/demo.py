@@ -154,13 +154,25 @@ def heartbeat_timeout(device: str) -> float:
     return 5.0 if device == "cuda" else 20.0
 
 
+def threads_per_rank(ranks: int) -> int:
+    """Torch threads for each of the ``ranks`` rank processes started on this machine: the cores
+    this process may run on, shared among them. A node's own default (the cores over its TP)
+    assumes it has the machine alone; the demo's five ranks at that default asked two cores for
+    seven threads, which contended for them, and its five requests took 45-120 s instead
+    of ~5 (bench/RESULTS.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks)
+
+
 async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, start: float) -> None:
     """Start a prefill node, a decode node and a colocated node, wait until they are ready, then
     start the router in front of them and wait for it (filling ``servers`` as each starts, so a
-    caller can stop what started if this fails). ``args`` holds the demo's flags; ``transport``,
+    caller can stop what started if this fails); every rank gets an equal share of this
+    machine's cores (:func:`threads_per_rank`). ``args`` holds the demo's flags; ``transport``,
     ``prefill_gpu``, ``decode_gpu`` and ``heartbeat_timeout`` may be absent (their defaults)."""
     ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+              "--threads", str(threads_per_rank(args.prefill_tp + args.decode_tp + 1)),
               "--transport", getattr(args, "transport", "auto"),
               "--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", None) or heartbeat_timeout(args.device))]
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))

@@ -4,6 +4,7 @@ with a colocated node and every request's KV verified layer by layer."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -41,6 +42,17 @@ def test_demo(model, prefill_tp, decode_tp, pages, prompts):
     logdir = re.search(r"logs in (\S+)", out.stdout).group(1)
     assert "Traceback" not in "".join(open(f"{logdir}/{name}").read() for name in
                                       ("prefill-node.log", "decode-node.log", "router.log", "colocated-node.log"))
+
+
+@pytest.mark.parametrize("cores, ranks, threads", [(2, 5, 1), (16, 5, 3), (1, 3, 1), (64, 4, 16)])
+def test_the_demos_ranks_share_the_cores(monkeypatch, cores, ranks, threads):
+    """Every rank process the demo starts gets an equal share of the cores it may run on (a
+    node's own default assumes the machine is its alone: on two cores the demo's five ranks
+    asked for seven threads)."""
+    from kvtransfer.demo import threads_per_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert threads_per_rank(ranks) == threads
 
 
 def test_demo_bad_input_is_one_line():
