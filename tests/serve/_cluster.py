@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import httpx
 
-from kvtransfer.demo import Server, stop_all
+from kvtransfer.demo import Server, stop_all, threads_per_rank
 from kvtransfer.serve.http import free_port
 
 READY_TIMEOUT_S = 240.0
@@ -73,7 +73,8 @@ class Cluster:
                  colocated: bool = True, node_args=(), router_args=()):
         self.logdir = tempfile.mkdtemp(prefix="kvt-serve-test-")
         self.model, self.prefill_tp, self.pages = model, prefill_tp, pages
-        self.node_args = list(node_args)
+        # every rank an equal share of the cores, as the demo gives them (threads_per_rank)
+        self.node_args = ["--threads", str(threads_per_rank(prefill_tp + decode_tp + colocated)), *node_args]
         # picked here; a server whose port is taken before it binds moves to fresh ones (Server.starting)
         self.ports: Dict[str, int] = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
         self.servers: Dict[str, Server] = {}
