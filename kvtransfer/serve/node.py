@@ -72,7 +72,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--connect-timeout", type=float, default=10.0,
                     help="seconds to reach a bootstrap service and finish a handshake")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the ranks may take to start")
-    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads per rank")
+    ap.add_argument("--threads", type=positive_int, default=None,
+                    help="torch threads per rank (default: the machine's cores / --tp, for a node alone on its "
+                         "machine; nodes sharing one should split its cores)")
     return ap
 
 
