@@ -11,6 +11,7 @@ import.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,8 +29,6 @@ def _nixl_config(staged: bool):
     ``staged`` is asked of a build without one. Recognised: a ``staged`` field holding a config
     with ``enabled`` (thresholds named ``min_*`` set to 1, so any batch may stage), or an
     ``engine`` field with ``NixlEngine.STAGED`` / ``NixlEngine.DIRECT``."""
-    import dataclasses
-
     from transport import nixl
 
     fields = {f.name for f in dataclasses.fields(nixl.NixlConfig)}
@@ -68,8 +67,6 @@ def make_transport(backend: str, ipc_api: str = "auto", native: bool = True, **n
     every range its own descriptor) or "nixl-staged" (:func:`nixl_staged_config`; ``ValueError``
     when the backend has no staged mode)."""
     if backend == "nvlink":
-        import dataclasses
-
         from transport.nvlink import NvlinkConfig, NvlinkTransport
 
         if any(f.name == "native" for f in dataclasses.fields(NvlinkConfig)):  # an older transport has

@@ -74,7 +74,7 @@ class Cluster:
         self.logdir = tempfile.mkdtemp(prefix="kvt-serve-test-")
         self.model, self.prefill_tp, self.pages = model, prefill_tp, pages
         # every rank an equal share of the cores, as the demo gives them (threads_per_rank)
-        self.node_args = ["--threads", str(threads_per_rank(prefill_tp + decode_tp + colocated)), *node_args]
+        self.node_args = ["--threads", str(threads_per_rank(prefill_tp + decode_tp + int(colocated))), *node_args]
         # picked here; a server whose port is taken before it binds moves to fresh ones (Server.starting)
         self.ports: Dict[str, int] = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
         self.servers: Dict[str, Server] = {}
