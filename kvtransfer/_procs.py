@@ -10,11 +10,13 @@ Every parent/child exchange has a timeout, and a child that dies is named with h
 :meth:`Child.recv` raises :class:`ChildFailed` when the child died (its exit code or the signal
 that killed it), reported a :class:`Failed` message (what the child caught), sent a message of
 another type, or said nothing within the timeout. A child reports its own exceptions with
-:func:`report_failure`.
+:func:`report_failure`. :meth:`Child.stop` returns the child's exit code and logs a warning
+(logger ``kvtransfer.procs``) naming a child that ended any other way than exit code 0.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import signal
 import time
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 __all__ = ["Child", "ChildFailed", "Failed", "exit_text", "report_failure"]
+
+log = logging.getLogger("kvtransfer.procs")
 
 
 class ChildFailed(RuntimeError):
@@ -105,8 +109,9 @@ class Child:
         self.proc.join(5)
         return ChildFailed(f"{self.name} died {when} ({exit_text(self.proc)})")
 
-    def stop(self, quit_msg=None, timeout: float = 10.0) -> None:
-        """Ask it to quit (``quit_msg``), wait ``timeout`` s, then kill it; close the pipe."""
+    def stop(self, quit_msg=None, timeout: float = 10.0) -> int:
+        """Ask it to quit (``quit_msg``), wait ``timeout`` s, then kill it; close the pipe.
+        Returns its exit code (negative: the signal that ended it); any but 0 is logged."""
         if quit_msg is not None and self.proc.is_alive():
             try:
                 self.conn.send(quit_msg)
@@ -117,6 +122,9 @@ class Child:
             self.proc.kill()
             self.proc.join(5)
         self.conn.close()
+        if self.proc.exitcode != 0:
+            log.warning("%s (pid %s) ended with %s", self.name, self.proc.pid, exit_text(self.proc))
+        return self.proc.exitcode
 
     @property
     def pid(self) -> Optional[int]:

@@ -46,6 +46,7 @@ log = logging.getLogger("kvtransfer.serve.node")
 
 ROLES = ("prefill", "decode", "colocated")
 DEFAULT_NEW_TOKENS = 16
+RANKS_STOP_S = 15.0  # how long a rank may take to stop after Shutdown before it is killed
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
 
 
@@ -164,7 +165,8 @@ class Ranks:
         from kvtransfer.serve.messages import Shutdown
 
         for i, child in enumerate(self.children):
-            child.stop(Shutdown() if i == 0 else None, timeout=15.0)
+            child.stop(Shutdown() if i == 0 else None, timeout=RANKS_STOP_S)
+        self.children = []  # stopped once
         self.store = None
 
 
@@ -221,6 +223,9 @@ class Node:
             if why and not self._stop.is_set():
                 self._fatal(why)
                 return
+        # The ranks were spawned by this thread and die with it (PR_SET_PDEATHSIG is tied to the
+        # thread that forked them, worker._die_with_parent): they are stopped before it ends.
+        self.ranks.stop()
 
     def _post(self, event) -> None:
         from kvtransfer._procs import Failed
@@ -259,9 +264,9 @@ class Node:
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.ranks.stop()
+        if self._thread is not None:  # it stops the ranks it relays for (_run)
+            self._thread.join(timeout=RANKS_STOP_S * max(1, len(self.ranks.children)) + 5)
+        self.ranks.stop()  # those it did not stop (still starting, or one died)
         if self.bootstrap_service is not None:
             self.bootstrap_service.close()
 
