@@ -782,6 +782,10 @@ class NixlTransport(Transport):
     def close(self) -> None:
         if self._agent is None:
             return
+        try:  # goodbyes already received (an owner's Closed, a holder's Release): none goes back to them
+            self._pump()
+        except Exception:
+            pass
         for peer in [*self._retired, *self._peers.values()]:
             peer._close(drain=False)  # the agent goes: nothing of it can land after that
         for step in (self._holds.close, self._holders.revoke_all):  # tell owners and holders; wait for none

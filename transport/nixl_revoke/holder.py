@@ -35,7 +35,7 @@ __all__ = ["Holds"]
 class _Hold:
     def __init__(self, owner: str):
         self.owner = owner
-        self.sent = 0  # seq of the last Hold sent to the owner
+        self.sent = 0  # seq of the last Hold sent to the owner; 0 once released
         self.acked = 0  # seq of the last HoldAck from it
         self.revoked = Revoked()
         self.asks: list[tuple[int, frozenset]] = []  # (revoke seq, regions) not answered yet
@@ -163,9 +163,12 @@ class Holds:
         self._send(owner, Release())
 
     def close(self) -> None:
-        """The transport closes (its pending writes are cancelled): release every owner."""
+        """The transport closes (its pending writes are cancelled): release every owner that
+        still counts this transport. One released already (:meth:`release`, ``sent`` 0) or
+        closed gets nothing: it may have closed meanwhile, and a send to a closed agent fails
+        in NIXL with a logged error (NIXL_ERR_REMOTE_DISCONNECT)."""
         for owner, hold in list(self._holds.items()):
-            if not hold.closed:
+            if not hold.closed and hold.sent:
                 self._send(owner, Release())
         self._holds.clear()
 
