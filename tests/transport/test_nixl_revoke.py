@@ -322,3 +322,23 @@ def test_a_closed_owner_is_written_to_no_more(writer, writer_proc):
         and "its owner closed its transport" in posted.error, posted
     time.sleep(0.2)
     assert_same(mem, np.zeros(4096, np.uint8), "the closed owner's memory")
+
+
+def test_a_close_after_the_owner_closed_sends_it_nothing(writer, receiver, capfd):
+    """An orderly shutdown: the writer closes its peer (a Release to the owner), the owner closes
+    and its process exits, then the writer closes its transport: nothing goes to the closed
+    owner (a Release sent there fails in NIXL with NIXL_ERR_REMOTE_DISCONNECT, which NIXL's
+    ``genNotif`` logs as an error)."""
+    rx = receiver([4096])
+    t = writer(staged=DIRECT)
+    src = np.arange(4096, dtype=np.uint32).astype(np.uint8)  # [4096]
+    sid = t.register(src.ctypes.data, src.nbytes)
+    peer = t.connect(rx.export)
+    peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    assert_same(rx.dump(0), src, "region 0")
+    peer.close()
+    rx.stop()
+    capfd.readouterr()
+    t.close()
+    err = capfd.readouterr().err
+    assert "genNotif" not in err and "NIXL_ERR" not in err and "send failed" not in err, err
