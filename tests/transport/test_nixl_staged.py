@@ -383,10 +383,8 @@ def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(
 @STRIDED_OR_FLAT
 def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, receiver, strided):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 8 * MiB, 7, peer_loss_timeout_s=1.0, strided=strided)
-    start = time.monotonic()
     with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
-        tr.wait(30)
-    assert time.monotonic() - start < 1.0 + 8 * MiB / 0.1e9 + 3.0
+        tr.wait(30)  # the transfer's deadline failed it, not wait()'s own timeout
     later = peer.write(wb(sid, np.arange(100) * 4096, 0, np.arange(100) * 4096, 4096))
     assert later.status() is TransferStatus.FAILED and "was lost earlier" in later.error
     with pytest.raises(TransportError, match=r"failed request\(s\) in flight"):
@@ -425,11 +423,9 @@ def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline
 def test_a_killed_receiver_fails_the_staged_write(writer, receiver, strided):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 8, peer_loss_timeout_s=5.0, strided=strided)
     os.kill(rx.proc.pid, signal.SIGKILL)
-    start = time.monotonic()
     rx.proc.join(5)
     with pytest.raises(TransferFailed, match="peer '.*'.*(DISCONNECT|not done after)"):
-        tr.wait(20)
-    assert time.monotonic() - start < 5.0 + 16 * MiB / 0.1e9 + 3.0
+        tr.wait(20)  # the disconnect or the transfer's deadline failed it, not wait()'s own timeout
 
 
 # -- pieces --------------------------------------------------------------------------------------
