@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -374,3 +375,16 @@ def write_landed(remote, peer, src, dst_rids, batch, buf_bytes, tag: bytes) -> N
     tr.wait(timeout=60)
     assert tr.status() is TransferStatus.DONE
     check_landed(remote, src, dst_rids, batch.expand() if strided else batch, buf_bytes, tag)
+
+
+def split_deadline(config: dict) -> dict:
+    """Take a test's ``peer_loss_timeout_s`` out of a transport's ``config``: the transport is
+    made and warmed up with the default deadline (on a loaded machine a warm-up write can take
+    longer than a deadline of a second), and :func:`use_deadline` gives it the test's own for
+    the writes the test stalls."""
+    return {k: config.pop(k) for k in ("peer_loss_timeout_s",) if k in config}
+
+
+def use_deadline(transport, deadline: dict) -> None:
+    """From now on ``transport``'s transfers get ``deadline`` (from :func:`split_deadline`)."""
+    transport.config = dataclasses.replace(transport.config, **deadline)

@@ -27,7 +27,7 @@ except ImportError as exc:  # NIXL is an optional extra
 
 from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
-from tests.transport._support import assert_same, connect_once_drained  # noqa: E402
+from tests.transport._support import assert_same, connect_once_drained, split_deadline, use_deadline  # noqa: E402
 from transport.base import (  # noqa: E402
     PeerDescriptorError,
     TransferFailed,
@@ -228,12 +228,14 @@ DIRECT = StagedNixlConfig(enabled=False)
 def tcp_pair(writer, receiver, nbytes, seed, **config):
     """A tcp-only receiver of ``nbytes``, a writer with as much random source (direct writes
     unless ``staged`` says otherwise), connected and warm."""
+    deadline = split_deadline(config)
     rx = receiver([nbytes], env=TCP_ONLY)
     t = writer(env=TCP_ONLY, **{"staged": DIRECT, **config})
     src, sid = host_region(t, nbytes, seed)
     peer = t.connect(rx.export)
     rng = np.random.default_rng(seed)
     peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)  # connection up
+    use_deadline(t, deadline)
     return rx, src, sid, peer, rng
 
 

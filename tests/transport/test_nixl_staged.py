@@ -24,7 +24,8 @@ except ImportError as exc:  # NIXL is an optional extra
 
 from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
-from tests.transport._support import assert_interpreted_ok, assert_same, connect_once_drained, entries  # noqa: E402
+from tests.transport._support import (assert_interpreted_ok, assert_same, connect_once_drained, entries,  # noqa: E402
+                                      split_deadline, use_deadline)
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
 from transport.base import (  # noqa: E402
     RegionRevoked, StridedBatch, TransferFailed, TransferStatus, TransportError, WriteBatch)
@@ -302,12 +303,14 @@ def stalled_staged(writer, receiver, nbytes, seed, strided=False, **config):
     ``nbytes`` of 4 KiB rows is posted (its first slots are surely in flight): flat, or
     (``strided``) as one pair of 4 KiB rows x slots in random order through ``write_strided``
     (in source order it would go flat: one source run, gathered by the wire)."""
+    deadline = split_deadline(config)
     rx, t, src, sid, peer = staged_pair(writer, receiver, [nbytes], src_bytes=nbytes, seed=seed, env=TCP_ONLY,
                                         staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=4), **config)
     n = nbytes // 4096
     rng = np.random.default_rng(seed)
     offs = np.arange(n, dtype=np.int64) * 4096
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)
+    use_deadline(t, deadline)
     stop(rx.proc.pid)
     if strided:
         tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, rng.permutation(n), rng.permutation(n)))
@@ -404,9 +407,9 @@ def test_a_stalled_receiver_fails_the_staged_write_at_its_deadline(writer, recei
 def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline(writer, receiver):
     """Stopped before the first staged write: the lane never opens, the write FAILS at its
     deadline; once the receiver runs again a new connect opens a fresh lane."""
-    rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB], src_bytes=4 * MiB, seed=9, env=TCP_ONLY,
-                                        peer_loss_timeout_s=1.0)
+    rx, t, src, sid, peer = staged_pair(writer, receiver, [4 * MiB], src_bytes=4 * MiB, seed=9, env=TCP_ONLY)
     peer.write(wb(sid, 0, 0, 0, 4096)).wait(30)  # connection up, no lane yet
+    use_deadline(t, {"peer_loss_timeout_s": 1.0})
     stop(rx.proc.pid)
     offs = np.arange(1024, dtype=np.int64) * 4096
     tr = peer.write(wb(sid, offs, 0, offs, 4096))
