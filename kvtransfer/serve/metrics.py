@@ -12,7 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["CONTENT_TYPE_LATEST", "NodeMetrics", "RouterMetrics"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-OUTCOMES = ("ok", "client_error", "failed", "aborted")
+# aborted: the client went away; busy: refused at once, the node's queue full (503, Retry-After)
+OUTCOMES = ("ok", "client_error", "busy", "failed", "aborted")
 
 
 class NodeMetrics:
