@@ -131,3 +131,33 @@ def sse_events(resp_lines) -> List[Optional[dict]]:
             data = line[len("data: "):]
             out.append(None if data == "[DONE]" else json.loads(data))
     return out
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The value of the sample ``name`` (with ``labels``) in a server's ``/metrics``; 0 if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition()`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not so after {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def idle(url: str) -> bool:
+    """A node holds no slot and runs or queues no request (its gauges, from its ranks' reports)."""
+    return all(metric(url, name) == 0 for name in ("kvtransfer_slots_in_use", "kvtransfer_requests_running",
+                                                    "kvtransfer_requests_waiting"))
+
+
+def ranks_of(server: Server) -> List[int]:
+    return [p for p in group_members(server.proc.pid) if p != server.proc.pid]
