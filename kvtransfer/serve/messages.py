@@ -112,6 +112,7 @@ class Tokens:
     token_ids: Tuple[int, ...]
     logprobs: Tuple[float, ...]
     finish: Optional[str] = None
+    queue_s: Optional[float] = None  # colocated, first tokens only: the command arrived -> admitted
 
 
 @dataclass(frozen=True)

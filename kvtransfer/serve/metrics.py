@@ -32,8 +32,9 @@ class NodeMetrics:
         self.transfer_seconds = Histogram("kvtransfer_transfer_seconds", "KV transfer time per request (prefill: "
                                           "handed over -> landed; decode: asked -> all landed)",
                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("kvtransfer_queue_seconds", "Arrival until the ranks took the request "
-                                       "(pages reserved)", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("kvtransfer_queue_seconds", "Arrival until the request holds its pages "
+                                       "(decode: reserved; prefill: admitted, after decode's reservation; "
+                                       "colocated: admitted)", buckets=LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvtransfer_time_to_first_token_seconds", "Arrival until the first token",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.slots_in_use = Gauge("kvtransfer_slots_in_use", "KV token slots held by requests", registry=r)

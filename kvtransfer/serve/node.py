@@ -428,6 +428,7 @@ def build_app(node: Node):
                 ended = True
                 gone.cancel()
                 node.metrics.transfer_seconds.observe(first.transfer_s)
+                node.metrics.queue_seconds.observe(first.queue_s)
                 node.finish(rid, True, "ok")
                 return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
                                        "first_token": first.first_token, "transfer_s": first.transfer_s,
@@ -457,6 +458,8 @@ def build_app(node: Node):
                     raise _Failed(ev)
                 if counts["completion"] == 0 and ev.token_ids:
                     node.metrics.ttft_seconds.observe(time.monotonic() - arrived)
+                if ev.queue_s is not None:
+                    node.metrics.queue_seconds.observe(ev.queue_s)
                 counts["completion"] += len(ev.token_ids)
                 node.metrics.generated_tokens.inc(len(ev.token_ids))
                 delta = text.feed(ev.token_ids)

@@ -298,7 +298,8 @@ def build_app(router: Router) -> FastAPI:
         try:
             p, d = router.pick("prefill"), router.pick("decode")
         except _NodeFailed as f:
-            return error(f.message, f.status, "failed", {"Retry-After": str(max(1, round(router.health_interval_s)))})
+            return error(f.message, f.status, "failed",
+                         {"Retry-After": str(max(1, round(router.health_interval_s)))})
         rid = uuid.uuid4().hex
         router.metrics.routed.labels(p.url).inc()
         router.metrics.routed.labels(d.url).inc()

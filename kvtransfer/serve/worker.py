@@ -181,6 +181,7 @@ class RankWorker:
         self.requests: Dict[str, object] = {}  # rid -> engine Request (generating here)
         self.rids: Dict[int, str] = {}  # engine request id -> rid
         self.reported: Dict[str, int] = {}  # rid -> tokens reported
+        self.arrived: Dict[str, float] = {}  # colocated: rid -> when its command was applied
         self.bootstrapping: Dict[str, _Bootstrapping] = {}  # prefill: waiting for decode's destination
         self.sending: Dict[str, _Sending] = {}
         self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
@@ -278,7 +279,9 @@ class RankWorker:
         """A new request: colocated into the engine's queue, prefill to wait for decode's
         destination, decode to wait for its reservation."""
         if isinstance(cmd, m.Generate):
-            self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling, hold=False)
+            if self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling,
+                         hold=False) is not None:
+                self.arrived[cmd.rid] = time.monotonic()
         elif isinstance(cmd, m.Prefill):
             self.bootstrapping[cmd.rid] = _Bootstrapping(cmd, self.prefill_manager.sender(cmd.rid), time.monotonic())
         else:
@@ -342,6 +345,7 @@ class RankWorker:
         if req is not None:
             self.rids.pop(req.rid, None)
             self.reported.pop(rid, None)
+            self.arrived.pop(rid, None)
         return req
 
     # -- decode: reservations ---------------------------------------------------------
@@ -516,7 +520,9 @@ class RankWorker:
         new = req.output_ids[done:]
         finish = req.finish.value if req.finish is not None else None
         if new or finish:
-            self._emit(m.Tokens(rid, tuple(new), tuple(req.logprobs[done:]), finish))
+            arrived = self.arrived.pop(rid, None)
+            queue_s = None if arrived is None else req.admitted_at - arrived
+            self._emit(m.Tokens(rid, tuple(new), tuple(req.logprobs[done:]), finish, queue_s))
             self.reported[rid] = len(req.output_ids)
 
     def _report_tokens(self) -> None:
