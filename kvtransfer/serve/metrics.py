@@ -41,6 +41,8 @@ class NodeMetrics:
         self.slots_total = Gauge("kvtransfer_slots_total", "KV token slots of the pool", registry=r)
         self.running = Gauge("kvtransfer_requests_running", "Requests in the engine", registry=r)
         self.waiting = Gauge("kvtransfer_requests_waiting", "Requests waiting for pages or KV", registry=r)
+        self.in_flight = Gauge("kvtransfer_requests_in_flight", "Requests the HTTP process is answering",
+                               registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -192,6 +192,7 @@ class Node:
         self.state, self.error = "starting", ""
         self.ranks = Ranks(spec)
         self.pending: Dict[str, asyncio.Queue] = {}
+        self.metrics.in_flight.set_function(lambda: len(self.pending))
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.bootstrap_service = None
         self.exit_code = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
 import time
@@ -10,6 +9,7 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from kvtransfer._procs import group_members
 from kvtransfer.demo import Server, stop_all, threads_per_rank
 from kvtransfer.serve.http import free_port
 
@@ -38,22 +38,6 @@ def port_is_free(port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def group_members(pgid: int) -> List[int]:
-    """Live (not zombie) processes of the process group ``pgid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            out.append(int(name))
-    return out
 
 
 def group_is_gone(pgid: int, wait_s: float = 10.0) -> bool:
