@@ -50,7 +50,7 @@ from kvtransfer.serve.openai_api import error_body, sse
 log = logging.getLogger("kvtransfer.serve.router")
 
 NODE_TIMEOUT_S = 600.0  # one request's longest answer from a node
-HEALTH_TIMEOUT_S = 5.0  # a node whose /health takes longer is taken for down
+HEALTH_TIMEOUT_S = 10.0  # a node whose /health takes longer is taken for down (a starved machine is slow)
 
 
 class RouterError(RuntimeError):
@@ -452,7 +452,11 @@ async def _next_line(lines, prefill: asyncio.Future):
     """The next line of decode's stream; raises prefill's failure if it comes first."""
     task = asyncio.ensure_future(lines.__anext__())
     watch = {task} if prefill.done() else {task, prefill}
-    done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left: the read goes too
+        task.cancel()
+        raise
     if task not in done:
         if prefill.exception() is not None:
             task.cancel()

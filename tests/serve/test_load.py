@@ -129,17 +129,18 @@ def test_past_the_queue_bound_a_request_is_refused_at_once(cluster):
             threads.append(t)
             wait_until(lambda: metric(c.url("decode"), "kvtransfer_requests_waiting") == i + 1,
                        f"{i + 1} requests on the decode node")
-        refused = completion(c)
+        refused = [completion(c), completion(c, stream=True)]
         assert not results  # the others still wait: prefill cannot have run
-        assert refused.status_code == 503, refused.text
-        assert int(refused.headers["retry-after"]) >= 1
-        assert "--max-queue" in refused.json()["error"]["message"]
+        for r in refused:
+            assert r.status_code == 503, r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert "--max-queue" in r.json()["error"]["message"]
     for t in threads:
         t.join(300)
     assert [results[i].status_code for i in sorted(results)] == [200] * (MAX_QUEUE + 1)
     both_idle(c)
     after = router_outcomes(c)
-    assert after["busy"] - before["busy"] == 1 and after["ok"] - before["ok"] == MAX_QUEUE + 1
+    assert after["busy"] - before["busy"] == 2 and after["ok"] - before["ok"] == MAX_QUEUE + 1
     assert metric(c.url("decode"), "kvtransfer_requests_total", outcome="busy") >= 1
 
 
