@@ -26,14 +26,17 @@ import asyncio
 import collections
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
 import time
+from typing import Optional
 
 from kvtransfer._args import positive_int
 from kvtransfer._procs import group_members
 
+RETRY_FOR_S = 60.0  # how long a client tries again after 503s with Retry-After
 GAUGES = ("kvtransfer_slots_in_use", "kvtransfer_requests_running", "kvtransfer_requests_waiting",
           "kvtransfer_requests_in_flight")
 
@@ -58,15 +61,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def resources(pgid: int) -> dict:
-    """Threads and open files of the live processes of a server's process group."""
-    threads = fds = 0
+    """Threads and open files of the live processes of a server's process group (``kinds``: the
+    open files by what they are: socket, pipe, anon_inode:[eventfd], a path, ...)."""
+    threads, kinds = 0, collections.Counter()
     for pid in group_members(pgid):
         try:
             threads += len(os.listdir(f"/proc/{pid}/task"))
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:  # it ended meanwhile
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}").split(":[")[0]  # socket:[inode] -> socket
+                kinds[re.sub(r"[0-9a-f]{6,}", "*", target)] += 1  # one name for UCX's per-process files
+        except OSError:  # it (or the file) ended meanwhile
             pass
-    return {"threads": threads, "fds": fds}
+    return {"threads": threads, "fds": sum(kinds.values()), "kinds": kinds}
 
 
 async def gauges(client, url: str) -> dict:
@@ -78,19 +84,36 @@ async def gauges(client, url: str) -> dict:
 
 
 async def _request(client, url: str, body: dict) -> str:
-    """One completion to its end: "ok", or what went wrong."""
+    """One completion to its end: "ok", or what went wrong. A 503 with ``Retry-After`` (a node
+    down or full) is tried again after that many seconds, as the OpenAI SDK does, for
+    :data:`RETRY_FOR_S` at most."""
+    give_up = time.monotonic() + RETRY_FOR_S
+    while True:
+        outcome, retry_after = await _attempt(client, url, body)
+        if retry_after is None or time.monotonic() + retry_after > give_up:
+            return outcome
+        await asyncio.sleep(retry_after)
+
+
+async def _attempt(client, url: str, body: dict) -> tuple:
+    """(outcome, seconds to wait before trying again or None)."""
     if not body["stream"]:
         resp = await client.post(f"{url}/v1/completions", json=body, timeout=600.0)
-        return "ok" if resp.status_code == 200 else f"HTTP {resp.status_code}"
+        return ("ok" if resp.status_code == 200 else f"HTTP {resp.status_code}"), _retry_after(resp)
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600.0) as resp:
         if resp.status_code != 200:
-            return f"HTTP {resp.status_code}"
+            return f"HTTP {resp.status_code}", _retry_after(resp)
         async for line in resp.aiter_lines():
             if line.startswith("data: {\"error\""):
-                return "error in the stream"
+                return "error in the stream", None
             if line == "data: [DONE]":
-                return "ok"
-    return "the stream ended without [DONE]"
+                return "ok", None
+    return "the stream ended without [DONE]", None
+
+
+def _retry_after(resp) -> Optional[float]:
+    value = resp.headers.get("retry-after")
+    return float(value) if resp.status_code == 503 and value and value.isdigit() else None
 
 
 async def _restart(servers: dict, client, timeout_s: float) -> float:
@@ -193,6 +216,9 @@ async def _main(args) -> int:
         print(f"{n}: threads {before[n]['threads']} -> {after[n]['threads']}, open files {before[n]['fds']} -> "
               f"{after[n]['fds']}")
         leaks += sum(1 for v in grew.values() if v > 0)
+        more = after[n]["kinds"] - before[n]["kinds"]
+        if more:
+            print(f"  {n}: open files more than after the warm-up: {dict(more)}")
     print("nothing left behind" if not leaks else f"{leaks} figure(s) above are left behind")
     return 1 if leaks else 0
 
