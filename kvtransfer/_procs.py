@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
-__all__ = ["Child", "ChildFailed", "Failed", "exit_text", "report_failure"]
+__all__ = ["Child", "ChildFailed", "Failed", "exit_text", "group_members", "report_failure"]
 
 log = logging.getLogger("kvtransfer.procs")
 
@@ -129,3 +130,19 @@ class Child:
     @property
     def pid(self) -> Optional[int]:
         return self.proc.pid
+
+
+def group_members(pgid: int) -> List[int]:
+    """Live (not zombie) processes of the process group ``pgid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            out.append(int(name))
+    return out

@@ -175,6 +175,8 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
               "--threads", str(threads_per_rank(args.prefill_tp + args.decode_tp + 1)),
               "--transport", getattr(args, "transport", "auto"),
               "--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", None) or heartbeat_timeout(args.device))]
+    if getattr(args, "pool_tokens", None):  # the nodes' pool size (bench serve's --pool-tokens)
+        common += ["--max-tokens", str(args.pool_tokens)]
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),

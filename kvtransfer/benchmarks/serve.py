@@ -7,6 +7,8 @@ machine, with the same requests.
     kvtransfer bench serve --rate 2 --requests 40       # Poisson arrivals, 2 requests/s
     kvtransfer bench serve --router http://host:30000 --colocated http://host:30003   # running servers
     kvtransfer bench serve --quick                       # the tiny MLA model, under a minute here
+    kvtransfer bench serve --pool-tokens 2048 --requests 64 --concurrency 16 --prompt-tokens 1000:1800
+                                                         # load: each request fits a pool alone, few together
 
 The load generator is the one users know from vLLM's ``benchmark_serving`` and SGLang's
 ``bench_serving``: streaming ``/v1/completions`` requests (``ignore_eos``, so each produces its
@@ -16,7 +18,11 @@ requests per second. Per mode: TTFT (request sent -> first token), ITL (gaps bet
 end-to-end latency (median, p90, p99), output tokens/s and requests/s. For the disaggregated
 mode TTFT is split by what the nodes report: prefill queueing, prefill compute, KV transfer
 (prefill had the KV -> every write landed on decode, including waiting for decode to ask), and
-the rest (HTTP, routing, control messages, the first token's way back).
+the rest (HTTP, routing, control messages, the first token's way back). Queue: the mean time a
+request waited for pages before its prompt was computed (disaggregated: prefill's queue, which
+holds the wait for decode's reservation; colocated: the node's ``kvtransfer_queue_seconds``).
+``--pool-tokens`` sizes every node's KV pool (token slots): with long prompts and small pools,
+requests wait for pages on every node, and all of them must still complete.
 
 Output: the table (stdout), ``serve.json`` (every request's figures, the machine) and
 ``serve.png`` (TTFT and ITL percentiles, disaggregated against colocated) under ``--out``.
@@ -185,6 +191,22 @@ def summarize(samples: List[Sample], wall_s: float) -> dict:
     return out
 
 
+def queue_mean(samples: List[Sample]) -> Optional[float]:
+    """Disaggregated: the mean of prefill's queue (arrival -> admitted, after decode's reservation)."""
+    waits = [(s.kv.get("prefill") or {}).get("queue_s") for s in samples if s.ok]
+    waits = [w for w in waits if w is not None]
+    return statistics.fmean(waits) if waits else None
+
+
+async def queue_totals(client, url: str) -> tuple:
+    """A node's ``kvtransfer_queue_seconds`` (sum, count) from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics", timeout=30.0)).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return values.get("kvtransfer_queue_seconds_sum", 0.0), values.get("kvtransfer_queue_seconds_count", 0.0)
+
+
 def ttft_split(samples: List[Sample]) -> Optional[dict]:
     """Medians of the disaggregated TTFT's parts, from the nodes' figures."""
     rows = []
@@ -207,11 +229,13 @@ def _ms(x: Optional[float]) -> str:
 
 
 def report(results: dict, split: Optional[dict]) -> str:
-    header = ["mode", "ok", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99", "E2E p50", "p99", "out tok/s", "req/s"]
+    header = ["mode", "ok", "queue mean", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99", "E2E p50", "p99",
+              "out tok/s", "req/s"]
     rows = []
     for mode, r in results.items():
         t, i, lat = r.get("ttft", {}), r.get("itl", {}), r.get("latency", {})
-        rows.append([mode, f"{r['succeeded']}/{r['requests']}", _ms(t.get("p50")), _ms(t.get("p90")), _ms(t.get("p99")),
+        rows.append([mode, f"{r['succeeded']}/{r['requests']}", _ms(r.get("queue_mean_s")),
+                     _ms(t.get("p50")), _ms(t.get("p90")), _ms(t.get("p99")),
                      _ms(i.get("p50")), _ms(i.get("p90")), _ms(i.get("p99")), _ms(lat.get("p50")), _ms(lat.get("p99")),
                      f"{r.get('output_tokens_per_s', 0):.1f}", f"{r.get('requests_per_s', 0):.2f}"])
     text = format_table(header, rows) + "\n(times in ms)"
@@ -240,6 +264,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, default=None, help="requests per second, Poisson arrivals")
     ap.add_argument("--prompt-tokens", type=_range, default=(64, 256), help="N or LO:HI, drawn uniformly")
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
+    ap.add_argument("--pool-tokens", type=positive_int, default=None,
+                    help="KV pool size of every node started, in token slots (default: the nodes' default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="the tiny MLA model, a dozen short requests")
@@ -248,6 +274,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(args, argv) -> int:
+    import httpx
+
     from kvtransfer.demo import DemoFailed, launch, stop_all
     from kvtransfer.models import registry
     from kvtransfer.serve.http import client_limits
@@ -257,8 +285,6 @@ async def _main(args, argv) -> int:
         _, tokenizer = registry.load(registry.parse_name(args.model))
         router, colocated = args.router, args.colocated
         if router is None:
-            import httpx
-
             logdir = tempfile.mkdtemp(prefix="kvtransfer-bench-serve-")
             print(f"starting the nodes (logs in {logdir})", file=sys.stderr, flush=True)
             async with httpx.AsyncClient(limits=client_limits()) as client:
@@ -270,9 +296,16 @@ async def _main(args, argv) -> int:
         progress = Progress(2 * len(works))
         results, samples = {}, {}
         for mode, url in (("disaggregated", router), ("colocated", colocated)):
-            samples[mode], wall = await run_load(url, works, None if args.rate else args.concurrency, args.rate,
-                                                 args.seed, progress)
-            results[mode] = summarize(samples[mode], wall)
+            async with httpx.AsyncClient() as client:
+                queued = await queue_totals(client, colocated)
+                samples[mode], wall = await run_load(url, works, None if args.rate else args.concurrency,
+                                                     args.rate, args.seed, progress)
+                results[mode] = summarize(samples[mode], wall)
+                if mode == "colocated":
+                    total, count = (b - a for a, b in zip(queued, await queue_totals(client, colocated)))
+                    results[mode]["queue_mean_s"] = total / count if count else None
+                else:
+                    results[mode]["queue_mean_s"] = queue_mean(samples[mode])
     except DemoFailed as exc:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
@@ -283,7 +316,8 @@ async def _main(args, argv) -> int:
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "
           f"decode TP {args.decode_tp} (page {args.decode_page_size}) vs colocated TP 1, {args.dtype} on {args.device}; "
           f"{args.requests} requests, {load}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, "
-          f"outputs {args.output_tokens[0]}-{args.output_tokens[1]}, seed {args.seed}; {machine_line()}")
+          f"outputs {args.output_tokens[0]}-{args.output_tokens[1]}, seed {args.seed}, "
+          f"pools {args.pool_tokens or 'default'}; {machine_line()}")
     print(report(results, split))
     config = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     doc = document("serve", argv, config, [{"mode": m, **r} for m, r in results.items()], ttft_split=split,

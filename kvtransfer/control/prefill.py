@@ -26,12 +26,16 @@ are posted once that event has completed (at once when it has already: an engine
 synchronised first pays one event record and query).
 
 ``sender.poll()`` gives the :class:`~kvtransfer.control.state.KVPoll`: Bootstrapping (not
-every decode rank has asked yet), WaitingForInput (all have, no chunk sent yet),
+every decode rank has asked yet: an engine that computes only what decode has room for waits
+for the next state before it takes the request), WaitingForInput (all have, no chunk sent yet),
 Transferring, Success (every write of the last chunk is done) or Failed
 (``sender.failure`` says why: a write failed, the decode rank was lost or aborted, the
 transfer timeout passed). A failed request's writes are aborted; once none is in flight the
 manager sends ``Quiesced`` so decode may reuse the pages. No chunk is posted past the request's
-deadline (a decode rank that lost this one lets the pages go by then).
+deadline, ``transfer_timeout_s`` after every decode rank asked (a decode rank that lost this one
+lets the pages go by then); before that a request may wait for decode's ask as long as its owner
+keeps it, unless no decode rank is connected here at all: then it fails after
+``handshake_timeout_s`` (a request that no decode node will ask for).
 
 A decode rank that sends no heartbeat for ``heartbeat_timeout_s`` is dropped (its requests
 fail; what came on the socket meanwhile is read first); so is one silent for two heartbeat
@@ -210,7 +214,8 @@ class _Outgoing:
     """A request's progress on this rank (loop thread only)."""
 
     sender: KVSender
-    deadline: float
+    since: float  # when sender() made it
+    deadline: float = float("inf")  # set once every decode rank asked
     instance: Optional[str] = None
     expected: frozenset = frozenset()  # decode keys that will ask: every rank of the instance
     dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
@@ -315,7 +320,7 @@ class PrefillKVManager:
     # -- loop thread: requests ----------------------------------------------------------
     def _on_new_sender(self, sender: KVSender) -> None:
         self._failed.pop(sender.request_id, None)  # an id used again after a failure
-        out = _Outgoing(sender, deadline=time.monotonic() + self.config.transfer_timeout_s)
+        out = _Outgoing(sender, since=time.monotonic())
         self._outgoing[sender.request_id] = out
         aborted = self._aborted_early.pop(sender.request_id, None)
         if aborted is not None:
@@ -348,6 +353,7 @@ class PrefillKVManager:
             return
         out.dests[key] = (req, np.frombuffer(req.dst_slots, dtype="<i8").astype(np.int64))
         if out.ready:
+            out.deadline = time.monotonic() + self.config.transfer_timeout_s
             out.sender.status.advance(KVPoll.WaitingForInput)
             self._flush(out)
 
@@ -655,8 +661,14 @@ class PrefillKVManager:
                 del self._decode[key]
                 self._drop_peer(peer, f"decode rank {key} lost: its process (pid {peer.process.pid}) has exited")
         for rid, out in list(self._outgoing.items()):
-            if not out.sender.status.state.final and now > out.deadline:
+            if out.sender.status.state.final:
+                continue
+            if now > out.deadline:
                 self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+            elif not self._decode and not out.dests and now - out.since > self.config.handshake_timeout_s:
+                self._fail(rid, f"no decode node is connected to this prefill node (none for "
+                                f"{self.config.handshake_timeout_s:g} s): send requests through the router, "
+                                f"which pairs each with a decode node")
         horizon = now - self.config.transfer_timeout_s
         for rid in [r for r, asks in self._early.items() if asks[0][0] < horizon]:
             del self._early[rid]

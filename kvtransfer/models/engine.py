@@ -14,6 +14,11 @@ Memory: a request's KV lives in whole pages of the token pool, taken as its sequ
 no preemption, so a request is admitted only when the free pages, less those that running
 requests may still take, cover its whole budget (prompt + ``max_new_tokens``).
 
+Admission waits, it never fails: :meth:`Engine.add` refuses (ValueError) only a request that
+cannot fit the empty pools; one that fits alone but not beside the requests held now waits,
+first come first served, and :meth:`Engine.step` runs what can run (or nothing: then
+:meth:`Engine.has_work` is False until a request leaves, finishes, or is released).
+
 Disaggregated serving uses three more moves. A prefill node adds requests with ``hold=True``:
 once finished they keep their pages (the KV is being sent) until :meth:`Engine.release`. A
 decode node :meth:`Engine.reserve` s a request's row, pages and Mamba slot for KV that another
@@ -249,7 +254,9 @@ class Engine:
         return sum(0 if r.slots is None else r.slots.numel() for r in self.running + self.reserved + self.held)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether :meth:`step` would run a forward pass: a request runs, or the oldest waiting
+        one can be admitted now."""
+        return bool(self.running) or bool(self.waiting and self._fits(self.waiting[0]))
 
     def run(self) -> None:
         while self.has_work():
@@ -263,9 +270,13 @@ class Engine:
         if not chunks:
             chunks = [(r, 1) for r in self.running]
         if not chunks:
-            if self.waiting:
-                raise RuntimeError(f"{len(self.waiting)} request(s) wait but the pools cannot admit any")
-            return []
+            if self.waiting and not (self.reserved or self.held):
+                # nothing holds a page or a row, yet the oldest request does not fit: add() checked
+                # that it fits the empty pools, so this is a bug in the budget, not load
+                raise RuntimeError(f"{len(self.waiting)} request(s) wait with every page free, and the "
+                                   f"oldest (prompt {len(self.waiting[0].prompt_ids)} + "
+                                   f"{self.waiting[0].max_new_tokens} new tokens) is not admitted")
+            return []  # the waiting requests wait for held or reserved pages to come back
         start = time.perf_counter()
         finished = self._forward(chunks)
         synchronize(self.model.device)
@@ -304,15 +315,18 @@ class Engine:
         held = 0 if req.slots is None else req.slots.numel() // self.config.page_size
         return math.ceil((len(req.prompt_ids) + req.max_new_tokens) / self.config.page_size) - held
 
-    def _admit(self, req: Request) -> bool:
-        """A row (and Mamba slot) for ``req`` if its whole page budget is free; else False."""
+    def _fits(self, req: Request) -> bool:
+        """Whether a row and ``req``'s whole page budget are free now (beside what the running
+        and reserved requests may still take)."""
         if len(self.running) + len(self.reserved) + len(self.held) >= self.config.max_requests:
             return False
         promised = sum(self._budget_pages(r) for r in self.running + self.reserved)
         free = self.pools.allocator.available_size() // self.config.page_size
-        if free - promised < self._budget_pages(req):
-            return False
-        return self.pools.req_to_token.alloc([req]) is not None
+        return free - promised >= self._budget_pages(req)
+
+    def _admit(self, req: Request) -> bool:
+        """A row (and Mamba slot) for ``req`` if its whole page budget is free; else False."""
+        return self._fits(req) and self.pools.req_to_token.alloc([req]) is not None
 
     def _grow(self, req: Request, length: int) -> None:
         """Make sure ``req`` holds slots for ``length`` tokens (whole pages)."""

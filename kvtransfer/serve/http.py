@@ -19,8 +19,8 @@ from fastapi.responses import Response
 
 from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
 
-__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "SERVER_KEEP_ALIVE_S", "UsageError", "add_metrics_and_models",
-           "client_limits", "free_port", "http_server", "port_socket"]
+__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "SERVER_KEEP_ALIVE_S", "ClientGone", "UsageError", "add_metrics_and_models",
+           "client_gone", "client_limits", "free_port", "http_server", "port_socket", "unless_gone"]
 
 SERVER_KEEP_ALIVE_S = 75  # a node or the router closes an HTTP connection idle this long
 CLIENT_KEEPALIVE_EXPIRY_S = 15.0  # our clients drop an idle connection this soon (module doc)
@@ -107,3 +107,28 @@ def http_server(app):
 
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                                  timeout_keep_alive=SERVER_KEEP_ALIVE_S))
+
+
+class ClientGone(Exception):
+    """The client of the request being answered disconnected."""
+
+
+async def client_gone(request) -> None:
+    """Returns once the client of ``request`` has disconnected. Start it after the body has been
+    read: the next ASGI message is then the disconnect (the server also sends one once the
+    response is complete: cancel this before answering)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(aw, gone):
+    """``aw``'s result; :class:`ClientGone` (``aw`` cancelled) as soon as the ``gone`` task (a
+    :func:`client_gone`) is done first."""
+    import asyncio
+
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone()

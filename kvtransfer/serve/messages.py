@@ -34,6 +34,7 @@ class NodeSpec:
     threads: int  # torch threads per rank
     instance: str  # the node's name in the control plane (decode: every rank of the node shares it)
     control: Dict[str, float] = field(default_factory=dict)  # ControlConfig timeouts
+    max_queue: int = 128  # requests that may wait for pages at once; past it new ones are refused (busy)
 
 
 # -- commands (node -> ranks) ------------------------------------------------------------------
@@ -111,6 +112,7 @@ class Tokens:
     token_ids: Tuple[int, ...]
     logprobs: Tuple[float, ...]
     finish: Optional[str] = None
+    queue_s: Optional[float] = None  # colocated, first tokens only: the command arrived -> admitted
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class RequestFailed:
     rid: str
     reason: str
     client_error: bool = False  # the request itself was bad (HTTP 400), not the node
+    busy: bool = False  # the node's queue is full: try again later (HTTP 503 with Retry-After)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["CONTENT_TYPE_LATEST", "NodeMetrics", "RouterMetrics"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-OUTCOMES = ("ok", "client_error", "failed", "aborted")
+# aborted: the client went away; busy: refused at once, the node's queue full (503, Retry-After)
+OUTCOMES = ("ok", "client_error", "busy", "failed", "aborted")
 
 
 class NodeMetrics:
@@ -31,14 +32,17 @@ class NodeMetrics:
         self.transfer_seconds = Histogram("kvtransfer_transfer_seconds", "KV transfer time per request (prefill: "
                                           "handed over -> landed; decode: asked -> all landed)",
                                           buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("kvtransfer_queue_seconds", "Arrival until the ranks took the request "
-                                       "(pages reserved)", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("kvtransfer_queue_seconds", "Arrival until the request holds its pages "
+                                       "(decode: reserved; prefill: admitted, after decode's reservation; "
+                                       "colocated: admitted)", buckets=LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvtransfer_time_to_first_token_seconds", "Arrival until the first token",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.slots_in_use = Gauge("kvtransfer_slots_in_use", "KV token slots held by requests", registry=r)
         self.slots_total = Gauge("kvtransfer_slots_total", "KV token slots of the pool", registry=r)
         self.running = Gauge("kvtransfer_requests_running", "Requests in the engine", registry=r)
         self.waiting = Gauge("kvtransfer_requests_waiting", "Requests waiting for pages or KV", registry=r)
+        self.in_flight = Gauge("kvtransfer_requests_in_flight", "Requests the HTTP process is answering",
+                               registry=r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

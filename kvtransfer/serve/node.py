@@ -16,6 +16,11 @@ itself; prefill and decode nodes answer the router's paired requests (``kvtransf
 for decode the prefill node's ``bootstrap``): prefill replies once the KV has landed, decode
 streams the completion.
 
+Load: a request that fits the pools alone waits for pages (``--max-queue`` of them at most,
+past that a 503 with ``Retry-After`` at once; :mod:`kvtransfer.serve.worker` says why nothing
+deadlocks). A client that goes away, before or after its first token, streaming or not, has
+its request aborted on the ranks as soon as the disconnect arrives.
+
 A rank that dies fails every request in flight with a 503 that names it; the node then exits
 (status 1), so that whatever supervises it can restart it. Bad input on the command line (an
 unknown model, a TP the heads do not allow, a port in use) is one line and status 2.
@@ -40,7 +45,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtransfer._args import positive_int
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+from kvtransfer.serve.http import (ClientGone, UsageError, add_metrics_and_models, client_gone, http_server,
+                                   port_socket, unless_gone)
 
 log = logging.getLogger("kvtransfer.serve.node")
 
@@ -68,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
     ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
+    ap.add_argument("--max-queue", type=positive_int, default=128,
+                    help="requests that may wait for KV pages at once; past it a new one gets 503 + Retry-After")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent peer is lost")
     ap.add_argument("--connect-timeout", type=float, default=10.0,
@@ -116,7 +124,8 @@ def resolve(args) -> tuple:
                     device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
                     bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=0,
-                    threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
+                    threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control,
+                    max_queue=args.max_queue)
     return spec, config, ec, bootstrap_port
 
 
@@ -185,6 +194,7 @@ class Node:
         self.state, self.error = "starting", ""
         self.ranks = Ranks(spec)
         self.pending: Dict[str, asyncio.Queue] = {}
+        self.metrics.in_flight.set_function(lambda: len(self.pending))
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.bootstrap_service = None
         self.exit_code = 0
@@ -296,8 +306,15 @@ class Node:
         self.metrics.requests.labels(outcome).inc()
 
 
+RETRY_AFTER_S = 1  # a busy node's Retry-After
+
+
 def _status_of(event) -> int:
-    return 400 if event.client_error else (503 if "node:" in event.reason else 502)
+    return 400 if event.client_error else (503 if event.busy or "node:" in event.reason else 502)
+
+
+def _headers_of(event) -> Optional[dict]:
+    return {"Retry-After": str(RETRY_AFTER_S)} if event.busy else None
 
 
 def build_app(node: Node):
@@ -309,8 +326,8 @@ def build_app(node: Node):
     app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
     app.router.on_startup.append(node.startup)
 
-    def error(message: str, status: int):
-        return JSONResponse(error_body(message, status), status_code=status)
+    def error(message: str, status: int, headers: Optional[dict] = None):
+        return JSONResponse(error_body(message, status), status_code=status, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -398,19 +415,26 @@ def build_app(node: Node):
             return error(f"request id {rid!r} is already in flight here", 409)
         node.metrics.prompt_tokens.inc(len(ids))
         ended = False
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            first = await _next(q, request)
-            if first is None:  # the client left (the router cancels a request whose other half failed)
+            try:
+                first = await unless_gone(q.get(), gone)
+            except ClientGone:  # the client left (the router cancels a request whose other half failed)
                 ended = True
+                gone.cancel()
                 node.finish(rid, False, "aborted")
                 return Response(status_code=499)
             if isinstance(first, m.RequestFailed):
                 ended = True
-                node.finish(rid, True, "client_error" if first.client_error else "failed")
-                return error(first.reason, _status_of(first))
+                gone.cancel()
+                outcome = "client_error" if first.client_error else "busy" if first.busy else "failed"
+                node.finish(rid, True, outcome)
+                return error(first.reason, _status_of(first), _headers_of(first))
             if role == "prefill":
                 ended = True
+                gone.cancel()
                 node.metrics.transfer_seconds.observe(first.transfer_s)
+                node.metrics.queue_seconds.observe(first.queue_s)
                 node.finish(rid, True, "ok")
                 return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
                                        "first_token": first.first_token, "transfer_s": first.transfer_s,
@@ -426,6 +450,7 @@ def build_app(node: Node):
                          "queue_s": first.wait_s, "digests": first.digests}
                 first = None
         except BaseException:
+            gone.cancel()
             node.finish(rid, ended, "aborted")
             raise
 
@@ -439,6 +464,8 @@ def build_app(node: Node):
                     raise _Failed(ev)
                 if counts["completion"] == 0 and ev.token_ids:
                     node.metrics.ttft_seconds.observe(time.monotonic() - arrived)
+                if ev.queue_s is not None:
+                    node.metrics.queue_seconds.observe(ev.queue_s)
                 counts["completion"] += len(ev.token_ids)
                 node.metrics.generated_tokens.inc(len(ev.token_ids))
                 delta = text.feed(ev.token_ids)
@@ -453,14 +480,16 @@ def build_app(node: Node):
         if not req.stream:
             out, finish = [], None
             try:
-                async for delta, finish in _watch(events(), request):
+                async for delta, finish in _watch(events(), gone):
                     out.append(delta)
             except _Failed as f:
                 node.finish(rid, True, "failed")
                 return error(f.event.reason, _status_of(f.event))
-            except _Gone:
+            except ClientGone:
                 node.finish(rid, False, "aborted")
                 return Response(status_code=499)
+            finally:
+                gone.cancel()
             node.finish(rid, finish is not None and not text.stopped, "ok")
             return shaper.response("".join(out), finish, len(ids), counts["completion"], extra)
 
@@ -468,8 +497,8 @@ def build_app(node: Node):
             ended_ok = False
             try:
                 first_extra = extra
-                async for delta, finish in events():  # a chunk per token event, its text possibly empty
-                    yield sse(shaper.chunk(delta, finish, first_extra))  # (bytes that end mid-character)
+                async for delta, finish in _watch(events(), gone):  # a chunk per token event, its text
+                    yield sse(shaper.chunk(delta, finish, first_extra))  # possibly empty (bytes that end mid-character)
                     first_extra = None
                     if finish:
                         ended_ok = not text.stopped
@@ -481,9 +510,12 @@ def build_app(node: Node):
                 yield sse(error_body(f.event.reason, _status_of(f.event)))
                 yield sse("[DONE]")
                 node.finish(rid, True, "failed")
-            except BaseException:
+            except BaseException as exc:  # the client left (ClientGone, or the server cancelled the stream)
                 node.finish(rid, False, "aborted")
-                raise
+                if not isinstance(exc, ClientGone):
+                    raise
+            finally:
+                gone.cancel()
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -504,36 +536,15 @@ class _Failed(Exception):
         self.event = event
 
 
-class _Gone(Exception):
-    """The client disconnected."""
-
-
-async def _next(q: asyncio.Queue, request, poll_s: float = 0.5):
-    """The next event, or None once the client disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(q.get(), poll_s)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
-
-
-async def _watch(gen, request, poll_s: float = 0.5):
-    """``gen``'s items; _Gone when the client disconnects meanwhile."""
+async def _watch(gen, gone: asyncio.Future):
+    """``gen``'s items; ClientGone as soon as ``gone`` is done (the client disconnected) meanwhile."""
     it = gen.__aiter__()
     while True:
-        task = asyncio.ensure_future(it.__anext__())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()
-                raise _Gone()
         try:
-            yield task.result()
+            item = await unless_gone(it.__anext__(), gone)
         except StopAsyncIteration:
             return
+        yield item
 
 
 def main(argv=None) -> int:

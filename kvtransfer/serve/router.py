@@ -12,9 +12,13 @@ router passes on (``stream``: server-sent events) with the transfer's figures in
 ``kvtransfer`` object.
 
 Failures: a node that fails or dies ends its requests with an HTTP error naming it (502), the
-decode side's request is cancelled when prefill fails; a node that stops answering is skipped
-until its ``/health`` answers again (checked every ``--health-interval`` s), so a restarted
-node is used again without restarting anything else. At start every node must answer
+decode side's request is cancelled when prefill fails; a node whose queue is full answers 503
+with ``Retry-After`` at once, and the router passes that on (cancelling the other half). Every
+node's ``/health`` is asked every ``--health-interval`` s: one that fails or does not answer is
+skipped until it answers ``/info`` as ready again, so a restarted node is used again without
+restarting anything else; the router's ``/health`` lists the nodes and which are up. A client
+that disconnects has both halves cancelled at once (the nodes abort the request), counted as
+``aborted``. At start every node must answer
 ``/info`` within ``--startup-timeout`` s with the right role and one model, else the router
 says which did not, in one line, and exits with status 2.
 """
@@ -36,15 +40,17 @@ from typing import List, Optional
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, client_limits, http_server, port_socket
+from kvtransfer.serve.http import (ClientGone, UsageError, add_metrics_and_models, client_gone, client_limits,
+                                   http_server, port_socket, unless_gone)
 from kvtransfer.serve.metrics import RouterMetrics
 from kvtransfer.serve.openai_api import error_body, sse
 
 log = logging.getLogger("kvtransfer.serve.router")
 
 NODE_TIMEOUT_S = 600.0  # one request's longest answer from a node
+HEALTH_TIMEOUT_S = 10.0  # a node whose /health takes longer is taken for down (a starved machine is slow)
 
 
 class RouterError(RuntimeError):
@@ -63,16 +69,27 @@ class NodeRef:
 
 
 class _NodeFailed(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: Optional[str] = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+    @property
+    def outcome(self) -> str:
+        """The metrics' outcome of a request that ended so."""
+        return "busy" if self.retry_after else "client_error" if self.status < 500 else "failed"
+
+    @property
+    def headers(self) -> Optional[dict]:
+        return {"Retry-After": self.retry_after} if self.retry_after else None
 
 
-def _node_error(node: NodeRef, resp_status: int, body: bytes) -> _NodeFailed:
+def _node_error(node: NodeRef, resp_status: int, body: bytes, retry_after: Optional[str] = None) -> _NodeFailed:
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body[:200].decode(errors="replace") or f"HTTP {resp_status}"
+    if retry_after is not None and resp_status in (429, 503):  # busy: the client may try again
+        return _NodeFailed(resp_status, f"{node.role} node {node.url}: {message}", retry_after)
     status = resp_status if resp_status < 500 else 502
     return _NodeFailed(status, f"{node.role} node {node.url}: {message}")
 
@@ -162,17 +179,31 @@ class Router:
         self._watch = asyncio.ensure_future(self._watch_nodes())
 
     async def _watch_nodes(self) -> None:
-        """Every node that is down gets its /info asked again (a restarted node comes back)."""
+        """Every period, every node is checked at once: one that is up must answer /health with
+        200 (else it is taken down), one that is down gets its /info asked again (a restarted
+        node comes back)."""
         while True:
             await asyncio.sleep(self.health_interval_s)
-            for node in self.nodes:
-                if not node.up:
-                    try:
-                        await self._probe(node)
-                        log.info("%s node %s is back", node.role, node.url)
-                    except Exception as exc:  # noqa: BLE001 - still down, keep the reason
-                        node.why_down = f"{type(exc).__name__}: {exc}"
+            await asyncio.gather(*(self._check(node) for node in self.nodes))
             self._update_gauges()
+
+    async def _check(self, node: NodeRef) -> None:
+        if node.up:
+            try:
+                resp = await self.client.get(f"{node.url}/health", timeout=HEALTH_TIMEOUT_S)
+                if resp.status_code == 200:
+                    return
+                why = f"/health answered {resp.status_code}: {resp.text[:200]}"
+            except httpx.HTTPError as exc:
+                why = f"/health: {type(exc).__name__}: {exc}"
+            node.up, node.why_down = False, why
+            log.warning("%s node %s is down (%s)", node.role, node.url, why)
+            return
+        try:
+            await self._probe(node)
+            log.info("%s node %s is back", node.role, node.url)
+        except Exception as exc:  # noqa: BLE001 - still down, keep the reason
+            node.why_down = f"{type(exc).__name__}: {exc}"
 
     def _update_gauges(self) -> None:
         for role, nodes in (("prefill", self.prefill), ("decode", self.decode)):
@@ -203,7 +234,7 @@ class Router:
         except httpx.HTTPError as exc:
             raise _lost(node, exc) from None
         if resp.status_code != 200:
-            raise _node_error(node, resp.status_code, resp.content)
+            raise _node_error(node, resp.status_code, resp.content, resp.headers.get("retry-after"))
         return resp.json()
 
     async def prefill_part(self, node: NodeRef, path: str, body: dict) -> dict:
@@ -229,9 +260,9 @@ def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvtransfer router", docs_url=None, redoc_url=None)
 
-    def error(message: str, status: int, outcome: str):
+    def error(message: str, status: int, outcome: str, headers: Optional[dict] = None):
         router.metrics.requests.labels(outcome).inc()
-        return JSONResponse(error_body(message, status), status_code=status)
+        return JSONResponse(error_body(message, status), status_code=status, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -244,6 +275,13 @@ def build_app(router: Router) -> FastAPI:
     add_metrics_and_models(app, router.metrics, lambda: router.model)
 
     async def route(request: Request, path: str):
+        try:
+            return await _route(request, path)
+        except Exception:  # a bug answered 500 by the server: counted all the same
+            router.metrics.requests.labels("failed").inc()
+            raise
+
+    async def _route(request: Request, path: str):
         start = time.monotonic()
         try:
             body = json.loads(await request.body())
@@ -260,7 +298,8 @@ def build_app(router: Router) -> FastAPI:
         try:
             p, d = router.pick("prefill"), router.pick("decode")
         except _NodeFailed as f:
-            return error(f.message, f.status, "failed")
+            return error(f.message, f.status, "failed",
+                         {"Retry-After": str(max(1, round(router.health_interval_s)))})
         rid = uuid.uuid4().hex
         router.metrics.routed.labels(p.url).inc()
         router.metrics.routed.labels(d.url).inc()
@@ -270,8 +309,9 @@ def build_app(router: Router) -> FastAPI:
         if body.get("stream"):
             return await _stream(router, request, path, d, d_body, prefill, verify, start)
         decode = asyncio.ensure_future(router.post(d, path, d_body))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            out = await _both(prefill, decode)
+            out = await unless_gone(_both(prefill, decode), gone)
             extra = out.get("kvtransfer") or {}
             pre = prefill.result()
             if verify:
@@ -281,7 +321,12 @@ def build_app(router: Router) -> FastAPI:
                          prefill=_prefill_figures(pre))
             out["kvtransfer"] = extra
         except _NodeFailed as f:
-            return error(f.message, f.status, "client_error" if f.status < 500 else "failed")
+            return error(f.message, f.status, f.outcome, f.headers)
+        except ClientGone:  # _both cancelled both halves: each node aborts the request
+            router.metrics.requests.labels("aborted").inc()
+            return Response(status_code=499)
+        finally:
+            gone.cancel()
         router.metrics.requests.labels("ok").inc()
         router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
         router.metrics.transfer_seconds.observe(extra.get("transfer_s", 0.0))
@@ -320,30 +365,35 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
     failure) is known, then pass the events on."""
     ctx = router.client.stream("POST", f"{node.url}{path}", json=body)
     opening = asyncio.ensure_future(ctx.__aenter__())
+    gone = asyncio.ensure_future(client_gone(request))
     try:
-        done, _ = await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({opening, prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
         if prefill in done and prefill.exception() is not None:
             raise prefill.exception()
         try:
-            resp = await opening
+            resp = await unless_gone(asyncio.shield(opening), gone)
         except httpx.HTTPError as exc:
             raise _lost(node, exc) from None
         if resp.status_code != 200:
-            raise _node_error(node, resp.status_code, await resp.aread())
-    except _NodeFailed as f:
+            raise _node_error(node, resp.status_code, await resp.aread(), resp.headers.get("retry-after"))
+    except (_NodeFailed, ClientGone) as exc:
         opening.cancel()
         prefill.cancel()
+        gone.cancel()
         if opening.done() and not opening.cancelled() and opening.exception() is None:
             await ctx.__aexit__(None, None, None)
-        router.metrics.requests.labels("failed" if f.status >= 500 else "client_error").inc()
-        return JSONResponse(error_body(f.message, f.status), status_code=f.status)
+        if isinstance(exc, ClientGone):  # before decode's first event: both halves cancelled
+            router.metrics.requests.labels("aborted").inc()
+            return Response(status_code=499)
+        router.metrics.requests.labels(exc.outcome).inc()
+        return JSONResponse(error_body(exc.message, exc.status), status_code=exc.status, headers=exc.headers)
 
     async def events():
         outcome, extra, last = "failed", {}, {}
         try:
             lines = resp.aiter_lines()
             while True:
-                line = await _next_line(lines, prefill)
+                line = await unless_gone(_next_line(lines, prefill), gone)
                 if line is None:
                     break
                 if not line.startswith("data: "):
@@ -380,7 +430,12 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
             f = _lost(node, exc)
             yield sse(error_body(f.message, f.status))
             yield sse("[DONE]")
+        except BaseException as exc:  # the client left (ClientGone, or the server cancelled the stream)
+            outcome = "aborted"
+            if not isinstance(exc, ClientGone):
+                raise
         finally:
+            gone.cancel()
             prefill.cancel()
             await ctx.__aexit__(None, None, None)
             router.metrics.requests.labels(outcome).inc()
@@ -397,7 +452,11 @@ async def _next_line(lines, prefill: asyncio.Future):
     """The next line of decode's stream; raises prefill's failure if it comes first."""
     task = asyncio.ensure_future(lines.__anext__())
     watch = {task} if prefill.done() else {task, prefill}
-    done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client left: the read goes too
+        task.cancel()
+        raise
     if task not in done:
         if prefill.exception() is not None:
             task.cancel()

@@ -14,14 +14,37 @@ that changes the pools happens on every rank in the same iteration: that is why 
 outcomes are agreed before they are acted on, and why decode reservations are retried in
 command order. Control collectives use a gloo group of their own, beside the model's group.
 
-Roles: **colocated** generates whole requests. **prefill** adds each request with
-``hold=True``, sends its prompt KV (and Mamba state, and the first token as the aux record)
-through its :class:`~kvtransfer.control.prefill.PrefillKVManager` once sampled, and frees the
-pages when the transfer ended. **decode** reserves the prompt's pages, asks the prefill node
-through a :class:`~kvtransfer.control.decode.DecodeKVManager` (one per prefill node, made on
-first use, each with transports of its own), and starts decoding from the first token once
-every rank has its bytes. A failed transfer frees decode pages only once no write of it can
-land (``receiver.released``).
+Roles: **colocated** generates whole requests. **prefill** waits until the decode node has
+reserved the request's pages and sent where the KV goes (its sender leaves ``Bootstrapping``),
+then adds the request with ``hold=True``, sends its prompt KV (and Mamba state, and the first
+token as the aux record) through its :class:`~kvtransfer.control.prefill.PrefillKVManager` once
+sampled, and frees the pages when the transfer ended. **decode** reserves the prompt's pages,
+asks the prefill node through a :class:`~kvtransfer.control.decode.DecodeKVManager` (one per
+prefill node, made on first use, each with transports of its own), and starts decoding from the
+first token once every rank has its bytes. A failed transfer frees decode pages only once no
+write of it can land (``receiver.released``).
+
+Admission, and why it cannot deadlock. Decode reserves first: prefill does not compute a
+request before decode holds room for all of its KV. So every wait is on something that ends by
+itself, for any pool sizes on either side:
+
+- a decode request waits (first come, first served) for pages that its *running* requests hold;
+  each of those decodes to its end without waiting for anything, then frees them;
+- a *reserved* decode request waits for its KV; prefill computes it (below) and writes it into
+  pages that already wait for it;
+- a prefill request waits first for decode's destination (the point above), then in the
+  engine's queue (first come, first served) for pages that prefill's *running* and *held*
+  requests hold: a running one finishes its prompt by itself, and a held one only waits for its
+  writes, whose destination is already reserved -- never for room on decode.
+
+No chain of waits comes back to where it started, so a request that fits each node's empty
+pools alone (checked when it arrives: 400 otherwise) always completes; the engine waits rather
+than fails when its oldest request does not fit beside the others. What waits for pages is
+bounded: a new request is refused with ``RequestFailed(busy=True)`` (HTTP 503 with
+``Retry-After``) while ``spec.max_queue`` requests already wait on this node -- on decode those
+without a reservation, on prefill and colocated nodes the engine's queue (a prefill request
+that waits for decode's destination counts on the decode node). The check is made as each
+command is applied, on every rank alike, so the ranks refuse the same requests.
 
 A rank that fails reports the exception on its pipe and exits; a rank whose parent dies is
 killed with it (``PR_SET_PDEATHSIG``).
@@ -67,6 +90,16 @@ class _Sending:
     verify: bool
     arrived: float
     sent_at: float = 0.0
+
+
+@dataclass
+class _Bootstrapping:
+    """Prefill: a request whose decode node has not yet sent where its KV goes (the engine has
+    not taken it)."""
+
+    cmd: m.Prefill
+    sender: object
+    arrived: float
 
 
 @dataclass
@@ -148,6 +181,8 @@ class RankWorker:
         self.requests: Dict[str, object] = {}  # rid -> engine Request (generating here)
         self.rids: Dict[int, str] = {}  # engine request id -> rid
         self.reported: Dict[str, int] = {}  # rid -> tokens reported
+        self.arrived: Dict[str, float] = {}  # colocated: rid -> when its command was applied
+        self.bootstrapping: Dict[str, _Bootstrapping] = {}  # prefill: waiting for decode's destination
         self.sending: Dict[str, _Sending] = {}
         self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
         self.decode_managers: Dict[str, object] = {}  # prefill bootstrap -> DecodeKVManager
@@ -206,7 +241,7 @@ class RankWorker:
             self._report_load()
 
     def _busy(self) -> bool:
-        return bool(self.engine.has_work() or self.sending or self.receiving)
+        return bool(self.engine.has_work() or self.bootstrapping or self.sending or self.receiving)
 
     def _commands(self) -> list:
         """Rank 0: every command waiting on the pipe (waiting a little when idle)."""
@@ -229,15 +264,9 @@ class RankWorker:
     def _apply(self, cmd) -> None:
         if isinstance(cmd, m.Shutdown):
             self.stopping = True
-        elif isinstance(cmd, m.Generate):
-            self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling, hold=False)
-        elif isinstance(cmd, m.Prefill):
-            req = self._add(cmd.rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True)
-            if req is not None:
-                self.sending[cmd.rid] = _Sending(req, self.prefill_manager.sender(cmd.rid), cmd.verify,
-                                                 time.monotonic())
-        elif isinstance(cmd, m.Decode):
-            self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
+        elif isinstance(cmd, (m.Generate, m.Prefill, m.Decode)):
+            if not self._full(cmd.rid):
+                self._take(cmd)
         elif isinstance(cmd, m.Abort):
             self._abort(cmd.rid, cmd.reason)
         elif isinstance(cmd, m.Connect):
@@ -245,6 +274,33 @@ class RankWorker:
             self._emit(m.Connected(cmd.rid, error or ""))
         else:
             raise TypeError(f"unknown command {type(cmd).__name__}")
+
+    def _take(self, cmd) -> None:
+        """A new request: colocated into the engine's queue, prefill to wait for decode's
+        destination, decode to wait for its reservation."""
+        if isinstance(cmd, m.Generate):
+            if self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling,
+                         hold=False) is not None:
+                self.arrived[cmd.rid] = time.monotonic()
+        elif isinstance(cmd, m.Prefill):
+            self.bootstrapping[cmd.rid] = _Bootstrapping(cmd, self.prefill_manager.sender(cmd.rid), time.monotonic())
+        else:
+            self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
+
+    def _queued(self) -> int:
+        """Requests waiting for this node's pages (module docstring: what counts where)."""
+        if self.spec.role == "decode":
+            return sum(1 for r in self.receiving.values() if r.req is None)
+        return len(self.engine.waiting)
+
+    def _full(self, rid: str) -> bool:
+        """Refuse ``rid`` (busy) when the queue is at its bound; True if it was refused."""
+        queued = self._queued()
+        if queued < self.spec.max_queue:
+            return False
+        self._emit(m.RequestFailed(rid, f"the {self.spec.role} node is full: {queued} requests wait for KV pages "
+                                        f"(--max-queue {self.spec.max_queue}); try again later", busy=True))
+        return True
 
     def _add(self, rid, prompt, max_new, stop_ids, sampling, hold: bool):
         try:
@@ -256,6 +312,10 @@ class RankWorker:
         return req
 
     def _abort(self, rid: str, reason: str) -> None:
+        b = self.bootstrapping.pop(rid, None)
+        if b is not None:  # the engine never had it; decode's pages are released once prefill says Quiesced
+            b.sender.abort(reason)
+            return
         s = self.sending.get(rid)
         if s is not None:
             s.sender.abort(reason)
@@ -285,6 +345,7 @@ class RankWorker:
         if req is not None:
             self.rids.pop(req.rid, None)
             self.reported.pop(rid, None)
+            self.arrived.pop(rid, None)
         return req
 
     # -- decode: reservations ---------------------------------------------------------
@@ -344,13 +405,26 @@ class RankWorker:
 
         return OK if poll is KVPoll.Success else FAILED if poll is KVPoll.Failed else PENDING
 
+    @staticmethod
+    def _destination(poll) -> int:
+        """A bootstrapping sender's code: OK once every decode rank said where to write."""
+        from kvtransfer.control.state import KVPoll
+
+        return FAILED if poll is KVPoll.Failed else OK if poll >= KVPoll.WaitingForInput else PENDING
+
     def _progress(self) -> None:
+        boot = list(self.bootstrapping.items())
         sending = [(rid, s) for rid, s in self.sending.items() if s.sent_at]
         receiving = [(rid, r) for rid, r in self.receiving.items() if r.receiver is not None]
-        codes = [self._code(s.sender.poll()) for _, s in sending]
+        codes = [self._destination(b.sender.poll()) for _, b in boot]
+        codes += [self._code(s.sender.poll()) for _, s in sending]
         codes += [(OK if r.receiver.released else PENDING) if r.failed else self._code(r.receiver.poll())
                   for _, r in receiving]
         agreed = self.ctl.agree(codes)
+        for (rid, b), code in zip(boot, agreed):
+            if code != PENDING:
+                self._bootstrapped(rid, b, code == OK)
+        agreed = agreed[len(boot):]
         for (rid, s), code in zip(sending, agreed):
             if code != PENDING:
                 self._sent(rid, s, code == OK)
@@ -378,6 +452,19 @@ class RankWorker:
 
     def _state_slot(self, req) -> Optional[int]:
         return int(req.mamba_pool_idx) if self.layout.is_hybrid else None
+
+    def _bootstrapped(self, rid: str, b: _Bootstrapping, ok: bool) -> None:
+        """Decode has reserved ``rid``'s pages (every rank agreed), or the request failed first."""
+        del self.bootstrapping[rid]
+        if not ok:
+            self._emit(m.RequestFailed(rid, f"KV transfer failed: {b.sender.failure or 'on another rank'}"))
+            return
+        cmd = b.cmd
+        req = self._add(rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True)
+        if req is None:  # refused (and answered): decode's pages go back once prefill says Quiesced
+            b.sender.abort("the prefill node refused the request")
+            return
+        self.sending[rid] = _Sending(req, b.sender, cmd.verify, b.arrived)
 
     def _sent(self, rid: str, s: _Sending, ok: bool) -> None:
         del self.sending[rid]
@@ -433,7 +520,9 @@ class RankWorker:
         new = req.output_ids[done:]
         finish = req.finish.value if req.finish is not None else None
         if new or finish:
-            self._emit(m.Tokens(rid, tuple(new), tuple(req.logprobs[done:]), finish))
+            arrived = self.arrived.pop(rid, None)
+            queue_s = None if arrived is None else req.admitted_at - arrived
+            self._emit(m.Tokens(rid, tuple(new), tuple(req.logprobs[done:]), finish, queue_s))
             self.reported[rid] = len(req.output_ids)
 
     def _report_tokens(self) -> None:
@@ -443,7 +532,8 @@ class RankWorker:
 
     def _report_load(self) -> None:
         e = self.engine
-        load = m.Load(e.slots_in_use, e.config.max_tokens, len(e.running), len(e.waiting) + len(self.receiving))
+        load = m.Load(e.slots_in_use, e.config.max_tokens, len(e.running),
+                      len(e.waiting) + len(self.receiving) + len(self.bootstrapping))
         if load != self._load:
             self._load = load
             self._emit(load)

@@ -93,3 +93,24 @@ def test_admission_waits_for_pages():
     assert a in eng.running and b in eng.running and list(eng.waiting) == [c]
     eng.run()
     assert a.finish is b.finish is c.finish is FinishReason.LENGTH
+
+
+def test_a_request_that_fits_alone_waits_for_held_and_reserved_pages():
+    """Pages held for a transfer (prefill) or reserved for one (decode) do not make the engine
+    fail: the request that does not fit beside them waits, and runs once they come back."""
+    eng = _engine(tiny_spec(ModelName.TINY_MLA), max_tokens=32)  # 8 pages of 4
+    free = eng.pools.allocator.available_size()
+    held = eng.add(list(range(15)), 1, hold=True)  # 16 tokens: 4 pages, kept after it finishes
+    eng.run()
+    assert held.finish is FinishReason.LENGTH and eng.held == [held]
+    reserved = eng.reserve(list(range(11)), 1)  # 12 tokens: 3 pages
+    assert reserved is not None
+    late = eng.add(list(range(6)), 2)  # 8 tokens: 2 pages, 1 free
+    assert not eng.has_work()
+    assert eng.step() == [] and list(eng.waiting) == [late]  # it waits; nothing raises
+    eng.release(held)
+    assert eng.has_work()
+    eng.run()
+    assert late.finish is FinishReason.LENGTH
+    eng.abort(reserved)
+    assert eng.slots_in_use == 0 and eng.pools.allocator.available_size() == free

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
 import time
@@ -10,6 +9,7 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from kvtransfer._procs import group_members
 from kvtransfer.demo import Server, stop_all, threads_per_rank
 from kvtransfer.serve.http import free_port
 
@@ -38,22 +38,6 @@ def port_is_free(port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def group_members(pgid: int) -> List[int]:
-    """Live (not zombie) processes of the process group ``pgid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            out.append(int(name))
-    return out
 
 
 def group_is_gone(pgid: int, wait_s: float = 10.0) -> bool:
@@ -131,3 +115,33 @@ def sse_events(resp_lines) -> List[Optional[dict]]:
             data = line[len("data: "):]
             out.append(None if data == "[DONE]" else json.loads(data))
     return out
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """The value of the sample ``name`` (with ``labels``) in a server's ``/metrics``; 0 if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``condition()`` until it is true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not so after {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def idle(url: str) -> bool:
+    """A node holds no slot and runs or queues no request (its gauges, from its ranks' reports)."""
+    return all(metric(url, name) == 0 for name in ("kvtransfer_slots_in_use", "kvtransfer_requests_running",
+                                                    "kvtransfer_requests_waiting"))
+
+
+def ranks_of(server: Server) -> List[int]:
+    return [p for p in group_members(server.proc.pid) if p != server.proc.pid]

@@ -389,3 +389,27 @@ def test_junk_on_a_prefill_control_socket_is_dropped_and_the_rank_keeps_serving(
     prefill.call(Prefill("after-junk", 9, (9,)))
     assert decode.call(Wait("after-junk")) == ("Success", None)
     assert decode.call(Verify("after-junk"))[0] == 0
+
+
+def test_a_request_waits_for_decode_past_the_transfer_timeout_and_its_deadline_counts_from_the_ask(bootstrap,
+                                                                                                    ranks):
+    """Decode reserves first: a prefill request may wait for decode's ask as long as decode's
+    queue takes (a decode rank is connected), and its transfer deadline starts at the ask."""
+    config = {**FAST, "transfer_timeout_s": 1.0}
+    prefill = ranks(prefill_spec(bootstrap, 0, 1, config=config))
+    decode = ranks(decode_spec(bootstrap, config=config))
+    wait_ready(decode, [0])
+    prefill.call(Prefill("patient", 20, (10, 10)))  # its KV is ready; nobody has asked for it yet
+    assert prefill.call(Wait("patient", timeout_s=3.0)) == ("Bootstrapping", None)  # 3 transfer timeouts
+    decode.call(Receive("patient", 20))
+    assert decode.call(Wait("patient")) == ("Success", None)
+    assert prefill.call(Wait("patient")) == ("Success", None)
+    assert decode.call(Verify("patient"))[0] == 0
+
+
+def test_a_request_on_a_prefill_rank_no_decode_rank_is_connected_to_fails_after_the_handshake_timeout(bootstrap,
+                                                                                                       ranks):
+    prefill = ranks(prefill_spec(bootstrap, 0, 1, config={**FAST, "handshake_timeout_s": 0.5}))
+    prefill.call(Prefill("lonely", 20, (20,)))
+    state, reason = prefill.call(Wait("lonely", timeout_s=20))
+    assert state == "Failed" and "no decode node is connected to this prefill node" in reason
