@@ -10,7 +10,8 @@ from typing import Callable, Tuple
 import torch
 import torch.nn.functional as F
 
-from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ForwardBatch
+from kvtransfer.models.decode_attention import decode_attention
 from kvtransfer.models.layers import Rotary
 from kvtransfer.models.parallel import TPGroup
 
@@ -59,14 +60,32 @@ def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor,
         prefix, n = batch.prefix_lens[i], stop - start
         k, v = gather(request_slots(req_to_token, batch.req_pool_indices[i], prefix + n))
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, head_dim], [kv_heads, S, v_head_dim]
-        if heads != k.shape[0]:
-            k = k.repeat_interleave(heads // k.shape[0], dim=0)  # [heads, S, head_dim]
-            v = v.repeat_interleave(heads // v.shape[0], dim=0)
         qi = q[start:stop].transpose(0, 1)  # [heads, n, head_dim]
-        mask = None if n == 1 else causal_mask(prefix, n, q.device)
-        o = attend(qi, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [heads, n, v_head_dim]
+        if q.is_cuda:  # fused kernels: GQA without copies, a causal flag instead of a mask from 0
+            mask = None if n == 1 or prefix == 0 else causal_mask(prefix, n, q.device)
+            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                               is_causal=n > 1 and prefix == 0, enable_gqa=heads != k.shape[0])
+        else:
+            if heads != k.shape[0]:
+                k = k.repeat_interleave(heads // k.shape[0], dim=0)  # [heads, S, head_dim]
+                v = v.repeat_interleave(heads // v.shape[0], dim=0)
+            mask = None if n == 1 else causal_mask(prefix, n, q.device)
+            o = attend(qi, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [heads, n, v_head_dim]
         out[start:stop] = o.transpose(0, 1)  # o: [heads, n, v_head_dim]
     return out
+
+
+def _qkv_into_pool(x, qkv_w, layer_id, kv_pool, positions, out_cache_loc, rotary, heads, kv_heads, head_dim):
+    """Project ``x`` ``[T, hidden]``, rotate Q and K, write K/V at ``out_cache_loc``; returns
+    the rotated ``q`` ``[T, heads, head_dim]``."""
+    t, d = x.shape[0], head_dim
+    q_end, k_end = heads * d, (heads + kv_heads) * d
+    qkv = F.linear(x, qkv_w)  # [T, (heads + 2 * kv_heads) * head_dim]
+    q = rotary.apply(qkv[:, :q_end].view(t, heads, d), positions)  # [T, heads, head_dim]
+    k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), positions)  # [T, kv_heads, head_dim]
+    v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
+    kv_pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
+    return q
 
 
 def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
@@ -79,12 +98,8 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
     ``kv_pool`` at ``batch.out_cache_loc`` before attention reads them back.
     """
     t, d = x.shape[0], head_dim
-    q_end, k_end = heads * d, (heads + kv_heads) * d
-    qkv = F.linear(x, qkv_w)  # [T, (heads + 2 * kv_heads) * head_dim]
-    q = rotary.apply(qkv[:, :q_end].view(t, heads, d), batch.positions)  # [T, heads, head_dim]
-    k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), batch.positions)  # [T, kv_heads, head_dim]
-    v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
-    kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+    q = _qkv_into_pool(x, qkv_w, layer_id, kv_pool, batch.positions, batch.out_cache_loc, rotary, heads,
+                       kv_heads, d)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
 
     def gather(slots):
@@ -92,3 +107,17 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
 
     o = paged_attention(q, gather, req_to_token, batch, d ** -0.5, d)  # [T, heads, head_dim]
     return tp.all_reduce(F.linear(o.reshape(t, heads * d), o_w))
+
+
+def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
+                         req_to_token: torch.Tensor, inputs: DecodeInputs, rotary: Rotary, heads: int,
+                         kv_heads: int, head_dim: int, tp: TPGroup) -> torch.Tensor:
+    """:func:`gqa_attention` for one new token per request, every index on the device: the
+    Triton kernel reads the pool in place (capturable in a CUDA graph)."""
+    b, d = x.shape[0], head_dim
+    q = _qkv_into_pool(x, qkv_w, layer_id, kv_pool, inputs.positions, inputs.out_cache_loc, rotary, heads,
+                       kv_heads, d)
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
+                         inputs.splits)  # [B, heads, head_dim]
+    return tp.all_reduce(F.linear(o.reshape(b, heads * d), o_w))

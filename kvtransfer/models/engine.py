@@ -38,6 +38,7 @@ import torch
 
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
+from kvtransfer.models.runner import build_decode_runner
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pools.kv_cache import synchronize
 
@@ -182,6 +183,7 @@ class Engine:
         self.held: List[Request] = []  # finished with hold=True: pages kept until release()
         self._next_rid = 0
         self.stats = EngineStats()
+        self.decode_runner = build_decode_runner(model, self.pools, config.max_requests) if config.cuda_graphs else None
 
     # -- requests ----------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
@@ -330,6 +332,9 @@ class Engine:
         req.slots = new if req.slots is None else torch.cat((req.slots, new))
 
     def _forward(self, chunks) -> List[Request]:
+        if self.decode_runner is not None and all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1
+                                                  for r, n in chunks):
+            return self._forward_decode([r for r, _ in chunks])
         device = self.model.device
         ids, positions, locs = [], [], []
         for req, n in chunks:
@@ -358,6 +363,25 @@ class Engine:
             if req.kv_committed_len < len(req.all_ids):
                 continue  # a prefill chunk that is not the last
             if self._sample(req, row):
+                finished.append(req)
+        for req in finished:
+            self._release(req)
+        return finished
+
+    def _forward_decode(self, reqs: List[Request]) -> List[Request]:
+        """One token for each of ``reqs`` through the CUDA-graph runner (sampled on the GPU)."""
+        positions = [r.kv_committed_len for r in reqs]
+        for req, pos in zip(reqs, positions):
+            self._grow(req, pos + 1)
+        keys = [(r.sampling.seed * 1_000_003 + p + 1) % 2**63 for r, p in zip(reqs, positions)]
+        out = self.decode_runner.step([r.all_ids[-1] for r in reqs], positions, [r.req_pool_idx for r in reqs],
+                                      keys, [float(r.sampling.temperature) for r in reqs])
+        finished = []
+        for i, req in enumerate(reqs):
+            req.kv_committed_len += 1
+            if req.record_logits:
+                req.logits.append(out.logits[i].cpu())
+            if self._accept(req, out.tokens[i], out.logprobs[i]):
                 finished.append(req)
         for req in finished:
             self._release(req)
