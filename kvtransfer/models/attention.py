@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.decode_attention import decode_attention
+from kvtransfer.models.fused import rope_into_pool
 from kvtransfer.models.layers import Rotary
 from kvtransfer.models.parallel import TPGroup
 
@@ -75,19 +76,6 @@ def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor,
     return out
 
 
-def _qkv_into_pool(x, qkv_w, layer_id, kv_pool, positions, out_cache_loc, rotary, heads, kv_heads, head_dim):
-    """Project ``x`` ``[T, hidden]``, rotate Q and K, write K/V at ``out_cache_loc``; returns
-    the rotated ``q`` ``[T, heads, head_dim]``."""
-    t, d = x.shape[0], head_dim
-    q_end, k_end = heads * d, (heads + kv_heads) * d
-    qkv = F.linear(x, qkv_w)  # [T, (heads + 2 * kv_heads) * head_dim]
-    q = rotary.apply(qkv[:, :q_end].view(t, heads, d), positions)  # [T, heads, head_dim]
-    k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), positions)  # [T, kv_heads, head_dim]
-    v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
-    kv_pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
-    return q
-
-
 def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
                   req_to_token: torch.Tensor, batch: ForwardBatch, rotary: Rotary, heads: int,
                   kv_heads: int, head_dim: int, tp: TPGroup) -> torch.Tensor:
@@ -98,8 +86,12 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
     ``kv_pool`` at ``batch.out_cache_loc`` before attention reads them back.
     """
     t, d = x.shape[0], head_dim
-    q = _qkv_into_pool(x, qkv_w, layer_id, kv_pool, batch.positions, batch.out_cache_loc, rotary, heads,
-                       kv_heads, d)
+    q_end, k_end = heads * d, (heads + kv_heads) * d
+    qkv = F.linear(x, qkv_w)  # [T, (heads + 2 * kv_heads) * head_dim]
+    q = rotary.apply(qkv[:, :q_end].view(t, heads, d), batch.positions)  # [T, heads, head_dim]
+    k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), batch.positions)  # [T, kv_heads, head_dim]
+    v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
+    kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
 
     def gather(slots):
@@ -112,12 +104,13 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
 def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
                          req_to_token: torch.Tensor, inputs: DecodeInputs, rotary: Rotary, heads: int,
                          kv_heads: int, head_dim: int, tp: TPGroup) -> torch.Tensor:
-    """:func:`gqa_attention` for one new token per request, every index on the device: the
-    Triton kernel reads the pool in place (capturable in a CUDA graph)."""
+    """:func:`gqa_attention` for one new token per request, every index on the device: one
+    kernel rotates Q/K and writes K/V into the pool, the Triton decode kernel reads the pool in
+    place (capturable in a CUDA graph)."""
     b, d = x.shape[0], head_dim
-    q = _qkv_into_pool(x, qkv_w, layer_id, kv_pool, inputs.positions, inputs.out_cache_loc, rotary, heads,
-                       kv_heads, d)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    q = rope_into_pool(F.linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
+                       v_buf, heads, kv_heads, d)  # [B, heads, head_dim]
     o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
                          inputs.splits)  # [B, heads, head_dim]
     return tp.all_reduce(F.linear(o.reshape(b, heads * d), o_w))

@@ -19,12 +19,14 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
+import torch.nn.functional as F
 
 from kvtransfer.models.attention import gqa_attention, gqa_decode_attention
 from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.config import EngineConfig, LlamaConfig
 from kvtransfer.models.engine import Pools
+from kvtransfer.models.fused import add_rms_norm, silu_mul
 from kvtransfer.models.layers import Rotary, lm_head, rms_norm
 from kvtransfer.models.parallel import TPGroup
 from pools import MHATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
@@ -72,13 +74,16 @@ class LlamaModel(Decoder):
     @torch.inference_mode()
     def forward_decode(self, inputs: DecodeInputs, pools: Pools) -> torch.Tensor:
         """Logits ``[B, vocab]`` of one new token per request, with no host synchronisation
-        (the decode step a CUDA graph captures)."""
+        (the decode step a CUDA graph captures): :meth:`forward`'s arithmetic with the
+        element-wise steps fused (:mod:`kvtransfer.models.fused`)."""
         cfg = self.config
-        h = self.embed[inputs.input_ids]  # [B, hidden]
+        h, delta = self.embed[inputs.input_ids], None  # [B, hidden]
         r2t = pools.req_to_token.req_to_token
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w["attn_norm"], cfg.rms_eps)
-            h = h + gqa_decode_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, inputs, self.rotary, self.heads,
+            h, x = add_rms_norm(h, delta, w["attn_norm"], cfg.rms_eps)
+            delta = gqa_decode_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, inputs, self.rotary, self.heads,
                                          self.kv_heads, cfg.head_dim, self.tp)
-            h = self.mlp(h, w)
-        return lm_head(rms_norm(h, self.norm, cfg.rms_eps), self.lm_head, self.tp)
+            h, x = add_rms_norm(h, delta, w["ffn_norm"], cfg.rms_eps)
+            delta = self.tp.all_reduce(F.linear(silu_mul(F.linear(x, w["gate_up"])), w["down"]))
+        _, x = add_rms_norm(h, delta, self.norm, cfg.rms_eps)
+        return lm_head(x, self.lm_head, self.tp)

@@ -6,15 +6,12 @@ and 64, GQA groups of 1, 3 and 4, several lengths per batch (1, a page boundary,
 and a request row that is not the batch index."""
 
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kvtransfer.models import decode_attention as da
+from tests.models._support import run_interpreted
 
 CASES = [  # page_size, heads, kv_heads, head_dim, v_head_dim, lengths
     (1, 4, 4, 16, 16, (1, 7, 33)),
@@ -83,22 +80,9 @@ def print_interpreted_errors() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted_errors():
-    """The kernel on CPU tensors under TRITON_INTERPRET=1, which must be set before triton is
-    imported: one subprocess runs every case."""
-    if da.triton is None:
-        pytest.skip("needs the triton package")
-    root = pathlib.Path(__file__).resolve().parents[2]
-    code = "import tests.models.test_decode_attention as t; t.print_interpreted_errors()"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = {}
-    for line in proc.stdout.split("\n"):
-        if line.strip():
-            i, splits, err = line.split()
-            errors[int(i), int(splits)] = float(err)
-    return errors
+    """The kernel on CPU tensors under the interpreter: one subprocess runs every case."""
+    lines = run_interpreted("tests.models.test_decode_attention", "print_interpreted_errors")
+    return {(int(i), int(splits)): float(err) for i, splits, err in lines}
 
 
 @pytest.mark.parametrize("i, splits", INTERPRETED, ids=lambda v: str(v))
