@@ -22,11 +22,17 @@ class ModelName(enum.Enum):
     TINY_HYBRID = "tiny-hybrid"  # seeded full-attention + Mamba2 hybrid
     SMOLLM2_RANDOM = "smollm2-135m-random"  # SmolLM2-135M's shape, seeded random weights
     LLAMA3_8B = "llama3-8b"  # Llama-3-8B's shape, seeded random weights
+    DEEPSEEK_V2_LITE_MLA = "deepseek-v2-lite-mla"  # DeepSeek-V2-Lite's attention, dense MLP, random weights
 
     @property
     def random_llama(self) -> bool:
         """A Llama-shaped preset with seeded random weights (timings real, text meaningless)."""
         return self in (ModelName.SMOLLM2_RANDOM, ModelName.LLAMA3_8B)
+
+    @property
+    def random_weights(self) -> bool:
+        """A preset with real shapes and seeded random weights (timings real, text meaningless)."""
+        return self.random_llama or self is ModelName.DEEPSEEK_V2_LITE_MLA
 
     @classmethod
     def parse(cls, name: str) -> "ModelName":
@@ -148,6 +154,14 @@ class MLAConfig:
         _check_tp_int(tp)
         _divides((("the query heads", self.num_heads), ("the FFN size", self.intermediate_size),
                   ("the vocabulary", self.vocab_size)), tp)
+
+
+# DeepSeek-V2-Lite's attention (16 heads, latent 512, rope 64, nope 128, v 128), hidden size,
+# depth and vocabulary; a dense SwiGLU MLP of its first (dense) layer's width stands in for the
+# mixture of experts.
+DEEPSEEK_V2_LITE_MLA_SHAPE = MLAConfig(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+                                       num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                       kv_lora_rank=512, rope_theta=10000.0, rms_eps=1e-6, max_context_len=8192)
 
 
 @dataclass(frozen=True)

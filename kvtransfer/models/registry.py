@@ -23,8 +23,8 @@ from typing import Dict, Tuple, Union
 
 import torch
 
-from kvtransfer.models.config import (LLAMA3_8B_SHAPE, SMOLLM2_135M_SHAPE, HybridConfig, LlamaConfig, MLAConfig,
-                                      ModelName)
+from kvtransfer.models.config import (DEEPSEEK_V2_LITE_MLA_SHAPE, LLAMA3_8B_SHAPE, SMOLLM2_135M_SHAPE, HybridConfig,
+                                      LlamaConfig, MLAConfig, ModelName)
 from kvtransfer.models.parallel import TPGroup
 
 AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
@@ -32,7 +32,8 @@ AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
 log = logging.getLogger("kvtransfer.models")
 
 ALIASES = {"smollm2": ModelName.SMOLLM2, "mla-tiny": ModelName.TINY_MLA, "hybrid-tiny": ModelName.TINY_HYBRID}
-RANDOM_SHAPES = {ModelName.SMOLLM2_RANDOM: SMOLLM2_135M_SHAPE, ModelName.LLAMA3_8B: LLAMA3_8B_SHAPE}
+RANDOM_SHAPES = {ModelName.SMOLLM2_RANDOM: SMOLLM2_135M_SHAPE, ModelName.LLAMA3_8B: LLAMA3_8B_SHAPE,
+                 ModelName.DEEPSEEK_V2_LITE_MLA: DEEPSEEK_V2_LITE_MLA_SHAPE}
 RANDOM_SEED = 2024
 
 
@@ -64,7 +65,7 @@ class ModelSpec:
             weights = weights.on(device, dtype)
         if self.name is ModelName.SMOLLM2 or self.name.random_llama:
             from kvtransfer.models.llama import LlamaModel as cls
-        elif self.name is ModelName.TINY_MLA:
+        elif self.name in (ModelName.TINY_MLA, ModelName.DEEPSEEK_V2_LITE_MLA):
             from kvtransfer.models.tiny_mla import TinyMLAModel as cls
         else:
             from kvtransfer.models.tiny_hybrid import TinyHybridModel as cls
@@ -134,11 +135,12 @@ def load(name: ModelName) -> Tuple[ModelSpec, object]:
     if name is ModelName.SMOLLM2:
         config, weights, tokenizer = _load_smollm2()
     elif name in RANDOM_SHAPES:
-        from kvtransfer.models.seeded import RandomWeights, llama_shapes
+        from kvtransfer.models.seeded import RandomWeights, llama_shapes, mla_shapes
         from kvtransfer.models.tokenizer import ByteTokenizer
 
         config = RANDOM_SHAPES[name]
-        weights = RandomWeights(llama_shapes(config), RANDOM_SEED)
+        shapes = mla_shapes(config) if name is ModelName.DEEPSEEK_V2_LITE_MLA else llama_shapes(config)
+        weights = RandomWeights(shapes, RANDOM_SEED)
         tokenizer = ByteTokenizer(config.vocab_size)
     else:
         from kvtransfer.models.tokenizer import ByteTokenizer

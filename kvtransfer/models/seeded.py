@@ -83,3 +83,16 @@ def llama_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
                        p + "o": (h, cfg.num_heads * d), p + "gate": (cfg.intermediate_size, h),
                        p + "up": (cfg.intermediate_size, h), p + "down": (h, cfg.intermediate_size)})
     return shapes
+
+
+def mla_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
+    """Tensor shapes of an MLA model (the layout :mod:`kvtransfer.models.tiny_mla` reads)."""
+    h, n, f = cfg.hidden_size, cfg.num_heads, cfg.intermediate_size
+    nope, rope, rank, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    shapes = {"embed": (cfg.vocab_size, h), "norm": (h,), "lm_head": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm": (h,), p + "q": (n * (nope + rope), h), p + "kv_a": (rank + rope, h),
+                       p + "kv_norm": (rank,), p + "kv_b": (n * (nope + vd), rank), p + "o": (h, n * vd),
+                       p + "ffn_norm": (h,), p + "gate": (f, h), p + "up": (f, h), p + "down": (h, f)})
+    return shapes
