@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.decode_attention import decode_attention
-from kvtransfer.models.fused import rope_into_pool
+from kvtransfer.models.fused import decode_linear, rope_into_pool
 from kvtransfer.models.layers import Rotary
 from kvtransfer.models.parallel import TPGroup
 
@@ -109,11 +109,11 @@ def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor
     place (capturable in a CUDA graph)."""
     b, d = x.shape[0], head_dim
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
-    q = rope_into_pool(F.linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
+    q = rope_into_pool(decode_linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
                        v_buf, heads, kv_heads, d)  # [B, heads, head_dim]
     o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
                          inputs.splits)  # [B, heads, head_dim]
-    return tp.all_reduce(F.linear(o.reshape(b, heads * d), o_w))
+    return tp.all_reduce(decode_linear(o.reshape(b, heads * d), o_w))
 
 
 def gqa_prefill_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,

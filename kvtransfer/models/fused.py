@@ -10,6 +10,8 @@ it launches, so the element-wise work between the matmuls runs as one kernel eac
   ``[T, heads, D]`` and writes rotated K and V into the pool's ``k_buf``/``v_buf``
   ``[rows, kv_heads, D]`` at ``out_cache_loc`` ``[T]``.
 - :func:`silu_mul`: ``silu(gate) * up`` of ``gate_up`` ``[T, 2 * ffn]`` (gate columns first).
+- :func:`small_linear`: ``x @ w.T`` for ``x`` ``[M, K]`` with ``M <= GEMV_MAX_ROWS`` and
+  ``w`` ``[N, K]``, a matrix-vector kernel for the few rows of a small decode batch.
 
 Each reads its indices on the device: all are capturable in CUDA graphs. CPU tensors run them
 in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is first imported.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from pools._checks import check_tensor
 
@@ -91,6 +94,25 @@ if tl is not None:
         tl.store(OUT + t * F + offs, (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=ok)
 
 
+    @triton.jit
+    def _gemv_kernel(X, W, Y, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        for m in tl.static_range(M):
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = k0 + offs_k < K
+                w = tl.load(W + offs_n[:, None].to(tl.int64) * K + k0 + offs_k[None, :],
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(X + m * K + k0 + offs_k, mask=k_ok, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+            tl.store(Y + m * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+GEMV_MAX_ROWS = 4  # decode batches up to this size use small_linear (0: always cuBLAS)
+
+
 def _need_triton() -> None:
     if triton is None:
         raise RuntimeError("the fused decode kernels need the triton package, which is not installed")
@@ -153,3 +175,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if t:
         _silu_mul_kernel[(t, triton.cdiv(two_f // 2, block))](gate_up, out, two_f // 2, BLOCK=block, num_warps=4)
     return out
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+    """``x @ w.T`` ``[M, N]`` for ``x`` ``[M, K]`` (``M <= GEMV_MAX_ROWS``), ``w`` ``[N, K]``
+    contiguous: one program per ``block_n`` output columns, fp32 accumulation."""
+    _need_triton()
+    m, k = x.shape
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise ValueError(f"small_linear takes 1..{GEMV_MAX_ROWS} rows, got {m}")
+    check_tensor("w", w, shape=[None, k], dtype=x.dtype, device=x.device)
+    if not w.is_contiguous():
+        raise ValueError("w must be contiguous")
+    x = x.contiguous()
+    y = x.new_empty(m, w.shape[0])
+    _gemv_kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, y, w.shape[0], k, M=m, BLOCK_N=block_n,
+                                                      BLOCK_K=block_k, num_warps=4)
+    return y
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and w.is_contiguous():
+        return small_linear(x, w)
+    return F.linear(x, w)

@@ -19,14 +19,13 @@ from __future__ import annotations
 from typing import Dict
 
 import torch
-import torch.nn.functional as F
 
 from kvtransfer.models.attention import gqa_attention, gqa_decode_attention, gqa_prefill_attention
 from kvtransfer.models.base import Decoder, layer_weights
 from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.config import EngineConfig, LlamaConfig
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.fused import add_rms_norm, silu_mul
+from kvtransfer.models.fused import add_rms_norm, decode_linear, silu_mul
 from kvtransfer.models.layers import Rotary, lm_head, rms_norm
 from kvtransfer.models.parallel import TPGroup
 from pools import MHATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
@@ -106,7 +105,7 @@ class LlamaModel(Decoder):
             h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
             delta = attend(i, w, x)
             h, x = add_rms_norm(h, delta, w["ffn_norm"], eps)
-            delta = self.tp.all_reduce(F.linear(silu_mul(F.linear(x, w["gate_up"])), w["down"]))
+            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"]))
         return h, delta
 
     def _fused_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -41,11 +41,12 @@ class WeightMaker:
 
 class RandomWeights(Mapping):
     """Seeded random weights made where they are used: ``shapes`` names each tensor's shape
-    (norm weights, 1-D, are ones with a little jitter; matrices ``N(0, 1 / fan_in)``, the
-    embedding ``N(0, 1)``). Picklable and small until :meth:`on` binds a device and dtype; then
-    each read draws its tensor there, from a generator seeded by ``seed`` and the name's index,
-    so a model of billions of parameters is made on the GPU in milliseconds and every process
-    draws the same tensors."""
+    (norm weights, 1-D, are ones with a little jitter; matrices, the embedding too,
+    ``N(0, 1 / fan_in)``, so tied logits stay of order one). Picklable and small until
+    :meth:`on` binds a device and dtype; then each read draws its tensor there, from a
+    generator seeded by ``seed`` and the name's index, so a model of billions of parameters is
+    made on the GPU in milliseconds and every process on the same kind of device draws the same
+    tensors (a CPU and a GPU generator draw different numbers)."""
 
     def __init__(self, shapes: Dict[str, Tuple[int, ...]], seed: int, device: str = "cpu",
                  dtype: torch.dtype = torch.float32):
@@ -61,7 +62,7 @@ class RandomWeights(Mapping):
         t = torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
         if len(shape) == 1:
             return t.mul_(0.1).add_(1.0)
-        return t if name == "embed" else t.mul_(shape[-1] ** -0.5)
+        return t.mul_(shape[-1] ** -0.5)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

@@ -82,3 +82,35 @@ def test_bad_arguments_are_refused():
         fused.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="even number of columns"):
         fused.silu_mul(torch.zeros(2, 7))
+
+
+def _gemv_errors(device, dtype):
+    out = []
+    for m, n, k in ((1, 40, 24), (3, 17, 300), (4, 64, 512)):
+        gen = torch.Generator().manual_seed(m * n + k)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+        w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+        ref = x.double() @ w.double().T
+        for bn, bk in ((8, 64), (16, 256)):
+            out.append(float((fused.small_linear(x, w, bn, bk).double() - ref).norm() / ref.norm()))
+    return out
+
+
+def print_interpreted_gemv_errors() -> None:
+    print(*_gemv_errors("cpu", torch.float32), flush=True)
+
+
+def test_interpreted_small_linear_matches_a_matmul():
+    (errors,) = run_interpreted("tests.models.test_fused", "print_interpreted_gemv_errors")
+    assert all(float(e) < 1e-5 for e in errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_cuda_small_linear_matches_a_matmul(dtype, tol):
+    assert all(e < tol for e in _gemv_errors("cuda", dtype))
+
+
+def test_small_linear_refuses_too_many_rows():
+    with pytest.raises(ValueError, match="1..4 rows, got 5"):
+        fused.small_linear(torch.zeros(5, 8), torch.zeros(3, 8))
