@@ -1,6 +1,12 @@
-"""Paged attention over the pools: each request's keys and values are gathered through its
+"""Paged attention over the pools: each request's keys and values are read through its
 ``req_to_token`` row, so prefill chunks and decode steps read exactly what earlier steps (or a
 prefill node, over the transport) wrote into the pool.
+
+Three paths: :func:`gqa_attention` (any batch of chunks; per request, its K/V gathered from the
+pool), :func:`gqa_decode_attention` (one token per request; the Triton kernel of
+:mod:`kvtransfer.models.decode_attention` reads the pool in place) and
+:func:`gqa_prefill_attention` (one request's first chunk, causal over its own K/V). The last two
+take every index on the device, for the CUDA graphs of :mod:`kvtransfer.models.runner`.
 """
 
 from __future__ import annotations
@@ -36,11 +42,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     """``softmax(q k^T * scale) v`` per head: ``q`` ``[heads, n, d]``, ``k`` ``[heads, S, d]``,
     ``v`` ``[heads, S, dv]``, ``mask`` ``[n, S]`` bool or None -> ``[heads, n, dv]``.
 
-    CUDA uses ``scaled_dot_product_attention``; on the CPU its kernel costs ~5 ms per call for a
-    single decode token (torch 2.13), so the CPU does the three steps itself (softmax in fp32).
+    The CPU path: ``scaled_dot_product_attention``'s CPU kernel costs ~5 ms per call for a
+    single decode token (torch 2.13), so the three steps run here (softmax in fp32). CUDA tensors
+    go through ``scaled_dot_product_attention`` in :func:`paged_attention`.
     """
-    if q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [heads, n, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
