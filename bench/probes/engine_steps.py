@@ -121,13 +121,13 @@ def profile(engine: Engine) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--no-gemv", action="store_true", help="cuBLAS for every decode matmul")
+    ap.add_argument("--gemv-rows", type=int, default=0,
+                    help="decode batches up to this size use the Triton matrix-vector kernel")
     ap.add_argument("--new64", type=int, default=128, help="new tokens of each of the 64 requests")
     args = ap.parse_args()
-    if args.no_gemv:
-        from kvtransfer.models import fused
+    from kvtransfer.models import fused
 
-        fused.GEMV_MAX_ROWS = 0
+    fused.DECODE_GEMV_ROWS = args.gemv_rows
     ec = EngineConfig(max_tokens=64 * 400, page_size=16, max_requests=64, chunk_size=1024, dtype=torch.bfloat16,
                       device="cuda")
     out = launch.run(spec(), 1, ec, Measure(args.profile, args.new64))

@@ -11,7 +11,8 @@ it launches, so the element-wise work between the matmuls runs as one kernel eac
   ``[rows, kv_heads, D]`` at ``out_cache_loc`` ``[T]``.
 - :func:`silu_mul`: ``silu(gate) * up`` of ``gate_up`` ``[T, 2 * ffn]`` (gate columns first).
 - :func:`small_linear`: ``x @ w.T`` for ``x`` ``[M, K]`` with ``M <= GEMV_MAX_ROWS`` and
-  ``w`` ``[N, K]``, a matrix-vector kernel for the few rows of a small decode batch.
+  ``w`` ``[N, K]``, a matrix-vector kernel for the few rows of a small decode batch
+  (:func:`decode_linear` chooses it or cuBLAS).
 
 Each reads its indices on the device: all are capturable in CUDA graphs. CPU tensors run them
 in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before triton is first imported.
@@ -110,7 +111,10 @@ if tl is not None:
             tl.store(Y + m * N + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
-GEMV_MAX_ROWS = 4  # decode batches up to this size use small_linear (0: always cuBLAS)
+GEMV_MAX_ROWS = 4  # the most rows small_linear takes
+# Decode batches up to this size go through small_linear in decode_linear. 0 keeps cuBLAS for
+# every matmul: the kernel is used once bench/probes/small_linear.py shows it faster on the GPU.
+DECODE_GEMV_ROWS = 0
 
 
 def _need_triton() -> None:
@@ -196,6 +200,6 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: i
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch."""
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and w.is_contiguous():
+    if x.is_cuda and x.shape[0] <= DECODE_GEMV_ROWS and w.is_contiguous():
         return small_linear(x, w)
     return F.linear(x, w)
