@@ -3,6 +3,12 @@
     kvtransfer generate --model smollm2-135m --tp 3 --prompt "What is the capital of France?"
 
 The prompt goes through the model's chat template unless ``--raw``; the new text is printed.
+With ``--stats`` it reports speed; the random-weights presets (``smollm2-135m-random``,
+``llama3-8b``, ``deepseek-v2-lite-mla``) have real shapes and meaningless text, so they run with
+``--ignore-eos``; ``--batch N`` runs the prompt as N requests at once:
+
+    kvtransfer generate --model llama3-8b --device cuda --dtype bfloat16 --stats --raw --ignore-eos --prompt hi --batch 64
+
 This is the reference a disaggregated prefill -> decode run is checked against. Bad input (an
 unknown model, a TP size the heads do not allow, a prompt longer than the pool) is one line on
 stderr and exit status 2.
@@ -32,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1,
                     help="run the prompt as this many requests in one continuous batch (with --stats: batched decode speed)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (random-weights presets)")
-    ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a short warm-up request)")
+    ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a warm-up run of the same prompts); "
+                         "on CUDA also the decode step against its weights' read time")
     return ap
 
 

@@ -235,8 +235,9 @@ class EngineConfig:
 
     ``max_tokens`` token slots of KV (whole pages of ``page_size``), ``max_requests`` rows of
     ``req_to_token`` (and Mamba slots), ``chunk_size`` prompt tokens per prefill step at most.
-    ``cuda_graphs``: on CUDA, decode steps replay captured graphs where the model supports it
-    (:mod:`kvtransfer.models.runner`); False runs them through the model's general forward.
+    ``cuda_graphs``: on CUDA, decode steps and one-chunk prompts replay captured graphs where the
+    model supports it (:mod:`kvtransfer.models.runner`); False runs every step through the
+    model's general forward.
     """
 
     max_tokens: int = 2048

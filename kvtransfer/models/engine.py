@@ -23,6 +23,12 @@ token prefill sampled. :meth:`Engine.abort` ends a request wherever it is.
 Sampling: ``temperature`` 0 is greedy; above 0 the token is drawn from ``softmax(logits / T)``
 with a generator seeded by ``(seed, position)``, so every TP rank (whose logits are the same)
 draws the same token, and a request sampled on one node continues the same way on another.
+
+On one CUDA device (TP 1, a Llama model) decode steps and prompts that fit one chunk run as
+CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
+argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
+numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
+GPU node.
 """
 
 from __future__ import annotations
@@ -338,10 +344,9 @@ class Engine:
 
     def _forward(self, chunks) -> List[Request]:
         if self.graphs is not None:
-            first = chunks[0]
-            if len(chunks) == 1 and first[0].kv_committed_len == 0 and first[1] == len(first[0].prompt_ids) \
-                    and self.graphs.takes_first_chunk(first[1]):
-                return self._forward_first_chunk(first[0])
+            (req, n), alone = chunks[0], len(chunks) == 1
+            if alone and req.kv_committed_len == 0 and n == len(req.prompt_ids) and self.graphs.takes_first_chunk(n):
+                return self._forward_first_chunk(req)
             if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
         device = self.model.device
