@@ -45,6 +45,7 @@ import torch
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
 from kvtransfer.models.runner import StepOutput, build_runner
+from kvtransfer.models.sampler import draw as gpu_draw
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pools.kv_cache import synchronize
 
@@ -415,8 +416,14 @@ class Engine:
         return finished
 
     def _sample(self, req: Request, row: torch.Tensor) -> bool:
-        """Append the next token; True when ``req`` is done."""
-        token, logprob = req.sampling.draw(row, len(req.all_ids))
+        """Append the next token; True when ``req`` is done. An engine with a graph runner
+        samples every step on the GPU, so a request draws the same tokens whichever step kind
+        (captured or not) its prefill and decode ran in."""
+        position = len(req.all_ids)
+        if self.graphs is not None:
+            token, logprob = gpu_draw(row, req.sampling.temperature, req.sampling.key(position))
+        else:
+            token, logprob = req.sampling.draw(row, position)
         if req.record_logits:
             req.logits.append(row.cpu())
         return self._accept(req, token, logprob)

@@ -64,3 +64,12 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
     tokens = perturbed.argmax(dim=-1)  # [B]; argmax(logits) exactly where T == 0
     logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # [B]
     return tokens, logprobs
+
+
+def draw(logits: torch.Tensor, temperature: float, key: int) -> Tuple[int, float]:
+    """``(token, logprob)`` of one request from its fp32 ``logits`` ``[vocab]`` on CUDA: the
+    draw :func:`sample` makes for it in a batch (the host waits for it)."""
+    dev = logits.device
+    tokens, logprobs = sample(logits.float()[None], torch.tensor([float(temperature)], device=dev),
+                              torch.tensor([key], dtype=torch.int64, device=dev))
+    return int(tokens[0]), float(logprobs[0])

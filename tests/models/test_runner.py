@@ -80,7 +80,8 @@ def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
 
 
 class _Seeded:
-    """One seeded request alone, then the same request among others: the same tokens."""
+    """One seeded request alone (a captured first chunk), then the same request among others
+    (an eager prefill of five): the same tokens."""
 
     def __call__(self, engine):
         s = Sampling(temperature=0.8, seed=7)
