@@ -3,6 +3,12 @@
     kvtransfer generate --model smollm2-135m --tp 3 --prompt "What is the capital of France?"
 
 The prompt goes through the model's chat template unless ``--raw``; the new text is printed.
+With ``--stats`` it reports speed; the random-weights presets (``smollm2-135m-random``,
+``llama3-8b``, ``deepseek-v2-lite-mla``) have real shapes and meaningless text, so they run with
+``--ignore-eos``; ``--batch N`` runs the prompt as N requests at once:
+
+    kvtransfer generate --model llama3-8b --device cuda --dtype bfloat16 --stats --raw --ignore-eos --prompt hi --batch 64
+
 This is the reference a disaggregated prefill -> decode run is checked against. Bad input (an
 unknown model, a TP size the heads do not allow, a prompt longer than the pool) is one line on
 stderr and exit status 2.
@@ -29,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-tokens", type=int, default=4096, help="KV pool size in token slots")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=512, help="prompt tokens per prefill step")
-    ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a short warm-up request)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="run the prompt as this many requests in one continuous batch (with --stats: batched decode speed)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (random-weights presets)")
+    ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a warm-up run of the same prompts); "
+                         "on CUDA also the decode step against its weights' read time")
     return ap
 
 
@@ -55,21 +65,37 @@ def _generate(args) -> int:
     registry.load_config(name).check_tp(args.tp)
     if args.device == "cuda" and args.tp > torch.cuda.device_count():
         raise ValueError(f"--tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
-    ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=1,
+    if not isinstance(args.batch, int) or args.batch < 1:
+        raise ValueError(f"--batch must be a positive int, got {args.batch!r}")
+    ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=args.batch,
                       chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
     spec, tokenizer = registry.load(name)
     load_s = time.perf_counter() - start  # the file's metadata, weights and tokenizer
     text = args.prompt if args.raw else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt = tokenizer.encode(text)
     check_request(prompt, args.max_tokens, ec, spec.config)
-    out = launch.run(spec, args.tp, ec, Generate((tuple(prompt),), args.max_tokens, tokenizer.stop_ids, warmup=args.stats))
+    stop_ids = frozenset() if args.ignore_eos else tokenizer.stop_ids
+    out = launch.run(spec, args.tp, ec, Generate((tuple(prompt),) * args.batch, args.max_tokens, stop_ids, warmup=args.stats))
     print(tokenizer.decode(out.output_ids[0]))
     if args.stats:
         s = out.stats
-        print(f"[{name.value} tp={args.tp} {dtype.value} {device}] load {load_s:.2f} s; "
+        print(f"[{name.value} tp={args.tp} {dtype.value} {device} batch={args.batch}] load {load_s:.2f} s; "
               f"prefill {s.prefill_tokens} tokens {s.rate(s.prefill_tokens, s.prefill_s):.1f} tok/s; "
               f"decode {s.decode_tokens} tokens {s.rate(s.decode_tokens, s.decode_s):.1f} tok/s", file=sys.stderr)
+        if device == "cuda" and args.tp == 1 and s.decode_tokens:
+            _print_roofline(spec, dtype.torch, s, args.batch)
     return 0
+
+
+def _print_roofline(spec, dtype, stats, batch: int) -> None:
+    from kvtransfer.models.roofline import copy_bandwidth, step_weight_bytes
+
+    step_ms = 1e3 * stats.decode_s / (stats.decode_tokens / batch)
+    nbytes, bw = step_weight_bytes(spec, dtype), copy_bandwidth("cuda")
+    read_ms = 1e3 * nbytes / bw
+    print(f"decode step {step_ms:.3f} ms at batch {batch}; weights {nbytes / 1e9:.2f} GB read at the measured "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s = {read_ms:.3f} ms (step / read {step_ms / read_ms:.2f}x)",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,12 @@
-"""Paged attention over the pools: each request's keys and values are gathered through its
+"""Paged attention over the pools: each request's keys and values are read through its
 ``req_to_token`` row, so prefill chunks and decode steps read exactly what earlier steps (or a
 prefill node, over the transport) wrote into the pool.
+
+Three paths: :func:`gqa_attention` (any batch of chunks; per request, its K/V gathered from the
+pool), :func:`gqa_decode_attention` (one token per request; the Triton kernel of
+:mod:`kvtransfer.models.decode_attention` reads the pool in place) and
+:func:`gqa_prefill_attention` (one request's first chunk, causal over its own K/V). The last two
+take every index on the device, for the CUDA graphs of :mod:`kvtransfer.models.runner`.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from typing import Callable, Tuple
 import torch
 import torch.nn.functional as F
 
-from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ForwardBatch
+from kvtransfer.models.decode_attention import decode_attention
+from kvtransfer.models.fused import decode_linear, rope_into_pool
 from kvtransfer.models.layers import Rotary
 from kvtransfer.models.parallel import TPGroup
 
@@ -34,11 +42,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float
     """``softmax(q k^T * scale) v`` per head: ``q`` ``[heads, n, d]``, ``k`` ``[heads, S, d]``,
     ``v`` ``[heads, S, dv]``, ``mask`` ``[n, S]`` bool or None -> ``[heads, n, dv]``.
 
-    CUDA uses ``scaled_dot_product_attention``; on the CPU its kernel costs ~5 ms per call for a
-    single decode token (torch 2.13), so the CPU does the three steps itself (softmax in fp32).
+    The CPU path: ``scaled_dot_product_attention``'s CPU kernel costs ~5 ms per call for a
+    single decode token (torch 2.13), so the three steps run here (softmax in fp32). CUDA tensors
+    go through ``scaled_dot_product_attention`` in :func:`paged_attention`.
     """
-    if q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [heads, n, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -59,12 +66,17 @@ def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor,
         prefix, n = batch.prefix_lens[i], stop - start
         k, v = gather(request_slots(req_to_token, batch.req_pool_indices[i], prefix + n))
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, S, head_dim], [kv_heads, S, v_head_dim]
-        if heads != k.shape[0]:
-            k = k.repeat_interleave(heads // k.shape[0], dim=0)  # [heads, S, head_dim]
-            v = v.repeat_interleave(heads // v.shape[0], dim=0)
         qi = q[start:stop].transpose(0, 1)  # [heads, n, head_dim]
-        mask = None if n == 1 else causal_mask(prefix, n, q.device)
-        o = attend(qi, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [heads, n, v_head_dim]
+        if q.is_cuda:  # fused kernels: GQA without copies, a causal flag instead of a mask from 0
+            mask = None if n == 1 or prefix == 0 else causal_mask(prefix, n, q.device)
+            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                               is_causal=n > 1 and prefix == 0, enable_gqa=heads != k.shape[0])
+        else:
+            if heads != k.shape[0]:
+                k = k.repeat_interleave(heads // k.shape[0], dim=0)  # [heads, S, head_dim]
+                v = v.repeat_interleave(heads // v.shape[0], dim=0)
+            mask = None if n == 1 else causal_mask(prefix, n, q.device)
+            o = attend(qi, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [heads, n, v_head_dim]
         out[start:stop] = o.transpose(0, 1)  # o: [heads, n, v_head_dim]
     return out
 
@@ -92,3 +104,36 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
 
     o = paged_attention(q, gather, req_to_token, batch, d ** -0.5, d)  # [T, heads, head_dim]
     return tp.all_reduce(F.linear(o.reshape(t, heads * d), o_w))
+
+
+def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
+                         req_to_token: torch.Tensor, inputs: DecodeInputs, rotary: Rotary, heads: int,
+                         kv_heads: int, head_dim: int, tp: TPGroup) -> torch.Tensor:
+    """:func:`gqa_attention` for one new token per request, every index on the device: one
+    kernel rotates Q/K and writes K/V into the pool, the Triton decode kernel reads the pool in
+    place (capturable in a CUDA graph)."""
+    b, d = x.shape[0], head_dim
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    q = rope_into_pool(decode_linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
+                       v_buf, heads, kv_heads, d)  # [B, heads, head_dim]
+    o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
+                         inputs.splits)  # [B, heads, head_dim]
+    return tp.all_reduce(decode_linear(o.reshape(b, heads * d), o_w))
+
+
+def gqa_prefill_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
+                          inputs: DecodeInputs, rotary: Rotary, heads: int, kv_heads: int, head_dim: int,
+                          tp: TPGroup) -> torch.Tensor:
+    """:func:`gqa_attention` for ONE request's first chunk, its ``T`` tokens at positions
+    ``0..T-1`` (padding tokens after the real ones, written to the padding slot, see only
+    themselves and tokens before them, so they change nothing the real tokens see): causal
+    attention over the chunk's own K/V, read back from the pool, every index on the device."""
+    t, d = x.shape[0], head_dim
+    k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    q = rope_into_pool(F.linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
+                       v_buf, heads, kv_heads, d)  # [T, heads, head_dim]
+    k, v = k_buf[inputs.out_cache_loc], v_buf[inputs.out_cache_loc]  # [T, kv_heads, head_dim] each
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv_heads)
+    o = o[0].transpose(0, 1).reshape(t, heads * d)  # o: [1, heads, T, head_dim]
+    return tp.all_reduce(F.linear(o, o_w))

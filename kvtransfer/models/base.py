@@ -14,7 +14,7 @@ from kvtransfer.models.parallel import TPGroup, shard
 
 def layer_weights(weights: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
     """The entries under ``prefix`` (e.g. ``"layers.3."``), with the prefix removed."""
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    return {k[len(prefix):]: weights[k] for k in weights if k.startswith(prefix)}
 
 
 class Decoder:

@@ -54,3 +54,17 @@ class ForwardBatch:
         """``[B]`` index of each request's last new token in the flat arrays."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One decode step with every index on the device (what a CUDA graph reads): request ``i``
+    adds token ``input_ids[i]`` at ``positions[i]`` and attends over ``seq_lens[i]`` tokens.
+    ``splits`` is the attention kernel's split count (fixed per captured batch size)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    out_cache_loc: torch.Tensor  # [B] int64 KV pool slots the new tokens are written to
+    req_rows: torch.Tensor  # [B] int64 rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int32 = positions + 1
+    splits: int = 1

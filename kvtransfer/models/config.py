@@ -20,6 +20,19 @@ class ModelName(enum.Enum):
     SMOLLM2 = "smollm2-135m"  # the real SmolLM2-135M-Instruct from its GGUF file
     TINY_MLA = "tiny-mla"  # seeded DeepSeek-style MLA model
     TINY_HYBRID = "tiny-hybrid"  # seeded full-attention + Mamba2 hybrid
+    SMOLLM2_RANDOM = "smollm2-135m-random"  # SmolLM2-135M's shape, seeded random weights
+    LLAMA3_8B = "llama3-8b"  # Llama-3-8B's shape, seeded random weights
+    DEEPSEEK_V2_LITE_MLA = "deepseek-v2-lite-mla"  # DeepSeek-V2-Lite's attention, dense MLP, random weights
+
+    @property
+    def random_llama(self) -> bool:
+        """A Llama-shaped preset with seeded random weights (timings real, text meaningless)."""
+        return self in (ModelName.SMOLLM2_RANDOM, ModelName.LLAMA3_8B)
+
+    @property
+    def random_weights(self) -> bool:
+        """A preset with real shapes and seeded random weights (timings real, text meaningless)."""
+        return self.random_llama or self is ModelName.DEEPSEEK_V2_LITE_MLA
 
     @classmethod
     def parse(cls, name: str) -> "ModelName":
@@ -100,6 +113,15 @@ class LlamaConfig:
                   ("the FFN size", self.intermediate_size), ("the vocabulary", self.vocab_size)), tp)
 
 
+# Real models' shapes for the random-weights presets.
+SMOLLM2_135M_SHAPE = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_eps=1e-5,
+                                 max_context_len=8192, tie_embeddings=True)
+LLAMA3_8B_SHAPE = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_eps=1e-5,
+                              max_context_len=8192, tie_embeddings=False)
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """A DeepSeek-V2-style decoder: multi-head latent attention, dense SwiGLU MLP.
@@ -132,6 +154,14 @@ class MLAConfig:
         _check_tp_int(tp)
         _divides((("the query heads", self.num_heads), ("the FFN size", self.intermediate_size),
                   ("the vocabulary", self.vocab_size)), tp)
+
+
+# DeepSeek-V2-Lite's attention (16 heads, latent 512, rope 64, nope 128, v 128), hidden size,
+# depth and vocabulary; a dense SwiGLU MLP of its first (dense) layer's width stands in for the
+# mixture of experts.
+DEEPSEEK_V2_LITE_MLA_SHAPE = MLAConfig(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+                                       num_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                       kv_lora_rank=512, rope_theta=10000.0, rms_eps=1e-6, max_context_len=8192)
 
 
 @dataclass(frozen=True)
@@ -205,6 +235,9 @@ class EngineConfig:
 
     ``max_tokens`` token slots of KV (whole pages of ``page_size``), ``max_requests`` rows of
     ``req_to_token`` (and Mamba slots), ``chunk_size`` prompt tokens per prefill step at most.
+    ``cuda_graphs``: on CUDA, decode steps and one-chunk prompts replay captured graphs where the
+    model supports it (:mod:`kvtransfer.models.runner`); False runs every step through the
+    model's general forward.
     """
 
     max_tokens: int = 2048
@@ -213,6 +246,7 @@ class EngineConfig:
     chunk_size: int = 512
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         _positive(self, "max_tokens", "page_size", "max_requests", "chunk_size")
@@ -220,3 +254,5 @@ class EngineConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must hold at least one page of {self.page_size}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")

@@ -28,6 +28,12 @@ token prefill sampled. :meth:`Engine.abort` ends a request wherever it is.
 Sampling: ``temperature`` 0 is greedy; above 0 the token is drawn from ``softmax(logits / T)``
 with a generator seeded by ``(seed, position)``, so every TP rank (whose logits are the same)
 draws the same token, and a request sampled on one node continues the same way on another.
+
+On one CUDA device (TP 1, a Llama model) decode steps and prompts that fit one chunk run as
+CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
+argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
+numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
+GPU node.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ import torch
 
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
+from kvtransfer.models.runner import StepOutput, build_runner
+from kvtransfer.models.sampler import draw as gpu_draw
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pools.kv_cache import synchronize
 
@@ -111,13 +119,18 @@ class Sampling:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
 
+    def key(self, position: int) -> int:
+        """The key the token at ``position`` is drawn with (seeds the generator here; keys the
+        GPU sampler's random numbers in :mod:`kvtransfer.models.sampler`)."""
+        return (self.seed * 1_000_003 + position) % 2**63
+
     def draw(self, logits: torch.Tensor, position: int) -> tuple:
         """``(token, logprob)`` from fp32 ``logits [vocab]`` of the token at ``position``."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         if self.temperature == 0:
             token = int(torch.argmax(logits))
         else:
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % 2**63)
+            gen = torch.Generator().manual_seed(self.key(position))
             probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=gen))
         return token, float(logp[token])
@@ -187,6 +200,7 @@ class Engine:
         self.held: List[Request] = []  # finished with hold=True: pages kept until release()
         self._next_rid = 0
         self.stats = EngineStats()
+        self.graphs = build_runner(model, self.pools, config.max_requests, config.chunk_size) if config.cuda_graphs else None
 
     # -- requests ----------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
@@ -344,6 +358,12 @@ class Engine:
         req.slots = new if req.slots is None else torch.cat((req.slots, new))
 
     def _forward(self, chunks) -> List[Request]:
+        if self.graphs is not None:
+            (req, n), alone = chunks[0], len(chunks) == 1
+            if alone and req.kv_committed_len == 0 and n == len(req.prompt_ids) and self.graphs.takes_first_chunk(n):
+                return self._forward_first_chunk(req)
+            if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
+                return self._forward_decode([r for r, _ in chunks])
         device = self.model.device
         ids, positions, locs = [], [], []
         for req, n in chunks:
@@ -377,9 +397,47 @@ class Engine:
             self._release(req)
         return finished
 
+    def _forward_decode(self, reqs: List[Request]) -> List[Request]:
+        """One token for each of ``reqs`` through a captured decode step (sampled on the GPU)."""
+        positions = [r.kv_committed_len for r in reqs]
+        for req, pos in zip(reqs, positions):
+            self._grow(req, pos + 1)
+        last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        keys = [r.sampling.key(p + 1) for r, p in zip(reqs, positions)]
+        out = self.graphs.decode(last, positions, [r.req_pool_idx for r in reqs], keys,
+                                 [float(r.sampling.temperature) for r in reqs])
+        return self._take_sampled(reqs, out)
+
+    def _forward_first_chunk(self, req: Request) -> List[Request]:
+        """A request's whole prompt through a captured prefill step, and its first token."""
+        n = len(req.prompt_ids)
+        self._grow(req, n)
+        out = self.graphs.first_chunk(req.prompt_ids, req.req_pool_idx, req.sampling.key(n),
+                                      float(req.sampling.temperature))
+        return self._take_sampled([req], out)
+
+    def _take_sampled(self, reqs: List[Request], out: StepOutput) -> List[Request]:
+        finished = []
+        for i, req in enumerate(reqs):
+            req.kv_committed_len = len(req.all_ids)
+            req.is_chunked = 0
+            if req.record_logits:
+                req.logits.append(out.logits[i].cpu())
+            if self._accept(req, out.tokens[i], out.logprobs[i]):
+                finished.append(req)
+        for req in finished:
+            self._release(req)
+        return finished
+
     def _sample(self, req: Request, row: torch.Tensor) -> bool:
-        """Append the next token; True when ``req`` is done."""
-        token, logprob = req.sampling.draw(row, len(req.all_ids))
+        """Append the next token; True when ``req`` is done. An engine with a graph runner
+        samples every step on the GPU, so a request draws the same tokens whichever step kind
+        (captured or not) its prefill and decode ran in."""
+        position = len(req.all_ids)
+        if self.graphs is not None:
+            token, logprob = gpu_draw(row, req.sampling.temperature, req.sampling.key(position))
+        else:
+            token, logprob = req.sampling.draw(row, position)
         if req.record_logits:
             req.logits.append(row.cpu())
         return self._accept(req, token, logprob)

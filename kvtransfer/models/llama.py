@@ -20,12 +20,13 @@ from typing import Dict
 
 import torch
 
-from kvtransfer.models.attention import gqa_attention
+from kvtransfer.models.attention import gqa_attention, gqa_decode_attention, gqa_prefill_attention
 from kvtransfer.models.base import Decoder, layer_weights
-from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.config import EngineConfig, LlamaConfig
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.layers import Rotary, rms_norm
+from kvtransfer.models.fused import add_rms_norm, decode_linear, silu_mul
+from kvtransfer.models.layers import Rotary, lm_head, rms_norm
 from kvtransfer.models.parallel import TPGroup
 from pools import MHATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 
@@ -68,3 +69,45 @@ class LlamaModel(Decoder):
                                   self.kv_heads, cfg.head_dim, self.tp)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)
+
+    @torch.inference_mode()
+    def forward_decode(self, inputs: DecodeInputs, pools: Pools) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of one new token per request, with no host synchronisation
+        (the decode step a CUDA graph captures): :meth:`forward`'s arithmetic with the
+        element-wise steps fused (:mod:`kvtransfer.models.fused`)."""
+        r2t = pools.req_to_token.req_to_token
+
+        def attend(i, w, x):
+            return gqa_decode_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, inputs, self.rotary, self.heads,
+                                        self.kv_heads, self.config.head_dim, self.tp)
+
+        h, delta = self._fused_layers(inputs.input_ids, attend)
+        return self._fused_logits(h, delta)
+
+    @torch.inference_mode()
+    def forward_first_chunk(self, inputs: DecodeInputs, last: torch.Tensor, pools: Pools) -> torch.Tensor:
+        """Logits ``[1, vocab]`` at token ``last`` ``[1]`` of one request's first prefill chunk
+        (``inputs`` hold its ``T`` tokens; see :func:`attention.gqa_prefill_attention`), with
+        no host synchronisation."""
+        def attend(i, w, x):
+            return gqa_prefill_attention(x, w["qkv"], w["o"], i, pools.kv, inputs, self.rotary, self.heads,
+                                         self.kv_heads, self.config.head_dim, self.tp)
+
+        h, delta = self._fused_layers(inputs.input_ids, attend)
+        return self._fused_logits(h[last], delta[last])
+
+    def _fused_layers(self, input_ids: torch.Tensor, attend):
+        """The layers with fused element-wise steps: ``(h, delta)``, the residual stream before
+        its last add (``attend(layer, weights, normed) -> delta`` is the attention block)."""
+        eps = self.config.rms_eps
+        h, delta = self.embed[input_ids], None  # [T, hidden]
+        for i, w in enumerate(self.layers):
+            h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
+            delta = attend(i, w, x)
+            h, x = add_rms_norm(h, delta, w["ffn_norm"], eps)
+            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"]))
+        return h, delta
+
+    def _fused_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        _, x = add_rms_norm(h, delta, self.norm, self.config.rms_eps)
+        return lm_head(x, self.lm_head, self.tp)

@@ -23,7 +23,8 @@ from typing import Dict, Tuple, Union
 
 import torch
 
-from kvtransfer.models.config import HybridConfig, LlamaConfig, MLAConfig, ModelName
+from kvtransfer.models.config import (DEEPSEEK_V2_LITE_MLA_SHAPE, LLAMA3_8B_SHAPE, SMOLLM2_135M_SHAPE, HybridConfig,
+                                      LlamaConfig, MLAConfig, ModelName)
 from kvtransfer.models.parallel import TPGroup
 
 AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
@@ -31,6 +32,9 @@ AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
 log = logging.getLogger("kvtransfer.models")
 
 ALIASES = {"smollm2": ModelName.SMOLLM2, "mla-tiny": ModelName.TINY_MLA, "hybrid-tiny": ModelName.TINY_HYBRID}
+RANDOM_SHAPES = {ModelName.SMOLLM2_RANDOM: SMOLLM2_135M_SHAPE, ModelName.LLAMA3_8B: LLAMA3_8B_SHAPE,
+                 ModelName.DEEPSEEK_V2_LITE_MLA: DEEPSEEK_V2_LITE_MLA_SHAPE}
+RANDOM_SEED = 2024
 
 
 def parse_name(name: str) -> ModelName:
@@ -50,17 +54,22 @@ class ModelSpec:
 
     name: ModelName
     config: AnyConfig
-    weights: Dict[str, torch.Tensor] = field(repr=False)  # full, float32, CPU
+    weights: Dict[str, torch.Tensor] = field(repr=False)  # full, float32, CPU (or RandomWeights)
     load_s: float = 0.0  # seconds spent reading / making the weights
 
     def build(self, tp: TPGroup, dtype: torch.dtype, device):
-        if self.name is ModelName.SMOLLM2:
+        from kvtransfer.models.seeded import RandomWeights
+
+        weights = self.weights
+        if isinstance(weights, RandomWeights):
+            weights = weights.on(device, dtype)
+        if self.name is ModelName.SMOLLM2 or self.name.random_llama:
             from kvtransfer.models.llama import LlamaModel as cls
-        elif self.name is ModelName.TINY_MLA:
+        elif self.name in (ModelName.TINY_MLA, ModelName.DEEPSEEK_V2_LITE_MLA):
             from kvtransfer.models.tiny_mla import TinyMLAModel as cls
         else:
             from kvtransfer.models.tiny_hybrid import TinyHybridModel as cls
-        return cls(self.config, self.weights, tp, dtype, device)
+        return cls(self.config, weights, tp, dtype, device)
 
 
 def _tiny(name: ModelName) -> AnyConfig:
@@ -68,6 +77,8 @@ def _tiny(name: ModelName) -> AnyConfig:
 
 
 def load_config(name: ModelName) -> AnyConfig:
+    if name in RANDOM_SHAPES:
+        return RANDOM_SHAPES[name]
     if name is ModelName.SMOLLM2:
         from kvtransfer.models import gguf_llama
 
@@ -123,6 +134,14 @@ def load(name: ModelName) -> Tuple[ModelSpec, object]:
     start = time.perf_counter()
     if name is ModelName.SMOLLM2:
         config, weights, tokenizer = _load_smollm2()
+    elif name in RANDOM_SHAPES:
+        from kvtransfer.models.seeded import RandomWeights, llama_shapes, mla_shapes
+        from kvtransfer.models.tokenizer import ByteTokenizer
+
+        config = RANDOM_SHAPES[name]
+        shapes = mla_shapes(config) if name is ModelName.DEEPSEEK_V2_LITE_MLA else llama_shapes(config)
+        weights = RandomWeights(shapes, RANDOM_SEED)
+        tokenizer = ByteTokenizer(config.vocab_size)
     else:
         from kvtransfer.models.tokenizer import ByteTokenizer
 

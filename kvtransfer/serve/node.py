@@ -59,7 +59,8 @@ EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtransfer serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", required=True, choices=ROLES)
-    ap.add_argument("--model", required=True, help="smollm2, mla-tiny or hybrid-tiny")
+    ap.add_argument("--model", required=True, help="smollm2, mla-tiny, hybrid-tiny, or a random-weights preset: "
+                                                   "smollm2-135m-random, llama3-8b, deepseek-v2-lite-mla")
     ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (one process per rank)")
     ap.add_argument("--page-size", type=positive_int, default=16)
     ap.add_argument("--port", type=int, required=True, help="HTTP port")

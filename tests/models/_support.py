@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,3 +110,18 @@ class PoolShapes:
         kv_items = pools.kv.get_contiguous_buf_infos()[2]
         state_dims = pools.kv.get_state_dim_per_tensor() if pools.mamba_pool is not None else []
         return kv_items, state_dims, self.generate(engine)
+
+
+def run_interpreted(module: str, function: str) -> list:
+    """Lines printed by ``module.function()`` run in a subprocess under ``TRITON_INTERPRET=1``
+    (which must be set before triton is imported, so a test process that imported triton
+    compiled cannot switch). Skips without triton."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs the triton package")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", f"import {module} as m; m.{function}()"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"{module}.{function} under the interpreter failed:\n{proc.stderr[-3000:]}")
+    return [line.split() for line in proc.stdout.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
 def test_unknown_model_exits_2_with_one_line():
     out = _generate("--model", "gpt-5", "--prompt", "hi")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "kvtransfer generate: error: unknown model 'gpt-5'; expected one of smollm2-135m, tiny-mla, tiny-hybrid\n"
+    assert out.stderr == "kvtransfer generate: error: unknown model 'gpt-5'; expected one of smollm2-135m, tiny-mla, tiny-hybrid, smollm2-135m-random, llama3-8b, deepseek-v2-lite-mla\n"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,178 @@
+"""Engine steps as CUDA-graph replays: no host synchronisation inside a step, one small copy in
+and one out.
+
+Two kinds of step are captured at build time:
+
+- **decode**, one graph per batch size in :func:`capture_sizes` (up to the engine's
+  ``max_requests``): one batched forward and GPU sampling for every running request. A step of
+  ``n`` requests replays the smallest captured size ``>= n``.
+- **first chunk**, one graph per token count in :func:`prefill_buckets` (powers of two up to
+  the chunk size): the prefill of one request whose whole prompt fits one chunk, the common
+  case of a prompt arriving alone. The prompt is padded to the bucket.
+
+Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
+slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
+request rows, sampling keys, the index of the token whose logits are sampled); the KV slot of
+each token and the sequence lengths are derived on the device (``req_to_token[row, position]``,
+``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
+copy (token ids are exact in float64).
+
+The runner needs a model with ``forward_decode`` / ``forward_first_chunk``
+(:class:`~kvtransfer.models.llama.LlamaModel`) on one CUDA device (TP 1) over pools without
+Mamba state; :func:`build_runner` returns None otherwise and the engine runs every step
+through the model's general forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from kvtransfer.models.batch import DecodeInputs
+from kvtransfer.models.decode_attention import num_splits
+from kvtransfer.models.sampler import sample
+
+MIN_BUCKET = 16
+IDS, POSITIONS, ROWS, KEYS, LAST = range(5)  # rows of the int64 input buffers
+
+
+def capture_sizes(max_batch: int) -> List[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_batch`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+def prefill_buckets(chunk_size: int, max_context_len: int) -> List[int]:
+    """Powers of two from ``MIN_BUCKET`` up to the first one ``>= chunk_size``, none past the
+    context length."""
+    out, b = [], MIN_BUCKET
+    while b <= max_context_len:
+        out.append(b)
+        if b >= chunk_size:
+            break
+        b *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one replay returns, for the first ``n`` (real) rows."""
+
+    tokens: List[int]
+    logprobs: List[float]
+    logits: torch.Tensor  # [>= n, vocab] fp32 on the device; valid until the next step
+
+
+class GraphRunner:
+    """Captured decode and first-chunk steps over one model and its pools (module docstring)."""
+
+    def __init__(self, model, pools, max_batch: int, chunk_size: int):
+        self.model, self.pools = model, pools
+        self.device = model.device
+        self.decode_sizes = capture_sizes(max_batch)
+        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len)
+        n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
+        self._host_ints = torch.zeros(5, n, dtype=torch.int64).pin_memory()
+        self._host_temps = torch.zeros(n, dtype=torch.float32).pin_memory()
+        self._host_result = torch.zeros(n, 2, dtype=torch.float64).pin_memory()
+        self._ints = torch.zeros(5, n, dtype=torch.int64, device=self.device)
+        self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
+        self._logits: Dict[tuple, torch.Tensor] = {}
+        self._graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        for size in reversed(self.decode_sizes):  # largest first: the others reuse its memory
+            self._capture(("decode", size))
+        for size in reversed(self.prefill_sizes):
+            self._capture(("prefill", size))
+
+    # -- capture -------------------------------------------------------------------------
+    def _inputs(self, size: int) -> DecodeInputs:
+        ids, positions, rows = (self._ints[i, :size] for i in (IDS, POSITIONS, ROWS))  # [size] each
+        r2t = self.pools.req_to_token.req_to_token
+        return DecodeInputs(input_ids=ids, positions=positions, out_cache_loc=r2t[rows, positions].to(torch.int64),
+                            req_rows=rows, seq_lens=(positions + 1).to(torch.int32),
+                            splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len))
+
+    def _body(self, key: tuple) -> torch.Tensor:
+        kind, size = key
+        if kind == "decode":
+            logits = self.model.forward_decode(self._inputs(size), self.pools)  # [size, vocab] fp32
+            b = size
+        else:
+            logits = self.model.forward_first_chunk(self._inputs(size), self._ints[LAST, :1], self.pools)  # [1, vocab]
+            b = 1
+        tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b])
+        self._result[:b, 0] = tokens.to(torch.float64)
+        self._result[:b, 1] = logprobs.to(torch.float64)
+        return logits
+
+    @torch.inference_mode()
+    def _capture(self, key: tuple) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._body(key)  # compiles the kernels and warms the allocator outside capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self._logits[key] = self._body(key)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[key] = graph
+
+    # -- steps -----------------------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        return self.decode_sizes[-1]
+
+    def takes_first_chunk(self, num_tokens: int) -> bool:
+        return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
+
+    def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
+               temperatures: Sequence[float]) -> StepOutput:
+        """One decode step for ``n = len(ids)`` requests: request ``i`` adds token ``ids[i]``
+        at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``)."""
+        n = len(ids)
+        if not 1 <= n <= self.max_batch:
+            raise ValueError(f"a decode step takes 1..{self.max_batch} requests, got {n}")
+        size = next(s for s in self.decode_sizes if s >= n)
+        return self._replay(("decode", size), n, {IDS: ids, POSITIONS: positions, ROWS: rows, KEYS: keys},
+                            temperatures)
+
+    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float) -> StepOutput:
+        """The prefill of one request's whole prompt ``ids`` (its slots already in
+        ``req_to_token[row, :len(ids)]``), and the first token sampled."""
+        n = len(ids)
+        if not 1 <= n or not self.takes_first_chunk(n):
+            raise ValueError(f"a first chunk takes 1..{self.prefill_sizes[-1] if self.prefill_sizes else 0} "
+                             f"tokens, got {n}")
+        size = next(s for s in self.prefill_sizes if s >= n)
+        return self._replay(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
+                                                   LAST: [n - 1]}, [temperature])
+
+    def _replay(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float]) -> StepOutput:
+        size = key[1]
+        host, temps = self._host_ints.numpy(), self._host_temps.numpy()
+        host[:, :size] = 0
+        for row, values in ints.items():
+            host[row, : len(values)] = values
+        temps[:size] = 0
+        temps[: len(temperatures)] = temperatures
+        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
+        self._temps[:size].copy_(self._host_temps[:size], non_blocking=True)
+        self._graphs[key].replay()
+        self._host_result[:n].copy_(self._result[:n], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the step's only wait
+        result = self._host_result[:n].numpy()
+        return StepOutput(result[:, 0].astype(int).tolist(), result[:, 1].tolist(), self._logits[key])
+
+
+def build_runner(model, pools, max_batch: int, chunk_size: int) -> Optional[GraphRunner]:
+    """A runner when the model and device support one (module docstring), else None."""
+    if (model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1
+            or getattr(pools, "mamba_pool", None) is not None):
+        return None
+    return GraphRunner(model, pools, max_batch, chunk_size)
