@@ -19,6 +19,8 @@ from tests.serve._cluster import Cluster, chat, group_is_gone
 # each command's short form, run here to its end
 SHORT_FORMS = {
     "bench control": ["--latency-requests", "5", "--inflight", "20", "--soak", "200"],
+    "bench soak": ["--model", "mla-tiny", "--requests", "6", "--concurrency", "2", "--prompt-tokens", "8:32",
+                   "--output-tokens", "4:8", "--no-restart"],
     "bench plan": ["--tokens", "512", "--layers", "2", "--repeat", "2", "--flatten-repeat", "1"],
     "bench transfer": ["--quick", "--no-progress", "--out", "{tmp}"],
     "bench transport --kv": ["--iters", "1"],
