@@ -309,13 +309,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    args.prefill_tp = args.prefill_tp or (3 if args.model == "smollm2" else 2)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.prompts = min(args.prompts, len(PROMPTS))
     from kvtransfer.models import registry
 
     try:  # bad input is one line here, before any process starts
-        config = registry.load_config(registry.parse_name(args.model))
+        name = registry.parse_name(args.model)
+        args.model = name.value  # an alias is shown and passed on by the model's name
+        args.prefill_tp = args.prefill_tp or (3 if name is registry.ModelName.SMOLLM2 else 2)
+        config = registry.load_config(name)
         for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
             try:
                 config.check_tp(tp)

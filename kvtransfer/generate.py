@@ -1,6 +1,6 @@
 """``kvtransfer generate``: colocated greedy generation (prefill and decode in one TP group).
 
-    kvtransfer generate --model smollm2-135m --tp 3 --prompt "What is the capital of France?"
+    kvtransfer generate --model smollm2 --tp 3 --prompt "What is the capital of France?"
 
 The prompt goes through the model's chat template unless ``--raw``; the new text is printed.
 This is the reference a disaggregated prefill -> decode run is checked against. Bad input (an

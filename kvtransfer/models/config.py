@@ -15,18 +15,28 @@ import torch
 
 
 class ModelName(enum.Enum):
-    """The models ``kvtransfer generate --model`` knows."""
+    """The models every ``kvtransfer`` command knows (``--model``), by the name it serves them as."""
 
-    SMOLLM2 = "smollm2-135m"  # the real SmolLM2-135M-Instruct from its GGUF file
-    TINY_MLA = "tiny-mla"  # seeded DeepSeek-style MLA model
-    TINY_HYBRID = "tiny-hybrid"  # seeded full-attention + Mamba2 hybrid
+    SMOLLM2 = "smollm2"  # the real SmolLM2-135M-Instruct from its GGUF file
+    TINY_MLA = "mla-tiny"  # seeded DeepSeek-style MLA model
+    TINY_HYBRID = "hybrid-tiny"  # seeded full-attention + Mamba2 hybrid
+
+    @property
+    def names(self) -> tuple:
+        """The name, then the other names a command line or a request may use for it."""
+        return (self.value, *(alias for alias, m in _MODEL_ALIASES.items() if m == self.value))
 
     @classmethod
     def parse(cls, name: str) -> "ModelName":
+        """A model by its name or one of its aliases."""
+        name = _MODEL_ALIASES.get(name, name)
         for m in cls:
             if m.value == name:
                 return m
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(m.value for m in cls)}")
+
+
+_MODEL_ALIASES = {"smollm2-135m": "smollm2", "tiny-mla": "mla-tiny", "tiny-hybrid": "hybrid-tiny"}
 
 
 class DType(enum.Enum):

@@ -120,7 +120,7 @@ def test_health_info_and_models(cluster):
     info = httpx.get(f"{cluster.url('prefill')}/info").json()
     assert info["role"] == "prefill" and info["tp"] == 2 and info["bootstrap"].endswith(str(cluster.ports["bootstrap"]))
     assert len(info["ranks"]) == 2
-    assert httpx.get(f"{cluster.url('router')}/v1/models").json()["data"][0]["id"] == "tiny-mla"
+    assert httpx.get(f"{cluster.url('router')}/v1/models").json()["data"][0]["id"] == "mla-tiny"
 
 
 def test_an_idle_connection_outlives_the_old_five_second_keep_alive(cluster):
