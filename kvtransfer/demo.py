@@ -189,8 +189,7 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
                       start)
     servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
                                servers["decode"].url, "--port", str(ports["router"]),
-                               *(["--verify-kv"] if verify_kv else []),
-                               "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
+                               *(["--verify-kv"] if verify_kv else [])], logdir, ports["router"])
     await _wait_ready(client, [servers["router"]], 60.0, start)
 
 

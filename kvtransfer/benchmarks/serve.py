@@ -118,7 +118,7 @@ async def _one(client, url: str, work: Work, sample: Sample) -> None:
                 if "error" in chunk:
                     sample.error = chunk["error"]["message"]
                     return
-                sample.kv.update(chunk.get("kvtransfer") or {})
+                sample.kv.update(chunk.get("kvtransfer") or {})  # the router's figures: on the last choice chunk
                 if chunk.get("usage"):
                     sample.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     sample.output_tokens = chunk["usage"]["completion_tokens"]

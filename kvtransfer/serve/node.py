@@ -39,22 +39,23 @@ from typing import Dict, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtransfer._args import positive_int
-from kvtransfer.serve.http import UsageError, add_metrics_and_models, http_server, port_socket
+from kvtransfer._args import HelpFormatter, deprecated_alias, description, positive_int
+from kvtransfer.serve.http import (DEFAULT_MAX_BODY_BYTES, UsageError, add_error_handlers, add_metrics_and_models,
+                                   http_server, port_socket, read_body)
 
 log = logging.getLogger("kvtransfer.serve.node")
 
 ROLES = ("prefill", "decode", "colocated")
-DEFAULT_NEW_TOKENS = 16
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer serve", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--model", required=True, help="smollm2, mla-tiny or hybrid-tiny")
     ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (one process per rank)")
-    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     ap.add_argument("--port", type=int, required=True, help="HTTP port")
     ap.add_argument("--host", default="127.0.0.1", help="address HTTP and the control sockets bind")
     ap.add_argument("--bootstrap-port", type=int, default=None, help="prefill: the bootstrap service's port "
@@ -64,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"),
                     help="auto: nvlink between GPUs of one host when both sides offer it, else nixl")
-    ap.add_argument("--max-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    ap.add_argument("--pool-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    deprecated_alias(ap, "--max-tokens", "--pool-tokens")
     ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
@@ -75,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads per rank (default: the machine's cores / --tp, for a node alone on its "
                          "machine; nodes sharing one should split its cores)")
+    ap.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="a request body past this is refused (413)")
     return ap
 
 
@@ -98,7 +102,7 @@ def resolve(args) -> tuple:
         dtype = DType.parse(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
         if args.transport == "nvlink" and device != "cuda":
             raise ValueError("--transport nvlink needs --device cuda")
-        ec = EngineConfig(max_tokens=args.max_tokens, page_size=args.page_size, max_requests=args.max_running,
+        ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=args.max_running,
                           chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
         for name_, v in (("--transfer-timeout", args.transfer_timeout), ("--heartbeat-timeout", args.heartbeat_timeout),
                          ("--connect-timeout", args.connect_timeout), ("--startup-timeout", args.startup_timeout)):
@@ -112,7 +116,7 @@ def resolve(args) -> tuple:
                "bootstrap_timeout_s": args.connect_timeout, "handshake_timeout_s": args.connect_timeout}
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     spec = NodeSpec(role=args.role, model=name.value, tp_size=args.tp, page_size=args.page_size, dtype=dtype.value,
-                    device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
+                    device=device, first_gpu=args.gpu, max_tokens=args.pool_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
                     bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=0,
                     threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control)
@@ -172,13 +176,16 @@ class Node:
     """The HTTP side of a node (module docstring)."""
 
     def __init__(self, spec, model_config, engine_config, tokenizer, bootstrap_port: Optional[int] = None,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        from kvtransfer.models.config import ModelName
         from kvtransfer.serve.metrics import NodeMetrics
 
         self.spec, self.model_config, self.engine_config = spec, model_config, engine_config
         self.tokenizer = tokenizer
         self.bootstrap_port, self.startup_timeout_s = bootstrap_port, startup_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.model_name = spec.model
+        self.model_names = ModelName(spec.model).names  # what a request's "model" may say
         self.metrics = NodeMetrics(spec.role, spec.model)
         self.state, self.error = "starting", ""
         self.ranks = Ranks(spec)
@@ -267,13 +274,33 @@ class Node:
 
     # -- requests -----------------------------------------------------------------------
     def prompt_ids(self, req) -> list:
+        """The request's prompt (chat: through the template) as token ids; run off the event loop."""
         from kvtransfer.serve.openai_api import ChatRequest
 
         if isinstance(req, ChatRequest):
-            text = self.tokenizer.apply_chat_template([msg.model_dump() for msg in req.messages])
+            text = self.tokenizer.apply_chat_template([msg.for_template() for msg in req.messages])
         else:
             text = req.prompt
         return self.tokenizer.encode(text)
+
+    def new_tokens(self, req, ids: list) -> int:
+        """``max_tokens``, or what the pool and the context leave after the prompt (vLLM's rule);
+        ApiError (400 ``context_length_exceeded``) when the request does not fit."""
+        from kvtransfer.models.engine import check_request, token_capacity
+        from kvtransfer.serve.openai_api import ApiError, ChatRequest
+
+        capacity = token_capacity(self.engine_config, self.model_config)
+        new_tokens = req.new_tokens(max(1, capacity - len(ids)))
+        try:
+            check_request(ids, 1 if self.spec.role == "prefill" else new_tokens, self.engine_config, self.model_config)
+        except ValueError as exc:
+            if len(ids) >= capacity:
+                raise ApiError(400, str(exc), "messages" if isinstance(req, ChatRequest) else "prompt",
+                               "context_length_exceeded") from None
+            if len(ids) + new_tokens > capacity:
+                raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
+            raise ApiError(400, str(exc)) from None
+        return new_tokens
 
     async def submit(self, rid: str, cmd) -> asyncio.Queue:
         if rid in self.pending:
@@ -291,21 +318,26 @@ class Node:
         self.metrics.requests.labels(outcome).inc()
 
 
-def _status_of(event) -> int:
-    return 400 if event.client_error else (503 if "node:" in event.reason else 502)
+def _failure(event) -> dict:
+    """The HTTP status and error code of a failed request (a rank's death names its node)."""
+    if event.client_error:
+        return {"status": 400, "code": "invalid_request"}
+    return {"status": 503, "code": "node_failed"} if "node:" in event.reason else {"status": 502, "code": "request_failed"}
 
 
 def build_app(node: Node):
     """The FastAPI app of a node."""
-    from kvtransfer.models.engine import Sampling, check_request
+    from kvtransfer.models.engine import Sampling
     from kvtransfer.serve import messages as m
-    from kvtransfer.serve.openai_api import Shaper, TextStream, error_body, parse_request, sse
+    from kvtransfer.serve.openai_api import (ApiError, Shaper, TextStream, check_model, error_body, pairing_for,
+                                             parse_request, sse)
 
     app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
     app.router.on_startup.append(node.startup)
+    add_error_handlers(app)
 
-    def error(message: str, status: int):
-        return JSONResponse(error_body(message, status), status_code=status)
+    def error(message: str, status: int, **fields):
+        return JSONResponse(error_body(message, status, **fields), status_code=status)
 
     @app.get("/health")
     async def health():
@@ -316,12 +348,12 @@ def build_app(node: Node):
     @app.get("/info")
     async def info():
         spec = node.spec
-        return {"role": spec.role, "model": spec.model, "tp": spec.tp_size, "page_size": spec.page_size,
-                "dtype": spec.dtype, "device": spec.device, "state": node.state,
+        return {"role": spec.role, "model": spec.model, "model_names": node.model_names, "tp": spec.tp_size,
+                "page_size": spec.page_size, "dtype": spec.dtype, "device": spec.device, "state": node.state,
                 "bootstrap": spec.bootstrap if spec.role == "prefill" else None,
                 "ranks": [r.layout for r in node.ranks.ready]}
 
-    add_metrics_and_models(app, node.metrics, lambda: node.model_name)
+    add_metrics_and_models(app, node.metrics, lambda: [node.model_name])
 
     @app.post("/kvtransfer/connect")
     async def connect(request: Request):
@@ -352,28 +384,18 @@ def build_app(node: Node):
 
     async def serve(request: Request, kind: str):
         arrived = time.monotonic()
-        try:
-            req = parse_request(kind, await request.body())
-        except ValueError as exc:
-            node.metrics.requests.labels("client_error").inc()
-            return error(str(exc), 400)
         if node.state != "ready":
             return error(f"the {node.spec.role} node is {node.state}{': ' + node.error if node.error else ''}", 503)
-        role, pairing = node.spec.role, req.kvtransfer
-        if role == "colocated" and pairing is not None:
-            return error("a colocated node serves plain OpenAI requests (no kvtransfer field)", 400)
-        if role != "colocated" and pairing is None:
-            return error(f"a {role} node serves requests the router pairs (kvtransfer.rid): send yours to the "
-                         f"router", 400)
-        if role == "decode" and not pairing.bootstrap:
-            return error("a decode request needs kvtransfer.bootstrap (the prefill node's bootstrap service)", 400)
-        ids = node.prompt_ids(req)
-        new_tokens = req.new_tokens(DEFAULT_NEW_TOKENS)
+        role = node.spec.role
         try:
-            check_request(ids, 1 if role == "prefill" else new_tokens, node.engine_config, node.model_config)
-        except ValueError as exc:
+            req = parse_request(kind, await read_body(request, node.max_body_bytes))
+            check_model(req, node.model_names)
+            pairing = pairing_for(role, req)
+            ids = await asyncio.to_thread(node.prompt_ids, req)  # a long prompt takes seconds to encode
+            new_tokens = node.new_tokens(req, ids)
+        except ApiError:
             node.metrics.requests.labels("client_error").inc()
-            return error(str(exc), 400)
+            raise
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         sampling = Sampling(req.temperature, seed)
         rid = pairing.rid if pairing else uuid.uuid4().hex
@@ -385,6 +407,7 @@ def build_app(node: Node):
         else:
             cmd = m.Generate(rid, tuple(ids), new_tokens, stop_ids, sampling)
         shaper = Shaper(kind == "chat", node.model_name)
+        headers = {"x-kvtransfer-rid": rid}
         text = TextStream(node.tokenizer, req.stop)
         counts = {"completion": 0}
         try:
@@ -402,7 +425,7 @@ def build_app(node: Node):
             if isinstance(first, m.RequestFailed):
                 ended = True
                 node.finish(rid, True, "client_error" if first.client_error else "failed")
-                return error(first.reason, _status_of(first))
+                return error(first.reason, **_failure(first))
             if role == "prefill":
                 ended = True
                 node.metrics.transfer_seconds.observe(first.transfer_s)
@@ -452,35 +475,35 @@ def build_app(node: Node):
                     out.append(delta)
             except _Failed as f:
                 node.finish(rid, True, "failed")
-                return error(f.event.reason, _status_of(f.event))
+                return error(f.event.reason, **_failure(f.event))
             except _Gone:
                 node.finish(rid, False, "aborted")
                 return Response(status_code=499)
             node.finish(rid, finish is not None and not text.stopped, "ok")
-            return shaper.response("".join(out), finish, len(ids), counts["completion"], extra)
+            return JSONResponse(shaper.response("".join(out), finish, len(ids), counts["completion"], extra),
+                                headers=headers)
 
         async def stream():
             ended_ok = False
             try:
-                first_extra = extra
                 async for delta, finish in events():  # a chunk per token event, its text possibly empty
-                    yield sse(shaper.chunk(delta, finish, first_extra))  # (bytes that end mid-character)
-                    first_extra = None
+                    # (bytes that end mid-character); the figures ride on the last one
+                    yield sse(shaper.chunk(delta, finish, extra if finish else None))
                     if finish:
                         ended_ok = not text.stopped
-                if req.stream_options and req.stream_options.include_usage:
+                if req.include_usage:
                     yield sse(shaper.usage_chunk(len(ids), counts["completion"]))
                 yield sse("[DONE]")
                 node.finish(rid, ended_ok, "ok")
             except _Failed as f:
-                yield sse(error_body(f.event.reason, _status_of(f.event)))
+                yield sse(error_body(f.event.reason, **_failure(f.event)))
                 yield sse("[DONE]")
                 node.finish(rid, True, "failed")
             except BaseException:
                 node.finish(rid, False, "aborted")
                 raise
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -549,7 +572,7 @@ def main(argv=None) -> int:
             s.close()
         print(f"kvtransfer serve: error: {exc}", file=sys.stderr)
         return 2
-    node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout)
+    node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout, args.max_body_bytes)
     app = build_app(node)
     server = http_server(app)
 
