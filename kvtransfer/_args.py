@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 __all__ = ["HelpFormatter", "deprecated_alias", "description", "non_negative_int", "positive_float", "positive_int"]
 
@@ -39,27 +40,38 @@ def positive_float(text: str) -> float:
 
 
 def description(doc: str) -> str:
-    """A command's ``--help`` description: its module docstring's first paragraph, without the
-    reStructuredText markup (````code````)."""
+    """A command's ``--help`` description: its module docstring's first paragraph, without
+    reStructuredText's double backquotes."""
     return doc.split("\n\n")[0].replace("``", "")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each flag's default, unless its help already says it or it has none."""
+    """``--help`` with each flag's default (also for a flag without help text), unless its help
+    already says it or the default is None or False."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)) \
-                or not action.option_strings:
+        if "default" in text or not self._shows_default(action):
             return text
         return super()._get_help_string(action)
 
 
-def deprecated_alias(ap: argparse.ArgumentParser, old: str, new: str) -> None:
-    """``old`` as a hidden flag that sets ``new``'s value, with a warning on stderr."""
+def deprecated_alias(ap: argparse.ArgumentParser, old: str, target: argparse.Action) -> None:
+    """``old`` as a hidden flag that sets ``target``'s value (the action ``add_argument``
+    returned), with a warning on stderr."""
     import sys
 
-    target = next(a for a in ap._actions if new in a.option_strings)
+    new = target.option_strings[0]
 
     class Alias(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):

@@ -65,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"),
                     help="auto: nvlink between GPUs of one host when both sides offer it, else nixl")
-    ap.add_argument("--pool-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
-    deprecated_alias(ap, "--max-tokens", "--pool-tokens")
+    pool = ap.add_argument("--pool-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    deprecated_alias(ap, "--max-tokens", pool)
     ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
