@@ -176,8 +176,11 @@ class Router:
                 node.why_down = f"{type(answer).__name__}: {answer}"
                 log.warning("%s node %s is not ready (%s); it gets requests once it is", node.role, node.url,
                             node.why_down)
-        up = [f"{n.role} {n.url}" for n in self.nodes if n.up]
-        log.info("serving %s with %s", self.model or "no model yet", ", ".join(up) if up else "no node up yet")
+        up = [f"{n.role} node {n.url}" for n in self.nodes if n.up]
+        if up:
+            log.info("serving %s with %s", self.model, ", ".join(up))
+        else:
+            log.info("no node is ready yet: serving once a prefill and a decode node are")
         self._update_gauges()
         self._watch = asyncio.ensure_future(self._watch_nodes())
 

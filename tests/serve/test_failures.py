@@ -174,7 +174,7 @@ def test_the_router_starts_with_the_nodes_that_answer_and_adds_the_others(tmp_pa
                               ports["router"], move_ports=False))
         router = servers[-1]
         deadline = time.monotonic() + 60
-        while "serving mla-tiny with decode" not in open(router.log_path).read():
+        while "serving mla-tiny with decode node" not in open(router.log_path).read():
             assert router.starting() and time.monotonic() < deadline, router.tail()
             time.sleep(0.1)
         log = open(router.log_path).read()
