@@ -322,7 +322,9 @@ def _failure(event) -> dict:
     """The HTTP status and error code of a failed request (a rank's death names its node)."""
     if event.client_error:
         return {"status": 400, "code": "invalid_request"}
-    return {"status": 503, "code": "node_failed"} if "node:" in event.reason else {"status": 502, "code": "request_failed"}
+    if "node:" in event.reason:
+        return {"status": 503, "code": "node_failed"}
+    return {"status": 502, "code": "request_failed"}
 
 
 def build_app(node: Node):

@@ -136,7 +136,8 @@ def test_demo_names_the_rank_that_died(monkeypatch, capsys):
 def test_help_shows_defaults_and_no_rst_markup(command, capsys):
     import importlib
 
-    module = {"serve": "kvtransfer.serve.node", "router": "kvtransfer.serve.router"}.get(command, f"kvtransfer.{command}")
+    modules = {"serve": "kvtransfer.serve.node", "router": "kvtransfer.serve.router"}
+    module = modules.get(command, f"kvtransfer.{command}")
     with pytest.raises(SystemExit) as done:
         importlib.import_module(module).main(["--help"])
     assert done.value.code == 0
