@@ -273,35 +273,6 @@ class Node:
             self.bootstrap_service.close()
 
     # -- requests -----------------------------------------------------------------------
-    def prompt_ids(self, req) -> list:
-        """The request's prompt (chat: through the template) as token ids; run off the event loop."""
-        from kvtransfer.serve.openai_api import ChatRequest
-
-        if isinstance(req, ChatRequest):
-            text = self.tokenizer.apply_chat_template([msg.for_template() for msg in req.messages])
-        else:
-            text = req.prompt
-        return self.tokenizer.encode(text)
-
-    def new_tokens(self, req, ids: list) -> int:
-        """``max_tokens``, or what the pool and the context leave after the prompt (vLLM's rule);
-        ApiError (400 ``context_length_exceeded``) when the request does not fit."""
-        from kvtransfer.models.engine import check_request, token_capacity
-        from kvtransfer.serve.openai_api import ApiError, ChatRequest
-
-        capacity = token_capacity(self.engine_config, self.model_config)
-        new_tokens = req.new_tokens(max(1, capacity - len(ids)))
-        try:
-            check_request(ids, 1 if self.spec.role == "prefill" else new_tokens, self.engine_config, self.model_config)
-        except ValueError as exc:
-            if len(ids) >= capacity:
-                raise ApiError(400, str(exc), "messages" if isinstance(req, ChatRequest) else "prompt",
-                               "context_length_exceeded") from None
-            if len(ids) + new_tokens > capacity:
-                raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
-            raise ApiError(400, str(exc)) from None
-        return new_tokens
-
     async def submit(self, rid: str, cmd) -> asyncio.Queue:
         if rid in self.pending:
             raise KeyError(rid)
@@ -333,6 +304,7 @@ def build_app(node: Node):
     from kvtransfer.serve import messages as m
     from kvtransfer.serve.openai_api import (ApiError, Shaper, TextStream, check_model, error_body, pairing_for,
                                              parse_request, sse)
+    from kvtransfer.serve.prompts import prompt_ids, token_budget
 
     app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
     app.router.on_startup.append(node.startup)
@@ -393,8 +365,8 @@ def build_app(node: Node):
             req = parse_request(kind, await read_body(request, node.max_body_bytes))
             check_model(req, node.model_names)
             pairing = pairing_for(role, req)
-            ids = await asyncio.to_thread(node.prompt_ids, req)  # a long prompt takes seconds to encode
-            new_tokens = node.new_tokens(req, ids)
+            ids = await asyncio.to_thread(prompt_ids, req, node.tokenizer, node.engine_config, node.model_config)
+            new_tokens = token_budget(req, ids, role, node.engine_config, node.model_config)
         except ApiError:
             node.metrics.requests.labels("client_error").inc()
             raise
