@@ -128,7 +128,7 @@ def test_what_is_not_served_is_refused_by_name(cluster, target, kw, param, code)
         _client(cluster, target).chat.completions.create(**body)
     err = caught.value
     assert err.status_code == 400 and err.param == param and err.code == code and err.type == "invalid_request_error"
-    assert err.message.startswith(f"Error code: 400 - ") and "http://" not in err.message
+    assert err.message.startswith("Error code: 400 - ") and "http://" not in err.message
 
 
 @pytest.mark.parametrize("target", TARGETS)
