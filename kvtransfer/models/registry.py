@@ -30,6 +30,7 @@ AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
 
 log = logging.getLogger("kvtransfer.models")
 
+
 def parse_name(name: str) -> ModelName:
     """A model by its name or alias (:meth:`ModelName.parse`)."""
     return ModelName.parse(name)
