@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
-__all__ = ["positive_float", "positive_int", "non_negative_int"]
+__all__ = ["HelpFormatter", "deprecated_alias", "description", "non_negative_int", "positive_float", "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -36,3 +37,46 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def description(doc: str) -> str:
+    """A command's ``--help`` description: its module docstring's first paragraph, without
+    reStructuredText's double backquotes."""
+    return doc.split("\n\n")[0].replace("``", "")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default (also for a flag without help text), unless its help
+    already says it or the default is None or False."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not self._shows_default(action):
+            return text
+        return super()._get_help_string(action)
+
+
+def deprecated_alias(ap: argparse.ArgumentParser, old: str, target: argparse.Action) -> None:
+    """``old`` as a hidden flag that sets ``target``'s value (the action ``add_argument``
+    returned), with a warning on stderr."""
+    import sys
+
+    new = target.option_strings[0]
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"{parser.prog}: warning: {old} is deprecated; use {new}", file=sys.stderr)
+            setattr(namespace, target.dest, values)
+
+    ap.add_argument(old, dest=target.dest, type=target.type, action=Alias, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS)

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from kvtransfer._args import positive_float, positive_int
+from kvtransfer._args import HelpFormatter, description, positive_float, positive_int
 from kvtransfer.serve.http import client_limits, free_port
 
 PROMPTS = (
@@ -176,7 +176,7 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
               "--transport", getattr(args, "transport", "auto"),
               "--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", None) or heartbeat_timeout(args.device))]
     if getattr(args, "pool_tokens", None):  # the nodes' pool size (bench serve's --pool-tokens)
-        common += ["--max-tokens", str(args.pool_tokens)]
+        common += ["--pool-tokens", str(args.pool_tokens)]
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
@@ -191,8 +191,7 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
                       start)
     servers["router"] = Server("router", ["router", "--prefill", servers["prefill"].url, "--decode",
                                servers["decode"].url, "--port", str(ports["router"]),
-                               *(["--verify-kv"] if verify_kv else []),
-                               "--startup-timeout", str(args.startup_timeout)], logdir, ports["router"])
+                               *(["--verify-kv"] if verify_kv else [])], logdir, ports["router"])
     await _wait_ready(client, [servers["router"]], 60.0, start)
 
 
@@ -289,21 +288,22 @@ def _report(args, outcomes: List[Outcome], start: float) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer demo", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2, mla-tiny or hybrid-tiny")
     ap.add_argument("--prefill-tp", type=positive_int, default=None, help="default: 3 for smollm2, else 2")
-    ap.add_argument("--decode-tp", type=positive_int, default=1)
-    ap.add_argument("--prefill-page-size", type=positive_int, default=16)
-    ap.add_argument("--decode-page-size", type=positive_int, default=64)
+    ap.add_argument("--decode-tp", type=positive_int, default=1, help="the decode node's TP size")
+    ap.add_argument("--prefill-page-size", type=positive_int, default=16, help="tokens per KV page on prefill")
+    ap.add_argument("--decode-page-size", type=positive_int, default=64, help="tokens per KV page on decode")
     ap.add_argument("--prompts", type=positive_int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
-    ap.add_argument("--max-tokens", type=positive_int, default=24)
+    ap.add_argument("--max-tokens", type=positive_int, default=24, help="new tokens per request at most")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"), help="the KV transport")
     ap.add_argument("--prefill-gpu", type=int, default=0, help="CUDA: prefill rank r on GPU (this + r) %% GPUs")
     ap.add_argument("--decode-gpu", type=int, default=1, help="CUDA: decode rank r on GPU (this + r) %% GPUs; "
                     "the colocated node uses the prefill's")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds the nodes may take to start")
     ap.add_argument("--heartbeat-timeout", type=positive_float, default=None,
                     help="seconds before the nodes lose a silent peer (default: 20 on cpu, 5 on cuda)")
     return ap
@@ -311,13 +311,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    args.prefill_tp = args.prefill_tp or (3 if args.model == "smollm2" else 2)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.prompts = min(args.prompts, len(PROMPTS))
     from kvtransfer.models import registry
 
     try:  # bad input is one line here, before any process starts
-        config = registry.load_config(registry.parse_name(args.model))
+        name = registry.parse_name(args.model)
+        args.model = name.value  # an alias is shown and passed on by the model's name
+        args.prefill_tp = args.prefill_tp or (3 if name is registry.ModelName.SMOLLM2 else 2)
+        config = registry.load_config(name)
         for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
             try:
                 config.check_tp(tp)

@@ -1,6 +1,6 @@
 """``kvtransfer generate``: colocated greedy generation (prefill and decode in one TP group).
 
-    kvtransfer generate --model smollm2-135m --tp 3 --prompt "What is the capital of France?"
+    kvtransfer generate --model smollm2 --tp 3 --prompt "What is the capital of France?"
 
 The prompt goes through the model's chat template unless ``--raw``; the new text is printed.
 With ``--stats`` it reports speed; the random-weights presets (``smollm2-135m-random``,
@@ -20,11 +20,13 @@ import argparse
 import sys
 import time
 
+from kvtransfer._args import HelpFormatter, description
 from kvtransfer.models.config import DType, EngineConfig, ModelName
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer generate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer generate", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", required=True, help=", ".join(m.value for m in ModelName))
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per rank)")
     ap.add_argument("--prompt", required=True)

@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import HelpFormatter, description, positive_int
 
 
 def _shapes(page_size: int, tp_size: int):
@@ -45,7 +45,8 @@ def _describe(infos) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtransfer layouts", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer layouts", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--page-size", type=positive_int, default=16)
     ap.add_argument("--tp-size", type=positive_int, default=1, help="shard heads/state as one rank of this TP")
     args = ap.parse_args(argv)

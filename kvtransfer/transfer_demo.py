@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtransfer._args import HelpFormatter, description
 from kvtransfer._procs import Child
 
 HANDSHAKE_TIMEOUT_S = 120.0
@@ -254,7 +255,8 @@ def _report(cfg: DemoConfig, stats: list, verdicts: dict, wall: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     d = DemoConfig()
-    ap = argparse.ArgumentParser(prog="kvtransfer transfer-demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer transfer-demo", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     for name in ("prefill_tp", "decode_tp", "total_heads", "head_dim", "layers", "tokens",
                  "prefill_page_size", "decode_page_size", "seed"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))

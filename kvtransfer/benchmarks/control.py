@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from kvtransfer._args import HelpFormatter, description
 from kvtransfer._procs import Child, report_failure
 from kvtransfer.control.state import KVPoll
 
@@ -301,7 +302,8 @@ def _line(name: str, values: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtransfer bench control", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer bench control", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--latency-requests", type=int, default=300, help="requests run one at a time")
     ap.add_argument("--inflight", type=int, default=1000, help="requests in flight in the load phase")
     ap.add_argument("--soak", type=int, default=10000, help="requests in the soak (0: no soak)")

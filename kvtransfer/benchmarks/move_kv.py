@@ -21,14 +21,15 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
-from kvtransfer._args import non_negative_int, positive_int
+from kvtransfer._args import HelpFormatter, description, non_negative_int, positive_int
 from kvtransfer.benchmarks._report import time_cuda, time_wall
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvtransfer bench move_kv", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvtransfer bench move_kv", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     p.add_argument("--layers", type=positive_int, default=None, help="layers (default 32 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=positive_int, default=128)

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtransfer._args import HelpFormatter, description
 from kvtransfer.benchmarks._report import time_cuda
 from transport.base import StridedBatch
 from transport.remote import RemoteBuffers, checksums, make_transport
@@ -671,7 +672,8 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtransfer bench nvlink", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer bench nvlink", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--heads", type=int, default=8, help="KV heads")

@@ -16,13 +16,14 @@ import time
 
 import numpy as np
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer.benchmarks._report import time_wall
 from kvtransfer.plan import PoolKind, RankLayout, _pair_table, plan_kv_transfer
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtransfer bench plan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer bench plan", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--tokens", type=positive_int, default=131072)
     ap.add_argument("--layers", type=positive_int, default=80)
     ap.add_argument("--heads", type=positive_int, default=8, help="total KV heads")

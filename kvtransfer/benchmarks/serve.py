@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
 from kvtransfer.benchmarks._report import Progress, Timing, document, format_table, machine_line, write_json
 
@@ -124,7 +124,7 @@ async def _one(client, url: str, work: Work, sample: Sample) -> None:
                 if "error" in chunk:
                     sample.error = chunk["error"]["message"]
                     return
-                sample.kv.update(chunk.get("kvtransfer") or {})
+                sample.kv.update(chunk.get("kvtransfer") or {})  # the router's figures: on the last choice chunk
                 if chunk.get("usage"):
                     sample.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     sample.output_tokens = chunk["usage"]["completion_tokens"]
@@ -249,7 +249,8 @@ def report(results: dict, split: Optional[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer bench serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer bench serve", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prefill-tp", type=positive_int, default=1)
     ap.add_argument("--decode-tp", type=positive_int, default=1)

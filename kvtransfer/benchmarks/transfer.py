@@ -42,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._models import PRESETS
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
@@ -84,7 +84,8 @@ def _tp_pairs(text: str) -> list:
 
 
 def _parse(argv) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="kvtransfer bench transfer", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer bench transfer", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--models", default="llama3-70b", help=f"comma list of presets: {', '.join(PRESETS)}")
     ap.add_argument("--layers", type=positive_int, default=None, help="override: attention (and state) layers")
     ap.add_argument("--kv-heads", type=positive_int, default=None, help="override: total KV heads (GQA)")

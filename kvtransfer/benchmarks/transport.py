@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransfer._args import positive_int
+from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer._procs import Child, ChildFailed, report_failure
 from kvtransfer.benchmarks._report import time_once
 from transport.base import WriteBatch
@@ -330,7 +330,8 @@ def _format(row: dict, cuda: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtransfer bench transport", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="kvtransfer bench transport", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     parser.add_argument("--total", type=_size, default=GiB, help="bytes per write (default 1G)")
     parser.add_argument("--blocks", type=lambda s: [_size(x) for x in s.split(",")], default=None,
                         help="block sizes, e.g. 256K,16K (default: 256K,16K; with --cuda 16K,256K,4M,64M)")

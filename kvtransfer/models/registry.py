@@ -31,21 +31,14 @@ AnyConfig = Union[LlamaConfig, MLAConfig, HybridConfig]
 
 log = logging.getLogger("kvtransfer.models")
 
-ALIASES = {"smollm2": ModelName.SMOLLM2, "mla-tiny": ModelName.TINY_MLA, "hybrid-tiny": ModelName.TINY_HYBRID}
 RANDOM_SHAPES = {ModelName.SMOLLM2_RANDOM: SMOLLM2_135M_SHAPE, ModelName.LLAMA3_8B: LLAMA3_8B_SHAPE,
                  ModelName.DEEPSEEK_V2_LITE_MLA: DEEPSEEK_V2_LITE_MLA_SHAPE}
 RANDOM_SEED = 2024
 
 
 def parse_name(name: str) -> ModelName:
-    """A model by its name or alias (``smollm2``, ``mla-tiny``, ``hybrid-tiny``)."""
-    if name in ALIASES:
-        return ALIASES[name]
-    try:
-        return ModelName.parse(name)
-    except ValueError:
-        known = sorted({*ALIASES, *(m.value for m in ModelName)})
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(known)}") from None
+    """A model by its name or alias (:meth:`ModelName.parse`)."""
+    return ModelName.parse(name)
 
 
 @dataclass(frozen=True)

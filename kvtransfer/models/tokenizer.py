@@ -11,6 +11,7 @@ no BOS is added (``add_bos_token = false``). The chat template is the file's own
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Sequence
 
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
@@ -58,8 +59,16 @@ class GGUFTokenizer:
         return {"tokenizer_json": self._tok.to_str(), "special_ids": self.special_ids, "vocab_size": self.vocab_size,
                 "eos_id": self.eos_id, "chat_template": self.chat_template}
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (a byte-level token's characters are its
+        bytes; specials are ASCII): a text of n bytes is at least n / this many tokens."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt encoded
+        # in a thread of a server leaves its event loop free
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -90,6 +99,8 @@ class ByteTokenizer:
             raise ValueError(f"a byte tokenizer needs vocab_size >= 257, got {vocab_size}")
         self.vocab_size = vocab_size
         self.eos_id = 256
+
+    max_token_bytes = 1
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))

@@ -1,5 +1,10 @@
 """What the nodes and the router share over HTTP: the uvicorn server, its listening socket,
-the ``/metrics`` and ``/v1/models`` routes, and the keep-alive rule of their clients.
+the ``/metrics`` and ``/v1/models`` routes, errors in OpenAI's shape (an unknown path or method
+too), the request body limit, and the keep-alive rule of their clients.
+
+Body limit: a request body longer than ``--max-body-bytes`` (:data:`DEFAULT_MAX_BODY_BYTES`)
+is a 413 as soon as its ``Content-Length`` says so (or its chunks pass the limit), before any
+of it is parsed.
 
 Keep-alive: a server closes a connection idle for :data:`SERVER_KEEP_ALIVE_S`; our clients
 (the router towards the nodes, the demo, ``bench serve``) drop theirs after
@@ -12,18 +17,23 @@ from __future__ import annotations
 
 import random
 import socket
-from typing import Callable
+import time
+from typing import Callable, Sequence
 
-from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from kvtransfer.serve.metrics import CONTENT_TYPE_LATEST
+from kvtransfer.serve.openai_api import ApiError, error_body
 
-__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "SERVER_KEEP_ALIVE_S", "ClientGone", "UsageError", "add_metrics_and_models",
-           "client_gone", "client_limits", "free_port", "http_server", "port_socket", "unless_gone"]
+__all__ = ["CLIENT_KEEPALIVE_EXPIRY_S", "DEFAULT_MAX_BODY_BYTES", "SERVER_KEEP_ALIVE_S", "ClientGone", "UsageError",
+           "add_error_handlers", "add_metrics_and_models", "client_gone", "client_limits", "free_port", "http_server",
+           "port_socket", "read_body", "unless_gone"]
 
 SERVER_KEEP_ALIVE_S = 75  # a node or the router closes an HTTP connection idle this long
 CLIENT_KEEPALIVE_EXPIRY_S = 15.0  # our clients drop an idle connection this soon (module doc)
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a request body past this is a 413 (module doc)
 
 
 def client_limits(**limits):
@@ -74,8 +84,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def add_metrics_and_models(app: FastAPI, metrics, model: Callable[[], str]) -> None:
-    """``GET /metrics`` (``metrics.text()``, Prometheus text) and ``GET /v1/models``."""
+def add_metrics_and_models(app: FastAPI, metrics, models: Callable[[], Sequence[str]]) -> None:
+    """``GET /metrics`` (``metrics.text()``, Prometheus text) and ``GET /v1/models`` (the names
+    ``models()`` gives: the served model, or none while it is not known)."""
+    created = int(time.time())
 
     @app.get("/metrics")
     async def _metrics():
@@ -83,7 +95,50 @@ def add_metrics_and_models(app: FastAPI, metrics, model: Callable[[], str]) -> N
 
     @app.get("/v1/models")
     async def _models():
-        return {"object": "list", "data": [{"id": model(), "object": "model", "owned_by": "kvtransfer"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvtransfer"}
+                                           for name in models()]}
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: an :class:`ApiError` raised by a route, an unknown path
+    (404) or method (405), and an exception no route caught (500)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"{where}: no such endpoint here"
+        elif exc.status_code == 405:
+            message = f"{where}: the endpoint takes {(exc.headers or {}).get('Allow', 'other methods')}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)  # uvicorn logs the traceback
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", 500), status_code=500)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; :class:`ApiError` 413 once it is known to pass ``limit`` bytes."""
+    def too_large() -> ApiError:
+        return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                             f"(--max-body-bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def http_server(app):

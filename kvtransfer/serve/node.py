@@ -44,25 +44,26 @@ from typing import Dict, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtransfer._args import positive_int
-from kvtransfer.serve.http import (ClientGone, UsageError, add_metrics_and_models, client_gone, http_server,
-                                   port_socket, unless_gone)
+from kvtransfer._args import HelpFormatter, deprecated_alias, description, positive_int
+from kvtransfer.serve.http import (DEFAULT_MAX_BODY_BYTES, ClientGone, UsageError, add_error_handlers,
+                                   add_metrics_and_models, client_gone, http_server, port_socket, read_body,
+                                   unless_gone)
 
 log = logging.getLogger("kvtransfer.serve.node")
 
 ROLES = ("prefill", "decode", "colocated")
-DEFAULT_NEW_TOKENS = 16
 RANKS_STOP_S = 15.0  # how long a rank may take to stop after Shutdown before it is killed
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer serve", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer serve", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--role", required=True, choices=ROLES)
     ap.add_argument("--model", required=True, help="smollm2, mla-tiny, hybrid-tiny, or a random-weights preset: "
                                                    "smollm2-135m-random, llama3-8b, deepseek-v2-lite-mla")
     ap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (one process per rank)")
-    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     ap.add_argument("--port", type=int, required=True, help="HTTP port")
     ap.add_argument("--host", default="127.0.0.1", help="address HTTP and the control sockets bind")
     ap.add_argument("--bootstrap-port", type=int, default=None, help="prefill: the bootstrap service's port "
@@ -72,7 +73,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"),
                     help="auto: nvlink between GPUs of one host when both sides offer it, else nixl")
-    ap.add_argument("--max-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    pool = ap.add_argument("--pool-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+    deprecated_alias(ap, "--max-tokens", pool)
     ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
     ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
     ap.add_argument("--max-queue", type=positive_int, default=128,
@@ -85,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads per rank (default: the machine's cores / --tp, for a node alone on its "
                          "machine; nodes sharing one should split its cores)")
+    ap.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="a request body past this is refused (413)")
     return ap
 
 
@@ -108,7 +112,7 @@ def resolve(args) -> tuple:
         dtype = DType.parse(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
         if args.transport == "nvlink" and device != "cuda":
             raise ValueError("--transport nvlink needs --device cuda")
-        ec = EngineConfig(max_tokens=args.max_tokens, page_size=args.page_size, max_requests=args.max_running,
+        ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=args.max_running,
                           chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
         for name_, v in (("--transfer-timeout", args.transfer_timeout), ("--heartbeat-timeout", args.heartbeat_timeout),
                          ("--connect-timeout", args.connect_timeout), ("--startup-timeout", args.startup_timeout)):
@@ -122,7 +126,7 @@ def resolve(args) -> tuple:
                "bootstrap_timeout_s": args.connect_timeout, "handshake_timeout_s": args.connect_timeout}
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     spec = NodeSpec(role=args.role, model=name.value, tp_size=args.tp, page_size=args.page_size, dtype=dtype.value,
-                    device=device, first_gpu=args.gpu, max_tokens=args.max_tokens, max_requests=args.max_running,
+                    device=device, first_gpu=args.gpu, max_tokens=args.pool_tokens, max_requests=args.max_running,
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
                     bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=0,
                     threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control,
@@ -184,13 +188,16 @@ class Node:
     """The HTTP side of a node (module docstring)."""
 
     def __init__(self, spec, model_config, engine_config, tokenizer, bootstrap_port: Optional[int] = None,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        from kvtransfer.models.config import ModelName
         from kvtransfer.serve.metrics import NodeMetrics
 
         self.spec, self.model_config, self.engine_config = spec, model_config, engine_config
         self.tokenizer = tokenizer
         self.bootstrap_port, self.startup_timeout_s = bootstrap_port, startup_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.model_name = spec.model
+        self.model_names = ModelName(spec.model).names  # what a request's "model" may say
         self.metrics = NodeMetrics(spec.role, spec.model)
         self.state, self.error = "starting", ""
         self.ranks = Ranks(spec)
@@ -282,15 +289,6 @@ class Node:
             self.bootstrap_service.close()
 
     # -- requests -----------------------------------------------------------------------
-    def prompt_ids(self, req) -> list:
-        from kvtransfer.serve.openai_api import ChatRequest
-
-        if isinstance(req, ChatRequest):
-            text = self.tokenizer.apply_chat_template([msg.model_dump() for msg in req.messages])
-        else:
-            text = req.prompt
-        return self.tokenizer.encode(text)
-
     async def submit(self, rid: str, cmd) -> asyncio.Queue:
         if rid in self.pending:
             raise KeyError(rid)
@@ -310,8 +308,15 @@ class Node:
 RETRY_AFTER_S = 1  # a busy node's Retry-After
 
 
-def _status_of(event) -> int:
-    return 400 if event.client_error else (503 if event.busy or "node:" in event.reason else 502)
+def _failure(event) -> dict:
+    """The HTTP status and error code of a failed request (a rank's death names its node)."""
+    if event.client_error:
+        return {"status": 400, "code": "invalid_request"}
+    if event.busy:
+        return {"status": 503, "code": "server_busy"}
+    if "node:" in event.reason:
+        return {"status": 503, "code": "node_failed"}
+    return {"status": 502, "code": "request_failed"}
 
 
 def _headers_of(event) -> Optional[dict]:
@@ -320,15 +325,18 @@ def _headers_of(event) -> Optional[dict]:
 
 def build_app(node: Node):
     """The FastAPI app of a node."""
-    from kvtransfer.models.engine import Sampling, check_request
+    from kvtransfer.models.engine import Sampling
     from kvtransfer.serve import messages as m
-    from kvtransfer.serve.openai_api import Shaper, TextStream, error_body, parse_request, sse
+    from kvtransfer.serve.openai_api import (ApiError, Shaper, TextStream, check_model, error_body, pairing_for,
+                                             parse_request, sse)
+    from kvtransfer.serve.prompts import prompt_ids, token_budget
 
     app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
     app.router.on_startup.append(node.startup)
+    add_error_handlers(app)
 
-    def error(message: str, status: int, headers: Optional[dict] = None):
-        return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+    def error(message: str, status: int, headers: Optional[dict] = None, **fields):
+        return JSONResponse(error_body(message, status, **fields), status_code=status, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -339,12 +347,12 @@ def build_app(node: Node):
     @app.get("/info")
     async def info():
         spec = node.spec
-        return {"role": spec.role, "model": spec.model, "tp": spec.tp_size, "page_size": spec.page_size,
-                "dtype": spec.dtype, "device": spec.device, "state": node.state,
+        return {"role": spec.role, "model": spec.model, "model_names": node.model_names, "tp": spec.tp_size,
+                "page_size": spec.page_size, "dtype": spec.dtype, "device": spec.device, "state": node.state,
                 "bootstrap": spec.bootstrap if spec.role == "prefill" else None,
                 "ranks": [r.layout for r in node.ranks.ready]}
 
-    add_metrics_and_models(app, node.metrics, lambda: node.model_name)
+    add_metrics_and_models(app, node.metrics, lambda: [node.model_name])
 
     @app.post("/kvtransfer/connect")
     async def connect(request: Request):
@@ -375,28 +383,18 @@ def build_app(node: Node):
 
     async def serve(request: Request, kind: str):
         arrived = time.monotonic()
-        try:
-            req = parse_request(kind, await request.body())
-        except ValueError as exc:
-            node.metrics.requests.labels("client_error").inc()
-            return error(str(exc), 400)
         if node.state != "ready":
             return error(f"the {node.spec.role} node is {node.state}{': ' + node.error if node.error else ''}", 503)
-        role, pairing = node.spec.role, req.kvtransfer
-        if role == "colocated" and pairing is not None:
-            return error("a colocated node serves plain OpenAI requests (no kvtransfer field)", 400)
-        if role != "colocated" and pairing is None:
-            return error(f"a {role} node serves requests the router pairs (kvtransfer.rid): send yours to the "
-                         f"router", 400)
-        if role == "decode" and not pairing.bootstrap:
-            return error("a decode request needs kvtransfer.bootstrap (the prefill node's bootstrap service)", 400)
-        ids = node.prompt_ids(req)
-        new_tokens = req.new_tokens(DEFAULT_NEW_TOKENS)
+        role = node.spec.role
         try:
-            check_request(ids, 1 if role == "prefill" else new_tokens, node.engine_config, node.model_config)
-        except ValueError as exc:
+            req = parse_request(kind, await read_body(request, node.max_body_bytes))
+            check_model(req, node.model_names)
+            pairing = pairing_for(role, req)
+            ids = await asyncio.to_thread(prompt_ids, req, node.tokenizer, node.engine_config, node.model_config)
+            new_tokens = token_budget(req, ids, role, node.engine_config, node.model_config)
+        except ApiError:
             node.metrics.requests.labels("client_error").inc()
-            return error(str(exc), 400)
+            raise
         seed = req.seed if req.seed is not None else random.getrandbits(63)
         sampling = Sampling(req.temperature, seed)
         rid = pairing.rid if pairing else uuid.uuid4().hex
@@ -408,6 +406,7 @@ def build_app(node: Node):
         else:
             cmd = m.Generate(rid, tuple(ids), new_tokens, stop_ids, sampling)
         shaper = Shaper(kind == "chat", node.model_name)
+        headers = {"x-kvtransfer-rid": rid}
         text = TextStream(node.tokenizer, req.stop)
         counts = {"completion": 0}
         try:
@@ -430,7 +429,7 @@ def build_app(node: Node):
                 gone.cancel()
                 outcome = "client_error" if first.client_error else "busy" if first.busy else "failed"
                 node.finish(rid, True, outcome)
-                return error(first.reason, _status_of(first), _headers_of(first))
+                return error(first.reason, headers=_headers_of(first), **_failure(first))
             if role == "prefill":
                 ended = True
                 gone.cancel()
@@ -485,30 +484,30 @@ def build_app(node: Node):
                     out.append(delta)
             except _Failed as f:
                 node.finish(rid, True, "failed")
-                return error(f.event.reason, _status_of(f.event))
+                return error(f.event.reason, **_failure(f.event))
             except ClientGone:
                 node.finish(rid, False, "aborted")
                 return Response(status_code=499)
             finally:
                 gone.cancel()
             node.finish(rid, finish is not None and not text.stopped, "ok")
-            return shaper.response("".join(out), finish, len(ids), counts["completion"], extra)
+            return JSONResponse(shaper.response("".join(out), finish, len(ids), counts["completion"], extra),
+                                headers=headers)
 
         async def stream():
             ended_ok = False
             try:
-                first_extra = extra
                 async for delta, finish in _watch(events(), gone):  # a chunk per token event, its text
-                    yield sse(shaper.chunk(delta, finish, first_extra))  # possibly empty (bytes that end mid-character)
-                    first_extra = None
+                    # possibly empty (bytes that end mid-character); the figures ride on the last one
+                    yield sse(shaper.chunk(delta, finish, extra if finish else None))
                     if finish:
                         ended_ok = not text.stopped
-                if req.stream_options and req.stream_options.include_usage:
+                if req.include_usage:
                     yield sse(shaper.usage_chunk(len(ids), counts["completion"]))
                 yield sse("[DONE]")
                 node.finish(rid, ended_ok, "ok")
             except _Failed as f:
-                yield sse(error_body(f.event.reason, _status_of(f.event)))
+                yield sse(error_body(f.event.reason, **_failure(f.event)))
                 yield sse("[DONE]")
                 node.finish(rid, True, "failed")
             except BaseException as exc:  # the client left (ClientGone, or the server cancelled the stream)
@@ -518,7 +517,7 @@ def build_app(node: Node):
             finally:
                 gone.cancel()
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -566,7 +565,7 @@ def main(argv=None) -> int:
             s.close()
         print(f"kvtransfer serve: error: {exc}", file=sys.stderr)
         return 2
-    node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout)
+    node = Node(spec, config, ec, tokenizer, bootstrap_port, args.startup_timeout, args.max_body_bytes)
     app = build_app(node)
     server = http_server(app)
 

@@ -11,16 +11,24 @@ and sends its KV to decode through the control plane; decode streams the complet
 router passes on (``stream``: server-sent events) with the transfer's figures in a
 ``kvtransfer`` object.
 
-Failures: a node that fails or dies ends its requests with an HTTP error naming it (502), the
-decode side's request is cancelled when prefill fails; a node whose queue is full answers 503
-with ``Retry-After`` at once, and the router passes that on (cancelling the other half). Every
-node's ``/health`` is asked every ``--health-interval`` s: one that fails or does not answer is
-skipped until it answers ``/info`` as ready again, so a restarted node is used again without
-restarting anything else; the router's ``/health`` lists the nodes and which are up. A client
-that disconnects has both halves cancelled at once (the nodes abort the request), counted as
-``aborted``. At start every node must answer
-``/info`` within ``--startup-timeout`` s with the right role and one model, else the router
-says which did not, in one line, and exits with status 2.
+Responses are OpenAI's (:mod:`kvtransfer.serve.openai_api`); the router checks a request
+before it sends it on (a bad one is a 400 naming the field, a model no node serves a 404) and
+adds the transfer's figures where OpenAI clients ignore them: a ``kvtransfer`` object on the
+response or on the stream's last choice chunk, and ``x-kvtransfer-*`` headers (the request id
+and the two nodes). ``GET /info`` says what the router serves and which nodes are up.
+
+Failures: a node that fails or dies ends its requests with an HTTP error (502) whose ``node``
+field names it, the decode side's request is cancelled when prefill fails; a node whose queue is
+full answers 503 with ``Retry-After`` at once, and the router passes that on (cancelling the
+other half). Every node's ``/health`` is asked every ``--health-interval`` s: one that fails or
+does not answer is skipped until it answers ``/info`` as ready again, so a restarted node is used
+again without restarting anything else; the router's ``/health`` lists the nodes and which are
+up. A client that disconnects has both halves cancelled at once (the nodes abort the request),
+counted as ``aborted``.
+
+Start: the router serves at once with the nodes that answer ``/info`` as ready, logs each one
+that does not, and adds it when it comes up. A node of the wrong role, or nodes that serve
+different models, are a one-line error and exit status 2.
 """
 
 from __future__ import annotations
@@ -42,10 +50,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtransfer.serve.http import (ClientGone, UsageError, add_metrics_and_models, client_gone, client_limits,
-                                   http_server, port_socket, unless_gone)
+from kvtransfer._args import HelpFormatter, description, positive_int
+from kvtransfer.serve.http import (DEFAULT_MAX_BODY_BYTES, ClientGone, UsageError, add_error_handlers,
+                                   add_metrics_and_models, client_gone, client_limits, http_server, port_socket,
+                                   read_body, unless_gone)
 from kvtransfer.serve.metrics import RouterMetrics
-from kvtransfer.serve.openai_api import error_body, sse
+from kvtransfer.serve.openai_api import ApiError, check_model, load_body, sse, validate
 
 log = logging.getLogger("kvtransfer.serve.router")
 
@@ -54,7 +64,7 @@ HEALTH_TIMEOUT_S = 10.0  # a node whose /health takes longer is taken for down (
 
 
 class RouterError(RuntimeError):
-    """A node is missing or wrong at start (one line, exit 2)."""
+    """A node is wrong at start: its role, or a model other than the other nodes' (one line, exit 2)."""
 
 
 @dataclass
@@ -68,10 +78,15 @@ class NodeRef:
     info: dict = field(default_factory=dict)
 
 
-class _NodeFailed(Exception):
-    def __init__(self, status: int, message: str, retry_after: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.retry_after = status, message, retry_after
+class _NodeFailed(ApiError):
+    """A request a node refused (its status, message, param and code passed on), found busy
+    (429/503 with ``Retry-After``, passed on) or failed (502, the node named in the ``node``
+    field, never in the message)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after: Optional[str] = None, **extra):
+        super().__init__(status, message, param, code, **extra)
+        self.retry_after = retry_after
 
     @property
     def outcome(self) -> str:
@@ -85,32 +100,45 @@ class _NodeFailed(Exception):
 
 def _node_error(node: NodeRef, resp_status: int, body: bytes, retry_after: Optional[str] = None) -> _NodeFailed:
     try:
-        message = json.loads(body)["error"]["message"]
+        err = json.loads(body)["error"]
+        message, param, code = str(err["message"]), err.get("param"), err.get("code")
     except (ValueError, KeyError, TypeError):
-        message = body[:200].decode(errors="replace") or f"HTTP {resp_status}"
+        message, param, code = body[:200].decode(errors="replace") or f"HTTP {resp_status}", None, None
     if retry_after is not None and resp_status in (429, 503):  # busy: the client may try again
-        return _NodeFailed(resp_status, f"{node.role} node {node.url}: {message}", retry_after)
-    status = resp_status if resp_status < 500 else 502
-    return _NodeFailed(status, f"{node.role} node {node.url}: {message}")
+        return _NodeFailed(resp_status, f"the {node.role} node is busy: {message}", code="server_busy",
+                           retry_after=retry_after, node=node.url)
+    if resp_status < 500:
+        return _NodeFailed(resp_status, message, param, code if isinstance(code, str) else None)
+    return _NodeFailed(502, f"the {node.role} node failed: {message}", code="node_failed", node=node.url)
 
 
 def _lost(node: NodeRef, exc: Exception) -> _NodeFailed:
     node.up, node.why_down = False, f"{type(exc).__name__}: {exc}"
-    return _NodeFailed(502, f"{node.role} node {node.url} is unreachable or died during the request "
-                            f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})")
+    return _NodeFailed(502, f"the {node.role} node is unreachable or died during the request "
+                            f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})", code="node_lost",
+                       node=node.url)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Marks a task's failure as seen: a request whose prefill and decode both fail answers
+    with the first failure, and asyncio would log the other as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Router:
     """The router's nodes, its HTTP client and its round robin (module docstring)."""
 
     def __init__(self, prefill: List[str], decode: List[str], verify: bool = False,
-                 health_interval_s: float = 1.0):
+                 health_interval_s: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.prefill = [NodeRef(u.rstrip("/"), "prefill") for u in prefill]
         self.decode = [NodeRef(u.rstrip("/"), "decode") for u in decode]
         self.verify = verify
         self.health_interval_s = health_interval_s
+        self.max_body_bytes = max_body_bytes
         self.metrics = RouterMetrics()
-        self.model = ""
+        self.model = ""  # the served model, from the first node that answers
+        self.model_names: tuple = ()  # its name and aliases, as a request's "model" may give them
         self.client: Optional[httpx.AsyncClient] = None
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
         self._watch: Optional[asyncio.Task] = None
@@ -130,6 +158,10 @@ class Router:
             raise RouterError(f"{node.url} is a {info.get('role')} node, given as --{node.role}")
         if info.get("state") != "ready":
             raise ConnectionError(f"{node.url} is {info.get('state')}")
+        if self.model and info["model"] != self.model:
+            raise RouterError(f"{node.url} serves {info['model']}, the other nodes {self.model}")
+        self.model = self.model or info["model"]
+        self.model_names = self.model_names or tuple(info.get("model_names") or (self.model,))
         node.info, node.model, node.bootstrap = info, info["model"], info.get("bootstrap")
         node.up, node.why_down = True, ""
         if node.role == "prefill":  # decode nodes connect now, not on this node's first request
@@ -154,27 +186,25 @@ class Router:
         self._tasks.add(task := asyncio.ensure_future(connect()))
         task.add_done_callback(self._tasks.discard)
 
-    async def start(self, timeout_s: float) -> None:
+    async def start(self) -> None:
+        """Ask every node's /info once, at the same time; serve with those that answer as ready
+        and log each that does not (the watch adds it once it answers). RouterError for a node
+        of the wrong role or nodes of different models."""
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(NODE_TIMEOUT_S, connect=5.0),
                                         limits=client_limits(max_connections=1024, max_keepalive_connections=64))
-        deadline = time.monotonic() + timeout_s
-        for node in self.nodes:
-            while True:
-                try:
-                    await self._probe(node)
-                    break
-                except RouterError:
-                    raise
-                except (httpx.HTTPError, ConnectionError, ValueError, KeyError) as exc:
-                    if time.monotonic() >= deadline:
-                        raise RouterError(f"{node.role} node {node.url} did not answer /info as ready within "
-                                          f"{timeout_s:g} s ({type(exc).__name__}: {exc})") from None
-                    await asyncio.sleep(0.25)
-        models = {n.model for n in self.nodes}
-        if len(models) != 1:
-            raise RouterError(f"the nodes serve different models: "
-                              f"{', '.join(f'{n.url}={n.model}' for n in self.nodes)}")
-        self.model = models.pop()
+        answers = await asyncio.gather(*(self._probe(n) for n in self.nodes), return_exceptions=True)
+        for node, answer in zip(self.nodes, answers):
+            if isinstance(answer, RouterError):
+                raise answer
+            if isinstance(answer, BaseException):
+                node.why_down = f"{type(answer).__name__}: {answer}"
+                log.warning("%s node %s is not ready (%s); it gets requests once it is", node.role, node.url,
+                            node.why_down)
+        up = [f"{n.role} node {n.url}" for n in self.nodes if n.up]
+        if up:
+            log.info("serving %s with %s", self.model, ", ".join(up))
+        else:
+            log.info("no node is ready yet: serving once a prefill and a decode node are")
         self._update_gauges()
         self._watch = asyncio.ensure_future(self._watch_nodes())
 
@@ -215,8 +245,8 @@ class Router:
             node = nodes[next(self._turn[role]) % len(nodes)]
             if node.up:
                 return node
-        why = "; ".join(f"{n.url}: {n.why_down}" for n in nodes)
-        raise _NodeFailed(503, f"no {role} node is answering ({why})")
+        raise _NodeFailed(503, f"no {role} node is answering", code="no_node_available",
+                          nodes={n.url: n.why_down for n in nodes})
 
     async def close(self) -> None:
         if self._watch is not None:
@@ -249,20 +279,22 @@ def _prefill_figures(pre: dict) -> dict:
 def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:
     """The verification result; raises _NodeFailed when the KV differs."""
     if not prefill or not decode:
-        raise _NodeFailed(502, "KV verification asked for, but a node sent no digests")
+        raise _NodeFailed(502, "KV verification asked for, but a node sent no digests", code="verification_failed")
     differ = sorted(k for k in set(prefill) | set(decode) if prefill.get(k) != decode.get(k))
     if differ:
         raise _NodeFailed(500, f"the KV decode received differs from what prefill computed in "
-                               f"{len(differ)} of {len(prefill)} layers: {', '.join(differ[:8])}")
+                               f"{len(differ)} of {len(prefill)} layers: {', '.join(differ[:8])}",
+                          code="verification_failed")
     return {"verified": True, "layers": len(prefill)}
 
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvtransfer router", docs_url=None, redoc_url=None)
+    add_error_handlers(app)
 
-    def error(message: str, status: int, outcome: str, headers: Optional[dict] = None):
+    def error(exc: ApiError, outcome: str, headers: Optional[dict] = None):
         router.metrics.requests.labels(outcome).inc()
-        return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -272,7 +304,15 @@ def build_app(router: Router) -> FastAPI:
                              "nodes": [{"url": n.url, "role": n.role, "up": n.up, "why_down": n.why_down}
                                        for n in router.nodes]}, status_code=200 if ok else 503)
 
-    add_metrics_and_models(app, router.metrics, lambda: router.model)
+    add_metrics_and_models(app, router.metrics, lambda: [router.model] if router.model else [])
+
+    @app.get("/info")
+    async def info():
+        return {"role": "router", "model": router.model, "model_names": router.model_names,
+                "verify_kv": router.verify, "max_body_bytes": router.max_body_bytes,
+                "nodes": [{"url": n.url, "role": n.role, "up": n.up, "why_down": n.why_down,
+                           **{k: n.info.get(k) for k in ("tp", "page_size", "dtype", "device")}}
+                          for n in router.nodes]}
 
     async def route(request: Request, path: str):
         try:
@@ -283,32 +323,36 @@ def build_app(router: Router) -> FastAPI:
 
     async def _route(request: Request, path: str):
         start = time.monotonic()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(f"the body is not valid JSON: {exc}", 400, "client_error")
-        if not isinstance(body, dict):
-            return error(f"the body must be a JSON object, got {type(body).__name__}", 400, "client_error")
-        ext = body.pop("kvtransfer", None)
-        if ext is not None and (not isinstance(ext, dict) or set(ext) - {"verify"}):
-            return error('kvtransfer: only {"verify": bool} may be given to the router', 400, "client_error")
+        try:  # the request is checked here, once, before either node sees it
+            body = load_body(await read_body(request, router.max_body_bytes))
+            ext = body.pop("kvtransfer", None)
+            if ext is not None and (not isinstance(ext, dict) or set(ext) - {"verify"}):
+                raise ApiError(400, 'kvtransfer: only {"verify": bool} may be given to the router', "kvtransfer")
+            req = validate("chat" if path.endswith("chat/completions") else "completion", body)
+            if router.model_names:
+                check_model(req, router.model_names)
+        except ApiError as exc:
+            return error(exc, "client_error")
         verify = router.verify or bool((ext or {}).get("verify"))
         if body.get("seed") is None:  # prefill samples the first token, decode the rest: one seed for both
             body["seed"] = random.getrandbits(63)
         try:
             p, d = router.pick("prefill"), router.pick("decode")
         except _NodeFailed as f:
-            return error(f.message, f.status, "failed",
-                         {"Retry-After": str(max(1, round(router.health_interval_s)))})
+            f.retry_after = str(max(1, round(router.health_interval_s)))
+            return error(f, "failed", f.headers)
         rid = uuid.uuid4().hex
         router.metrics.routed.labels(p.url).inc()
         router.metrics.routed.labels(d.url).inc()
         p_body = {**body, "stream": False, "kvtransfer": {"rid": rid, "verify": verify}}
         d_body = {**body, "kvtransfer": {"rid": rid, "bootstrap": p.bootstrap, "verify": verify}}
+        headers = {"x-kvtransfer-rid": rid, "x-kvtransfer-prefill-node": p.url, "x-kvtransfer-decode-node": d.url}
         prefill = asyncio.ensure_future(router.prefill_part(p, path, p_body))
-        if body.get("stream"):
-            return await _stream(router, request, path, d, d_body, prefill, verify, start)
+        prefill.add_done_callback(_retrieve)
+        if req.stream:
+            return await _stream(router, request, path, d, d_body, prefill, verify, start, headers)
         decode = asyncio.ensure_future(router.post(d, path, d_body))
+        decode.add_done_callback(_retrieve)
         gone = asyncio.ensure_future(client_gone(request))
         try:
             out = await unless_gone(_both(prefill, decode), gone)
@@ -321,7 +365,7 @@ def build_app(router: Router) -> FastAPI:
                          prefill=_prefill_figures(pre))
             out["kvtransfer"] = extra
         except _NodeFailed as f:
-            return error(f.message, f.status, f.outcome, f.headers)
+            return error(f, f.outcome, f.headers)
         except ClientGone:  # _both cancelled both halves: each node aborts the request
             router.metrics.requests.labels("aborted").inc()
             return Response(status_code=499)
@@ -331,7 +375,7 @@ def build_app(router: Router) -> FastAPI:
         router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
         router.metrics.transfer_seconds.observe(extra.get("transfer_s", 0.0))
         router.metrics.request_seconds.observe(time.monotonic() - start)
-        return out
+        return JSONResponse(out, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -360,7 +404,7 @@ async def _both(prefill: asyncio.Future, decode: asyncio.Future) -> dict:
 
 
 async def _stream(router: Router, request: Request, path: str, node: NodeRef, body: dict,
-                  prefill: asyncio.Future, verify: bool, start: float):
+                  prefill: asyncio.Future, verify: bool, start: float, headers: dict):
     """Open decode's event stream; answer with its status once its first event (or prefill's
     failure) is known, then pass the events on."""
     ctx = router.client.stream("POST", f"{node.url}{path}", json=body)
@@ -386,10 +430,10 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
             router.metrics.requests.labels("aborted").inc()
             return Response(status_code=499)
         router.metrics.requests.labels(exc.outcome).inc()
-        return JSONResponse(error_body(exc.message, exc.status), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def events():
-        outcome, extra, last = "failed", {}, {}
+        outcome, extra = "failed", {}
         try:
             lines = resp.aiter_lines()
             while True:
@@ -400,35 +444,33 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
                     continue
                 data = line[len("data: "):]
                 if data != "[DONE]":
-                    chunk = last = json.loads(data)
+                    chunk = json.loads(data)
                     if "error" in chunk:
                         yield sse(chunk)
                         yield sse("[DONE]")
                         return
-                    if "kvtransfer" in chunk:
-                        extra = chunk["kvtransfer"]
+                    if "kvtransfer" in chunk:  # decode's figures, on its last choice chunk: add prefill's
+                        pre, extra = await prefill, chunk["kvtransfer"]
                         if verify:
-                            extra.update(_check_digests((await prefill).get("digests"), extra.get("digests")))
+                            extra.update(_check_digests(pre.get("digests"), extra.get("digests")))
                         extra.pop("digests", None)
-                        extra.update(prefill_node=prefill_url, decode_node=node.url)
-                        chunk["kvtransfer"] = extra
+                        extra.update(prefill_node=prefill_url, decode_node=node.url, transfer_s=pre.get("transfer_s"),
+                                     prefill=_prefill_figures(pre))
                     yield sse(chunk)
                     continue
                 pre = await prefill  # a prefill failure after decode finished still counts
-                yield sse({**{k: last.get(k) for k in ("id", "object", "created", "model")}, "choices": [],
-                           "kvtransfer": {"transfer_s": pre.get("transfer_s"), "prefill": _prefill_figures(pre)}})
                 yield sse("[DONE]")
                 outcome = "ok"
                 router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
                 router.metrics.transfer_seconds.observe(pre.get("transfer_s") or 0.0)
                 return
-            raise _NodeFailed(502, f"decode node {node.url} closed the stream before [DONE]")
+            raise _NodeFailed(502, "the decode node closed the stream before [DONE]", code="node_failed",
+                              node=node.url)
         except _NodeFailed as f:
-            yield sse(error_body(f.message, f.status))
+            yield sse(f.body())
             yield sse("[DONE]")
         except httpx.HTTPError as exc:
-            f = _lost(node, exc)
-            yield sse(error_body(f.message, f.status))
+            yield sse(_lost(node, exc).body())
             yield sse("[DONE]")
         except BaseException as exc:  # the client left (ClientGone, or the server cancelled the stream)
             outcome = "aborted"
@@ -441,11 +483,8 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
             router.metrics.requests.labels(outcome).inc()
             router.metrics.request_seconds.observe(time.monotonic() - start)
 
-    prefill_url = router.prefill[0].url
-    for p in router.prefill:
-        if p.bootstrap == body["kvtransfer"]["bootstrap"]:
-            prefill_url = p.url
-    return StreamingResponse(events(), media_type="text/event-stream")
+    prefill_url = headers["x-kvtransfer-prefill-node"]
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 async def _next_line(lines, prefill: asyncio.Future):
@@ -469,14 +508,16 @@ async def _next_line(lines, prefill: asyncio.Future):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtransfer router", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransfer router", description=description(__doc__),
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--prefill", action="append", required=True, help="a prefill node's URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="a decode node's URL (repeatable)")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True, help="HTTP port")
+    ap.add_argument("--host", default="127.0.0.1", help="address HTTP binds")
     ap.add_argument("--verify-kv", action="store_true", help="check every request's KV layer by layer")
-    ap.add_argument("--startup-timeout", type=float, default=60.0, help="seconds the nodes may take to answer")
     ap.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks of a down node")
+    ap.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="a request body past this is refused (413)")
     return ap
 
 
@@ -493,12 +534,12 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"kvtransfer router: error: {exc}", file=sys.stderr)
         return 2
-    router = Router(args.prefill, args.decode, args.verify_kv, args.health_interval)
+    router = Router(args.prefill, args.decode, args.verify_kv, args.health_interval, args.max_body_bytes)
     failure: List[str] = []
 
     async def startup():
         try:
-            await router.start(args.startup_timeout)
+            await router.start()
         except RouterError as exc:
             failure.append(str(exc))
             server.should_exit = True

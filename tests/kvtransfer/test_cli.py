@@ -130,3 +130,37 @@ def test_demo_names_the_rank_that_died(monkeypatch, capsys):
     assert demo.main(["--prefill-tp", "1", "--decode-tp", "1", "--layers", "1", "--tokens", "16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["kvtransfer transfer-demo failed: decode rank 0 died before its handshake (killed by SIGKILL)"]
+
+
+@pytest.mark.parametrize("command", ["serve", "router", "demo", "generate"])
+def test_help_shows_defaults_and_no_rst_markup(command, capsys):
+    import importlib
+
+    modules = {"serve": "kvtransfer.serve.node", "router": "kvtransfer.serve.router"}
+    module = modules.get(command, f"kvtransfer.{command}")
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "(default: " in text
+    if command == "serve":
+        assert re.search(r"--pool-tokens POOL_TOKENS\s+KV pool size in token slots \(default: 8192\)", text)
+        assert "--max-tokens" not in text  # the old name of --pool-tokens: accepted, not shown
+
+
+def test_serve_max_tokens_is_a_deprecated_name_of_pool_tokens(capsys):
+    from kvtransfer.serve.node import parser
+
+    args = parser().parse_args(["--role", "decode", "--model", "mla-tiny", "--port", "1", "--max-tokens", "640"])
+    assert args.pool_tokens == 640
+    assert capsys.readouterr().err == "kvtransfer serve: warning: --max-tokens is deprecated; use --pool-tokens\n"
+    assert parser().parse_args(["--role", "decode", "--model", "x", "--port", "1"]).pool_tokens == 8192
+
+
+@pytest.mark.parametrize("name, alias", [("smollm2", "smollm2-135m"), ("mla-tiny", "tiny-mla"),
+                                         ("hybrid-tiny", "tiny-hybrid")])
+def test_one_model_name_set_with_the_old_names_as_aliases(name, alias):
+    from kvtransfer.models.config import ModelName
+
+    assert ModelName.parse(name) is ModelName.parse(alias)
+    assert ModelName.parse(alias).names == (name, alias)

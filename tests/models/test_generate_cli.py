@@ -17,15 +17,15 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
 def test_unknown_model_exits_2_with_one_line():
     out = _generate("--model", "gpt-5", "--prompt", "hi")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "kvtransfer generate: error: unknown model 'gpt-5'; expected one of smollm2-135m, tiny-mla, tiny-hybrid, smollm2-135m-random, llama3-8b, deepseek-v2-lite-mla\n"
+    assert out.stderr == "kvtransfer generate: error: unknown model 'gpt-5'; expected one of smollm2, mla-tiny, hybrid-tiny, smollm2-135m-random, llama3-8b, deepseek-v2-lite-mla\n"
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "tiny-mla", "--tp", "3", "--prompt", "hi"], "TP size 3 does not divide the query heads=8; this model allows TP 1, 2, 4"),
-    (["--model", "tiny-hybrid", "--prompt", "x" * 40, "--raw", "--pool-tokens", "32", "--page-size", "4"],
+    (["--model", "mla-tiny", "--tp", "3", "--prompt", "hi"], "TP size 3 does not divide the query heads=8; this model allows TP 1, 2, 4"),
+    (["--model", "hybrid-tiny", "--prompt", "x" * 40, "--raw", "--pool-tokens", "32", "--page-size", "4"],
      "prompt of 40 tokens + 64 new tokens = 104 does not fit the pool of 32 token slots"),
-    (["--model", "tiny-mla", "--prompt", "hi", "--dtype", "int8"], "unknown dtype 'int8'"),
-    (["--model", "tiny-mla", "--prompt", "hi", "--tp", "0"], "TP size must be a positive int, got 0"),
+    (["--model", "mla-tiny", "--prompt", "hi", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--model", "mla-tiny", "--prompt", "hi", "--tp", "0"], "TP size must be a positive int, got 0"),
 ])
 def test_bad_input_is_one_line(capsys, args, message):
     """The same main() the command runs, in process (the subprocess path is tested above)."""
@@ -46,6 +46,6 @@ def test_smollm2_tp_the_heads_do_not_allow(smollm2_raw):
 
 
 def test_tiny_hybrid_generates_with_tp2():
-    out = _generate("--model", "tiny-hybrid", "--tp", "2", "--prompt", "hi", "--max-tokens", "4", "--stats")
+    out = _generate("--model", "hybrid-tiny", "--tp", "2", "--prompt", "hi", "--max-tokens", "4", "--stats")
     assert out.returncode == 0, out.stderr
     assert "decode 3 tokens" in out.stderr and "tp=2" in out.stderr

@@ -74,10 +74,14 @@ def test_streaming_chat_through_the_router(cluster):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     whole = chat(cluster.url("colocated"), "stream me", max_tokens=6).json()["choices"][0]["message"]["content"]
     assert text == whole
-    usage = [e for e in events[:-1] if e.get("usage")]
-    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 6
-    tail = events[-2]  # the router's last chunk: prefill's share of the time to first token
-    assert tail["choices"] == [] and tail["kvtransfer"]["prefill"]["compute_s"] > 0
+    usage = events[-2]  # include_usage: one last chunk, with no choices, before [DONE]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert [e for e in events[:-1] if e.get("usage")] == [usage]
+    figures = [e["kvtransfer"] for e in events[:-1] if "kvtransfer" in e]
+    assert len(figures) == 1 and "kvtransfer" in chunks[-1]  # on the last choice chunk
+    assert figures[0]["prefill"]["compute_s"] > 0 and figures[0]["kv_bytes"] > 0
+    assert figures[0]["decode_node"] == cluster.url("decode")
+    assert r.headers["x-kvtransfer-prefill-node"] == cluster.url("prefill")
 
 
 def test_stop_strings_cut_the_text(cluster):
@@ -90,22 +94,21 @@ def test_stop_strings_cut_the_text(cluster):
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "must be a JSON object"),
-    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"prompt": "x", "n": 2}', 400, "only n = 1"),
-    (b'{"prompt": "x", "temperature": 5}', 400, "temperature"),
-    (b'{"prompt": "x", "max_tokens": 100000}', 400, "does not fit"),
-    (b'{"max_tokens": 3}', 400, "prompt"),
-    (b'{"prompt": "x", "kvtransfer": {"rid": "mine"}}', 400, 'only {"verify": bool}'),
+@pytest.mark.parametrize("body, param, code, words", [
+    (b"{not json", None, "invalid_json", "not valid JSON"),
+    (b"[1, 2]", None, "invalid_json", "must be a JSON object"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value", "greater than or equal to 1"),
+    (b'{"prompt": "x", "temperature": 5}', "temperature", "invalid_value", "less than or equal to 2"),
+    (b'{"prompt": "x", "max_tokens": 100000}', "max_tokens", "context_length_exceeded", "does not fit"),
+    (b'{"max_tokens": 3}', "prompt", "missing_required_parameter", "prompt"),
+    (b'{"prompt": "x", "kvtransfer": {"rid": "mine"}}', "kvtransfer", "invalid_request", 'only {"verify": bool}'),
 ])
-def test_bad_requests_are_json_errors(cluster, body, status, words):
+def test_bad_requests_are_json_errors(cluster, body, param, code, words):
     r = httpx.post(f"{cluster.url('router')}/v1/completions", content=body, timeout=60)
-    assert r.status_code == status, r.text
+    assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert words in err["message"]
-    assert err["type"] == "invalid_request_error" and err["code"] == status
+    assert words in err["message"] and "http://" not in err["message"]
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": param, "code": code}
 
 
 def test_nodes_refuse_what_is_not_theirs(cluster):
@@ -120,7 +123,7 @@ def test_health_info_and_models(cluster):
     info = httpx.get(f"{cluster.url('prefill')}/info").json()
     assert info["role"] == "prefill" and info["tp"] == 2 and info["bootstrap"].endswith(str(cluster.ports["bootstrap"]))
     assert len(info["ranks"]) == 2
-    assert httpx.get(f"{cluster.url('router')}/v1/models").json()["data"][0]["id"] == "tiny-mla"
+    assert httpx.get(f"{cluster.url('router')}/v1/models").json()["data"][0]["id"] == "mla-tiny"
 
 
 def test_an_idle_connection_outlives_the_old_five_second_keep_alive(cluster):

@@ -42,8 +42,9 @@ def test_a_killed_prefill_node_fails_its_request_and_a_restarted_one_serves(tmp_
         prefill.stop()
         r = result["r"]
         assert r.status_code == 502, r.text
-        assert r.json()["error"]["message"].startswith(f"prefill node {c.url('prefill')} is unreachable or died "
-                                                      f"during the request")
+        err = r.json()["error"]
+        assert err["message"].startswith("the prefill node is unreachable or died during the request")
+        assert err["node"] == c.url("prefill") and err["code"] == "node_lost"
         assert group_is_gone(prefill.proc.pid)
         down = httpx.get(f"{c.url('router')}/health").json()
         assert down["nodes_up"]["prefill"] == 0
@@ -136,7 +137,7 @@ def test_a_server_whose_port_is_taken_before_it_binds_moves_to_fresh_ports(tmp_p
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        args = ["router", "--prefill", dead, "--decode", dead, "--port", str(busy), "--startup-timeout", "60"]
+        args = ["router", "--prefill", dead, "--decode", dead, "--port", str(busy)]
         moving, staying = Server("router", args, str(tmp_path), busy), Server("fixed", args, str(tmp_path), busy,
                                                                               move_ports=False)
         try:
@@ -156,12 +157,49 @@ def test_a_server_whose_port_is_taken_before_it_binds_moves_to_fresh_ports(tmp_p
             stop_all([moving, staying])
 
 
-def test_a_router_given_a_dead_node_says_which():
-    dead = free_port()
-    out = _run("router", "--prefill", f"http://127.0.0.1:{dead}", "--decode", f"http://127.0.0.1:{dead}",
-               "--port", str(free_port()), "--startup-timeout", "1")
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"kvtransfer router: error: prefill node http://127.0.0.1:{dead} did not answer")
+def test_the_router_starts_with_the_nodes_that_answer_and_adds_the_others(tmp_path):
+    ports = {name: free_port() for name in ("router", "prefill", "bootstrap", "decode")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+
+    def node(role: str, *extra) -> Server:
+        return Server(f"{role} node", ["serve", "--role", role, "--model", "mla-tiny", "--port", str(ports[role]),
+                                       "--device", "cpu", "--threads", "1", *extra], str(tmp_path), ports[role],
+                      move_ports=False)
+
+    servers = [node("decode")]
+    try:
+        wait_ready(servers)
+        servers.append(Server("router", ["router", "--prefill", url["prefill"], "--decode", url["decode"], "--port",
+                                         str(ports["router"]), "--health-interval", "0.3"], str(tmp_path),
+                              ports["router"], move_ports=False))
+        router = servers[-1]
+        deadline = time.monotonic() + 60
+        while "serving mla-tiny with decode node" not in open(router.log_path).read():
+            assert router.starting() and time.monotonic() < deadline, router.tail()
+            time.sleep(0.1)
+        log = open(router.log_path).read()
+        assert f"prefill node {url['prefill']} is not ready (ConnectError" in log
+        health = httpx.get(f"{url['router']}/health")
+        assert health.status_code == 503 and health.json()["nodes_up"] == {"prefill": 0, "decode": 1}
+        r = chat(url["router"], "no prefill yet")
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "no_node_available" and "http://" not in err["message"]
+        assert list(err["nodes"]) == [url["prefill"]]
+
+        servers.append(node("prefill", "--bootstrap-port", str(ports["bootstrap"])))
+        wait_ready([servers[-1]])
+        while httpx.get(f"{url['router']}/health").status_code != 200:
+            assert time.monotonic() < deadline + 120, "the router did not add the prefill node"
+            time.sleep(0.2)
+        r = chat(url["router"], "now both", kvtransfer={"verify": True})
+        assert r.status_code == 200 and r.json()["kvtransfer"]["verified"] is True, r.text
+
+        wrong = _run("router", "--prefill", url["decode"], "--decode", url["decode"], "--port", str(free_port()))
+        assert wrong.returncode == 2
+        assert wrong.stderr.strip().splitlines()[-1] == (f"kvtransfer router: error: {url['decode']} is a decode node, "
+                                                        f"given as --prefill")
+    finally:
+        stop_all(servers)
     out = _run("router", "--prefill", "localhost:1", "--decode", "http://x", "--port", str(free_port()))
     assert out.returncode == 2 and "must start with http://" in out.stderr

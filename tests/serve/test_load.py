@@ -40,7 +40,7 @@ LONG = 1000  # new tokens of the requests that are cancelled half-way (a 10-toke
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster("mla-tiny", colocated=False,
-                node_args=["--max-tokens", str(POOL), "--max-queue", str(MAX_QUEUE),
+                node_args=["--pool-tokens", str(POOL), "--max-queue", str(MAX_QUEUE),
                            "--heartbeat-timeout", "120"])  # frozen ranks are paused, not lost
     try:
         yield c
