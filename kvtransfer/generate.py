@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1,
                     help="run the prompt as this many requests in one continuous batch (with --stats: batched decode speed)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (random-weights presets)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="on CUDA, wait for each decode step before launching the next (the overlap's baseline)")
     ap.add_argument("--stats", action="store_true", help="load time and steady-state tokens/s on stderr (after a warm-up run of the same prompts); "
                          "on CUDA also the decode step against its weights' read time")
     return ap
@@ -70,7 +72,7 @@ def _generate(args) -> int:
     if not isinstance(args.batch, int) or args.batch < 1:
         raise ValueError(f"--batch must be a positive int, got {args.batch!r}")
     ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=args.batch,
-                      chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
+                      chunk_size=args.chunk_size, dtype=dtype.torch, device=device, overlap=not args.no_overlap)
     spec, tokenizer = registry.load(name)
     load_s = time.perf_counter() - start  # the file's metadata, weights and tokenizer
     text = args.prompt if args.raw else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

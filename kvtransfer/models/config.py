@@ -247,7 +247,8 @@ class EngineConfig:
     ``req_to_token`` (and Mamba slots), ``chunk_size`` prompt tokens per prefill step at most.
     ``cuda_graphs``: on CUDA, decode steps and one-chunk prompts replay captured graphs where the
     model supports it (:mod:`kvtransfer.models.runner`); False runs every step through the
-    model's general forward.
+    model's general forward. ``overlap``: with graphs, the next decode step is launched before
+    the wait for the current one (:mod:`kvtransfer.models.engine`); False waits for each step.
     """
 
     max_tokens: int = 2048
@@ -257,6 +258,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     cuda_graphs: bool = True
+    overlap: bool = True
 
     def __post_init__(self):
         _positive(self, "max_tokens", "page_size", "max_requests", "chunk_size")
@@ -264,5 +266,6 @@ class EngineConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must hold at least one page of {self.page_size}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

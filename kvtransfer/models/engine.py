@@ -34,6 +34,15 @@ CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy
 argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
 numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
 GPU node.
+
+Decode steps there overlap the host with the GPU: step n+1 is launched, its token ids taken
+from step n's samples on the device, before the engine waits for step n's tokens, so the host
+work of a step (bookkeeping, the serving loop) runs while the GPU computes the next one. A
+request that finishes in step n has one more token computed for it in step n+1; that token is
+dropped, and the request's pages go back only once step n+1 has ended (its KV write lands in
+them). Whatever changes the set of running requests (an admission, a start, an abort, a
+release, an export) first waits for the step in flight and takes its tokens. Requests that
+record their logits, and ``EngineConfig.overlap=False``, wait for every step before the next.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import torch
 
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
-from kvtransfer.models.runner import StepOutput, build_runner
+from kvtransfer.models.runner import Launched, StepOutput, build_runner
 from kvtransfer.models.sampler import draw as gpu_draw
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pools.kv_cache import synchronize
@@ -187,6 +196,14 @@ class EngineStats:
         return tokens / seconds if seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """A decode step launched before the wait for the one before it: for ``reqs``, in order."""
+
+    reqs: List["Request"]
+    launched: Launched
+
+
 class Engine:
     """Colocated prefill + decode over one rank's pools (module docstring)."""
 
@@ -206,6 +223,9 @@ class Engine:
         self._next_rid = 0
         self.stats = EngineStats()
         self.graphs = build_runner(model, self.pools, config.max_requests, config.chunk_size) if config.cuda_graphs else None
+        self._ahead: Optional[_Ahead] = None  # a decode step launched ahead (module docstring)
+        self._done_early: List[Request] = []  # finished while the step ahead was taken in
+        self._finished_tokens = 0  # output tokens of requests no longer running (decode rate)
 
     # -- requests ----------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
@@ -228,6 +248,7 @@ class Engine:
         """Take a row, the prompt's pages (and a Mamba slot) for a request whose prompt KV
         another node computes; None while the pools cannot admit it (try again later).
         ``req.slots[:len(prompt)]`` are where the KV must land, ``req.mamba_pool_idx`` the state."""
+        self._take_ahead()
         req = self._new(prompt_ids, max_new_tokens, stop_ids, False, sampling, False)
         if not self._admit(req):
             return None
@@ -239,6 +260,7 @@ class Engine:
     def start_decode(self, req: Request, first_token: int, logprob: float = 0.0) -> bool:
         """A reserved request's prompt KV has landed: continue it from ``first_token`` (the
         token prefill sampled). Returns True when that token already ends it (released then)."""
+        self._take_ahead()
         if req not in self.reserved:
             raise ValueError(f"request {req.rid} is not reserved here")
         self.reserved.remove(req)
@@ -251,6 +273,7 @@ class Engine:
 
     def release(self, req: Request) -> None:
         """Free a finished held request's pages (its KV has been sent)."""
+        self._take_ahead()
         if req not in self.held:
             raise ValueError(f"request {req.rid} is not held here")
         self.held.remove(req)
@@ -258,6 +281,7 @@ class Engine:
 
     def abort(self, req: Request) -> None:
         """End ``req`` wherever it is (waiting, running, reserved or held) and free what it holds."""
+        self._take_ahead()
         if req in self.waiting:
             self.waiting.remove(req)
             return
@@ -273,9 +297,9 @@ class Engine:
         return sum(0 if r.slots is None else r.slots.numel() for r in self.running + self.reserved + self.held)
 
     def has_work(self) -> bool:
-        """Whether :meth:`step` would run a forward pass: a request runs, or the oldest waiting
-        one can be admitted now."""
-        return bool(self.running) or bool(self.waiting and self._fits(self.waiting[0]))
+        """Whether :meth:`step` has something to do: a request runs, one finished that no step
+        has returned yet, or the oldest waiting one can be admitted now."""
+        return bool(self.running or self._done_early) or bool(self.waiting and self._fits(self.waiting[0]))
 
     def run(self) -> None:
         while self.has_work():
@@ -283,12 +307,18 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------------
     def step(self) -> List[Request]:
-        """Run one prefill or decode step; returns the requests that finished in it."""
+        """Run one prefill or decode step; returns the requests that finished in it (or, with a
+        decode step launched ahead, since the last call)."""
         chunks = self._schedule_prefill()
         prefill = bool(chunks)
+        if prefill or (self._ahead is not None and self._ahead.reqs != self.running):
+            self._take_ahead()  # the step ahead decoded the same requests: keep its tokens first
         if not chunks:
             chunks = [(r, 1) for r in self.running]
         if not chunks:
+            finished, self._done_early = self._done_early, []
+            if finished:
+                return finished
             if self.waiting and not (self.reserved or self.held):
                 # nothing holds a page or a row, yet the oldest request does not fit: add() checked
                 # that it fits the empty pools, so this is a bug in the budget, not load
@@ -297,16 +327,24 @@ class Engine:
                                    f"{self.waiting[0].max_new_tokens} new tokens) is not admitted")
             return []  # the waiting requests wait for held or reserved pages to come back
         start = time.perf_counter()
-        finished = self._forward(chunks)
-        synchronize(self.model.device)
-        seconds, tokens = time.perf_counter() - start, sum(n for _, n in chunks)
+        tokens_before = self._tokens_out()
+        if not prefill and self._overlaps(chunks):
+            finished = self._decode_ahead([r for r, _ in chunks])
+        else:
+            finished = self._forward(chunks)
+            synchronize(self.model.device)
+        seconds = time.perf_counter() - start
         if prefill:
-            self.stats.prefill_tokens += tokens
+            self.stats.prefill_tokens += sum(n for _, n in chunks)
             self.stats.prefill_s += seconds
         else:
-            self.stats.decode_tokens += tokens
+            self.stats.decode_tokens += self._tokens_out() - tokens_before
             self.stats.decode_s += seconds
+        finished, self._done_early = self._done_early + finished, []
         return finished
+
+    def _tokens_out(self) -> int:
+        return sum(len(r.output_ids) for r in self.running) + self._finished_tokens
 
     def _schedule_prefill(self):
         budget = self.config.chunk_size
@@ -402,26 +440,63 @@ class Engine:
             self._release(req)
         return finished
 
-    def _forward_decode(self, reqs: List[Request]) -> List[Request]:
-        """One token for each of ``reqs`` through a captured decode step (sampled on the GPU)."""
-        positions = [r.kv_committed_len for r in reqs]
+    def _overlaps(self, chunks) -> bool:
+        """Whether this decode step may run with the next one launched ahead of its wait."""
+        return (self.graphs is not None and self.config.overlap
+                and all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 and not r.record_logits
+                        for r, n in chunks))
+
+    def _launch_decode(self, reqs: List[Request], ahead: int) -> Launched:
+        """Launch a captured decode step for ``reqs``, ``ahead`` tokens past their last sampled
+        one (1: chained to the step launched just before, whose tokens the host has not seen)."""
+        positions = [r.kv_committed_len + ahead for r in reqs]
         for req, pos in zip(reqs, positions):
             self._grow(req, pos + 1)
-        last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        last = [] if ahead else [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
         keys = [r.sampling.key(p + 1) for r, p in zip(reqs, positions)]
-        out = self.graphs.decode(last, positions, [r.req_pool_idx for r in reqs], keys,
-                                 [float(r.sampling.temperature) for r in reqs])
-        return self._take_sampled(reqs, out)
+        return self.graphs.decode(last, positions, [r.req_pool_idx for r in reqs], keys,
+                                  [float(r.sampling.temperature) for r in reqs], chained=bool(ahead))
+
+    def _forward_decode(self, reqs: List[Request]) -> List[Request]:
+        """One token for each of ``reqs`` through a captured decode step (sampled on the GPU)."""
+        return self._take_sampled(reqs, self.graphs.collect(self._launch_decode(reqs, 0)))
+
+    def _decode_ahead(self, reqs: List[Request]) -> List[Request]:
+        """This step's tokens, with the next step launched before the wait (module docstring)."""
+        now = self._ahead.launched if self._ahead is not None else self._launch_decode(reqs, 0)
+        self._ahead = _Ahead(list(reqs), self._launch_decode(reqs, 1))
+        finished = self._take_sampled(reqs, self.graphs.collect(now), release=False)
+        if finished:  # the step ahead writes into their pages: let it end before they go back
+            self._take_ahead(skip=finished)
+            for req in finished:
+                self._release(req)
+        return finished
+
+    def _take_ahead(self, skip=()) -> None:
+        """Wait for the decode step launched ahead, if any, and take its tokens (none for the
+        requests in ``skip``, which finished the step before); requests it ends are returned
+        by the next :meth:`step`."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        out = self.graphs.collect(ahead.launched)
+        for i, req in enumerate(ahead.reqs):
+            if req in skip or req.finish is not None:
+                continue
+            req.kv_committed_len = len(req.all_ids)
+            if self._accept(req, out.tokens[i], out.logprobs[i]):
+                self._release(req)
+                self._done_early.append(req)
 
     def _forward_first_chunk(self, req: Request) -> List[Request]:
         """A request's whole prompt through a captured prefill step, and its first token."""
         n = len(req.prompt_ids)
         self._grow(req, n)
-        out = self.graphs.first_chunk(req.prompt_ids, req.req_pool_idx, req.sampling.key(n),
-                                      float(req.sampling.temperature))
-        return self._take_sampled([req], out)
+        launched = self.graphs.first_chunk(req.prompt_ids, req.req_pool_idx, req.sampling.key(n),
+                                           float(req.sampling.temperature))
+        return self._take_sampled([req], self.graphs.collect(launched))
 
-    def _take_sampled(self, reqs: List[Request], out: StepOutput) -> List[Request]:
+    def _take_sampled(self, reqs: List[Request], out: StepOutput, release: bool = True) -> List[Request]:
         finished = []
         for i, req in enumerate(reqs):
             req.kv_committed_len = len(req.all_ids)
@@ -430,8 +505,9 @@ class Engine:
                 req.logits.append(out.logits[i].cpu())
             if self._accept(req, out.tokens[i], out.logprobs[i]):
                 finished.append(req)
-        for req in finished:
-            self._release(req)
+        if release:
+            for req in finished:
+                self._release(req)
         return finished
 
     def _sample(self, req: Request, row: torch.Tensor) -> bool:
@@ -457,6 +533,7 @@ class Engine:
         return req.finish is not None
 
     def _release(self, req: Request) -> None:
+        self._finished_tokens += len(req.output_ids)
         self.running.remove(req)
         if req.hold:
             self.held.append(req)
@@ -477,6 +554,7 @@ class Engine:
 
     def export_state(self, req: Request) -> RequestState:
         """Host copy of a running request's KV (and Mamba state) after its prefill."""
+        self._take_ahead()
         if req.in_prefill or req not in self.running:
             raise ValueError(f"request {req.rid} must be running with its prefill done")
         slots = self._committed_slots(req)
@@ -490,6 +568,7 @@ class Engine:
         """Start a running request from an exported state: reserve its row, pages and Mamba
         slot here, load the cached state, and continue decoding from its last token."""
         prompt = state.token_ids[: state.prompt_len]
+        self._take_ahead()
         req = self.add(prompt, max_new_tokens, record_logits=record_logits)
         self.waiting.remove(req)
         if not self._admit(req):

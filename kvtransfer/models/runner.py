@@ -17,6 +17,12 @@ each token and the sequence lengths are derived on the device (``req_to_token[ro
 ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
 copy (token ids are exact in float64).
 
+A step is launched, then collected (:meth:`GraphRunner.launch`, :meth:`GraphRunner.collect`), so
+the engine can launch decode step n+1 before it waits for step n: a *chained* launch takes its
+token ids from the previous replay's samples on the device (the host never sees them first), and
+the host and result buffers alternate between two pinned sets, so the host fills step n+1's
+inputs while step n's are still being read.
+
 The runner needs a model with ``forward_decode`` / ``forward_first_chunk``
 (:class:`~kvtransfer.models.llama.LlamaModel`) on one CUDA device (TP 1) over pools without
 Mamba state; :func:`build_runner` returns None otherwise and the engine runs every step
@@ -57,6 +63,17 @@ def prefill_buckets(chunk_size: int, max_context_len: int) -> List[int]:
 
 
 @dataclass(frozen=True)
+class Launched:
+    """A replay in flight: its first ``n`` rows' results land in host set ``buf`` once ``done``
+    has fired."""
+
+    key: tuple
+    n: int
+    buf: int
+    done: torch.cuda.Event
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one replay returns, for the first ``n`` (real) rows."""
 
@@ -74,12 +91,15 @@ class GraphRunner:
         self.decode_sizes = capture_sizes(max_batch)
         self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len)
         n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
-        self._host_ints = torch.zeros(5, n, dtype=torch.int64).pin_memory()
-        self._host_temps = torch.zeros(n, dtype=torch.float32).pin_memory()
-        self._host_result = torch.zeros(n, 2, dtype=torch.float64).pin_memory()
+        # two host sets, used by alternate launches (module docstring)
+        self._host_ints = torch.zeros(2, 5, n, dtype=torch.int64).pin_memory()
+        self._host_temps = torch.zeros(2, n, dtype=torch.float32).pin_memory()
+        self._host_result = torch.zeros(2, n, 2, dtype=torch.float64).pin_memory()
+        self._buf = 0
         self._ints = torch.zeros(5, n, dtype=torch.int64, device=self.device)
         self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
+        self._sampled = torch.zeros(n, dtype=torch.int64, device=self.device)  # a chained launch's ids
         self._logits: Dict[tuple, torch.Tensor] = {}
         self._graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -107,6 +127,7 @@ class GraphRunner:
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b])
         self._result[:b, 0] = tokens.to(torch.float64)
         self._result[:b, 1] = logprobs.to(torch.float64)
+        self._sampled[:b] = tokens.to(torch.int64)
         return logits
 
     @torch.inference_mode()
@@ -132,42 +153,57 @@ class GraphRunner:
         return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
-               temperatures: Sequence[float]) -> StepOutput:
-        """One decode step for ``n = len(ids)`` requests: request ``i`` adds token ``ids[i]``
-        at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``)."""
-        n = len(ids)
+               temperatures: Sequence[float], chained: bool = False) -> Launched:
+        """Launch one decode step for ``n = len(positions)`` requests: request ``i`` adds token
+        ``ids[i]`` at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``).
+        ``chained``: the ids are the tokens the previous launch sampled, row for row (``ids``
+        is ignored); that launch was a decode of the same requests in the same order."""
+        n = len(positions)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"a decode step takes 1..{self.max_batch} requests, got {n}")
         size = next(s for s in self.decode_sizes if s >= n)
-        return self._replay(("decode", size), n, {IDS: ids, POSITIONS: positions, ROWS: rows, KEYS: keys},
-                            temperatures)
+        ints = {POSITIONS: positions, ROWS: rows, KEYS: keys}
+        if not chained:
+            ints[IDS] = ids
+        return self.launch(("decode", size), n, ints, temperatures, chained)
 
-    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float) -> StepOutput:
-        """The prefill of one request's whole prompt ``ids`` (its slots already in
-        ``req_to_token[row, :len(ids)]``), and the first token sampled."""
+    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float) -> Launched:
+        """Launch the prefill of one request's whole prompt ``ids`` (its slots already in
+        ``req_to_token[row, :len(ids)]``) and the draw of its first token."""
         n = len(ids)
         if not 1 <= n or not self.takes_first_chunk(n):
             raise ValueError(f"a first chunk takes 1..{self.prefill_sizes[-1] if self.prefill_sizes else 0} "
                              f"tokens, got {n}")
         size = next(s for s in self.prefill_sizes if s >= n)
-        return self._replay(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
-                                                   LAST: [n - 1]}, [temperature])
+        return self.launch(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
+                                                  LAST: [n - 1]}, [temperature])
 
-    def _replay(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float]) -> StepOutput:
-        size = key[1]
-        host, temps = self._host_ints.numpy(), self._host_temps.numpy()
+    def launch(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float], chained: bool = False) -> Launched:
+        """Copy the inputs in, replay ``key``'s graph and start the copy of its results out; no wait."""
+        size, buf = key[1], self._buf
+        self._buf ^= 1
+        host, temps = self._host_ints[buf].numpy(), self._host_temps[buf].numpy()
         host[:, :size] = 0
         for row, values in ints.items():
             host[row, : len(values)] = values
         temps[:size] = 0
         temps[: len(temperatures)] = temperatures
-        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
-        self._temps[:size].copy_(self._host_temps[:size], non_blocking=True)
+        self._ints[:, :size].copy_(self._host_ints[buf, :, :size], non_blocking=True)
+        if chained:
+            self._ints[IDS, :n].copy_(self._sampled[:n])
+        self._temps[:size].copy_(self._host_temps[buf, :size], non_blocking=True)
         self._graphs[key].replay()
-        self._host_result[:n].copy_(self._result[:n], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the step's only wait
-        result = self._host_result[:n].numpy()
-        return StepOutput(result[:, 0].astype(int).tolist(), result[:, 1].tolist(), self._logits[key])
+        self._host_result[buf, :n].copy_(self._result[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return Launched(key, n, buf, done)
+
+    def collect(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step (the step's only wait) and read its sampled rows. The logits
+        in the output are valid until the next launch."""
+        launched.done.synchronize()
+        result = self._host_result[launched.buf, : launched.n].numpy()
+        return StepOutput(result[:, 0].astype(int).tolist(), result[:, 1].tolist(), self._logits[launched.key])
 
 
 def build_runner(model, pools, max_batch: int, chunk_size: int) -> Optional[GraphRunner]:

@@ -79,6 +79,37 @@ def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
         assert torch.nn.functional.cosine_similarity(a[0], b[0], dim=0) > 0.99
 
 
+class _Interleaved:
+    """Steps driven one by one: four requests finishing at different steps, a fifth added while
+    they decode (its prefill takes in the step launched ahead), the third aborted mid-way; then
+    what the pools still hold."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n) for p, n in zip(PROMPTS, (12, 5, 8, 3))]
+        late, steps, free = None, 0, engine.pools.allocator.available_size()
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 3:
+                late = engine.add(PROMPTS[1], 6)
+            if steps == 5:
+                engine.abort(reqs[2])
+        held = free - engine.pools.allocator.available_size()
+        return [r.output_ids for r in reqs + [late]], held
+
+
+@pytest.mark.gpu
+def test_decode_launched_ahead_gives_the_tokens_of_waiting_for_each_step():
+    spec = _random_smollm2()
+    ahead, held = launch.run(spec, 1, engine_config(max_requests=5, device="cuda"), _Interleaved())
+    each, held_each = launch.run(spec, 1, engine_config(max_requests=5, device="cuda", overlap=False),
+                               _Interleaved())
+    # the aborted request may have taken one more token ahead; everything else is the same
+    assert ahead[:2] + ahead[3:] == each[:2] + each[3:]
+    assert ahead[2] == each[2][: len(ahead[2])] or each[2] == ahead[2][: len(each[2])]
+    assert held == held_each == 0
+
+
 class _Seeded:
     """One seeded request alone (a captured first chunk), then the same request among others
     (an eager prefill of five): the same tokens."""
