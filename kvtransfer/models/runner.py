@@ -12,7 +12,7 @@ Two kinds of step are captured at build time:
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
-request rows, sampling keys, the index of the token whose logits are sampled); the KV slot of
+request rows, sampling keys and top-k, the index of the token whose logits are sampled); the KV slot of
 each token and the sequence lengths are derived on the device (``req_to_token[row, position]``,
 ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
 copy (token ids are exact in float64).
@@ -35,7 +35,7 @@ from kvtransfer.models.decode_attention import num_splits
 from kvtransfer.models.sampler import sample
 
 MIN_BUCKET = 16
-IDS, POSITIONS, ROWS, KEYS, LAST = range(5)  # rows of the int64 input buffers
+IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS = range(6)  # rows of the int64 input buffers
 
 
 def capture_sizes(max_batch: int) -> List[int]:
@@ -74,10 +74,10 @@ class GraphRunner:
         self.decode_sizes = capture_sizes(max_batch)
         self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len)
         n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
-        self._host_ints = torch.zeros(5, n, dtype=torch.int64).pin_memory()
+        self._host_ints = torch.zeros(6, n, dtype=torch.int64).pin_memory()
         self._host_temps = torch.zeros(n, dtype=torch.float32).pin_memory()
         self._host_result = torch.zeros(n, 2, dtype=torch.float64).pin_memory()
-        self._ints = torch.zeros(5, n, dtype=torch.int64, device=self.device)
+        self._ints = torch.zeros(6, n, dtype=torch.int64, device=self.device)
         self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
         self._logits: Dict[tuple, torch.Tensor] = {}
@@ -104,7 +104,7 @@ class GraphRunner:
         else:
             logits = self.model.forward_first_chunk(self._inputs(size), self._ints[LAST, :1], self.pools)  # [1, vocab]
             b = 1
-        tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b])
+        tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])
         self._result[:b, 0] = tokens.to(torch.float64)
         self._result[:b, 1] = logprobs.to(torch.float64)
         return logits
@@ -132,17 +132,17 @@ class GraphRunner:
         return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
-               temperatures: Sequence[float]) -> StepOutput:
+               temperatures: Sequence[float], top_ks: Sequence[int]) -> StepOutput:
         """One decode step for ``n = len(ids)`` requests: request ``i`` adds token ``ids[i]``
         at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``)."""
         n = len(ids)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"a decode step takes 1..{self.max_batch} requests, got {n}")
         size = next(s for s in self.decode_sizes if s >= n)
-        return self._replay(("decode", size), n, {IDS: ids, POSITIONS: positions, ROWS: rows, KEYS: keys},
-                            temperatures)
+        return self._replay(("decode", size), n, {IDS: ids, POSITIONS: positions, ROWS: rows, KEYS: keys,
+                                                  TOP_KS: top_ks}, temperatures)
 
-    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float) -> StepOutput:
+    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float, top_k: int) -> StepOutput:
         """The prefill of one request's whole prompt ``ids`` (its slots already in
         ``req_to_token[row, :len(ids)]``), and the first token sampled."""
         n = len(ids)
@@ -151,7 +151,7 @@ class GraphRunner:
                              f"tokens, got {n}")
         size = next(s for s in self.prefill_sizes if s >= n)
         return self._replay(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
-                                                   LAST: [n - 1]}, [temperature])
+                                                   LAST: [n - 1], TOP_KS: [top_k]}, [temperature])
 
     def _replay(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float]) -> StepOutput:
         size = key[1]

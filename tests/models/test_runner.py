@@ -112,7 +112,8 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     logits = logits.cuda()
     zeros = torch.zeros(6, device="cuda")
     keys = torch.arange(6, dtype=torch.int64, device="cuda")
-    tokens, logprobs = sample(logits, zeros, keys)
+    no_limit = torch.zeros(6, dtype=torch.int64, device="cuda")
+    tokens, logprobs = sample(logits, zeros, keys, no_limit)
     assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[2].item() == 7
     ref = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
     assert torch.allclose(logprobs, ref, atol=1e-5)
@@ -120,8 +121,9 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -2.0, 0.2], device="cuda")
     n, temp = 40000, 0.7
     keys = torch.randint(0, 2**62, (n,), generator=gen).cuda()
-    tokens, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys)
+    no_limit = torch.zeros(n, dtype=torch.int64, device="cuda")
+    tokens, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
     freq = torch.bincount(tokens, minlength=8).float() / n
     assert (freq - torch.softmax(row / temp, -1)).abs().max().item() < 0.015
-    again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys)
+    again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
     assert torch.equal(tokens, again)
