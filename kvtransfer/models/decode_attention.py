@@ -44,7 +44,7 @@ SM_TARGET = 264  # programs to aim for per launch (two per SM of an H100/H200)
 MAX_SPLITS = 32
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -136,7 +136,7 @@ def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int = 64) -> in
     the longest sequence has blocks (a power of two, at most ``MAX_SPLITS``)."""
     want = max(1, SM_TARGET // max(1, batch * kv_heads))
     blocks = max(1, -(-max_len // block_n))
-    return min(_next_pow2(want), _next_pow2(blocks), MAX_SPLITS)
+    return min(next_pow2(want), next_pow2(blocks), MAX_SPLITS)
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
@@ -158,13 +158,13 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         return out
     part = torch.empty(b, h, splits, dv, dtype=torch.float32, device=q.device)  # [B, H, SPLITS, DV]
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)  # [B, H, SPLITS]
-    block_d, block_dv = max(16, _next_pow2(d)), max(16, _next_pow2(dv))
+    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     block_n = 64 if max(block_d, block_dv) <= 128 else 32
     _split_kernel[(b, kvh, splits)](
         q, k_buf, v_buf, req_to_token, req_rows, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), float(scale),
-        SPLITS=splits, GROUP=group, BLOCK_G=max(16, _next_pow2(group)), D=d, BLOCK_D=block_d,
+        SPLITS=splits, GROUP=group, BLOCK_G=max(16, next_pow2(group)), D=d, BLOCK_D=block_d,
         DV=dv, BLOCK_DV=block_dv, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )

@@ -30,6 +30,8 @@ Sampling: ``temperature`` 0 is greedy; above 0 the token is drawn from ``softmax
 ``(seed, position)``, so every TP rank (whose logits are the same)
 draws the same token, and a request sampled on one node continues the same way on another.
 
+On CUDA, a prefill step's chunks (several requests', each after its cached prefix) run in one
+forward whose attention reads the pool in place (:mod:`kvtransfer.models.extend_attention`).
 On one CUDA device (TP 1, a Llama model) decode steps and prompts that fit one chunk run as
 CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
 argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random

@@ -79,6 +79,29 @@ def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
         assert torch.nn.functional.cosine_similarity(a[0], b[0], dim=0) > 0.99
 
 
+class _Chunked:
+    """Every prompt at once through chunks of 8 tokens: prefill steps mix a request's later
+    chunks (after a cached prefix) with other requests' first ones, then decode."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n, record_logits=True) for p, n in zip(PROMPTS, NEW)]
+        engine.run()
+        return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_chunked_prefill_on_the_gpu_equals_the_cpu_path(page_size):
+    spec = _random_smollm2()
+    cfg = dict(max_requests=4, chunk_size=8, page_size=page_size)
+    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**cfg), _Chunked())
+    for graphs in (True, False):
+        gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**cfg, device="cuda", cuda_graphs=graphs), _Chunked())
+        assert gpu_ids == cpu_ids
+        for a, b in zip(cpu_logits, gpu_logits):
+            assert (a - b).abs().max().item() < 1e-3
+
+
 class _Seeded:
     """One seeded request alone (a captured first chunk), then the same request among others
     (an eager prefill of five): the same tokens."""
