@@ -61,7 +61,9 @@ class ForwardBatch:
         host[1, :b] = torch.tensor(self.prefix_lens, dtype=torch.int32)
         host[2, 1:] = torch.tensor(self.extend_lens, dtype=torch.int32).cumsum(0)
         dev = host.to(self.input_ids.device)
-        return ExtendIndex(req_rows=dev[0, :b], prefix_lens=dev[1, :b], cu_seqlens=dev[2], max_extend=max(self.extend_lens))
+        return ExtendIndex(req_rows=dev[0, :b], prefix_lens=dev[1, :b], cu_seqlens=dev[2],
+                           max_extend=max(self.extend_lens),
+                           max_len=max(p + n for p, n in zip(self.prefix_lens, self.extend_lens)))
 
     def last_token_index(self) -> torch.Tensor:
         """``[B]`` index of each request's last new token in the flat arrays."""
@@ -78,6 +80,7 @@ class ExtendIndex:
     prefix_lens: torch.Tensor  # [B] int32 tokens already in the pools
     cu_seqlens: torch.Tensor  # [B + 1] int32: request i's new tokens are [cu[i], cu[i + 1])
     max_extend: int  # the longest chunk (sizes the kernel's grid)
+    max_len: int  # the longest prefix + chunk
 
 
 @dataclass(frozen=True)

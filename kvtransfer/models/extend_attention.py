@@ -19,6 +19,8 @@ Layouts (``B`` requests, ``T`` new tokens in all, ``H`` query heads, ``KVH`` KV 
   device; ``max_extend`` (the longest chunk, a host int) sizes the grid.
 - returns ``[T, H, DV]`` in ``q``'s dtype.
 
+MLA's latent rows read as in :mod:`kvtransfer.models.decode_attention` (``rope_dim``).
+
 Program ``(b, m, h)`` takes ``BLOCK_M`` new tokens of request ``b`` for query head ``h``, walks
 positions ``0 .. prefix + (last of its tokens)`` ``BLOCK_N`` at a time with an online softmax in
 fp32, and masks keys past each token's own position. Programs past a short chunk return at once.
@@ -33,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from kvtransfer.models.decode_attention import next_pow2
+from kvtransfer.models.decode_attention import Tiles, check_paged, next_pow2
 from pools._checks import check_tensor
 
 try:  # triton is optional (not installed on every platform)
@@ -51,8 +53,8 @@ if tl is not None:
         Q, K, V, R2T, ROWS, PREFIX, CU, O,
         stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_r2t, stride_ot, stride_oh,
         scale,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DPE: tl.constexpr, BLOCK_DPE: tl.constexpr,
+        DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
         m_block = tl.program_id(1)
@@ -71,6 +73,10 @@ if tl is not None:
             tokens = (start + offs_m).to(tl.int64)
             q = tl.load(Q + tokens[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                         mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
+            if DPE > 0:  # the rope part of each head, columns D .. D + DPE
+                offs_pe = tl.arange(0, BLOCK_DPE)
+                q_pe = tl.load(Q + tokens[:, None] * stride_qt + h * stride_qh + D + offs_pe[None, :],
+                               mask=m_ok[:, None] & (offs_pe[None, :] < DPE), other=0.0)  # [BLOCK_M, BLOCK_DPE]
             q_pos = prefix + offs_m  # [BLOCK_M] positions of the queries
             hi = prefix + tl.minimum((m_block + 1) * BLOCK_M, n)  # keys past the block's last query: none
 
@@ -87,6 +93,13 @@ if tl is not None:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
+                if DPE > 0:
+                    k_pe = tl.load(K + slots[:, None] * stride_kr + kvh * stride_kh + D + offs_pe[None, :],
+                                   mask=n_ok[:, None] & (offs_pe[None, :] < DPE), other=0.0)  # [BLOCK_N, BLOCK_DPE]
+                    if IEEE:
+                        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                    else:
+                        s += tl.dot(q_pe, tl.trans(k_pe))
                 seen = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N] causal
                 s = tl.where(seen, s * scale, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
@@ -107,44 +120,34 @@ if tl is not None:
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens: torch.Tensor, max_extend: int,
-                     scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     scale: float, out: Optional[torch.Tensor] = None, rope_dim: int = 0) -> torch.Tensor:
     """Causal attention of each request's new tokens over its cached prefix and themselves
-    (module docstring for the layouts). ``out`` ``[T, H, DV]`` is written if given."""
+    (module docstring for the layouts; ``rope_dim`` for MLA's latent rows, as in
+    :func:`kvtransfer.models.decode_attention.decode_attention`). ``out`` ``[T, H, DV]`` is
+    written if given."""
     if triton is None:
         raise RuntimeError("paged extend attention needs the triton package, which is not installed")
-    check_tensor("q", q, shape=[None, None, None])
-    t, h, d = q.shape
-    check_tensor("k_buf", k_buf, shape=[None, None, d], dtype=q.dtype, device=q.device)
-    check_tensor("v_buf", v_buf, shape=[k_buf.shape[0], k_buf.shape[1], None], dtype=q.dtype, device=q.device)
-    kvh, dv = k_buf.shape[1], v_buf.shape[2]
-    if h % kvh:
-        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kvh})")
-    check_tensor("req_to_token", req_to_token, shape=[None, None], dtype=torch.int32, device=q.device)
-    check_tensor("req_rows", req_rows, shape=[None], device=q.device)
+    t, h, d = check_paged(q, k_buf, v_buf, req_to_token, req_rows, rope_dim)
     b = req_rows.shape[0]
-    if req_rows.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"req_rows must be int32 or int64, got {req_rows.dtype}")
     check_tensor("prefix_lens", prefix_lens, shape=[b], dtype=torch.int32, device=q.device)
     check_tensor("cu_seqlens", cu_seqlens, shape=[b + 1], dtype=torch.int32, device=q.device)
     if not isinstance(max_extend, int) or isinstance(max_extend, bool) or max_extend < 0:
         raise ValueError(f"max_extend must be an int >= 0, got {max_extend!r}")
-    if q.stride(2) != 1 or k_buf.stride(2) != 1 or v_buf.stride(2) != 1 or req_to_token.stride(1) != 1:
-        raise ValueError("q, k_buf, v_buf and req_to_token must be contiguous in their last dim")
+    kvh, dv = k_buf.shape[1], v_buf.shape[2]
     if out is None:
         out = q.new_empty(t, h, dv)  # [T, H, DV]
     else:
         check_tensor("out", out, shape=[t, h, dv], dtype=q.dtype, device=q.device)
     if b == 0 or t == 0 or max_extend == 0:
         return out
-    block_d, block_dv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    wide = max(block_d, block_dv) > 128
-    block_m, block_n = (32, 32) if wide else (64, 64)
-    block_m = min(block_m, max(16, next_pow2(max_extend)))
+    tiles = Tiles.of(d - rope_dim, rope_dim, dv)
+    block_m = min(tiles.block_n, max(16, next_pow2(max_extend)))
     _extend_kernel[(b, triton.cdiv(max_extend, block_m), h)](
         q, k_buf, v_buf, req_to_token, req_rows, prefix_lens, cu_seqlens, out,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), out.stride(0), out.stride(1), float(scale),
-        GROUP=h // kvh, D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        GROUP=h // kvh, D=d - rope_dim, BLOCK_D=tiles.block_d, DPE=rope_dim, BLOCK_DPE=tiles.block_dpe, DV=dv,
+        BLOCK_DV=tiles.block_dv, BLOCK_M=block_m, BLOCK_N=tiles.block_n, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
     )
     return out

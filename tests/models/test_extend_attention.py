@@ -100,6 +100,7 @@ def _args(**bad):
     (dict(prefix_lens=torch.zeros(2, dtype=torch.int64)), "prefix_lens must have dtype torch.int32"),
     (dict(req_rows=torch.ones(2)), "req_rows must be int32 or int64"),
     (dict(max_extend=-1), "max_extend must be an int >= 0"),
+    (dict(rope_dim=16), r"rope_dim must be an int in \[0, 16\)"),
     (dict(v_buf=torch.zeros(8, 2, 16, dtype=torch.float64)), "v_buf must have dtype torch.float32"),
 ])
 def test_bad_arguments_are_refused(bad, match):
