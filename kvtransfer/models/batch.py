@@ -95,3 +95,4 @@ class DecodeInputs:
     req_rows: torch.Tensor  # [B] int64 rows of req_to_token
     seq_lens: torch.Tensor  # [B] int32 = positions + 1
     splits: int = 1
+    mamba_slots: Optional[torch.Tensor] = None  # [B] int64 Mamba pool slots (hybrid models; padding: 0)

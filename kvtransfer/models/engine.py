@@ -32,8 +32,8 @@ draws the same token, and a request sampled on one node continues the same way o
 
 On CUDA, a prefill step's chunks (several requests', each after its cached prefix) run in one
 forward whose attention reads the pool in place (:mod:`kvtransfer.models.extend_attention`).
-On one CUDA device (TP 1, a Llama model) decode steps and prompts that fit one chunk run as
-CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
+On one CUDA device (TP 1, a Llama or hybrid model) decode steps (and, for Llama, prompts that
+fit one chunk) run as CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
 argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
 numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
 GPU node.
@@ -419,8 +419,9 @@ class Engine:
             self._grow(req, pos + 1)
         last = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
         keys = [r.sampling.key(p + 1) for r, p in zip(reqs, positions)]
+        mamba = [int(r.mamba_pool_idx) for r in reqs] if self.pools.mamba_pool is not None else ()
         out = self.graphs.decode(last, positions, [r.req_pool_idx for r in reqs], keys,
-                                 [float(r.sampling.temperature) for r in reqs], [r.sampling.top_k for r in reqs])
+                                 [float(r.sampling.temperature) for r in reqs], [r.sampling.top_k for r in reqs], mamba)
         return self._take_sampled(reqs, out)
 
     def _forward_first_chunk(self, req: Request) -> List[Request]:

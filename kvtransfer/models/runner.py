@@ -17,10 +17,11 @@ each token and the sequence lengths are derived on the device (``req_to_token[ro
 ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
 copy (token ids are exact in float64).
 
-The runner needs a model with ``forward_decode`` / ``forward_first_chunk``
-(:class:`~kvtransfer.models.llama.LlamaModel`) on one CUDA device (TP 1) over pools without
-Mamba state; :func:`build_runner` returns None otherwise and the engine runs every step
-through the model's general forward.
+The runner needs a model with ``forward_decode`` on one CUDA device (TP 1); first chunks are
+captured for models with ``forward_first_chunk`` too (:class:`~kvtransfer.models.llama.LlamaModel`).
+A hybrid model's decode graph steps the Mamba states of the requests' slots (padding rows use
+the Mamba pool's padding slot 0). :func:`build_runner` returns None otherwise and the engine
+runs every step through the model's general forward.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kvtransfer.models.decode_attention import num_splits
 from kvtransfer.models.sampler import sample
 
 MIN_BUCKET = 16
-IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS = range(6)  # rows of the int64 input buffers
+IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS, MAMBA = range(7)  # rows of the int64 input buffers
 
 
 def capture_sizes(max_batch: int) -> List[int]:
@@ -72,12 +73,13 @@ class GraphRunner:
         self.model, self.pools = model, pools
         self.device = model.device
         self.decode_sizes = capture_sizes(max_batch)
-        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len)
+        first_chunks = hasattr(model, "forward_first_chunk")
+        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len) if first_chunks else []
         n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
-        self._host_ints = torch.zeros(6, n, dtype=torch.int64).pin_memory()
+        self._host_ints = torch.zeros(7, n, dtype=torch.int64).pin_memory()
         self._host_temps = torch.zeros(n, dtype=torch.float32).pin_memory()
         self._host_result = torch.zeros(n, 2, dtype=torch.float64).pin_memory()
-        self._ints = torch.zeros(6, n, dtype=torch.int64, device=self.device)
+        self._ints = torch.zeros(7, n, dtype=torch.int64, device=self.device)
         self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
         self._logits: Dict[tuple, torch.Tensor] = {}
@@ -94,7 +96,8 @@ class GraphRunner:
         r2t = self.pools.req_to_token.req_to_token
         return DecodeInputs(input_ids=ids, positions=positions, out_cache_loc=r2t[rows, positions].to(torch.int64),
                             req_rows=rows, seq_lens=(positions + 1).to(torch.int32),
-                            splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len))
+                            splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len),
+                            mamba_slots=self._ints[MAMBA, :size])
 
     def _body(self, key: tuple) -> torch.Tensor:
         kind, size = key
@@ -132,15 +135,16 @@ class GraphRunner:
         return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
-               temperatures: Sequence[float], top_ks: Sequence[int]) -> StepOutput:
+               temperatures: Sequence[float], top_ks: Sequence[int], mamba_slots: Sequence[int] = ()) -> StepOutput:
         """One decode step for ``n = len(ids)`` requests: request ``i`` adds token ``ids[i]``
-        at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``)."""
+        at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``;
+        its Mamba state, for a hybrid model, in slot ``mamba_slots[i]``)."""
         n = len(ids)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"a decode step takes 1..{self.max_batch} requests, got {n}")
         size = next(s for s in self.decode_sizes if s >= n)
         return self._replay(("decode", size), n, {IDS: ids, POSITIONS: positions, ROWS: rows, KEYS: keys,
-                                                  TOP_KS: top_ks}, temperatures)
+                                                  TOP_KS: top_ks, MAMBA: mamba_slots}, temperatures)
 
     def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float, top_k: int) -> StepOutput:
         """The prefill of one request's whole prompt ``ids`` (its slots already in
@@ -172,7 +176,6 @@ class GraphRunner:
 
 def build_runner(model, pools, max_batch: int, chunk_size: int) -> Optional[GraphRunner]:
     """A runner when the model and device support one (module docstring), else None."""
-    if (model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1
-            or getattr(pools, "mamba_pool", None) is not None):
+    if model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1:
         return None
     return GraphRunner(model, pools, max_batch, chunk_size)
