@@ -12,9 +12,9 @@ Two kinds of step are captured at build time:
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
-request rows, sampling keys and top-k, the index of the token whose logits are sampled); the KV slot of
-each token and the sequence lengths are derived on the device (``req_to_token[row, position]``,
-``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
+request rows, Mamba slots, sampling keys and top-k, the index of the token whose logits are
+sampled); the KV slot of each token and the sequence lengths are derived on the device
+(``req_to_token[row, position]``, ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
 copy (token ids are exact in float64).
 
 The runner needs a model with ``forward_decode`` on one CUDA device (TP 1); first chunks are
