@@ -2,8 +2,10 @@
 ``req_to_token`` row, so prefill chunks and decode steps read exactly what earlier steps (or a
 prefill node, over the transport) wrote into the pool.
 
-Three paths: :func:`gqa_attention` (any batch of chunks; per request, its K/V gathered from the
-pool), :func:`gqa_decode_attention` (one token per request; the Triton kernel of
+Three paths: :func:`gqa_attention` (any batch of chunks, each after a cached prefix: on CUDA the
+Triton kernel of :mod:`kvtransfer.models.extend_attention` reads the pool in place for all of
+them in one launch; on the CPU, per request, its K/V gathered from the pool),
+:func:`gqa_decode_attention` (one token per request; the Triton kernel of
 :mod:`kvtransfer.models.decode_attention` reads the pool in place) and
 :func:`gqa_prefill_attention` (one request's first chunk, causal over its own K/V). The last two
 take every index on the device, for the CUDA graphs of :mod:`kvtransfer.models.runner`.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.decode_attention import decode_attention
+from kvtransfer.models.extend_attention import extend_attention
 from kvtransfer.models.fused import decode_linear, rope_into_pool
 from kvtransfer.models.layers import Rotary
 from kvtransfer.models.parallel import TPGroup
@@ -98,11 +101,15 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
     v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
     kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
+    if q.is_cuda:
+        ix = batch.extend_index
+        o = extend_attention(q, k_buf, v_buf, req_to_token, ix.req_rows, ix.prefix_lens, ix.cu_seqlens, ix.max_extend,
+                             d ** -0.5)  # [T, heads, head_dim]
+    else:
+        def gather(slots):
+            return k_buf[slots], v_buf[slots]
 
-    def gather(slots):
-        return k_buf[slots], v_buf[slots]
-
-    o = paged_attention(q, gather, req_to_token, batch, d ** -0.5, d)  # [T, heads, head_dim]
+        o = paged_attention(q, gather, req_to_token, batch, d ** -0.5, d)  # [T, heads, head_dim]
     return tp.all_reduce(F.linear(o.reshape(t, heads * d), o_w))
 
 

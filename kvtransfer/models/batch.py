@@ -8,6 +8,7 @@ new tokens of all requests are concatenated in batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Tuple
 
 import torch
@@ -50,10 +51,36 @@ class ForwardBatch:
             yield i, start, start + n
             start += n
 
+    @cached_property
+    def extend_index(self) -> "ExtendIndex":
+        """The per-request indices on the batch's device, for the extend-attention kernel
+        (built on first use, by one copy, and kept for every layer of the forward)."""
+        b = self.batch_size
+        host = torch.zeros(3, b + 1, dtype=torch.int32)  # rows: req rows, prefix lens, cu_seqlens
+        host[0, :b] = torch.tensor(self.req_pool_indices, dtype=torch.int32)
+        host[1, :b] = torch.tensor(self.prefix_lens, dtype=torch.int32)
+        host[2, 1:] = torch.tensor(self.extend_lens, dtype=torch.int32).cumsum(0)
+        dev = host.to(self.input_ids.device)
+        return ExtendIndex(req_rows=dev[0, :b], prefix_lens=dev[1, :b], cu_seqlens=dev[2],
+                           max_extend=max(self.extend_lens),
+                           max_len=max(p + n for p, n in zip(self.prefix_lens, self.extend_lens)))
+
     def last_token_index(self) -> torch.Tensor:
         """``[B]`` index of each request's last new token in the flat arrays."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+
+@dataclass(frozen=True)
+class ExtendIndex:
+    """A :class:`ForwardBatch`'s request indices on the device
+    (:func:`kvtransfer.models.extend_attention.extend_attention` reads them)."""
+
+    req_rows: torch.Tensor  # [B] int32 rows of req_to_token
+    prefix_lens: torch.Tensor  # [B] int32 tokens already in the pools
+    cu_seqlens: torch.Tensor  # [B + 1] int32: request i's new tokens are [cu[i], cu[i + 1])
+    max_extend: int  # the longest chunk (sizes the kernel's grid)
+    max_len: int  # the longest prefix + chunk
 
 
 @dataclass(frozen=True)
@@ -68,3 +95,4 @@ class DecodeInputs:
     req_rows: torch.Tensor  # [B] int64 rows of req_to_token
     seq_lens: torch.Tensor  # [B] int32 = positions + 1
     splits: int = 1
+    mamba_slots: Optional[torch.Tensor] = None  # [B] int64 Mamba pool slots (hybrid models; padding: 0)

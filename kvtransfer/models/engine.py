@@ -26,11 +26,14 @@ node computes, and :meth:`Engine.start_decode` s it once the KV has landed, from
 token prefill sampled. :meth:`Engine.abort` ends a request wherever it is.
 
 Sampling: ``temperature`` 0 is greedy; above 0 the token is drawn from ``softmax(logits / T)``
-with a generator seeded by ``(seed, position)``, so every TP rank (whose logits are the same)
+(over the ``top_k`` largest logits only, when ``top_k`` is set) with a generator seeded by
+``(seed, position)``, so every TP rank (whose logits are the same)
 draws the same token, and a request sampled on one node continues the same way on another.
 
-On one CUDA device (TP 1, a Llama model) decode steps and prompts that fit one chunk run as
-CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
+On CUDA, a prefill step's chunks (several requests', each after its cached prefix) run in one
+forward whose attention reads the pool in place (:mod:`kvtransfer.models.extend_attention`).
+On one CUDA device (TP 1, a Llama or hybrid model) decode steps (and, for Llama, prompts that
+fit one chunk) run as CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
 argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
 numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
 GPU node.
@@ -59,6 +62,7 @@ import torch
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
 from kvtransfer.models.runner import Launched, StepOutput, build_runner
+from kvtransfer.models.sampler import MAX_TOP_K, top_k_thresholds
 from kvtransfer.models.sampler import draw as gpu_draw
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pools.kv_cache import synchronize
@@ -120,6 +124,7 @@ class Sampling:
 
     temperature: float = 0.0
     seed: int = 0
+    top_k: int = 0  # draw among the top_k most likely tokens only; 0: all of them
 
     def __post_init__(self):
         t = self.temperature
@@ -127,6 +132,9 @@ class Sampling:
             raise ValueError(f"temperature must be a number in [0, 100], got {t!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        k = self.top_k
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an int in [0, {MAX_TOP_K}] (0: no limit), got {k!r}")
 
     def key(self, position: int) -> int:
         """The key the token at ``position`` is drawn with (seeds the generator here; keys the
@@ -140,7 +148,9 @@ class Sampling:
             token = int(torch.argmax(logits))
         else:
             gen = torch.Generator().manual_seed(self.key(position))
-            probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+            x = logits.float().cpu()[None]  # [1, vocab]
+            kept = x >= top_k_thresholds(x, torch.tensor([self.top_k]))[:, None]  # [1, vocab]
+            probs = torch.softmax(x.masked_fill(~kept, float("-inf"))[0] / self.temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=gen))
         return token, float(logp[token])
 
@@ -454,8 +464,10 @@ class Engine:
             self._grow(req, pos + 1)
         last = [] if ahead else [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
         keys = [r.sampling.key(p + 1) for r, p in zip(reqs, positions)]
+        mamba = [int(r.mamba_pool_idx) for r in reqs] if self.pools.mamba_pool is not None else ()
         return self.graphs.decode(last, positions, [r.req_pool_idx for r in reqs], keys,
-                                  [float(r.sampling.temperature) for r in reqs], chained=bool(ahead))
+                                  [float(r.sampling.temperature) for r in reqs], [r.sampling.top_k for r in reqs],
+                                  mamba, chained=bool(ahead))
 
     def _forward_decode(self, reqs: List[Request]) -> List[Request]:
         """One token for each of ``reqs`` through a captured decode step (sampled on the GPU)."""
@@ -493,7 +505,7 @@ class Engine:
         n = len(req.prompt_ids)
         self._grow(req, n)
         launched = self.graphs.first_chunk(req.prompt_ids, req.req_pool_idx, req.sampling.key(n),
-                                           float(req.sampling.temperature))
+                                           float(req.sampling.temperature), req.sampling.top_k)
         return self._take_sampled([req], self.graphs.collect(launched))
 
     def _take_sampled(self, reqs: List[Request], out: StepOutput, release: bool = True) -> List[Request]:
@@ -516,7 +528,7 @@ class Engine:
         (captured or not) its prefill and decode ran in."""
         position = len(req.all_ids)
         if self.graphs is not None:
-            token, logprob = gpu_draw(row, req.sampling.temperature, req.sampling.key(position))
+            token, logprob = gpu_draw(row, req.sampling.temperature, req.sampling.key(position), req.sampling.top_k)
         else:
             token, logprob = req.sampling.draw(row, position)
         if req.record_logits:

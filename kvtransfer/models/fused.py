@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from kvtransfer.models.decode_attention import next_pow2
 from pools._checks import check_tensor
 
 try:  # triton is optional (not installed on every platform)
@@ -33,10 +34,6 @@ try:  # triton is optional (not installed on every platform)
 except ImportError:  # pragma: no cover - depends on the platform
     triton = None
     tl = None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if tl is not None:
@@ -135,7 +132,7 @@ def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.T
     x = torch.empty_like(h)
     if t:
         _add_rms_norm_kernel[(t,)](h, h if delta is None else delta.contiguous(), weight, h_out, x, n, float(eps),
-                                   HAS_DELTA=delta is not None, BLOCK=_next_pow2(n), num_warps=4)
+                                   HAS_DELTA=delta is not None, BLOCK=next_pow2(n), num_warps=4)
     return h_out, x
 
 

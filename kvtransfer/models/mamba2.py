@@ -19,7 +19,8 @@ heads ``r*heads/tp ..`` of x and groups ``r*G/tp ..`` of B and C), as the conv s
 order shows; the out projection is row-parallel. ``G`` must divide by TP (no group replication).
 
 The scan is sequential over a request's new tokens: prefill chunks and decode steps both start
-from the pool's state and leave the updated state in it.
+from the pool's state and leave the updated state in it. :meth:`Mamba2Mixer.forward_decode`
+steps a whole decode batch at once with every index on the device (for CUDA graphs).
 """
 
 from __future__ import annotations
@@ -112,7 +113,37 @@ class Mamba2Mixer:
             dt = F.softplus(dt_raw[start:stop].float() + self.dt_bias)  # [n, heads]
             ys = self._scan(xs.view(n, self.heads, hd), bs, cs, dt, state.temporal[slot])
             y[start:stop] = ys.reshape(n, self.inner).to(y.dtype)
+        return self._out(y, z, x.dtype)
+
+    def forward_decode(self, x: torch.Tensor, slots: torch.Tensor, state) -> torch.Tensor:
+        """:meth:`forward` for one new token per request, batched and with no host
+        synchronisation (the step a CUDA graph captures): ``x`` ``[B, hidden]`` (normed),
+        ``slots`` ``[B]`` int64 Mamba slots on the device (padding rows use padding slot 0).
+        The states are gathered by slot, stepped once, and written back with ``index_copy_``."""
+        cfg, b = self.cfg, x.shape[0]
+        hd, n_state = cfg.mamba_head_dim, cfg.state_size
+        proj = F.linear(x, self.in_proj)  # [B, 2 * inner + 2 * gn + heads] (this rank's)
+        z, xbc, dt_raw = proj.split([self.inner, self.inner + 2 * self.gn, self.heads], dim=-1)
+        conv = state.conv[0]  # [slots, conv_dim, K - 1]
+        seq = torch.cat((conv[slots].to(xbc.dtype), xbc[:, :, None]), dim=2)  # [B, conv_dim, K]
+        act = F.silu((seq * self.conv_w).sum(-1) + self.conv_b)  # [B, conv_dim]
+        conv.index_copy_(0, slots, seq[:, :, 1:].to(conv.dtype))
+        xs, bs, cs = act.float().split([self.inner, self.gn, self.gn], dim=-1)
+        per_group = self.heads // self.groups
+        bs = bs.view(b, self.groups, n_state).repeat_interleave(per_group, dim=1)  # [B, heads, N]
+        cs = cs.view(b, self.groups, n_state).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt_raw.float() + self.dt_bias)  # [B, heads]
+        xs = xs.view(b, self.heads, hd)  # [B, heads, head_dim]
+        decay = torch.exp(dt * self.A)[:, :, None, None]  # [B, heads, 1, 1]
+        h = state.temporal[slots] * decay + (dt[:, :, None, None] * xs[:, :, :, None]) * bs[:, :, None, :]
+        state.temporal.index_copy_(0, slots, h)  # h: [B, heads, head_dim, N]
+        y = (h * cs[:, :, None, :]).sum(-1) + self.D[None, :, None] * xs  # [B, heads, head_dim]
+        return self._out(y.reshape(b, self.inner).to(z.dtype), z, x.dtype)
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
+        """Gated group RMSNorm of the scan's output ``y`` ``[T, inner]`` and the out projection
+        (all-reduced ``[T, hidden]``)."""
         gated = (y * F.silu(z)).view(-1, self.groups, self.inner // self.groups).float()  # [T, groups, I / G]
-        gated = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
-        out = self.gnorm * gated.view(-1, self.inner).to(x.dtype)  # [T, inner]
+        gated = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
+        out = self.gnorm * gated.view(-1, self.inner).to(dtype)  # [T, inner]
         return self.tp.all_reduce(F.linear(out, self.out_proj))

@@ -12,9 +12,9 @@ Two kinds of step are captured at build time:
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
-request rows, sampling keys, the index of the token whose logits are sampled); the KV slot of
-each token and the sequence lengths are derived on the device (``req_to_token[row, position]``,
-``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
+request rows, Mamba slots, sampling keys and top-k, the index of the token whose logits are
+sampled); the KV slot of each token and the sequence lengths are derived on the device
+(``req_to_token[row, position]``, ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
 copy (token ids are exact in float64).
 
 A step is launched, then collected (:meth:`GraphRunner.launch`, :meth:`GraphRunner.collect`), so
@@ -23,10 +23,12 @@ token ids from the previous replay's samples on the device (the host never sees 
 the host and result buffers alternate between two pinned sets, so the host fills step n+1's
 inputs while step n's are still being read.
 
-The runner needs a model with ``forward_decode`` / ``forward_first_chunk``
-(:class:`~kvtransfer.models.llama.LlamaModel`) on one CUDA device (TP 1) over pools without
-Mamba state; :func:`build_runner` returns None otherwise and the engine runs every step
-through the model's general forward.
+
+The runner needs a model with ``forward_decode`` on one CUDA device (TP 1); first chunks are
+captured for models with ``forward_first_chunk`` too (:class:`~kvtransfer.models.llama.LlamaModel`).
+A hybrid model's decode graph steps the Mamba states of the requests' slots (padding rows use
+the Mamba pool's padding slot 0). :func:`build_runner` returns None otherwise and the engine
+runs every step through the model's general forward.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from kvtransfer.models.decode_attention import num_splits
 from kvtransfer.models.sampler import sample
 
 MIN_BUCKET = 16
-IDS, POSITIONS, ROWS, KEYS, LAST = range(5)  # rows of the int64 input buffers
+IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS, MAMBA = range(7)  # rows of the int64 input buffers
 
 
 def capture_sizes(max_batch: int) -> List[int]:
@@ -89,14 +91,15 @@ class GraphRunner:
         self.model, self.pools = model, pools
         self.device = model.device
         self.decode_sizes = capture_sizes(max_batch)
-        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len)
+        first_chunks = hasattr(model, "forward_first_chunk")
+        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len) if first_chunks else []
         n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
         # two host sets, used by alternate launches (module docstring)
-        self._host_ints = torch.zeros(2, 5, n, dtype=torch.int64).pin_memory()
+        self._host_ints = torch.zeros(2, 7, n, dtype=torch.int64).pin_memory()
         self._host_temps = torch.zeros(2, n, dtype=torch.float32).pin_memory()
         self._host_result = torch.zeros(2, n, 2, dtype=torch.float64).pin_memory()
         self._buf = 0
-        self._ints = torch.zeros(5, n, dtype=torch.int64, device=self.device)
+        self._ints = torch.zeros(7, n, dtype=torch.int64, device=self.device)
         self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
         self._sampled = torch.zeros(n, dtype=torch.int64, device=self.device)  # a chained launch's ids
@@ -114,7 +117,8 @@ class GraphRunner:
         r2t = self.pools.req_to_token.req_to_token
         return DecodeInputs(input_ids=ids, positions=positions, out_cache_loc=r2t[rows, positions].to(torch.int64),
                             req_rows=rows, seq_lens=(positions + 1).to(torch.int32),
-                            splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len))
+                            splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len),
+                            mamba_slots=self._ints[MAMBA, :size])
 
     def _body(self, key: tuple) -> torch.Tensor:
         kind, size = key
@@ -124,7 +128,7 @@ class GraphRunner:
         else:
             logits = self.model.forward_first_chunk(self._inputs(size), self._ints[LAST, :1], self.pools)  # [1, vocab]
             b = 1
-        tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b])
+        tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])
         self._result[:b, 0] = tokens.to(torch.float64)
         self._result[:b, 1] = logprobs.to(torch.float64)
         self._sampled[:b] = tokens.to(torch.int64)
@@ -153,21 +157,23 @@ class GraphRunner:
         return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
-               temperatures: Sequence[float], chained: bool = False) -> Launched:
+               temperatures: Sequence[float], top_ks: Sequence[int], mamba_slots: Sequence[int] = (),
+               chained: bool = False) -> Launched:
         """Launch one decode step for ``n = len(positions)`` requests: request ``i`` adds token
-        ``ids[i]`` at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``).
-        ``chained``: the ids are the tokens the previous launch sampled, row for row (``ids``
-        is ignored); that launch was a decode of the same requests in the same order."""
+        ``ids[i]`` at ``positions[i]`` (its slot already in ``req_to_token[rows[i], positions[i]]``;
+        its Mamba state, for a hybrid model, in slot ``mamba_slots[i]``). ``chained``: the ids are
+        the tokens the previous launch sampled, row for row (``ids`` is ignored); that launch was
+        a decode of the same requests in the same order."""
         n = len(positions)
         if not 1 <= n <= self.max_batch:
             raise ValueError(f"a decode step takes 1..{self.max_batch} requests, got {n}")
         size = next(s for s in self.decode_sizes if s >= n)
-        ints = {POSITIONS: positions, ROWS: rows, KEYS: keys}
+        ints = {POSITIONS: positions, ROWS: rows, KEYS: keys, TOP_KS: top_ks, MAMBA: mamba_slots}
         if not chained:
             ints[IDS] = ids
         return self.launch(("decode", size), n, ints, temperatures, chained)
 
-    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float) -> Launched:
+    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float, top_k: int) -> Launched:
         """Launch the prefill of one request's whole prompt ``ids`` (its slots already in
         ``req_to_token[row, :len(ids)]``) and the draw of its first token."""
         n = len(ids)
@@ -176,7 +182,7 @@ class GraphRunner:
                              f"tokens, got {n}")
         size = next(s for s in self.prefill_sizes if s >= n)
         return self.launch(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
-                                                  LAST: [n - 1]}, [temperature])
+                                                  LAST: [n - 1], TOP_KS: [top_k]}, [temperature])
 
     def launch(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float], chained: bool = False) -> Launched:
         """Copy the inputs in, replay ``key``'s graph and start the copy of its results out; no wait."""
@@ -208,7 +214,6 @@ class GraphRunner:
 
 def build_runner(model, pools, max_batch: int, chunk_size: int) -> Optional[GraphRunner]:
     """A runner when the model and device support one (module docstring), else None."""
-    if (model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1
-            or getattr(pools, "mamba_pool", None) is not None):
+    if model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1:
         return None
     return GraphRunner(model, pools, max_batch, chunk_size)

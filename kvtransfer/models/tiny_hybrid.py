@@ -12,12 +12,12 @@ from typing import Dict
 
 import torch
 
-from kvtransfer.models.attention import gqa_attention
+from kvtransfer.models.attention import gqa_attention, gqa_decode_attention
 from kvtransfer.models.base import Decoder, layer_weights
-from kvtransfer.models.batch import ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ForwardBatch
 from kvtransfer.models.config import EngineConfig, HybridConfig, LayerKind
 from kvtransfer.models.engine import Pools
-from kvtransfer.models.layers import Rotary, rms_norm
+from kvtransfer.models.layers import Rotary, lm_head, rms_norm
 from kvtransfer.models.mamba2 import Mamba2Mixer, add_seeded_mixer
 from kvtransfer.models.parallel import TPGroup
 from kvtransfer.models.seeded import WeightMaker
@@ -106,3 +106,21 @@ class TinyHybridModel(Decoder):
                                       self.kv_heads, cfg.head_dim, self.tp)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)
+
+    @torch.inference_mode()
+    def forward_decode(self, inputs: DecodeInputs, pools: Pools) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of one new token per request with no host synchronisation (the
+        decode step a CUDA graph captures): the Mamba layers step their states by
+        ``inputs.mamba_slots``, the attention layers read the pool in place."""
+        cfg = self.config
+        h = self.embed[inputs.input_ids]  # [B, hidden]
+        r2t = pools.req_to_token.req_to_token
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w["attn_norm"], cfg.rms_eps)
+            if "mamba" in w:
+                h = h + w["mamba"].forward_decode(x, inputs.mamba_slots, pools.req_to_token.mamba2_layer_cache(i))
+            else:
+                h = h + gqa_decode_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, inputs, self.rotary, self.heads,
+                                             self.kv_heads, cfg.head_dim, self.tp)
+            h = self.mlp(h, w)
+        return lm_head(rms_norm(h, self.norm, cfg.rms_eps), self.lm_head, self.tp)

@@ -9,6 +9,9 @@ cached token with ``kv_b`` into per-head ``k_nope`` and ``v``:
     [k_nope | v] = W_kv_b c        -> [heads, nope | v_head_dim]
     score = q_nope . k_nope + q_pe . k_pe,  scale (nope + rope)^-1/2
 
+On CUDA the attention runs in the absorbed-weight form over the pool's rows in place
+(:mod:`kvtransfer.models.mla_attention`); the CPU path decompresses as above.
+
 Tensor parallel: query heads (``W_q`` rows, ``W_kv_b`` rows, ``W_o`` columns) are split; ``W_kv_a``
 and the latent are replicated, so every rank's pool holds the same full rows (what a decode
 rank of any TP size needs).
@@ -31,6 +34,7 @@ from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig, MLAConfig
 from kvtransfer.models.engine import Pools
 from kvtransfer.models.layers import Rotary, rms_norm
+from kvtransfer.models.mla_attention import mla_attention
 from kvtransfer.models.parallel import TPGroup, shard
 from kvtransfer.models.seeded import WeightMaker
 from pools import MLATokenToKVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
@@ -90,6 +94,12 @@ class TinyMLAModel(Decoder):
         k_pe = self.rotary.apply(kv_a[:, rank:].reshape(t, 1, rope), batch.positions)  # [T, 1, rope]
         pools.kv.set_mla_kv_buffer(layer_id, batch.out_cache_loc, latent, k_pe)
         rows = pools.kv.get_key_buffer(layer_id)  # [rows, 1, rank + rope]
+        r2t, scale = pools.req_to_token.req_to_token, (nope + rope) ** -0.5
+        if x.is_cuda:  # absorbed weights, the rows read in place
+            kv_b = w["kv_b"].view(n, nope + vd, rank)  # [heads, nope + v, rank]
+            o = mla_attention(q[..., :nope], q[..., nope:], kv_b[:, :nope], kv_b[:, nope:], rows, r2t,
+                              batch.extend_index, scale)  # [T, heads, v]
+            return self.tp.all_reduce(F.linear(o.reshape(t, n * vd), w["o"]))
 
         def gather(slots):
             cached = rows[slots][:, 0].to(x.dtype)  # [S, rank + rope]
@@ -98,7 +108,7 @@ class TinyMLAModel(Decoder):
             k = torch.cat((kv[..., :nope], cached[:, None, rank:].expand(s, n, rope)), dim=-1)  # [S, heads, nope + rope]
             return k, kv[..., nope:]
 
-        o = paged_attention(q, gather, pools.req_to_token.req_to_token, batch, (nope + rope) ** -0.5, vd)
+        o = paged_attention(q, gather, r2t, batch, scale, vd)
         return self.tp.all_reduce(F.linear(o.reshape(t, n * vd), w["o"]))
 
     @torch.inference_mode()

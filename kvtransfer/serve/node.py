@@ -396,7 +396,7 @@ def build_app(node: Node):
             node.metrics.requests.labels("client_error").inc()
             raise
         seed = req.seed if req.seed is not None else random.getrandbits(63)
-        sampling = Sampling(req.temperature, seed)
+        sampling = Sampling(req.temperature, seed, max(req.top_k, 0))
         rid = pairing.rid if pairing else uuid.uuid4().hex
         stop_ids = frozenset() if req.ignore_eos else node.tokenizer.stop_ids
         if role == "prefill":

@@ -2,9 +2,9 @@
 
 ``POST /v1/completions`` (``prompt``) and ``POST /v1/chat/completions`` (``messages``) with
 ``max_tokens`` (or ``max_completion_tokens``; left out: what the context and the pool leave after
-the prompt, as vLLM does), ``temperature`` (0 = greedy), ``seed``, ``stop`` and ``stream``
-(server-sent events ending in ``data: [DONE]``; ``stream_options.include_usage`` adds one last
-chunk with ``choices: []`` and ``usage``).
+the prompt, as vLLM does), ``temperature`` (0 = greedy), ``seed``, ``top_k`` (vLLM's extension;
+0 or -1: no limit), ``stop`` and ``stream`` (server-sent events ending in ``data: [DONE]``;
+``stream_options.include_usage`` adds one last chunk with ``choices: []`` and ``usage``).
 
 What OpenAI clients send is taken as they mean it: ``null`` for an optional field is the field
 left out; chat content is a string or a list of text parts; the roles are ``system``,
@@ -156,6 +156,7 @@ class _Common(BaseModel):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    top_k: int = Field(default=0, ge=-1, le=1024)  # vLLM's extension; -1 or 0: no limit (models.sampler.MAX_TOP_K)
     stop: List[str] = Field(default_factory=list)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import pathlib
 import subprocess
@@ -125,3 +126,23 @@ def run_interpreted(module: str, function: str) -> list:
     if proc.returncode != 0:
         raise AssertionError(f"{module}.{function} under the interpreter failed:\n{proc.stderr[-3000:]}")
     return [line.split() for line in proc.stdout.splitlines() if line.strip()]
+
+
+def paged_pool(page_size, kv_heads, d, dv, lengths, dtype, device, gen):
+    """``(k_buf, v_buf, req_to_token, req_rows)``: random K/V pools and a table whose rows (not
+    the batch index) hold ``lengths`` tokens each on shuffled pages (so slots are not contiguous)."""
+    pages_per = [math.ceil(n / page_size) for n in lengths]
+    num_pages = sum(pages_per) + 3  # page 0 and some spare
+    rows = num_pages * page_size
+    k_buf = torch.randn(rows, kv_heads, d, generator=gen).to(dtype)
+    v_buf = torch.randn(rows, kv_heads, dv, generator=gen).to(dtype)
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    max_ctx = max(pages_per) * page_size + 8
+    r2t = torch.zeros(len(lengths) + 3, max_ctx, dtype=torch.int32)
+    req_rows = torch.randperm(len(lengths) + 2, generator=gen)[: len(lengths)] + 1
+    for row, n_pages in zip(req_rows.tolist(), pages_per):
+        pages = [order.pop() for _ in range(n_pages)]
+        slots = torch.tensor([p * page_size + i for p in pages for i in range(page_size)], dtype=torch.int32)
+        r2t[row, : slots.numel()] = slots
+    to = dict(device=device)
+    return k_buf.to(**to), v_buf.to(**to), r2t.to(**to), req_rows.to(**to)

@@ -5,13 +5,11 @@ Requests take pages from a shuffled pool (so slots are not contiguous), with pag
 and 64, GQA groups of 1, 3 and 4, several lengths per batch (1, a page boundary, long ones),
 and a request row that is not the batch index."""
 
-import math
-
 import pytest
 import torch
 
 from kvtransfer.models import decode_attention as da
-from tests.models._support import run_interpreted
+from tests.models._support import paged_pool, run_interpreted
 
 CASES = [  # page_size, heads, kv_heads, head_dim, v_head_dim, lengths
     (1, 4, 4, 16, 16, (1, 7, 33)),
@@ -19,25 +17,6 @@ CASES = [  # page_size, heads, kv_heads, head_dim, v_head_dim, lengths
     (64, 8, 2, 32, 32, (64, 65, 5, 200)),
     (16, 4, 1, 32, 16, (40, 3)),
 ]
-
-
-def _paged(page_size, kv_heads, d, dv, lengths, dtype, device, gen):
-    """K/V pools and a req_to_token table whose rows point at shuffled pages."""
-    pages_per = [math.ceil(n / page_size) for n in lengths]
-    num_pages = sum(pages_per) + 3  # page 0 and some spare
-    rows = num_pages * page_size
-    k_buf = torch.randn(rows, kv_heads, d, generator=gen).to(dtype)
-    v_buf = torch.randn(rows, kv_heads, dv, generator=gen).to(dtype)
-    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    max_ctx = max(pages_per) * page_size + 8
-    r2t = torch.zeros(len(lengths) + 3, max_ctx, dtype=torch.int32)
-    req_rows = torch.randperm(len(lengths) + 2, generator=gen)[: len(lengths)] + 1
-    for row, n_pages in zip(req_rows.tolist(), pages_per):
-        pages = [order.pop() for _ in range(n_pages)]
-        slots = torch.tensor([p * page_size + i for p in pages for i in range(page_size)], dtype=torch.int32)
-        r2t[row, : slots.numel()] = slots
-    to = dict(device=device)
-    return k_buf.to(**to), v_buf.to(**to), r2t.to(**to), req_rows.to(**to)
 
 
 def reference(q, k_buf, v_buf, r2t, req_rows, seq_lens, scale):
@@ -57,7 +36,7 @@ def _error(case, dtype, device, splits) -> float:
     """Relative error of the kernel against :func:`reference` on fresh inputs of ``case``."""
     page_size, heads, kv_heads, d, dv, lengths = case
     gen = torch.Generator().manual_seed(sum(lengths) * 131 + page_size * 7 + heads + splits)
-    k_buf, v_buf, r2t, req_rows = _paged(page_size, kv_heads, d, dv, lengths, dtype, device, gen)
+    k_buf, v_buf, r2t, req_rows = paged_pool(page_size, kv_heads, d, dv, lengths, dtype, device, gen)
     q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype).to(device)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     scale = d ** -0.5

@@ -110,6 +110,29 @@ def test_decode_launched_ahead_gives_the_tokens_of_waiting_for_each_step():
     assert held == held_each == 0
 
 
+class _Chunked:
+    """Every prompt at once through chunks of 8 tokens: prefill steps mix a request's later
+    chunks (after a cached prefix) with other requests' first ones, then decode."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n, record_logits=True) for p, n in zip(PROMPTS, NEW)]
+        engine.run()
+        return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_chunked_prefill_on_the_gpu_equals_the_cpu_path(page_size):
+    spec = _random_smollm2()
+    cfg = dict(max_requests=4, chunk_size=8, page_size=page_size)
+    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**cfg), _Chunked())
+    for graphs in (True, False):
+        gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**cfg, device="cuda", cuda_graphs=graphs), _Chunked())
+        assert gpu_ids == cpu_ids
+        for a, b in zip(cpu_logits, gpu_logits):
+            assert (a - b).abs().max().item() < 1e-3
+
+
 class _Seeded:
     """One seeded request alone (a captured first chunk), then the same request among others
     (an eager prefill of five): the same tokens."""
@@ -143,7 +166,8 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     logits = logits.cuda()
     zeros = torch.zeros(6, device="cuda")
     keys = torch.arange(6, dtype=torch.int64, device="cuda")
-    tokens, logprobs = sample(logits, zeros, keys)
+    no_limit = torch.zeros(6, dtype=torch.int64, device="cuda")
+    tokens, logprobs = sample(logits, zeros, keys, no_limit)
     assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[2].item() == 7
     ref = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
     assert torch.allclose(logprobs, ref, atol=1e-5)
@@ -151,8 +175,9 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -2.0, 0.2], device="cuda")
     n, temp = 40000, 0.7
     keys = torch.randint(0, 2**62, (n,), generator=gen).cuda()
-    tokens, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys)
+    no_limit = torch.zeros(n, dtype=torch.int64, device="cuda")
+    tokens, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
     freq = torch.bincount(tokens, minlength=8).float() / n
     assert (freq - torch.softmax(row / temp, -1)).abs().max().item() < 0.015
-    again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys)
+    again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
     assert torch.equal(tokens, again)
