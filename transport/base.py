@@ -109,7 +109,7 @@ transports do not check registrations there: crash or heap corruption in the own
 peer's kernel stores go through the CUDA IPC mapping it opened: another tensor's bytes
 overwritten, or memory CUDA calls undefined). So deregistering a region that a connected peer
 can still address must first revoke it from that peer. Every backend does this itself, with
-one loop and one set of messages (:mod:`transport.revocation`; :mod:`transport.nixl_revoke`
+one loop and one set of messages (:mod:`transport.revocation`; :mod:`transport.nixl.revoke`
 over NIXL notifications, :mod:`transport.nvlink` over its mailbox connections):
 
 - ``connect`` tells the export's owner that this transport *holds* it; a write is posted only

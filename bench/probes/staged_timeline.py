@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def _traced_receiver(conn, total, cuda, env, staged, trace_path, gpu):
-    from transport.nixl_staged import receiver as rx
+    from transport.nixl.staged import receiver as rx
 
     trace = []
     inner = rx.ReceiverLanes._chunk
@@ -83,8 +83,8 @@ def _time_steps(classes):
 
 
 def _staging_steps():
-    from transport.nixl_staged import copy as cp
-    from transport.nixl_staged import wire
+    from transport.nixl.staged import copy as cp
+    from transport.nixl.staged import wire
 
     return [(cp.KernelStaging, n) for n in ("_get", "strided_rows", "strided_table", "stage_strided", "_upload",
                                             "_launch_strided", "ready")] + \
@@ -103,8 +103,8 @@ def _print_steps(title, steps):
 
 def _trace_sender():
     """Patch the sender lane and staging; returns the list the records go to."""
-    from transport.nixl_staged import sender as tx
-    from transport.nixl_staged.wire import Credit
+    from transport.nixl.staged import sender as tx
+    from transport.nixl.staged.wire import Credit
 
     rec = []
     post, on_message = tx.SenderLane._post_chunk, tx.SenderLane.on_message
@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     from transport.nixl import NixlConfig, NixlTransport
-    from transport.nixl_staged import StagedNixlConfig
+    from transport.nixl.staged import StagedNixlConfig
 
     req = REQUESTS[args.request or ("page1" if args.cuda else "demo")]
     kv = plan_request(req)

@@ -1,6 +1,6 @@
 """Staging memory of one lane side, and the copies between it and registered memory.
 
-A :class:`Staging` is ``slots`` slots of ``slot_bytes`` (one chunk each: :mod:`~transport.nixl_staged.wire`):
+A :class:`Staging` is ``slots`` slots of ``slot_bytes`` (one chunk each: :mod:`~transport.nixl.staged.wire`):
 
 - :class:`HostStaging`: a numpy buffer. ``gather`` copies rows of equal length with ONE
   ``torch.index_select`` per run of equal lengths (the rows' memory seen as a 2-D
@@ -13,13 +13,13 @@ A :class:`Staging` is ``slots`` slots of ``slot_bytes`` (one chunk each: :mod:`~
   table), queued on the staging's own stream: the sender waits for a slot's copies (its event,
   :meth:`Staging.ready`) before NIXL reads it, the receiver marks a scatter :meth:`Staging.queued`
   and answers (Credit, notification) once :meth:`Staging.is_ready` says its bytes are in place,
-  handling the next chunk meanwhile (:mod:`~transport.nixl_staged.receiver`). ``device="cpu"``
+  handling the next chunk meanwhile (:mod:`~transport.nixl.staged.receiver`). ``device="cpu"``
   runs the same kernel in Triton's interpreter (tests).
 
 Rows are given as absolute addresses (``[rows]`` int64) and lengths (``[rows]`` int64); the
 caller has checked them against its registered regions.
 
-Strided writes (:mod:`~transport.nixl_staged.wire`, "strided chunk") name one side of their rows
+Strided writes (:mod:`~transport.nixl.staged.wire`, "strided chunk") name one side of their rows
 as a :class:`StridedRows`: per pair the address of slot 0, the stride and the row length
 (``[P]`` each), per column the slot (``[S]``); row ``p * S + s`` is ``length[p]`` bytes at
 ``addr[p] + slot[s] * stride[p]``, and sits in the staging at its offset ``off(r)`` (pair-major,
@@ -45,8 +45,8 @@ from typing import Optional
 import numpy as np
 
 from transport.base import check_ranges
-from transport.nixl_staged.config import CHUNK_HEADER_BYTES
-from transport.nixl_staged.wire import (STRIDED_HEADER_BYTES, ChunkHeader, DestinationTable, ProtocolError,
+from transport.nixl.staged.config import CHUNK_HEADER_BYTES
+from transport.nixl.staged.wire import (STRIDED_HEADER_BYTES, ChunkHeader, DestinationTable, ProtocolError,
                                         StridedHeader, data_start)
 
 __all__ = ["Staging", "HostStaging", "KernelStaging", "StridedRows", "Landed", "make_staging"]

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 __all__ = ["StagedNixlConfig", "CHUNK_HEADER_BYTES", "ROW_TABLE_BYTES"]
 
-CHUNK_HEADER_BYTES = 64  # a chunk's header in its staging slot (transport.nixl_staged.wire)
+CHUNK_HEADER_BYTES = 64  # a chunk's header in its staging slot (transport.nixl.staged.wire)
 ROW_TABLE_BYTES = 16  # per row in a chunk: destination offset (int64), region (int32), length (int32)
 
 
 @dataclass(frozen=True)
 class StagedNixlConfig:
-    """When and how a NIXL write goes staged (:mod:`transport.nixl_staged`).
+    """When and how a NIXL write goes staged (:mod:`transport.nixl.staged`).
 
     enabled: writes may go staged at all (False: every write is direct, as before).
     min_rows: a batch of fewer ranges goes direct (a few ranges cost NIXL little; the staged
@@ -109,7 +109,7 @@ class StagedNixlConfig:
         """Whether a :class:`~transport.base.StridedBatch` goes staged: its coalesced form (the
         flat batch it would otherwise be written as) would, by :meth:`wants`; O(P + S), the flat
         form is not built (the sender also needs its destination table to fit a slot:
-        :func:`~transport.nixl_staged.wire.strided_fits`)."""
+        :func:`~transport.nixl.staged.wire.strided_fits`)."""
         if not self.enabled or len(batch) == 0:
             return False
         rows, longest = batch.coalesced_shape()

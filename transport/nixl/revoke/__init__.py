@@ -10,8 +10,8 @@ who can write into a region and make each of them stop before it lets the region
 
 Protocol (messages: :mod:`~transport.revocation.wire`, over NIXL notifications)
 --------------------------------------------------------------------------------
-Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
-(:mod:`~transport.nixl_revoke.owner`; its revoke loop is :mod:`transport.revocation.owner`'s,
+Writer = *holder* (:mod:`~transport.nixl.revoke.holder`), owner of the memory
+(:mod:`~transport.nixl.revoke.owner`; its revoke loop is :mod:`transport.revocation.owner`'s,
 shared with the nvlink backend):
 
 1. ``connect(export)``: the holder sends ``Hold(seq, regions, metadata, scratch)``. The owner,
@@ -58,7 +58,7 @@ Costs: one round trip before the first direct write after each ``connect``; a
 loads each holder's metadata (a UCX endpoint back to it, also used by staged lanes).
 """
 
-from transport.nixl_revoke.holder import Holds
-from transport.nixl_revoke.owner import Holders
+from transport.nixl.revoke.holder import Holds
+from transport.nixl.revoke.owner import Holders
 
 __all__ = ["Holds", "Holders"]

@@ -1,13 +1,13 @@
 """The sending side of the staged mode: one :class:`SenderLane` per remote agent.
 
 A lane owns this side's staging (``slots`` x ``slot_bytes``, registered with NIXL), the
-receiver's staging address (from its :class:`~transport.nixl_staged.wire.Welcome`) and a FIFO
+receiver's staging address (from its :class:`~transport.nixl.staged.wire.Welcome`) and a FIFO
 of jobs, the writes to that agent in the order ``write`` was called:
 
 - :class:`StagedTransfer`: rows cut into chunks (:func:`chunk_bounds`); a free local slot
-  takes the next chunk: gather (:mod:`~transport.nixl_staged.copy`), header and row table;
+  takes the next chunk: gather (:mod:`~transport.nixl.staged.copy`), header and row table;
   once a slot of the receiver is free too, ONE NIXL write of the local slot into it carrying
-  a :class:`~transport.nixl_staged.wire.Chunk` notification. The local slot is free again as
+  a :class:`~transport.nixl.staged.wire.Chunk` notification. The local slot is free again as
   soon as NIXL has read it (the write's request is DONE), the receiver's slot when its Credit
   says it scattered it, so the next chunks are gathered while the receiver still scatters
   (on a GPU: queued on the staging's stream, waited for by an event only when their write is
@@ -18,7 +18,7 @@ of jobs, the writes to that agent in the order ``write`` was called:
   O(P + chunks) (:func:`strided_bounds`), each gathered in one step per pair part (host) or
   one kernel launch (CUDA) from the write's strided table (uploaded once), its slot headed by
   the write's destination table (packed, and on a GPU uploaded, once per write), posted as
-  :class:`~transport.nixl_staged.wire.StridedChunk`.
+  :class:`~transport.nixl.staged.wire.StridedChunk`.
 - :class:`DeferredWrite`: a direct write issued while a staged one is still in the FIFO; it is
   posted when its turn comes.
 
@@ -40,12 +40,12 @@ from typing import Optional
 import numpy as np
 
 from transport.base import StridedBatch, Transfer, TransferStatus, WriteBatch
-from transport.nixl_staged.copy import Staging, make_staging
-from transport.nixl_staged.wire import (Chunk, ChunkHeader, Credit, DestinationTable, Hello, StridedChunk,
+from transport.nixl.staged.copy import Staging, make_staging
+from transport.nixl.staged.wire import (Chunk, ChunkHeader, Credit, DestinationTable, Hello, StridedChunk,
                                         StridedHeader, Welcome, data_start, encode, registered_entries,
                                         strided_data_start)
 
-__all__ = ["SenderLane", "StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds",
+__all__ = ["SenderLane", "SenderLanes", "StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds",
            "strided_bounds", "LaneState"]
 
 
@@ -113,12 +113,12 @@ class _Job(Transfer):
 
     def __init__(self, peer, batch, notify: bytes):
         self._peer, self._batch, self._notify = peer, batch, notify
-        self._src_region = batch.src_region  # what deregister must not pull (see NixlTransport.deregister)
+        self.src_region = batch.src_region  # what deregister must not pull (see NixlTransport.deregister)
         self.lane: Optional[SenderLane] = None
         self._inner = None  # a NixlTransfer once posted direct
         self._status, self._error = TransferStatus.PENDING, None
         self.nbytes = batch.nbytes
-        self._deadline_s = peer._transport.config.deadline_s(self.nbytes)
+        self._deadline_s = 0.0  # the lane sets it (submit)
         self._deadline: Optional[float] = None  # set when it starts (a queued job waits for the one before)
 
     def start(self) -> None:
@@ -132,7 +132,7 @@ class _Job(Transfer):
 
     def go_direct(self) -> None:
         batch = self._batch if isinstance(self._batch, WriteBatch) else self._batch.coalesced()
-        self._inner = self._peer._direct(batch, self._notify)
+        self._inner = self._peer.direct(batch, self._notify)
 
     def fail(self, error: str) -> None:
         if self._inner is None and self._status is TransferStatus.PENDING:
@@ -162,10 +162,10 @@ class _Job(Transfer):
     def _max_pause(self) -> float:
         return IN_FLIGHT_POLL_S if self.lane is not None and self.lane.in_flight else self.max_poll_sleep_s
 
-    def _cancel(self) -> None:
+    def cancel_now(self) -> None:
         """The transport is closing: fail now (its lane releases what is in flight)."""
         if self._inner is not None:
-            self._inner._cancel()
+            self._inner.cancel_now()
         self.fail("transport closed")
 
     @property
@@ -177,7 +177,7 @@ class _Job(Transfer):
     def finished(self) -> bool:
         """DONE or FAILED (a deferred write once its NIXL request is)."""
         if self._inner is not None:
-            return self._inner._status is not TransferStatus.PENDING
+            return self._inner.ended
         return self._status is not TransferStatus.PENDING
 
 
@@ -366,13 +366,13 @@ class _Slot:
 class SenderLane:
     """Staging and job FIFO towards one remote agent (module doc)."""
 
-    def __init__(self, transport, name: str, lane_id: int, scratch_ptr: int, src_device: Optional[int],
+    def __init__(self, core, name: str, lane_id: int, scratch_ptr: int, src_device: Optional[int],
                  dst_device: Optional[int]):
-        self._t = transport
+        self._core = core  # transport.nixl.core.Core: agent, remotes, config, pump(), registered()
         self.name, self.id = name, lane_id
         self.src_device, self.dst_device = src_device, dst_device
         self._scratch_ptr = scratch_ptr
-        cfg = transport.config.staged
+        cfg = core.config.staged
         self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes_for(dst_device)  # sized by the receiving memory
         self.wire_gather_bytes = cfg.wire_gather_bytes
         self.state = LaneState.NEW
@@ -403,7 +403,7 @@ class SenderLane:
         return (src_device, dst_device) == (self.src_device, self.dst_device)
 
     def submit(self, job: _Job) -> _Job:
-        job.lane = self
+        job.lane, job._deadline_s = self, self._core.config.deadline_s(job.nbytes)
         if isinstance(job, _StagedJob):
             self._seq += 1
             job.seq = self._seq
@@ -417,10 +417,10 @@ class SenderLane:
     # -- progress ---------------------------------------------------------------------------
 
     def progress(self) -> None:
-        t = self._t
-        if t._agent_or_none() is None:
+        core = self._core
+        if core.agent.closed:
             return
-        t._pump()
+        core.pump()
         if self._queue:
             self._queue[0].start()  # also while the lane opens: a receiver that never answers fails it
         if self.state is LaneState.NEW:
@@ -436,17 +436,18 @@ class SenderLane:
 
     def _open(self) -> None:
         """Allocate and register this side's staging, send Hello."""
-        t, agent = self._t, self._t._agent_checked()
+        core, agent = self._core, self._core.agent
+        agent.check_open()
         try:
             self.staging = make_staging(self.slots, self.slot_bytes, self.src_device)
-            self._reg = t._register_raw(self.staging.ptr, self.staging.nbytes, self.src_device)
+            self._reg = agent.register(self.staging.ptr, self.staging.nbytes, self.src_device)
         except Exception as exc:  # no memory for staging: this lane writes direct
             self._refuse(f"local staging of {self.slots * self.slot_bytes} bytes: {type(exc).__name__}: {exc}")
             return
         hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
-                      bytes(agent.get_agent_metadata()), t._registered())
+                      agent.metadata(), core.registered())
         try:
-            handle, _ = t._post_notify(self.name, self._scratch_ptr, encode(hello))
+            handle, _ = agent.post_byte(self.name, self._scratch_ptr, encode(hello))
         except Exception as exc:
             self.lose(f"peer {self.name!r}: could not send the staged Hello: {type(exc).__name__}: {exc}")
             return
@@ -488,8 +489,9 @@ class SenderLane:
         self.staging.ready(chunk.local_slot)  # its copies are in place before NIXL reads it
         remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)
         try:
-            handle, state = self._t._post_slot(self.name, chunk.local, self.src_device, remote, self.dst_device,
-                                               encode(job.note(chunk.kind, self, slot, chunk.index)))
+            handle, state = self._core.agent.post_ranges(self.name, chunk.local, self.src_device, remote,
+                                                         self.dst_device,
+                                                         encode(job.note(chunk.kind, self, slot, chunk.index)))
         except Exception as exc:
             self._free.appendleft(slot)
             self._free_local.append(chunk.local_slot)
@@ -506,21 +508,21 @@ class SenderLane:
         # the Credits that came meanwhile (a gather-ahead run must not hold them back)
         self._check_handles()
         if self.state is LaneState.READY:
-            self._t._pump()
+            self._core.pump()
         return self.state is LaneState.READY
 
     def _check_handles(self) -> None:
-        agent = self._t._agent_checked()
+        agent = self._core.agent
         for slot, entry in list(self._inflight.items()):
             if entry.handle is None:
                 continue
             try:
-                state = agent.check_xfer_state(entry.handle)
+                state = agent.state(entry.handle)
             except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
                 self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
                 return
             if state == "DONE":  # NIXL has read the local slot: the next chunk may be gathered into it
-                self._t._release_handle(entry.handle)
+                agent.release(entry.handle)
                 self._free_local.append(entry.local_slot)
                 entry.handle = entry.local_slot = None
             elif state != "PROC":
@@ -529,14 +531,14 @@ class SenderLane:
         keep = []
         for handle, local_slot in self._handles:
             try:
-                state = agent.check_xfer_state(handle)
+                state = agent.state(handle)
             except Exception as exc:
                 self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
                 return
             if state == "PROC":
                 keep.append((handle, local_slot))
             else:
-                self._t._release_handle(handle)
+                agent.release(handle)
                 if local_slot is not None:
                     self._free_local.append(local_slot)
         self._handles = keep
@@ -550,11 +552,11 @@ class SenderLane:
                 return
             try:  # the receiver's metadata now registers its staging: NIXL updates the agent in place
                 registered = registered_entries(msg.registered)
-                self._t._agent_checked().add_remote_agent(msg.metadata)
+                self._core.agent.load(msg.metadata)
             except Exception as exc:
                 self._refuse(f"peer {self.name!r}: its staging metadata was refused: {type(exc).__name__}: {exc}")
                 return
-            self._t._loaded_too(self.name, registered)  # its regions the export we hold did not name, too
+            self._core.remotes.loaded_too(self.name, registered)  # its regions the export we hold did not name, too
             self.remote_ptr, self.state = int(msg.ptr), LaneState.READY
         elif isinstance(msg, Credit):
             entry = self._inflight.get(msg.slot)
@@ -572,11 +574,9 @@ class SenderLane:
     def lose(self, error: str) -> None:
         """FAILED for every job, the remote agent lost (as a direct write's deadline does):
         requests in flight go to the transport's drain list."""
-        t = self._t
-        t._lost.setdefault(self.name, error)
         self.state, self.error = LaneState.LOST, error
         handles = [e.handle for e in self._inflight.values() if e.handle is not None] + [h for h, _ in self._handles]
-        t._draining.setdefault(self.name, []).extend(handles)
+        self._core.remotes.lose(self.name, error, handles)
         jobs = [e.job for e in self._inflight.values()] + list(self._queue)
         self._inflight.clear()
         self._gathered.clear()
@@ -587,21 +587,76 @@ class SenderLane:
 
     def close(self) -> None:
         """The transport closes (its agent goes) or a new connect replaces a lost lane."""
+        agent = self._core.agent
         for entry in self._inflight.values():
-            entry.job._cancel()
+            entry.job.cancel_now()
             if entry.handle is not None:
-                self._t._release_handle(entry.handle)
+                agent.release(entry.handle)
         for job in self._queue:
-            job._cancel()
+            job.cancel_now()
         for handle, _ in self._handles:
-            self._t._release_handle(handle)
+            agent.release(handle)
         self._inflight.clear()
         self._gathered.clear()
         self._queue.clear()
         self._handles = []
         if self._reg is not None:
-            self._t._deregister_raw(self._reg)
+            agent.deregister(self._reg)
             self._reg = None
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+
+
+class SenderLanes:
+    """The sending lanes of one transport: one per remote agent, found by name or by lane id."""
+
+    def __init__(self, core):
+        self._core = core
+        self._by_name: dict[str, SenderLane] = {}
+        self._by_id: dict[int, SenderLane] = {}
+        self._next_id = 0
+
+    def get(self, name: str) -> Optional[SenderLane]:
+        return self._by_name.get(name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def open(self, name: str, scratch_ptr: int, src_device: Optional[int], dst_device: Optional[int]) -> SenderLane:
+        """A new lane to agent ``name`` (whose scratch bytes carry its Hello)."""
+        self._next_id += 1
+        lane = SenderLane(self._core, name, self._next_id, scratch_ptr, src_device, dst_device)
+        self._by_name[name] = lane
+        self._by_id[lane.id] = lane
+        return lane
+
+    def drop(self, name: str) -> None:
+        """Close the lane to ``name``, if any: its jobs fail, its staging goes."""
+        lane = self._by_name.pop(name, None)
+        if lane is not None:
+            del self._by_id[lane.id]
+            lane.close()
+
+    def on_message(self, sender: str, msg) -> None:
+        """A Welcome or Credit from ``sender``, for the lane it names."""
+        lane = self._by_id.get(msg.lane)
+        if lane is not None and lane.name == sender:
+            lane.on_message(msg)
+
+    def progress(self) -> None:
+        """Move every busy lane on."""
+        for lane in list(self._by_name.values()):
+            if lane.busy:
+                lane.progress()
+
+    def stagings(self) -> list[Staging]:
+        """The staging memory of every lane that has one (registered with the agent)."""
+        return [lane.staging for lane in self._by_name.values() if lane.staging is not None]
+
+    def close(self) -> None:
+        for name in list(self._by_name):
+            try:
+                self.drop(name)
+            except Exception:  # keep releasing the rest; the agent's teardown frees it too
+                pass
