@@ -752,7 +752,7 @@ def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
 
 KERNEL_SCRIPT = """
 import numpy as np, torch
-from transport.nixl.staged.copy import KernelStaging
+from transport.nixl.staged.kernel import KernelStaging
 from transport.nixl.staged.wire import data_start
 rng = np.random.default_rng(11)
 src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
@@ -803,7 +803,7 @@ def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
 STRIDED_KERNEL_SCRIPT = """
 import numpy as np, torch
 from tests.transport._expected import assert_refused, one_region_table
-from transport.nixl.staged.copy import KernelStaging
+from transport.nixl.staged.kernel import KernelStaging
 from transport.nixl.staged.wire import DestinationTable, StridedHeader, strided_data_start
 rng = np.random.default_rng(16)
 src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))

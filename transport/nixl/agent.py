@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from transport._nixl_import import load_nixl_api
-from transport.base import TransportClosed, TransportError
+from transport.errors import TransportClosed, TransportError
 from transport.nixl.config import NixlConfig
 
 __all__ = ["Agent", "mem_of"]

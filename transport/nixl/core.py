@@ -20,7 +20,7 @@ from transport.nixl.remotes import Remotes
 from transport.nixl.revoke import Holders, Holds
 from transport.nixl.staged import wire as staged_wire
 from transport.nixl.staged.receiver import ReceiverLanes
-from transport.nixl.staged.sender import SenderLanes
+from transport.nixl.staged.lane import SenderLanes
 from transport.registry import RegionRegistry
 from transport.revocation import wire as revoke_wire
 

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import numpy as np
 
-from transport.base import (Peer, Region, RegionRevoked, StridedBatch, Transfer, TransferStatus, TransportClosed,
-                            TransportError, WriteBatch)
+from transport.base import Peer, Transfer, TransferStatus
+from transport.batch import Region, StridedBatch, WriteBatch
+from transport.errors import RegionRevoked, TransportClosed, TransportError
 from transport.nixl.prepped import MAX_INDICES, PreparedLists, prepped_indices, shape_of
 from transport.nixl.regions import RegionTable
 from transport.nixl.staged import wire as staged_wire
-from transport.nixl.staged.sender import DeferredWrite, SenderLane, StagedTransfer, StridedStagedTransfer, LaneState
+from transport.nixl.staged.lane import SenderLane
+from transport.nixl.staged.sender import DeferredWrite, LaneState, StagedTransfer, StridedStagedTransfer
 from transport.nixl.transfer import NixlTransfer
 from transport.registry import RegionRegistry
 from transport.revocation import wire as revoke_wire
@@ -46,7 +48,7 @@ class NixlPeer(Peer):
         """With the staged mode on, a batch of at least its ``min_rows`` ranges: :meth:`write_strided`
         stages it with O(P + S) host work (or writes its coalesced form, which has as many entries
         as a plan's own merged runs). A smaller one goes direct, where the plan's flat form costs
-        the host least (a small request's write through the factored form took twice as long)."""
+        the host least (for a small request the factored form costs more host time than it saves)."""
         staged = self._core.config.staged
         return staged.enabled and entries >= staged.min_rows
 

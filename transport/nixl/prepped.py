@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from transport.base import SMALL_BATCH, Region, WriteBatch
+from transport.batch import SMALL_BATCH, Region, WriteBatch
 
 __all__ = ["MAX_GRANULE", "MAX_INDICES", "PreparedLists", "prepped_indices", "shape_of"]
 

@@ -7,7 +7,7 @@ from typing import Mapping
 
 import numpy as np
 
-from transport.base import SMALL_BATCH, Region, RegionSizes
+from transport.batch import SMALL_BATCH, Region, RegionSizes
 
 __all__ = ["RegionTable", "STAGING", "descs", "stale_overlap"]
 

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from transport.base import (
-    Notification,
-    PeerDescriptorError,
-    Region,
-    TransferStatus,
-    Transport,
-    TransportError,
-    pack_descriptor,
-    unpack_descriptor,
-)
+from transport.base import Notification, TransferStatus, Transport
+from transport.batch import Region
+from transport.envelope import pack_descriptor, unpack_descriptor
+from transport.errors import PeerDescriptorError, TransportError
 from transport.nixl.config import NixlConfig
 from transport.nixl.core import Core
 from transport.nixl.peer import NixlPeer

@@ -4,8 +4,8 @@ Why
 ---
 A one-sided write cannot be refused by its target, and UCX's loopback transports (tcp, sm/cma)
 do not check registrations there: a writer still connected with an export naming a region that
-the owner deregistered and freed writes into freed memory (measured: SIGSEGV in the owner for a
-64 MiB region, heap corruption for 64 KiB, while the writer saw DONE). So the owner must know
+the owner deregistered and freed writes into freed memory (the owner crashes or its heap is
+corrupted, while the writer sees DONE). So the owner must know
 who can write into a region and make each of them stop before it lets the region go.
 
 Protocol (messages: :mod:`~transport.revocation.wire`, over NIXL notifications)

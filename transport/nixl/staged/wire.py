@@ -37,7 +37,7 @@ from typing import Optional, Union
 import numpy as np
 
 from transport import notif_frames as frames
-from transport.base import check_strided_side
+from transport.batch import check_strided_side
 from transport.nixl.staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
 
 __all__ = ["MAGIC", "Hello", "Welcome", "Chunk", "StridedChunk", "Credit", "encode", "decode", "ChunkHeader", "data_start",
