@@ -7,9 +7,9 @@ NIXL (UCX) pays per range: a TP change or page size 1 cuts a request into one ra
 bytes move at as 256 KiB blocks (bench/RESULTS.md). So for a batch of many small ranges the
 sender packs the ranges, the wire carries large writes, and the receiver unpacks.
 
-How (one lane per pair of transports, :mod:`~transport.nixl.staged.sender` /
-:mod:`~transport.nixl.staged.receiver`)
--------------------------------------------------------------------------------------------
+How (one lane per pair of transports: :mod:`~transport.nixl.staged.lane` and its jobs,
+:mod:`~transport.nixl.staged.sender`, on the sending side; :mod:`~transport.nixl.staged.receiver`)
+-------------------------------------------------------------------------------------------------
 1. At the first staged write to a peer, the sender allocates and registers its staging
    (``slots`` x ``slot_bytes``) and sends a Hello (its NIXL metadata) in a notification; the
    receiver allocates and registers the same on the batch's destination memory, loads the
