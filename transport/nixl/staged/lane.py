@@ -19,7 +19,7 @@ import numpy as np
 
 from transport.base import TransferStatus
 from transport.nixl.staged.copy import Staging, make_staging
-from transport.nixl.staged.sender import DeferredWrite, LaneState, _Gathered, _Job, _StagedJob
+from transport.nixl.staged.sender import DeferredWrite, LaneState, Gathered, Job, StagedJob
 from transport.nixl.staged.wire import Credit, Hello, Welcome, encode, registered_entries
 
 __all__ = ["SenderLane", "SenderLanes"]
@@ -31,7 +31,7 @@ class _Slot:
 
     __slots__ = ("job", "index", "handle", "local_slot")
 
-    def __init__(self, job: _StagedJob, index: int, handle, local_slot: Optional[int]):
+    def __init__(self, job: StagedJob, index: int, handle, local_slot: Optional[int]):
         self.job, self.index, self.handle, self.local_slot = job, index, handle, local_slot
 
 
@@ -54,9 +54,9 @@ class SenderLane:
         self.remote_ptr = 0
         self._free = deque(range(self.slots))  # the receiver's slots
         self._free_local = deque(range(self.slots))  # this side's slots
-        self._gathered: deque[_Gathered] = deque()  # the head job's chunks in local slots, not posted yet
+        self._gathered: deque[Gathered] = deque()  # the head job's chunks in local slots, not posted yet
         self._inflight: dict[int, _Slot] = {}  # receiver's slot -> chunk in flight (until its Credit)
-        self._queue: deque[_Job] = deque()  # jobs still to post, in write order
+        self._queue: deque[Job] = deque()  # jobs still to post, in write order
         self._handles: list = []  # (handle, local slot or None) still to release (Hello, credited chunks)
         self._seq = 0
         self.moves = 0  # chunks posted and answered so far (what a waiting write's pauses watch)
@@ -74,9 +74,9 @@ class SenderLane:
     def matches(self, src_device: Optional[int], dst_device: Optional[int]) -> bool:
         return (src_device, dst_device) == (self.src_device, self.dst_device)
 
-    def submit(self, job: _Job) -> _Job:
-        job.lane, job._deadline_s = self, self._core.config.deadline_s(job.nbytes)
-        if isinstance(job, _StagedJob):
+    def submit(self, job: Job) -> Job:
+        job.queued_on(self, self._core.config.deadline_s(job.nbytes))
+        if isinstance(job, StagedJob):
             self._seq += 1
             job.seq = self._seq
         if self.state is LaneState.LOST:
@@ -142,9 +142,9 @@ class SenderLane:
             if job.finished:
                 self._queue.popleft()
             elif isinstance(job, DeferredWrite):
-                if job._inner is None:
+                if job.inner is None:
                     job.go_direct()
-                if job._inner.status() is TransferStatus.PENDING:
+                if job.inner.status() is TransferStatus.PENDING:
                     return
             elif self._gathered and self._free and (self.staging.is_ready(self._gathered[0].local_slot)
                                                     or not (job.has_more and self._free_local)):
@@ -156,7 +156,7 @@ class SenderLane:
             else:
                 return  # no free slot here or there, or every chunk posted: wait for NIXL and Credits
 
-    def _post_chunk(self, chunk: _Gathered, slot: int) -> bool:
+    def _post_chunk(self, chunk: Gathered, slot: int) -> bool:
         job = chunk.job
         self.staging.ready(chunk.local_slot)  # its copies are in place before NIXL reads it
         remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)

@@ -48,7 +48,8 @@ from transport.nixl.staged.wire import (Chunk, ChunkHeader, DestinationTable, St
 if TYPE_CHECKING:
     from transport.nixl.staged.lane import SenderLane
 
-__all__ = ["StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds", "strided_bounds", "LaneState"]
+__all__ = ["DeferredWrite", "Gathered", "Job", "LaneState", "StagedJob", "StagedTransfer", "StridedStagedTransfer",
+           "chunk_bounds", "strided_bounds"]
 
 
 IN_FLIGHT_POLL_S = 1e-4  # longest pause of a staged write's wait() while its lane has chunks in flight
@@ -98,19 +99,19 @@ def strided_bounds(length: np.ndarray, slots: int, room: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-class _Gathered:
+class Gathered:
     """A chunk in a local slot, waiting for a slot of the receiver: ``local`` its ``[k, 2]``
     (address, bytes) ranges here, ``remote`` the same on the receiver relative to its slot's start."""
 
     __slots__ = ("job", "index", "local_slot", "local", "remote", "kind")
 
-    def __init__(self, job: "_StagedJob", index: int, local_slot: int, local: np.ndarray, remote: np.ndarray,
+    def __init__(self, job: "StagedJob", index: int, local_slot: int, local: np.ndarray, remote: np.ndarray,
                  kind: type):
         self.job, self.index, self.local_slot = job, index, local_slot
         self.local, self.remote, self.kind = local, remote, kind
 
 
-class _Job(Transfer):
+class Job(Transfer):
     """A write queued on a lane; once posted direct, it reports its inner NIXL transfer."""
 
     def __init__(self, peer, batch, notify: bytes):
@@ -122,6 +123,15 @@ class _Job(Transfer):
         self.nbytes = batch.nbytes
         self._deadline_s = 0.0  # the lane sets it (submit)
         self._deadline: Optional[float] = None  # set when it starts (a queued job waits for the one before)
+
+    def queued_on(self, lane: "SenderLane", deadline_s: float) -> None:
+        """``lane`` carries it; ``deadline_s``: how long it may run once it starts."""
+        self.lane, self._deadline_s = lane, deadline_s
+
+    @property
+    def inner(self):
+        """The direct NIXL transfer once it was posted direct, else None."""
+        return self._inner
 
     def start(self) -> None:
         """It is the lane's head job now: its peer-loss deadline runs from here."""
@@ -183,7 +193,7 @@ class _Job(Transfer):
         return self._status is not TransferStatus.PENDING
 
 
-class DeferredWrite(_Job):
+class DeferredWrite(Job):
     """A direct write queued behind a staged one to the same agent (order of notifications)."""
 
     def abort(self) -> None:
@@ -193,7 +203,7 @@ class DeferredWrite(_Job):
             self.fail("aborted")  # never posted: nothing of it can land
 
 
-class _StagedJob(_Job):
+class StagedJob(Job):
     """A write through the lane's staging (module doc): its chunks ``bounds``, what is posted and
     answered; a kind of staged write fills a slot with its next chunk (:meth:`fill`)."""
 
@@ -207,7 +217,7 @@ class _StagedJob(_Job):
         self.credited = 0  # chunks the receiver answered
         self.aborting = False
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         """Chunk ``index`` into local ``slot`` of ``lane``'s staging (copies that may still be
         queued: ``lane.staging.ready(slot)`` before NIXL reads it)."""
         raise NotImplementedError
@@ -263,7 +273,7 @@ class _StagedJob(_Job):
             self._status, self._error = TransferStatus.FAILED, "aborted"
 
 
-class StagedTransfer(_StagedJob):
+class StagedTransfer(StagedJob):
     """A flat batch (one row per range) through the lane's staging (module doc)."""
 
     def __init__(self, peer, batch, notify: bytes, src_addr: np.ndarray, order: Optional[np.ndarray],
@@ -293,7 +303,7 @@ class StagedTransfer(_StagedJob):
             self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
         return self._adopted
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         a, b = int(self.bounds[index]), int(self.bounds[index + 1])
         length = self.length[a:b]
         rows, nbytes = b - a, int(length.sum())
@@ -320,10 +330,10 @@ class StagedTransfer(_StagedJob):
             remote = np.array([[0, at + nbytes]], dtype=np.int64)
         _, dst_offset, dst_region, ln = (x[a:b] for x in self.adopted(staging))
         staging.write_head(slot, ChunkHeader(lane.id, self.seq, index, rows, nbytes), dst_offset, dst_region, ln)
-        return _Gathered(self, index, slot, local, remote, Chunk)
+        return Gathered(self, index, slot, local, remote, Chunk)
 
 
-class StridedStagedTransfer(_StagedJob):
+class StridedStagedTransfer(StagedJob):
     """A :class:`~transport.base.StridedBatch` through the lane's staging (module doc): rows
     ``p * S + s`` pair-major, a chunk a row range. ``src_addr``: ``[P]`` absolute source address
     of each pair's slot 0 (the batch's bounds already checked)."""
@@ -340,7 +350,7 @@ class StridedStagedTransfer(_StagedJob):
         self._rows = None  # the source rows as the lane's staging copies them (its table uploaded once)
         self._head = None  # the destination table's bytes (uploaded once on a GPU)
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         staging = lane.staging
         if self._rows is None:  # once per write
             self._rows = staging.strided_rows(*self.src)
@@ -352,4 +362,4 @@ class StridedStagedTransfer(_StagedJob):
         size = self.at + nbytes
         local = np.array([[staging.slot_ptr(slot), size]], dtype=np.int64)  # [1, (address, bytes)]
         remote = np.array([[0, size]], dtype=np.int64)
-        return _Gathered(self, index, slot, local, remote, StridedChunk)
+        return Gathered(self, index, slot, local, remote, StridedChunk)
