@@ -30,8 +30,7 @@ before=/tmp/kvt-before
 rc=0
 before_tree() {  # OLD_TREE's transport with this tree's benchmarks and receiver (its arrival stamps)
     rm -rf "$before" && mkdir -p "$before"
-    cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$here/pools" "$before/"
-    cp "$here/transport/remote.py" "$before/transport/remote.py"
+    cp -r "$old/transport" "$before/" && cp -r "$here/kvtransfer" "$here/pools" "$before/"  # kvtransfer/benchmarks/_remote.py: the receiver
 }
 bench() {  # tree label args... (run from the tree: python -m puts the working directory first)
     local tree=$1 label=$2; shift 2

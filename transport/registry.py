@@ -21,7 +21,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
-from transport.base import MAX_REGION_ID, Region, RegionSizes, TransportError, check_region_args
+from transport.batch import MAX_REGION_ID, Region, RegionSizes, check_region_args
+from transport.errors import TransportError
 
 __all__ = ["RegionRegistry"]
 

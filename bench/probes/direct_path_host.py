@@ -14,7 +14,7 @@ kernel; an event completes 100 us after its record, its ``synchronize()`` sleeps
 pair cache, ring, queue, progress thread and mailbox, and a receiver process: the Python alone.
 
 With ``--cuda``: a real nvlink transport on GPU 0 and a receiver process on GPU 1
-(``transport.remote.RemoteBuffers``, as ``kvtransfer bench nvlink``). Prints
+(``kvtransfer.benchmarks._remote.RemoteBuffers``, as ``kvtransfer bench nvlink``). Prints
 
 - ``steps``: the median of each step of ``peer.write_strided`` (the direct path), each timed by
   a wrapper around it (nested steps indented; ``the rest of X``: X's time outside the steps
@@ -366,7 +366,7 @@ def run_steps(peer, owner, ring, batch, reps, settle, label):
 
 
 def cuda_setup(tokens, page, peer_gpu=1, host_steps="c"):
-    from transport.remote import RemoteBuffers, make_transport
+    from kvtransfer.benchmarks._remote import RemoteBuffers, make_transport
 
     pool = 2 * tokens
     remote = RemoteBuffers(peer_gpu, ("nvlink",))

@@ -5,7 +5,7 @@ Usage:
     python3 bench/probes/lander_cpu.py [--peers N] [--rounds R] [--behind-us U] [--peer-gpu G] [--spin-us S]
 
 One writer (an nvlink transport on GPU 0) and N receiver processes on GPU ``G``
-(``transport.remote.RemoteBuffers``), each holding one 2 KiB row. Each round queues ``U`` us of
+(``kvtransfer.benchmarks._remote.RemoteBuffers``), each holding one 2 KiB row. Each round queues ``U`` us of
 GPU work on the writer's current stream (``torch.cuda._sleep``), posts one one-row
 ``write_strided`` with a notification to every peer behind it -- the copies wait for that work,
 as a prefill's layer-wise writes wait for their layer -- and waits for all of them. Prints, over
@@ -28,7 +28,7 @@ import time
 import torch
 
 from transport.base import StridedBatch
-from transport.remote import RemoteBuffers, make_transport
+from kvtransfer.benchmarks._remote import RemoteBuffers, make_transport
 
 ROW = 2048
 

@@ -18,9 +18,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kvtransfer.benchmarks.transport_kv import REQUESTS, plan_request  # noqa: E402
-from transport.nixl_staged.copy import KernelStaging  # noqa: E402
-from transport.nixl_staged.sender import strided_bounds  # noqa: E402
-from transport.nixl_staged.wire import DestinationTable, StridedChunk, StridedHeader, encode, strided_data_start  # noqa: E402
+from transport.nixl.staged.kernel import KernelStaging  # noqa: E402
+from transport.nixl.staged.sender import strided_bounds  # noqa: E402
+from transport.nixl.staged.wire import DestinationTable, StridedChunk, StridedHeader, encode, strided_data_start  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from transport.nvlink import NvlinkConfig, NvlinkEngine, NvlinkTransport
 from transport.nvlink import fastpath
 from transport.nvlink import stream as stream_mod
 from transport.nvlink.staged import StagedLane
-from transport.remote import RemoteBuffers
+from kvtransfer.benchmarks._remote import RemoteBuffers
 
 LAYERS, ROW = 80, 2048
 

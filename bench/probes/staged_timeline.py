@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def _traced_receiver(conn, total, cuda, env, staged, trace_path, gpu):
-    from transport.nixl_staged import receiver as rx
+    from transport.nixl.staged import receiver as rx
 
     trace = []
     inner = rx.ReceiverLanes._chunk
@@ -83,10 +83,10 @@ def _time_steps(classes):
 
 
 def _staging_steps():
-    from transport.nixl_staged import copy as cp
-    from transport.nixl_staged import wire
+    from transport.nixl.staged import copy as cp
+    from transport.nixl.staged import kernel, wire
 
-    return [(cp.KernelStaging, n) for n in ("_get", "strided_rows", "strided_table", "stage_strided", "_upload",
+    return [(kernel.KernelStaging, n) for n in ("_get", "strided_rows", "strided_table", "stage_strided", "_upload",
                                             "_launch_strided", "ready")] + \
         [(wire.DestinationTable, "check"), (cp.HostStaging, "scatter_strided"), (cp.HostStaging, "gather_strided")]
 
@@ -103,11 +103,12 @@ def _print_steps(title, steps):
 
 def _trace_sender():
     """Patch the sender lane and staging; returns the list the records go to."""
-    from transport.nixl_staged import sender as tx
-    from transport.nixl_staged.wire import Credit
+    from transport.nixl.staged import lane as lane_mod
+    from transport.nixl.staged import sender as tx
+    from transport.nixl.staged.wire import Credit
 
     rec = []
-    post, on_message = tx.SenderLane._post_chunk, tx.SenderLane.on_message
+    post, on_message = lane_mod.SenderLane._post_chunk, lane_mod.SenderLane.on_message
 
     def traced_fill(fill):
         def inner(self, lane, slot, index):
@@ -142,7 +143,7 @@ def _trace_sender():
             rec.append(("credit", msg.seq, msg.index, time.monotonic()))
         return on_message(self, msg)
 
-    check = tx.SenderLane._check_handles
+    check = lane_mod.SenderLane._check_handles
 
     def _check_handles(self):
         before = [(e.job.seq, e.index, e) for e in self._inflight.values() if e.handle is not None]
@@ -150,8 +151,8 @@ def _trace_sender():
         now = time.monotonic()
         rec.extend(("done", s, i, now) for s, i, e in before if e.handle is None)
 
-    tx.SenderLane._post_chunk, tx.SenderLane.on_message = _post_chunk, _on_message
-    tx.SenderLane._check_handles = _check_handles
+    lane_mod.SenderLane._post_chunk, lane_mod.SenderLane.on_message = _post_chunk, _on_message
+    lane_mod.SenderLane._check_handles = _check_handles
     return rec
 
 
@@ -177,7 +178,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     from transport.nixl import NixlConfig, NixlTransport
-    from transport.nixl_staged import StagedNixlConfig
+    from transport.nixl.staged import StagedNixlConfig
 
     req = REQUESTS[args.request or ("page1" if args.cuda else "demo")]
     kv = plan_request(req)

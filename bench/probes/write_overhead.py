@@ -19,7 +19,7 @@ import torch
 
 from transport.base import StridedBatch
 from transport.nvlink import NvlinkEngine
-from transport.remote import RemoteBuffers, make_transport
+from kvtransfer.benchmarks._remote import RemoteBuffers, make_transport
 
 
 def med_us(xs):

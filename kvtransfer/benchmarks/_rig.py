@@ -2,7 +2,7 @@
 
 A :class:`Rig` is this process (prefill rank 0: the source buffers, one transport per backend)
 and a receiver process (decode rank 0: the destination buffers, registered with the same
-backends; :class:`~transport.remote.RemoteBuffers`), loaded with the buffers of one
+backends; :class:`~kvtransfer.benchmarks._remote.RemoteBuffers`), loaded with the buffers of one
 :class:`~._cases.Pools` at a time. Memory
 is on GPUs (``src_device`` -> ``dst_device``, the same GPU when there is only one) or in host
 memory (both None; nixl backends only).
@@ -28,7 +28,7 @@ import numpy as np
 from kvtransfer.batches import BufferRegions, write_batch
 from kvtransfer.benchmarks._cases import Case, Pools
 from kvtransfer.benchmarks._report import Timing, time_cuda, time_wall
-from transport.remote import RemoteBuffers, checksums, digest, make_transport
+from kvtransfer.benchmarks._remote import RemoteBuffers, checksums, digest, make_transport
 
 __all__ = ["FILL", "PathResult", "Rig", "ucx_env"]
 

@@ -65,7 +65,7 @@ import numpy as np
 from kvtransfer._args import HelpFormatter, description
 from kvtransfer.benchmarks._report import time_cuda
 from transport.base import StridedBatch
-from transport.remote import RemoteBuffers, checksums, make_transport
+from kvtransfer.benchmarks._remote import RemoteBuffers, checksums, make_transport
 
 BACKENDS = ("nvlink", "nixl")
 BEHIND_CYCLES = 2_000_000  # GPU clock cycles queued before a write posted behind compute (~1 ms on an H200)

@@ -159,7 +159,7 @@ class Where:
 def _where(args) -> Where:
     import torch
 
-    from transport.remote import nixl_staged_config
+    from kvtransfer.benchmarks._remote import nixl_staged_config
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu = args.memory == "gpu" or (args.memory == "auto" and gpus > 0)
@@ -223,7 +223,7 @@ def _memory(pools: Pools, where: Where) -> tuple:
 
 def _backend_error(backend: str) -> Optional[str]:
     """Why a transport of ``backend`` cannot be made here (None: it can)."""
-    from transport.remote import make_transport
+    from kvtransfer.benchmarks._remote import make_transport
 
     try:
         make_transport(backend).close()

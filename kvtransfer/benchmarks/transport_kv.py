@@ -8,7 +8,7 @@ region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer b
 
 - *staged*: the request as kvtransfer writes it to a NIXL peer with the staged mode on: the
   plan's :class:`~transport.base.StridedBatch` (``plan_batch``) through ``write_strided``
-  (``transport.nixl_staged``: strided staged writes, O(P + S) host work per write);
+  (``transport.nixl.staged``: strided staged writes, O(P + S) host work per write);
 - *direct*: the plan's flat batch through a transport with the staged mode off (one NIXL
   request of all ranges);
 - *blocks*: the batch's byte count as ``--block`` blocks (default 256 KiB; 64 MiB with
@@ -159,7 +159,7 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
     (its receiver process, messages and block descriptors); ``receiver_host``: a
     :class:`kvtransfer.netns.Host` the receiver runs on (None: beside this process)."""
     from transport.nixl import NixlConfig, NixlTransport
-    from transport.nixl_staged import StagedNixlConfig
+    from transport.nixl.staged import StagedNixlConfig
 
     requests = [GPU_PAGE1, GPU_HEADS] if args.cuda else [DEMO]
     if getattr(args, "request", None):
@@ -211,7 +211,7 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
             if staged_batch is not None:
                 writes["staged"] = lambda: _timed_call(staged_peer, staged_batch, calls).wait(600)
             _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
-            lane = staged_t._lanes.get(staged_peer.name)
+            lane = staged_t._core.lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
                 raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
             times = {name: [] for name in writes}
@@ -301,7 +301,7 @@ def _timed_call(peer, batch, calls: list):
 def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
     """The NVLink engine on the same batch: this process's cuda:0 into a receiver on cuda:1."""
     from transport.nvlink import NvlinkTransport
-    from transport.remote import RemoteBuffers
+    from kvtransfer.benchmarks._remote import RemoteBuffers
 
     remote = RemoteBuffers(device=1)
     try:

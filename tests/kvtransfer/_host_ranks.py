@@ -128,7 +128,7 @@ class _Rank:
         from kvtransfer.layout import RankLayout
         from pools.mha import MHATokenToKVPool
         from transport.nixl import NixlConfig, NixlTransport
-        from transport.nixl_staged import StagedNixlConfig
+        from transport.nixl.staged import StagedNixlConfig
 
         self.tp_size = SHAPE.prefill_tp if role == "prefill" else SHAPE.decode_tp
         self.page = SHAPE.prefill_page_size if role == "prefill" else SHAPE.decode_page_size
@@ -165,7 +165,7 @@ def _prefill(conn, tp_rank: int) -> None:
     from kvtransfer.layout import RankLayout
     from kvtransfer.plan import plan_kv_transfer
     from tests.transport._support import connect_once_drained
-    from transport.nixl_staged.sender import StagedTransfer, StridedStagedTransfer
+    from transport.nixl.staged.sender import StagedTransfer, StridedStagedTransfer
 
     rank = _Rank("prefill", tp_rank)
     peer, transfers = None, {}

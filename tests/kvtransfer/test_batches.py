@@ -158,8 +158,8 @@ def test_a_kv_plan_written_as_the_control_plane_writes_it_lands_byte_for_byte(mo
     from tests.transport._nixl_peer import LOOPBACK_ENV, payload
     from tests.transport._support import Receiver, assert_same
     from transport.nixl import NixlConfig, NixlTransport
-    from transport.nixl_staged import StagedNixlConfig
-    from transport.nixl_staged.sender import StridedStagedTransfer
+    from transport.nixl.staged import StagedNixlConfig
+    from transport.nixl.staged.sender import StridedStagedTransfer
 
     for key, value in LOOPBACK_ENV.items():
         monkeypatch.setenv(key, value)

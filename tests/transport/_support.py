@@ -6,7 +6,7 @@
   mailbox with stand-in copies) and its pipe;
 - byte references: :func:`assert_same`, :func:`entries`;
 - the two-GPU helpers: KV-shaped batches (:func:`kv_batch`, :func:`kv_strided`), a local
-  nvlink transport connected to a :class:`~transport.remote.RemoteBuffers`
+  nvlink transport connected to a :class:`~kvtransfer.benchmarks._remote.RemoteBuffers`
   (:func:`local_pair`), the check that a write landed (:func:`write_landed`) and a copy held
   back on the GPU (:func:`gpu_sleep`).
 """

@@ -95,7 +95,7 @@ def _open(backend: str, src: np.ndarray, device):
     """(the writing transport, its source region id, what must outlive the transport)."""
     if backend == "nixl":
         from transport.nixl import NixlConfig, NixlTransport
-        from transport.nixl_staged import StagedNixlConfig
+        from transport.nixl.staged import StagedNixlConfig
 
         transport = NixlTransport(NixlConfig(staged=StagedNixlConfig(enabled=False)))
         return transport, transport.register(src.ctypes.data, src.nbytes), src

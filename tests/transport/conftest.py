@@ -10,7 +10,7 @@ from tests.transport._support import Receiver, Writer
 @pytest.fixture(scope="module")
 def remote():
     """A receiver process on cuda:1 with nvlink-registered buffers (GPU tests only)."""
-    from transport.remote import RemoteBuffers
+    from kvtransfer.benchmarks._remote import RemoteBuffers
 
     r = RemoteBuffers(device=1)
     yield r
@@ -24,7 +24,7 @@ def remote_any():
     the host steps are the same."""
     import torch
 
-    from transport.remote import RemoteBuffers
+    from kvtransfer.benchmarks._remote import RemoteBuffers
 
     r = RemoteBuffers(device=min(1, torch.cuda.device_count() - 1))
     yield r

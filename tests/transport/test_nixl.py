@@ -38,7 +38,7 @@ from transport.base import (  # noqa: E402
     pack_descriptor,
 )
 from transport.nixl import NixlConfig, NixlTransport  # noqa: E402
-from transport.nixl_staged import StagedNixlConfig  # noqa: E402
+from transport.nixl.staged import StagedNixlConfig  # noqa: E402
 
 MiB = 1 << 20
 # Over tcp alone a write is asynchronous (with sm, UCX's cma copy finishes inside the post),
@@ -228,6 +228,11 @@ DIRECT = StagedNixlConfig(enabled=False)
 def tcp_pair(writer, receiver, nbytes, seed, **config):
     """A tcp-only receiver of ``nbytes``, a writer with as much random source (direct writes
     unless ``staged`` says otherwise), connected and warm."""
+    return tcp_pair_and_writer(writer, receiver, nbytes, seed, **config)[:5]
+
+
+def tcp_pair_and_writer(writer, receiver, nbytes, seed, **config):
+    """:func:`tcp_pair` and the writing transport."""
     deadline = split_deadline(config)
     rx = receiver([nbytes], env=TCP_ONLY)
     t = writer(env=TCP_ONLY, **{"staged": DIRECT, **config})
@@ -236,7 +241,7 @@ def tcp_pair(writer, receiver, nbytes, seed, **config):
     rng = np.random.default_rng(seed)
     peer.write(big_batch(sid, 1 * MiB, 4096, rng)).wait(30)  # connection up
     use_deadline(t, deadline)
-    return rx, src, sid, peer, rng
+    return rx, src, sid, peer, rng, t
 
 
 def stalled_write(rx, peer, sid, nbytes, rng):
@@ -406,13 +411,12 @@ def test_close_is_idempotent_and_final(writer):
 
 @pytest.mark.parametrize("small", [0, 1 << 30], ids=["numpy", "python"])
 def test_descriptor_arrays_per_memory_kind(small, monkeypatch):
-    import transport.nixl as nixl_module
+    import transport.nixl.regions as regions
     from transport.base import Region
-    from transport.nixl import _RegionTable
 
-    monkeypatch.setattr(nixl_module, "SMALL_BATCH", small)  # the two ways a batch's descriptors are built
+    monkeypatch.setattr(regions, "SMALL_BATCH", small)  # the two ways a batch's descriptors are built
 
-    table = _RegionTable({0: Region(0, 4096, 100), 1: Region(1, 1 << 20, 100, 1), 2: Region(2, 1 << 30, 100, 0)})
+    table = regions.RegionTable({0: Region(0, 4096, 100), 1: Region(1, 1 << 20, 100, 1), 2: Region(2, 1 << 30, 100, 0)})
     descs, mem = table.descs(np.array([1, 2, 1]), np.array([5, 0, 7]), np.array([3, 4, 5]), "source")
     assert mem == "VRAM"
     assert descs.dtype == np.uint64
@@ -522,8 +526,7 @@ def test_register_refuses_overlaps_and_impossible_ranges(writer):
 def test_deregister_of_a_source_in_flight_is_refused(writer, receiver):
     """A writer that frees its source during a write would see REMOTE_DISCONNECT, blaming the
     peer: deregistering a region that a pending transfer reads from is refused, named."""
-    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 16 * MiB, 12)
-    t = peer._transport
+    rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, 16 * MiB, 12)
     spare, spare_id = host_region(t, 4096, 13)
     tr = stalled_write(rx, peer, sid, 16 * MiB, rng)
     try:
@@ -576,9 +579,10 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
     receiver continues while it runs): once abort returns, the destination no longer changes,
     and a rewrite of the same destination waited DONE is what it holds afterwards."""
     nbytes = 16 * MiB
-    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 20 + num_threads, num_threads=num_threads,
+    rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, nbytes, 20 + num_threads,
+                                                     num_threads=num_threads,
                                        peer_loss_timeout_s=20.0)
-    fresh, fresh_id = host_region(peer._transport, nbytes, 30 + num_threads)
+    fresh, fresh_id = host_region(t, nbytes, 30 + num_threads)
     tr = stalled_write(rx, peer, sid, nbytes, rng)
     delay = 0.3
     start = time.monotonic()  # before the timer: its delay counts from its own start
@@ -597,8 +601,8 @@ def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(w
     stopped receiver still holds the write back, the write stays PENDING until NIXL no longer
     runs it, then ends FAILED ("aborted"), and after that no byte of it lands."""
     nbytes = 16 * MiB
-    rx, src, sid, peer, rng = tcp_pair(writer, receiver, nbytes, 27, peer_loss_timeout_s=20.0)
-    fresh, fresh_id = host_region(peer._transport, nbytes, 37)
+    rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, nbytes, 27, peer_loss_timeout_s=20.0)
+    fresh, fresh_id = host_region(t, nbytes, 37)
     tr = stalled_write(rx, peer, sid, nbytes, rng)
     tr.cancel()  # it returns while the receiver is stopped (resumed only below)
     assert tr.status() is TransferStatus.PENDING  # the stopped receiver still holds bytes of it back
@@ -615,14 +619,13 @@ def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, 
     """FAILED at the deadline: bytes of the request may still land, so this transport refuses
     further writes to that agent (a later write must not be overtaken by them) until a new
     connect to it, which tears the old endpoint down first."""
-    rx, src, sid, peer, rng = tcp_pair(writer, receiver, 8 * MiB, 5, peer_loss_timeout_s=0.5)
+    rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, 8 * MiB, 5, peer_loss_timeout_s=0.5)
     tr = stalled_write(rx, peer, sid, 8 * MiB, rng)
     with pytest.raises(TransferFailed, match="not done after"):
         tr.wait(20)
     later = peer.write(wb(sid, 0, 0, 0, 4096))
     assert later.status() is TransferStatus.FAILED
     assert re.search(r"was lost earlier \(connect to a new export first\): .*not done after", later.error)
-    t = peer._transport
     with pytest.raises(TransportError, match=r"still has 1 failed request\(s\) in flight \(it stalled\)"):
         t.connect(rx.export)
     os.kill(rx.proc.pid, signal.SIGCONT)

@@ -1,4 +1,4 @@
-"""NIXL direct writes through prepared descriptor lists (transport.nixl_prepped).
+"""NIXL direct writes through prepared descriptor lists (transport.nixl.prepped).
 
 Bytes are checked against a numpy reference built entry by entry (as in test_nixl.py); the
 lists' lifetime is checked on the handles NIXL gave: released when the regions they name change,
@@ -17,7 +17,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
-import transport.nixl_prepped as prepped  # noqa: E402
+import transport.nixl.prepped as prepped  # noqa: E402
 from tests.transport._support import assert_same  # noqa: E402
 from transport.base import Region, RegionRevoked, WriteBatch  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_small_writes_of_any_granule_land_byte_for_byte(pair):
     for batch in batches:
         peer.write(batch).wait(30)
         expect(want, src, batch)
-    assert len(peer._prepared) >= 1 and len(t._prepared) >= 1  # written through prepared lists
+    assert len(peer.lists) >= 1 and len(t._core.lists) >= 1  # written through prepared lists
     for region in (0, 1):
         assert_same(rx.dump(region), want[region], f"region {region}")
 
@@ -73,23 +73,23 @@ def test_a_write_of_too_many_blocks_goes_by_descriptors(pair):
     batch = wb(0, 1, 1, 3, 60 * KiB)  # granule 1: more blocks than MAX_INDICES
     assert 60 * KiB > prepped.MAX_INDICES
     peer.write(batch).wait(30)
-    assert len(peer._prepared) == 0
+    assert len(peer.lists) == 0
     assert_same(rx.dump(1)[3:3 + 60 * KiB], src[0][1:1 + 60 * KiB], "region 1")
 
 
 def test_registering_or_deregistering_a_region_releases_this_sides_lists(pair):
     t, peer, rx, src = pair
     peer.write(wb(0, 0, 0, 0, 1024)).wait(30)
-    first = handles(t._prepared)
+    first = handles(t._core.lists)
     assert first
     extra = np.full(4 * KiB, 7, np.uint8)
     rid = t.register(extra.ctypes.data, extra.nbytes)
-    assert all(h._released for h in first) and len(t._prepared) == 0
+    assert all(h._released for h in first) and len(t._core.lists) == 0
     peer.write(wb(rid, 0, 0, 1024, 4096)).wait(30)  # prepared again, with the new region
-    second = handles(t._prepared)
+    second = handles(t._core.lists)
     assert second and not any(h._released for h in second)
     t.deregister(rid)
-    assert all(h._released for h in second) and len(t._prepared) == 0
+    assert all(h._released for h in second) and len(t._core.lists) == 0
     peer.write(wb(1, 0, 0, 8192, 1024)).wait(30)
     dumped = rx.dump(0)
     assert_same(dumped[:1024], src[0][:1024], "first write")
@@ -100,17 +100,17 @@ def test_registering_or_deregistering_a_region_releases_this_sides_lists(pair):
 def test_a_peers_lists_go_with_it_and_with_the_transport(pair):
     t, peer, rx, src = pair
     peer.write(wb(0, 0, 0, 0, 512)).wait(30)
-    mine = handles(peer._prepared)
+    mine = handles(peer.lists)
     assert mine
     again = t.connect(rx.export)  # a newer connect replaces the snapshot: its lists go
     assert all(h._released for h in mine)
     again.write(wb(0, 512, 0, 512, 512)).wait(30)
-    theirs, local = handles(again._prepared), handles(t._prepared)
+    theirs, local = handles(again.lists), handles(t._core.lists)
     again.close()
     assert all(h._released for h in theirs) and not any(h._released for h in local)
     third = t.connect(rx.export)
     third.write(wb(0, 1024, 0, 1024, 512)).wait(30)
-    last = handles(third._prepared) + handles(t._prepared)
+    last = handles(third.lists) + handles(t._core.lists)
     t.close()
     assert last and all(h._released for h in last)
     assert_same(rx.dump(0)[:1536], src[0][:1536], "region 0")
@@ -119,12 +119,12 @@ def test_a_peers_lists_go_with_it_and_with_the_transport(pair):
 def test_a_revoked_region_releases_the_peers_lists(pair):
     t, peer, rx, src = pair
     peer.write(wb([0, 1], 0, [0, 1], 0, 2048)).wait(30)
-    before = handles(peer._prepared)
+    before = handles(peer.lists)
     assert before
     rx.deregister(1, pump=t.poll_notifications)  # t answers the revoke meanwhile
     assert all(h._released for h in before)
     peer.write(wb(1, 0, 0, 4096, 2048)).wait(30)  # the same snapshot: lists prepared again, without region 1
-    lists = [lst for lst in peer._prepared._lists.values() if lst is not None]
+    lists = [lst for lst in peer.lists._lists.values() if lst is not None]
     assert lists and {rid for lst in lists for rid, first in enumerate(lst.start) if first >= 0} == {0}
     with pytest.raises(RegionRevoked):
         peer.write(wb(0, 0, 1, 0, 64))
@@ -143,17 +143,19 @@ class _Stub:
 
 
 class _Agent:
+    """What prepared lists use of ``transport.nixl.agent.Agent``."""
+
     def __init__(self):
         self.prepared = []
 
-    def prep_xfer_dlist(self, name, rows, mem, backends):
-        self.prepared.append((name, rows.tolist(), mem))
+    def prep_list(self, remote, rows, mem):
+        self.prepared.append((remote, rows.tolist(), mem))
         return _Stub()
 
 
 def _lists(regions):
     agent = _Agent()
-    return agent, prepped.PreparedLists(lambda: agent, "peer", lambda: regions, ["UCX"])
+    return agent, prepped.PreparedLists(agent, "peer", lambda: regions)
 
 
 @pytest.mark.parametrize("small", [prepped.SMALL_BATCH, 0], ids=["python", "numpy"])

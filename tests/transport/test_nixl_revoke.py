@@ -28,7 +28,7 @@ from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer, _writer  # noqa: E402
 from tests.transport._support import assert_same  # noqa: E402
 from transport.base import RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch  # noqa: E402
-from transport.nixl_staged import StagedNixlConfig  # noqa: E402
+from transport.nixl.staged import StagedNixlConfig  # noqa: E402
 
 MiB = 1 << 20
 TCP_ONLY = {"UCX_TLS": "tcp,self"}  # a write stays in flight until the owner progresses it

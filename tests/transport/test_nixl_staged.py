@@ -29,10 +29,10 @@ from tests.transport._support import (assert_interpreted_ok, assert_same, connec
 from tests.transport.test_nixl import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
 from transport.base import (  # noqa: E402
     RegionRevoked, StridedBatch, TransferFailed, TransferStatus, TransportError, WriteBatch)
-from transport.nixl_staged import StagedNixlConfig  # noqa: E402
-from transport.nixl_staged.sender import (  # noqa: E402
+from transport.nixl.staged import StagedNixlConfig  # noqa: E402
+from transport.nixl.staged.sender import (  # noqa: E402
     DeferredWrite, LaneState, StagedTransfer, StridedStagedTransfer, chunk_bounds, strided_bounds)
-from transport.nixl_staged.wire import (  # noqa: E402
+from transport.nixl.staged.wire import (  # noqa: E402
     MAGIC, Chunk, ChunkHeader, DestinationTable, ProtocolError, StridedChunk, StridedHeader, Welcome, data_start,
     decode, encode, registered_entries, strided_data_start)
 
@@ -84,7 +84,7 @@ def test_staged_rows_land_byte_for_byte_before_their_notification(writer, receiv
                                                                "dst_offset", "length")))
     peer.write(again, notify=_nixl_peer.payload(2, [])).wait(60)
     assert [n for n, _ in rx.wait_notes(2)][1] == _nixl_peer.payload(2, [])
-    assert len(t._lanes) == 1 and t._lanes[peer.name].state is LaneState.READY
+    assert len(t._core.lanes) == 1 and t._core.lanes.get(peer.name).state is LaneState.READY
 
 
 def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
@@ -155,7 +155,7 @@ def test_strided_writes_land_byte_for_byte_before_their_notification(writer, rec
     for so, do, n in zip(flat[1], flat[3], flat[4]):
         want[0][do:do + n] = src[so:so + n]
     assert rx.wait_notes(4)[3] == (note, sha([want[0]]))
-    assert len(t._lanes) == 1 and t._lanes[peer.name].state is LaneState.READY
+    assert len(t._core.lanes) == 1 and t._core.lanes.get(peer.name).state is LaneState.READY
 
 
 def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver):
@@ -175,7 +175,7 @@ def test_strided_batches_outside_the_rule_are_written_coalesced(writer, receiver
         for sr, so, dr, do, n in entries(batch):
             want[do:do + n] = src[so:so + n]
         assert rx.wait_notes(i + 1)[i][1] == sha([want])
-    assert not t._lanes
+    assert not len(t._core.lanes)
 
 
 def test_host_strided_batches_with_long_source_runs_go_flat_for_the_wire_to_gather(writer, receiver):
@@ -212,7 +212,7 @@ def test_batches_outside_the_rule_go_direct(writer, receiver):
     for tr in (few, big):
         assert not isinstance(tr, (StagedTransfer, DeferredWrite))
         tr.wait(30)
-    assert not t._lanes
+    assert not len(t._core.lanes)
 
 
 def test_a_receiver_that_refuses_a_lane_gets_direct_writes(writer, receiver):
@@ -223,7 +223,7 @@ def test_a_receiver_that_refuses_a_lane_gets_direct_writes(writer, receiver):
     entries = small_rows(np.random.default_rng(3), 300, src.size, dst_sizes)
     note = _nixl_peer.payload(1, [(0, 0, 8 * MiB)])
     peer.write(wb(sid, *entries[1:]), notify=note).wait(60)
-    lane = t._lanes[peer.name]
+    lane = t._core.lanes.get(peer.name)
     assert lane.state is LaneState.REFUSED and "allows at most 131072 bytes per lane" in lane.error
     assert rx.wait_notes(1) == [(note, sha(reference([src], dst_sizes, entries)))]
     direct = peer.write(wb(sid, *entries[1:]))
@@ -267,7 +267,7 @@ def test_rows_for_a_region_the_receiver_deregistered_are_refused(writer, receive
     rx.deregister(1, pump=t.poll_notifications)  # t answers the revoke meanwhile
     with pytest.raises(RegionRevoked, match="region 1 of peer .* was revoked"):
         peer.write(wb(sid, entries[1], 1, entries[3], entries[4]))
-    monkeypatch.setattr(t._holds, "check", lambda owner, dst_region: None)  # a writer that missed the revoke
+    monkeypatch.setattr(t._core.holds, "check", lambda owner, dst_region: None)  # a writer that missed the revoke
     never = _nixl_peer.payload(1, [])
     stale = peer.write(wb(sid, entries[1], 1, entries[3], entries[4]), notify=never)
     with pytest.raises(TransferFailed, match=r"refused chunk \d+: batch entry 0: destination \(this "
@@ -413,7 +413,7 @@ def test_a_receiver_that_never_answers_the_hello_fails_the_write_at_its_deadline
     stop(rx.proc.pid)
     offs = np.arange(1024, dtype=np.int64) * 4096
     tr = peer.write(wb(sid, offs, 0, offs, 4096))
-    assert isinstance(tr, StagedTransfer) and t._lanes[peer.name].state is LaneState.OPENING
+    assert isinstance(tr, StagedTransfer) and t._core.lanes.get(peer.name).state is LaneState.OPENING
     with pytest.raises(TransferFailed, match=r"not done after .* s \(peer lost or stalled\)"):
         tr.wait(30)
     os.kill(rx.proc.pid, signal.SIGCONT)
@@ -482,22 +482,24 @@ class _Scatters:
 
 
 class _Owner:
-    """What the receiver's lanes use of their transport: the owner's notifications, the
-    answers sent (decoded), released registrations."""
+    """What the receiver's lanes use of their transport's core (``transport.nixl.core.Core``):
+    the owner's notifications, the answers sent (decoded), released registrations."""
 
     def __init__(self):
-        self._notes, self.sent, self.released = [], [], []
+        self.notes, self.sent, self.released = [], [], []
+        self.agent = self
 
-    def _agent_checked(self):
-        return self
-
-    def send_notif(self, name, payload):
+    def send(self, name, payload):
         self.sent.append((name, decode(payload)))
+        return True
 
-    def _table(self):
+    def deliver(self, note):
+        self.notes.append(note)
+
+    def table(self):
         return None
 
-    def _deregister_raw(self, reg):
+    def deregister(self, reg):
         self.released.append(reg)
 
 
@@ -507,7 +509,7 @@ def test_gpu_chunk_answers_wait_for_their_scatter_and_keep_each_senders_order():
     owner's notification from the same sender queues behind them, another sender's does not; a
     refused chunk's answer waits its turn too; a dropped lane waits for its scatters and
     answers them."""
-    from transport.nixl_staged.receiver import ReceiverLanes, _Lane
+    from transport.nixl.staged.receiver import ReceiverLanes, _Lane
 
     owner, staging = _Owner(), _Scatters()
     lanes = ReceiverLanes(owner)
@@ -517,16 +519,16 @@ def test_gpu_chunk_answers_wait_for_their_scatter_and_keep_each_senders_order():
     lanes.deliver("A", b"direct")  # a direct write of A's, behind write 7
     lanes.deliver("B", b"other")  # another sender's: at once
     assert lanes.in_flight and owner.sent == []
-    assert [n.payload for n in owner._notes] == [b"other"]
+    assert [n.payload for n in owner.notes] == [b"other"]
 
     staging.passed.add(1)  # slot 1's scatter passed before slot 0's: nothing may overtake slot 0
     lanes.answer()
-    assert owner.sent == [] and [n.payload for n in owner._notes] == [b"other"]
+    assert owner.sent == [] and [n.payload for n in owner.notes] == [b"other"]
     lanes.wait_oldest()  # waits for the oldest scatter only
     assert staging.waited == [0]
     lanes.answer()
     assert [(name, m.index, m.slot, m.error) for name, m in owner.sent] == [("A", 0, 0, ""), ("A", 1, 1, "")]
-    assert [(n.sender, n.payload) for n in owner._notes] == [("B", b"other"), ("A", b"kv"), ("A", b"direct")]
+    assert [(n.sender, n.payload) for n in owner.notes] == [("B", b"other"), ("A", b"kv"), ("A", b"direct")]
     assert not lanes.in_flight
 
     owner.sent.clear()
@@ -537,7 +539,7 @@ def test_gpu_chunk_answers_wait_for_their_scatter_and_keep_each_senders_order():
     lanes.close()  # the lane goes: its scatters are waited for and answered first
     assert staging.waited[1:] == [0, 1, 2, 3] and owner.released == ["reg-a"]
     assert [(m.index, bool(m.error)) for _, m in owner.sent] == [(0, False), (1, True)]
-    assert [n.payload for n in owner._notes][-1] == b"direct", "a refused write never notifies"
+    assert [n.payload for n in owner.notes][-1] == b"direct", "a refused write never notifies"
     assert not lanes.in_flight
 
 
@@ -661,8 +663,8 @@ def test_a_region_deregistered_between_two_chunks_of_a_strided_write_is_not_writ
     regions change before the next chunk (the destination deregistered), that chunk's table
     is checked again and refused, and none of its bytes land."""
     from transport.base import Region
-    from transport.nixl import _RegionTable
-    from transport.nixl_staged.copy import HostStaging
+    from transport.nixl.regions import RegionTable
+    from transport.nixl.staged.copy import HostStaging
 
     rng = np.random.default_rng(16)
     src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
@@ -675,14 +677,14 @@ def test_a_region_deregistered_between_two_chunks_of_a_strided_write_is_not_writ
     for k, (begin, end) in enumerate(((0, 128), (128, 256))):
         staging.write_strided_head(k, StridedHeader(1, 7, k, 2, begin, end, 64 * (end - begin), 1, 256), dest.pack())
         staging.gather_strided(k, at, rows, begin, end)
-    live = _RegionTable({0: Region(0, dst.ctypes.data, dst.nbytes)})
+    live = RegionTable({0: Region(0, dst.ctypes.data, dst.nbytes)})
     _, known = staging.land_strided(0, (1, 7, 0), 2, live, None)
     want = np.zeros_like(dst)
     for s in range(128):
         want[slots[s] * 64:][:64] = src[s * 64:][:64]
     assert_same(dst, want, "the first chunk")
     with pytest.raises(ValueError, match="region 0 is not registered"):
-        staging.land_strided(1, (1, 7, 1), 2, _RegionTable({}), known)
+        staging.land_strided(1, (1, 7, 1), 2, RegionTable({}), known)
     assert_same(dst, want, "after the refused second chunk")
     staging.land_strided(1, (1, 7, 1), 2, live, known)  # the same regions: the kept table serves
     for s in range(128, 256):
@@ -695,8 +697,8 @@ def test_host_staging_gathers_and_scatters_strided_rows(flat_slots, monkeypatch)
     """Rows ``[begin, end)`` of a strided batch (a range that starts and ends inside pairs),
     gathered into a slot back to back and scattered out again, against plain loops: one view
     per pair part, and the range expanded to flat rows (``FLAT_SLOTS``)."""
-    from transport.nixl_staged import copy
-    from transport.nixl_staged.copy import HostStaging
+    from transport.nixl.staged import copy
+    from transport.nixl.staged.copy import HostStaging
 
     monkeypatch.setattr(copy, "FLAT_SLOTS", flat_slots)
 
@@ -727,7 +729,7 @@ def test_host_staging_gathers_and_scatters_strided_rows(flat_slots, monkeypatch)
 
 
 def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
-    from transport.nixl_staged.copy import HostStaging
+    from transport.nixl.staged.copy import HostStaging
 
     rng = np.random.default_rng(10)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -750,8 +752,8 @@ def test_host_staging_gathers_and_scatters_rows_of_any_alignment():
 
 KERNEL_SCRIPT = """
 import numpy as np, torch
-from transport.nixl_staged.copy import KernelStaging
-from transport.nixl_staged.wire import data_start
+from transport.nixl.staged.kernel import KernelStaging
+from transport.nixl.staged.wire import data_start
 rng = np.random.default_rng(11)
 src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
 dst = torch.zeros(8192, dtype=torch.uint8)
@@ -772,7 +774,7 @@ for so, do, n in zip(src_off, dst_off, length):
 assert (dst.numpy() == want).all(), "scatter"
 # land(): the header and row table in the slot, checked and turned into the kernel's table here
 from tests.transport._expected import assert_refused, one_region_table
-from transport.nixl_staged.wire import ChunkHeader, ProtocolError
+from transport.nixl.staged.wire import ChunkHeader, ProtocolError
 pool = torch.zeros(8192, dtype=torch.uint8)
 table = one_region_table(pool)
 staging.write_head(0, ChunkHeader(1, 2, 0, 6, int(length.sum())), dst_off, np.zeros(6, np.int64), length)
@@ -801,8 +803,8 @@ def test_kernel_staging_gathers_and_scatters_in_tritons_interpreter():
 STRIDED_KERNEL_SCRIPT = """
 import numpy as np, torch
 from tests.transport._expected import assert_refused, one_region_table
-from transport.nixl_staged.copy import KernelStaging
-from transport.nixl_staged.wire import DestinationTable, StridedHeader, strided_data_start
+from transport.nixl.staged.kernel import KernelStaging
+from transport.nixl.staged.wire import DestinationTable, StridedHeader, strided_data_start
 rng = np.random.default_rng(16)
 src = torch.from_numpy(rng.integers(0, 256, 8192, dtype=np.uint8))
 s = src.numpy()

@@ -527,7 +527,7 @@ def test_receiver_tells_two_writing_transports_apart(remote):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_dead_peer_does_not_hang_the_writer():
-    from transport.remote import RemoteBuffers
+    from kvtransfer.benchmarks._remote import RemoteBuffers
 
     victim = RemoteBuffers(device=1)
     t = None

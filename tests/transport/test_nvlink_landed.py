@@ -311,7 +311,7 @@ def test_across_processes_a_notification_waits_for_its_landing_and_dies_with_its
     announcement and the settle of its second notification: its first comes out, its second
     never."""
     from transport.nvlink import parse_descriptor
-    from transport.remote import RemoteBuffers
+    from kvtransfer.benchmarks._remote import RemoteBuffers
 
     remote = RemoteBuffers(None, ("nvlink",))
     child = None

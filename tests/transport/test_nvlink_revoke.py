@@ -472,7 +472,7 @@ def test_gpu_deregister_waits_for_a_write_in_flight(remote):
     import torch
 
     from tests.transport._support import gpu_sleep, local_pair
-    from transport.remote import digest
+    from kvtransfer.benchmarks._remote import digest
 
     t, peer, src, dst_rids = local_pair(remote, 1, GPU_BUF)
     try:

@@ -1,9 +1,9 @@
-"""``transport.remote.RemoteBuffers`` with host memory: the receiver of ``bench transfer`` on a CPU."""
+"""``kvtransfer.benchmarks._remote.RemoteBuffers`` with host memory: the receiver of ``bench transfer`` on a CPU."""
 
 from __future__ import annotations
 
 from transport.base import WriteBatch
-from transport.remote import RemoteBuffers, digest, make_transport
+from kvtransfer.benchmarks._remote import RemoteBuffers, digest, make_transport
 
 
 def test_host_receiver_writes_digests_frees_and_abandons_a_wait():

@@ -27,7 +27,7 @@ import abc
 import time
 from typing import Hashable, Iterable, Optional
 
-from transport.base import RevokeTimeout
+from transport.errors import RevokeTimeout
 from transport.revocation.wire import HoldAck, Message, Revoke
 
 __all__ = ["Holder", "Holders"]

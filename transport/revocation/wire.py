@@ -5,7 +5,7 @@ Each is one frozen dataclass, encoded as :data:`MAGIC` + msgpack ``[kind, [field
 of them (a notification, a staged message), and writers may not send notifications that start
 with it (``write`` refuses them).
 
-- nixl (:mod:`transport.nixl_revoke`), over NIXL notifications (``send_notif``): writer
+- nixl (:mod:`transport.nixl.revoke`), over NIXL notifications (``send_notif``): writer
   ("holder") -> owner :class:`Hold`, :class:`RevokeAck`, :class:`Release`; owner -> holder
   :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
 - nvlink (:mod:`transport.nvlink.holders`, :mod:`transport.nvlink.holds`), as frames of the

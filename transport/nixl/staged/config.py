@@ -6,34 +6,32 @@ from dataclasses import dataclass
 
 __all__ = ["StagedNixlConfig", "CHUNK_HEADER_BYTES", "ROW_TABLE_BYTES"]
 
-CHUNK_HEADER_BYTES = 64  # a chunk's header in its staging slot (transport.nixl_staged.wire)
+CHUNK_HEADER_BYTES = 64  # a chunk's header in its staging slot (transport.nixl.staged.wire)
 ROW_TABLE_BYTES = 16  # per row in a chunk: destination offset (int64), region (int32), length (int32)
 
 
 @dataclass(frozen=True)
 class StagedNixlConfig:
-    """When and how a NIXL write goes staged (:mod:`transport.nixl_staged`).
+    """When and how a NIXL write goes staged (:mod:`transport.nixl.staged`).
 
-    enabled: writes may go staged at all (False: every write is direct, as before).
+    enabled: writes may go staged at all (False: every write is direct).
     min_rows: a batch of fewer ranges goes direct (a few ranges cost NIXL little; the staged
         mode pays a handshake once per peer and a round trip per slot).
     max_row_bytes: a batch with a range longer than this goes direct (NIXL moves 16 KiB
-        ranges at about the rate this host gathers and scatters them: bench/RESULTS.md).
+        ranges about as fast as the staged mode gathers and scatters them: bench/RESULTS.md).
     slot_bytes: bytes of one staging slot of a lane whose receiving side is host memory: a
         chunk (header, row table or destination table, gathered rows) per slot; the rows of a
         batch are cut into chunks that fit.
-    cuda_slot_bytes: the same for a lane whose receiving side is CUDA memory. Each chunk pays
-        about 0.25-0.4 ms of the sender's host time (its gather's launch, header and table
-        queued: ~0.1 ms; the NIXL write: ~0.1-0.2 ms), which must stay below the chunk's time
-        on the wire, so GPU lanes take large slots: on 2x H200 a 5 GiB request went at
-        187-189 GB/s with 64 MiB slots and 279-338 GB/s with 128 MiB (bench/RESULTS.md).
+    cuda_slot_bytes: the same for a lane whose receiving side is CUDA memory. Each chunk costs
+        the sender a fixed amount of host time (its gather's launch, header and table, the
+        NIXL write: a few tenths of a millisecond), which must stay below the chunk's time on
+        the wire, so GPU lanes take large slots (bench/RESULTS.md compares slot sizes).
     slots: staging slots per lane (>= 2, so that gather, wire and scatter overlap).
     wire_gather_bytes: host memory: a chunk whose source runs (rows that follow each other in
         memory and in the chunk) average at least this many bytes is not copied into the
-        staging first: its write carries a descriptor per run. On a quiet 2-core host NIXL moves
-        32 KiB ranges at 5.9 GB/s and 16 KiB ones at 3.8, against ~3.9 GB/s for a local gather
-        plus one write of the slot, so runs of 16 KiB (the CPU demo's) are gathered locally
-        (bench/RESULTS.md).
+        staging first: its write carries a descriptor per run. NIXL moves 32 KiB ranges faster
+        than a local gather plus one write of the slot, and 16 KiB ones slower, so runs of
+        16 KiB (the CPU demo's) are gathered locally (bench/RESULTS.md).
     max_lanes: host lanes a receiver keeps (one per sending transport); a Hello past them is
         refused and that sender writes direct.
     max_cuda_lanes: the same for lanes on CUDA memory (counted apart: GPU memory is scarcer).
@@ -109,7 +107,7 @@ class StagedNixlConfig:
         """Whether a :class:`~transport.base.StridedBatch` goes staged: its coalesced form (the
         flat batch it would otherwise be written as) would, by :meth:`wants`; O(P + S), the flat
         form is not built (the sender also needs its destination table to fit a slot:
-        :func:`~transport.nixl_staged.wire.strided_fits`)."""
+        :func:`~transport.nixl.staged.wire.strided_fits`)."""
         if not self.enabled or len(batch) == 0:
             return False
         rows, longest = batch.coalesced_shape()

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from transport.revocation import owner as core
 from transport.revocation.wire import Closed, Hold, Release, RevokeAck, encode
 
@@ -35,24 +33,20 @@ class _Holder(core.Holder):
 
 
 class Holders(core.Holders):
-    """The remote transports holding an export of one :class:`~transport.nixl.NixlTransport`."""
+    """The remote transports holding an export of one NIXL transport."""
 
-    def __init__(self, transport):
+    def __init__(self, core):
         super().__init__()
-        self._t = transport
+        self._core = core  # transport.nixl.core.Core: agent, registry, pump()
 
     def _send(self, name: str, msg) -> bool:
-        try:
-            self._t._agent_checked().send_notif(name, encode(msg))
-            return True
-        except Exception:
-            return False
+        return self._core.agent.send(name, encode(msg))
 
     def _pump(self) -> None:
-        self._t._pump()
+        self._core.pump()
 
     def _live(self, region_id: int) -> bool:
-        return region_id in self._t._registry.view
+        return region_id in self._core.registry.view
 
     # -- messages from holders -------------------------------------------------------------------
 
@@ -66,10 +60,9 @@ class Holders(core.Holders):
             self._forget(holder)
 
     def _hold(self, sender: str, msg: Hold, holder) -> None:
-        agent = self._t._agent_checked()
         if holder is None or holder.metadata != msg.metadata:
             try:  # to answer it (NIXL updates an agent it already knows in place)
-                agent.add_remote_agent(msg.metadata)
+                self._core.agent.load(msg.metadata)
             except Exception:
                 return  # cannot answer: its writes wait for the HoldAck and fail, naming this side
         if holder is None:
@@ -89,27 +82,26 @@ class Holders(core.Holders):
         if self._send(h.name, msg):
             return
         try:
-            self._t._agent_checked().add_remote_agent(h.metadata)
+            self._core.agent.load(h.metadata)
         except Exception:
             return  # not answered: a hold's writes fail at their wait, a revoke's holder stays silent
         self._send(h.name, msg)
 
     def _probe(self, h: _Holder) -> None:
         """Post or check a 1-byte write into ``h``'s scratch: a disconnect means it died."""
-        agent = self._t._agent_checked()
+        agent = self._core.agent
+        agent.check_open()
         if h.probe is None:
             if time.monotonic() < h.probe_at:
                 return
-            local = np.array([[self._t._scratch.ctypes.data, 1, 0]], dtype=np.uint64)  # [1, 3]
-            remote = np.array([[h.scratch, 1, 0]], dtype=np.uint64)  # [1, 3]
             try:
-                h.probe, _ = self._t._post(h.name, local, "DRAM", remote, "DRAM", b"")
+                h.probe, _ = agent.post_byte(h.name, h.scratch, b"")
             except Exception as exc:
                 self._judge(h, exc)
                 h.probe_at = time.monotonic() + PROBE_INTERVAL_S
                 return
         try:
-            state = agent.check_xfer_state(h.probe)
+            state = agent.state(h.probe)
         except Exception as exc:
             self._judge(h, exc)
             self._drop_probe(h)
@@ -130,7 +122,7 @@ class Holders(core.Holders):
     def _drop_probe(self, h: _Holder) -> None:
         if h.probe is not None:
             probe, h.probe = h.probe, None
-            self._t._release_handle(probe)
+            self._core.agent.release(probe)
 
     def revoke_all(self) -> None:
         """The transport closes: tell every holder its regions are gone; wait for nobody."""

@@ -1,13 +1,13 @@
-"""The sending side of the staged mode: one :class:`SenderLane` per remote agent.
+"""The sending side of the staged mode: the writes a lane carries (its jobs).
 
-A lane owns this side's staging (``slots`` x ``slot_bytes``, registered with NIXL), the
-receiver's staging address (from its :class:`~transport.nixl_staged.wire.Welcome`) and a FIFO
+A lane (:class:`~transport.nixl.staged.lane.SenderLane`, one per remote agent) owns this side's staging (``slots`` x ``slot_bytes``, registered with NIXL), the
+receiver's staging address (from its :class:`~transport.nixl.staged.wire.Welcome`) and a FIFO
 of jobs, the writes to that agent in the order ``write`` was called:
 
 - :class:`StagedTransfer`: rows cut into chunks (:func:`chunk_bounds`); a free local slot
-  takes the next chunk: gather (:mod:`~transport.nixl_staged.copy`), header and row table;
+  takes the next chunk: gather (:mod:`~transport.nixl.staged.copy`), header and row table;
   once a slot of the receiver is free too, ONE NIXL write of the local slot into it carrying
-  a :class:`~transport.nixl_staged.wire.Chunk` notification. The local slot is free again as
+  a :class:`~transport.nixl.staged.wire.Chunk` notification. The local slot is free again as
   soon as NIXL has read it (the write's request is DONE), the receiver's slot when its Credit
   says it scattered it, so the next chunks are gathered while the receiver still scatters
   (on a GPU: queued on the staging's stream, waited for by an event only when their write is
@@ -18,7 +18,7 @@ of jobs, the writes to that agent in the order ``write`` was called:
   O(P + chunks) (:func:`strided_bounds`), each gathered in one step per pair part (host) or
   one kernel launch (CUDA) from the write's strided table (uploaded once), its slot headed by
   the write's destination table (packed, and on a GPU uploaded, once per write), posted as
-  :class:`~transport.nixl_staged.wire.StridedChunk`.
+  :class:`~transport.nixl.staged.wire.StridedChunk`.
 - :class:`DeferredWrite`: a direct write issued while a staged one is still in the FIFO; it is
   posted when its turn comes.
 
@@ -27,26 +27,29 @@ queued the earlier write's notification, so one sender's notifications arrive in
 its writes were issued, whichever way each went.
 
 Progress happens in the owner's calls (``status``/``wait``/``abort`` of any job,
-``poll_notifications``), on the owner's thread, as for direct writes: :meth:`SenderLane.progress`.
+``poll_notifications``), on the owner's thread, as for direct writes:
+:meth:`~transport.nixl.staged.lane.SenderLane.progress`.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from transport.base import StridedBatch, Transfer, TransferStatus, WriteBatch
-from transport.nixl_staged.copy import Staging, make_staging
-from transport.nixl_staged.wire import (Chunk, ChunkHeader, Credit, DestinationTable, Hello, StridedChunk,
-                                        StridedHeader, Welcome, data_start, encode, registered_entries,
-                                        strided_data_start)
+from transport.base import Transfer, TransferStatus
+from transport.batch import StridedBatch, WriteBatch
+from transport.nixl.staged.copy import Staging
+from transport.nixl.staged.wire import (Chunk, ChunkHeader, DestinationTable, StridedChunk, StridedHeader,
+                                        data_start, strided_data_start)
 
-__all__ = ["SenderLane", "StagedTransfer", "StridedStagedTransfer", "DeferredWrite", "chunk_bounds",
-           "strided_bounds", "LaneState"]
+if TYPE_CHECKING:
+    from transport.nixl.staged.lane import SenderLane
+
+__all__ = ["DeferredWrite", "Gathered", "Job", "LaneState", "StagedJob", "StagedTransfer", "StridedStagedTransfer",
+           "chunk_bounds", "strided_bounds"]
 
 
 IN_FLIGHT_POLL_S = 1e-4  # longest pause of a staged write's wait() while its lane has chunks in flight
@@ -96,30 +99,39 @@ def strided_bounds(length: np.ndarray, slots: int, room: int) -> np.ndarray:
     return np.asarray(bounds, dtype=np.int64)
 
 
-class _Gathered:
+class Gathered:
     """A chunk in a local slot, waiting for a slot of the receiver: ``local`` its ``[k, 2]``
     (address, bytes) ranges here, ``remote`` the same on the receiver relative to its slot's start."""
 
     __slots__ = ("job", "index", "local_slot", "local", "remote", "kind")
 
-    def __init__(self, job: "_StagedJob", index: int, local_slot: int, local: np.ndarray, remote: np.ndarray,
+    def __init__(self, job: "StagedJob", index: int, local_slot: int, local: np.ndarray, remote: np.ndarray,
                  kind: type):
         self.job, self.index, self.local_slot = job, index, local_slot
         self.local, self.remote, self.kind = local, remote, kind
 
 
-class _Job(Transfer):
+class Job(Transfer):
     """A write queued on a lane; once posted direct, it reports its inner NIXL transfer."""
 
     def __init__(self, peer, batch, notify: bytes):
         self._peer, self._batch, self._notify = peer, batch, notify
-        self._src_region = batch.src_region  # what deregister must not pull (see NixlTransport.deregister)
-        self.lane: Optional[SenderLane] = None
+        self.src_region = batch.src_region  # what deregister must not pull (see NixlTransport.deregister)
+        self.lane: Optional["SenderLane"] = None
         self._inner = None  # a NixlTransfer once posted direct
         self._status, self._error = TransferStatus.PENDING, None
         self.nbytes = batch.nbytes
-        self._deadline_s = peer._transport.config.deadline_s(self.nbytes)
+        self._deadline_s = 0.0  # the lane sets it (submit)
         self._deadline: Optional[float] = None  # set when it starts (a queued job waits for the one before)
+
+    def queued_on(self, lane: "SenderLane", deadline_s: float) -> None:
+        """``lane`` carries it; ``deadline_s``: how long it may run once it starts."""
+        self.lane, self._deadline_s = lane, deadline_s
+
+    @property
+    def inner(self):
+        """The direct NIXL transfer once it was posted direct, else None."""
+        return self._inner
 
     def start(self) -> None:
         """It is the lane's head job now: its peer-loss deadline runs from here."""
@@ -132,7 +144,7 @@ class _Job(Transfer):
 
     def go_direct(self) -> None:
         batch = self._batch if isinstance(self._batch, WriteBatch) else self._batch.coalesced()
-        self._inner = self._peer._direct(batch, self._notify)
+        self._inner = self._peer.direct(batch, self._notify)
 
     def fail(self, error: str) -> None:
         if self._inner is None and self._status is TransferStatus.PENDING:
@@ -162,10 +174,10 @@ class _Job(Transfer):
     def _max_pause(self) -> float:
         return IN_FLIGHT_POLL_S if self.lane is not None and self.lane.in_flight else self.max_poll_sleep_s
 
-    def _cancel(self) -> None:
+    def cancel_now(self) -> None:
         """The transport is closing: fail now (its lane releases what is in flight)."""
         if self._inner is not None:
-            self._inner._cancel()
+            self._inner.cancel_now()
         self.fail("transport closed")
 
     @property
@@ -177,11 +189,11 @@ class _Job(Transfer):
     def finished(self) -> bool:
         """DONE or FAILED (a deferred write once its NIXL request is)."""
         if self._inner is not None:
-            return self._inner._status is not TransferStatus.PENDING
+            return self._inner.ended
         return self._status is not TransferStatus.PENDING
 
 
-class DeferredWrite(_Job):
+class DeferredWrite(Job):
     """A direct write queued behind a staged one to the same agent (order of notifications)."""
 
     def abort(self) -> None:
@@ -191,7 +203,7 @@ class DeferredWrite(_Job):
             self.fail("aborted")  # never posted: nothing of it can land
 
 
-class _StagedJob(_Job):
+class StagedJob(Job):
     """A write through the lane's staging (module doc): its chunks ``bounds``, what is posted and
     answered; a kind of staged write fills a slot with its next chunk (:meth:`fill`)."""
 
@@ -205,7 +217,7 @@ class _StagedJob(_Job):
         self.credited = 0  # chunks the receiver answered
         self.aborting = False
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         """Chunk ``index`` into local ``slot`` of ``lane``'s staging (copies that may still be
         queued: ``lane.staging.ready(slot)`` before NIXL reads it)."""
         raise NotImplementedError
@@ -261,7 +273,7 @@ class _StagedJob(_Job):
             self._status, self._error = TransferStatus.FAILED, "aborted"
 
 
-class StagedTransfer(_StagedJob):
+class StagedTransfer(StagedJob):
     """A flat batch (one row per range) through the lane's staging (module doc)."""
 
     def __init__(self, peer, batch, notify: bytes, src_addr: np.ndarray, order: Optional[np.ndarray],
@@ -291,7 +303,7 @@ class StagedTransfer(_StagedJob):
             self._adopted = staging.adopt(self.src_addr, self.dst_offset, self.dst_region, self.length)
         return self._adopted
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         a, b = int(self.bounds[index]), int(self.bounds[index + 1])
         length = self.length[a:b]
         rows, nbytes = b - a, int(length.sum())
@@ -318,10 +330,10 @@ class StagedTransfer(_StagedJob):
             remote = np.array([[0, at + nbytes]], dtype=np.int64)
         _, dst_offset, dst_region, ln = (x[a:b] for x in self.adopted(staging))
         staging.write_head(slot, ChunkHeader(lane.id, self.seq, index, rows, nbytes), dst_offset, dst_region, ln)
-        return _Gathered(self, index, slot, local, remote, Chunk)
+        return Gathered(self, index, slot, local, remote, Chunk)
 
 
-class StridedStagedTransfer(_StagedJob):
+class StridedStagedTransfer(StagedJob):
     """A :class:`~transport.base.StridedBatch` through the lane's staging (module doc): rows
     ``p * S + s`` pair-major, a chunk a row range. ``src_addr``: ``[P]`` absolute source address
     of each pair's slot 0 (the batch's bounds already checked)."""
@@ -338,7 +350,7 @@ class StridedStagedTransfer(_StagedJob):
         self._rows = None  # the source rows as the lane's staging copies them (its table uploaded once)
         self._head = None  # the destination table's bytes (uploaded once on a GPU)
 
-    def fill(self, lane: "SenderLane", slot: int, index: int) -> _Gathered:
+    def fill(self, lane: "SenderLane", slot: int, index: int) -> Gathered:
         staging = lane.staging
         if self._rows is None:  # once per write
             self._rows = staging.strided_rows(*self.src)
@@ -350,258 +362,4 @@ class StridedStagedTransfer(_StagedJob):
         size = self.at + nbytes
         local = np.array([[staging.slot_ptr(slot), size]], dtype=np.int64)  # [1, (address, bytes)]
         remote = np.array([[0, size]], dtype=np.int64)
-        return _Gathered(self, index, slot, local, remote, StridedChunk)
-
-
-class _Slot:
-    """A chunk in flight in a slot of the receiver (until its Credit); ``local_slot`` until
-    NIXL has read it (its request DONE)."""
-
-    __slots__ = ("job", "index", "handle", "local_slot")
-
-    def __init__(self, job: _StagedJob, index: int, handle, local_slot: Optional[int]):
-        self.job, self.index, self.handle, self.local_slot = job, index, handle, local_slot
-
-
-class SenderLane:
-    """Staging and job FIFO towards one remote agent (module doc)."""
-
-    def __init__(self, transport, name: str, lane_id: int, scratch_ptr: int, src_device: Optional[int],
-                 dst_device: Optional[int]):
-        self._t = transport
-        self.name, self.id = name, lane_id
-        self.src_device, self.dst_device = src_device, dst_device
-        self._scratch_ptr = scratch_ptr
-        cfg = transport.config.staged
-        self.slots, self.slot_bytes = cfg.slots, cfg.slot_bytes_for(dst_device)  # sized by the receiving memory
-        self.wire_gather_bytes = cfg.wire_gather_bytes
-        self.state = LaneState.NEW
-        self.error: Optional[str] = None
-        self.staging: Optional[Staging] = None
-        self._reg = None  # NIXL registration of the staging
-        self.remote_ptr = 0
-        self._free = deque(range(self.slots))  # the receiver's slots
-        self._free_local = deque(range(self.slots))  # this side's slots
-        self._gathered: deque[_Gathered] = deque()  # the head job's chunks in local slots, not posted yet
-        self._inflight: dict[int, _Slot] = {}  # receiver's slot -> chunk in flight (until its Credit)
-        self._queue: deque[_Job] = deque()  # jobs still to post, in write order
-        self._handles: list = []  # (handle, local slot or None) still to release (Hello, credited chunks)
-        self._seq = 0
-        self.moves = 0  # chunks posted and answered so far (what a waiting write's pauses watch)
-
-    @property
-    def in_flight(self) -> bool:
-        """Chunks are gathered, or posted and not yet answered."""
-        return bool(self._inflight or self._gathered)
-
-    @property
-    def busy(self) -> bool:
-        """A job has not finished: a new write must queue behind it."""
-        return bool(self._queue)
-
-    def matches(self, src_device: Optional[int], dst_device: Optional[int]) -> bool:
-        return (src_device, dst_device) == (self.src_device, self.dst_device)
-
-    def submit(self, job: _Job) -> _Job:
-        job.lane = self
-        if isinstance(job, _StagedJob):
-            self._seq += 1
-            job.seq = self._seq
-        if self.state is LaneState.LOST:
-            job.fail(f"peer {self.name!r} was lost earlier (connect to a new export first): {self.error}")
-            return job
-        self._queue.append(job)
-        self.progress()
-        return job
-
-    # -- progress ---------------------------------------------------------------------------
-
-    def progress(self) -> None:
-        t = self._t
-        if t._agent_or_none() is None:
-            return
-        t._pump()
-        if self._queue:
-            self._queue[0].start()  # also while the lane opens: a receiver that never answers fails it
-        if self.state is LaneState.NEW:
-            self._open()
-        self._check_handles()
-        if self.state is LaneState.READY:
-            self._post_ready()
-        elif self.state is LaneState.REFUSED:
-            while self._queue:  # in order: each posted behind the one before (NIXL keeps them in order)
-                job = self._queue.popleft()
-                if job.waiting:
-                    job.go_direct()
-
-    def _open(self) -> None:
-        """Allocate and register this side's staging, send Hello."""
-        t, agent = self._t, self._t._agent_checked()
-        try:
-            self.staging = make_staging(self.slots, self.slot_bytes, self.src_device)
-            self._reg = t._register_raw(self.staging.ptr, self.staging.nbytes, self.src_device)
-        except Exception as exc:  # no memory for staging: this lane writes direct
-            self._refuse(f"local staging of {self.slots * self.slot_bytes} bytes: {type(exc).__name__}: {exc}")
-            return
-        hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
-                      bytes(agent.get_agent_metadata()), t._registered())
-        try:
-            handle, _ = t._post_notify(self.name, self._scratch_ptr, encode(hello))
-        except Exception as exc:
-            self.lose(f"peer {self.name!r}: could not send the staged Hello: {type(exc).__name__}: {exc}")
-            return
-        self._handles.append((handle, None))
-        self.state = LaneState.OPENING
-
-    def _refuse(self, why: str) -> None:
-        self.state, self.error = LaneState.REFUSED, why
-
-    def _post_ready(self) -> None:
-        """Gather the head job's chunks into free local slots and post them into free slots of
-        the receiver (or post a deferred write); the next job starts when the head has finished.
-        A gathered chunk is posted once its copies are done, or at once (waiting for them) when
-        nothing more can be gathered meanwhile."""
-        while self._queue:
-            job = self._queue[0]
-            job.start()
-            while self._gathered and not self._gathered[0].job.can_post:  # aborted or failed: nothing of it goes
-                self._free_local.append(self._gathered.popleft().local_slot)
-            if job.finished:
-                self._queue.popleft()
-            elif isinstance(job, DeferredWrite):
-                if job._inner is None:
-                    job.go_direct()
-                if job._inner.status() is TransferStatus.PENDING:
-                    return
-            elif self._gathered and self._free and (self.staging.is_ready(self._gathered[0].local_slot)
-                                                    or not (job.has_more and self._free_local)):
-                if not self._post_chunk(self._gathered.popleft(), self._free.popleft()):
-                    return
-            elif job.has_more and self._free_local:
-                self._gathered.append(job.fill(self, self._free_local.popleft(), job.gathered))
-                job.gathered += 1
-            else:
-                return  # no free slot here or there, or every chunk posted: wait for NIXL and Credits
-
-    def _post_chunk(self, chunk: _Gathered, slot: int) -> bool:
-        job = chunk.job
-        self.staging.ready(chunk.local_slot)  # its copies are in place before NIXL reads it
-        remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)
-        try:
-            handle, state = self._t._post_slot(self.name, chunk.local, self.src_device, remote, self.dst_device,
-                                               encode(job.note(chunk.kind, self, slot, chunk.index)))
-        except Exception as exc:
-            self._free.appendleft(slot)
-            self._free_local.append(chunk.local_slot)
-            self.lose(f"peer {self.name!r}: could not post chunk {chunk.index}: {type(exc).__name__}: {exc}")
-            return False
-        self._inflight[slot] = _Slot(job, chunk.index, handle, chunk.local_slot)
-        self.moves += 1
-        job.posted += 1
-        if state not in ("DONE", "PROC"):
-            self.lose(f"peer {self.name!r}: NIXL reported {state} when posting chunk {chunk.index}")
-            return False
-        # NIXL sends a write's notification from its progress once the data is flushed: drive
-        # it now, so the receiver scatters this chunk while the next one is gathered; and read
-        # the Credits that came meanwhile (a gather-ahead run must not hold them back)
-        self._check_handles()
-        if self.state is LaneState.READY:
-            self._t._pump()
-        return self.state is LaneState.READY
-
-    def _check_handles(self) -> None:
-        agent = self._t._agent_checked()
-        for slot, entry in list(self._inflight.items()):
-            if entry.handle is None:
-                continue
-            try:
-                state = agent.check_xfer_state(entry.handle)
-            except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-                self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
-                return
-            if state == "DONE":  # NIXL has read the local slot: the next chunk may be gathered into it
-                self._t._release_handle(entry.handle)
-                self._free_local.append(entry.local_slot)
-                entry.handle = entry.local_slot = None
-            elif state != "PROC":
-                self.lose(f"peer {self.name!r}: NIXL reported {state}")
-                return
-        keep = []
-        for handle, local_slot in self._handles:
-            try:
-                state = agent.check_xfer_state(handle)
-            except Exception as exc:
-                self.lose(f"peer {self.name!r}: {type(exc).__name__}: {exc}")
-                return
-            if state == "PROC":
-                keep.append((handle, local_slot))
-            else:
-                self._t._release_handle(handle)
-                if local_slot is not None:
-                    self._free_local.append(local_slot)
-        self._handles = keep
-
-    # -- messages from the receiver ----------------------------------------------------------
-
-    def on_message(self, msg) -> None:
-        if isinstance(msg, Welcome) and self.state is LaneState.OPENING:
-            if msg.error:
-                self._refuse(f"peer {self.name!r} refused a staging lane: {msg.error}")
-                return
-            try:  # the receiver's metadata now registers its staging: NIXL updates the agent in place
-                registered = registered_entries(msg.registered)
-                self._t._agent_checked().add_remote_agent(msg.metadata)
-            except Exception as exc:
-                self._refuse(f"peer {self.name!r}: its staging metadata was refused: {type(exc).__name__}: {exc}")
-                return
-            self._t._loaded_too(self.name, registered)  # its regions the export we hold did not name, too
-            self.remote_ptr, self.state = int(msg.ptr), LaneState.READY
-        elif isinstance(msg, Credit):
-            entry = self._inflight.get(msg.slot)
-            if entry is None or entry.job.seq != msg.seq or entry.index != msg.index:
-                return  # not a chunk of this lane in flight (a stale answer)
-            del self._inflight[msg.slot]
-            self.moves += 1
-            if entry.handle is not None:  # answered, so flushed: release once NIXL says so
-                self._handles.append((entry.handle, entry.local_slot))
-            self._free.append(msg.slot)
-            entry.job.on_credit(msg.error)
-
-    # -- failure and teardown ------------------------------------------------------------------
-
-    def lose(self, error: str) -> None:
-        """FAILED for every job, the remote agent lost (as a direct write's deadline does):
-        requests in flight go to the transport's drain list."""
-        t = self._t
-        t._lost.setdefault(self.name, error)
-        self.state, self.error = LaneState.LOST, error
-        handles = [e.handle for e in self._inflight.values() if e.handle is not None] + [h for h, _ in self._handles]
-        t._draining.setdefault(self.name, []).extend(handles)
-        jobs = [e.job for e in self._inflight.values()] + list(self._queue)
-        self._inflight.clear()
-        self._gathered.clear()
-        self._queue.clear()
-        self._handles = []
-        for job in jobs:
-            job.fail(error)
-
-    def close(self) -> None:
-        """The transport closes (its agent goes) or a new connect replaces a lost lane."""
-        for entry in self._inflight.values():
-            entry.job._cancel()
-            if entry.handle is not None:
-                self._t._release_handle(entry.handle)
-        for job in self._queue:
-            job._cancel()
-        for handle, _ in self._handles:
-            self._t._release_handle(handle)
-        self._inflight.clear()
-        self._gathered.clear()
-        self._queue.clear()
-        self._handles = []
-        if self._reg is not None:
-            self._t._deregister_raw(self._reg)
-            self._reg = None
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        return Gathered(self, index, slot, local, remote, StridedChunk)

@@ -4,14 +4,14 @@ Why
 ---
 A one-sided write cannot be refused by its target, and UCX's loopback transports (tcp, sm/cma)
 do not check registrations there: a writer still connected with an export naming a region that
-the owner deregistered and freed writes into freed memory (measured: SIGSEGV in the owner for a
-64 MiB region, heap corruption for 64 KiB, while the writer saw DONE). So the owner must know
+the owner deregistered and freed writes into freed memory (the owner crashes or its heap is
+corrupted, while the writer sees DONE). So the owner must know
 who can write into a region and make each of them stop before it lets the region go.
 
 Protocol (messages: :mod:`~transport.revocation.wire`, over NIXL notifications)
 --------------------------------------------------------------------------------
-Writer = *holder* (:mod:`~transport.nixl_revoke.holder`), owner of the memory
-(:mod:`~transport.nixl_revoke.owner`; its revoke loop is :mod:`transport.revocation.owner`'s,
+Writer = *holder* (:mod:`~transport.nixl.revoke.holder`), owner of the memory
+(:mod:`~transport.nixl.revoke.owner`; its revoke loop is :mod:`transport.revocation.owner`'s,
 shared with the nvlink backend):
 
 1. ``connect(export)``: the holder sends ``Hold(seq, regions, metadata, scratch)``. The owner,
@@ -58,7 +58,7 @@ Costs: one round trip before the first direct write after each ``connect``; a
 loads each holder's metadata (a UCX endpoint back to it, also used by staged lanes).
 """
 
-from transport.nixl_revoke.holder import Holds
-from transport.nixl_revoke.owner import Holders
+from transport.nixl.revoke.holder import Holds
+from transport.nixl.revoke.owner import Holders
 
 __all__ = ["Holds", "Holders"]

@@ -37,8 +37,8 @@ from typing import Optional, Union
 import numpy as np
 
 from transport import notif_frames as frames
-from transport.base import check_strided_side
-from transport.nixl_staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
+from transport.batch import check_strided_side
+from transport.nixl.staged.config import CHUNK_HEADER_BYTES, ROW_TABLE_BYTES
 
 __all__ = ["MAGIC", "Hello", "Welcome", "Chunk", "StridedChunk", "Credit", "encode", "decode", "ChunkHeader", "data_start",
            "ProtocolError", "StridedHeader", "DestinationTable", "strided_data_start", "strided_fits",

@@ -15,7 +15,7 @@ For each remote agent whose export this transport connected to, a :class:`_Hold`
 
 Everything runs on the owner's thread, inside calls into the transport (``write``, a transfer's
 ``status``/``wait``, ``poll_notifications``, ``connect``, ``Peer.close``): a transport that holds
-an export answers revokes only while it is called (see :mod:`transport.nixl_revoke`).
+an export answers revokes only while it is called (see :mod:`transport.nixl.revoke`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ class _Hold:
 
 
 class Holds:
-    """The exports one :class:`~transport.nixl.NixlTransport` holds, by owner agent name."""
+    """The exports one NIXL transport holds, by owner agent name."""
 
-    def __init__(self, transport):
-        self._t = transport
+    def __init__(self, core):
+        self._core = core  # transport.nixl.core.Core: agent, remotes, pump()
         self._holds: dict[str, _Hold] = {}
         self._seq = 0
         self._answering = False  # answer() checks transfers, whose status() may end them and answer again
@@ -54,10 +54,7 @@ class Holds:
     def _send(self, owner: str, msg) -> None:
         """``send_notif``: delivered without this side's later progress once the endpoint is up
         (a write-carried notification would wait for this side to progress its flush)."""
-        try:
-            self._t._agent_checked().send_notif(owner, encode(msg))
-        except Exception:  # the owner is gone or unloaded: it no longer waits for this side
-            pass
+        self._core.agent.send(owner, encode(msg))  # False: the owner is gone or unloaded, it waits for nobody
 
     # -- calls from the transport --------------------------------------------------------------
 
@@ -70,9 +67,8 @@ class Holds:
         hold.revoked, hold.closed = Revoked(), False
         self._seq += 1
         hold.sent = self._seq
-        agent = self._t._agent_checked()
-        self._send(owner, Hold(self._seq, sorted(int(r) for r in regions), bytes(agent.get_agent_metadata()),
-                               int(self._t._scratch.ctypes.data)))
+        agent = self._core.agent
+        self._send(owner, Hold(self._seq, sorted(int(r) for r in regions), agent.metadata(), agent.scratch_ptr))
         return self._seq
 
     def check(self, owner: str, dst_region: np.ndarray) -> Optional[str]:
@@ -94,7 +90,7 @@ class Holds:
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         while True:
-            self._t._pump()
+            self._core.pump()
             hold = self._holds.get(owner)
             if hold is not None and hold.acked >= seq:
                 return None
@@ -141,7 +137,7 @@ class Holds:
         for hold in list(self._holds.values()):
             if not hold.asks:
                 continue
-            if self._t._drain(hold.owner):
+            if self._core.remotes.drain(hold.owner):
                 continue  # a failed request's bytes may still land: wait until NIXL lets it go
             busy = self._busy(hold.owner)
             left = []
@@ -156,7 +152,7 @@ class Holds:
         """The current snapshot of ``owner`` closed: if no write to it is pending through any
         other snapshot, tell the owner to forget this transport (a later connect holds again)."""
         hold = self._holds.get(owner)
-        if hold is None or hold.closed or self._busy(owner) or self._t._drain(owner):
+        if hold is None or hold.closed or self._busy(owner) or self._core.remotes.drain(owner):
             return
         hold.asks.clear()  # Release answers them all: nothing of this side can land there
         hold.acked = hold.sent = 0
@@ -175,9 +171,8 @@ class Holds:
     def _busy(self, owner: str) -> set:
         """Destination regions of the direct writes to ``owner`` still pending, every snapshot."""
         busy: set = set()
-        for peer in self._t._snapshots(owner):
-            for t in list(peer._pending):
-                dst = getattr(t, "_dst_region", None)
-                if dst is not None and t.status() is TransferStatus.PENDING:
-                    busy.update(np.unique(dst).tolist())
+        for t in self._core.remotes.pending(owner):
+            dst = getattr(t, "dst_region", None)  # direct writes only (a queued one is checked when posted)
+            if dst is not None and t.status() is TransferStatus.PENDING:
+                busy.update(np.unique(dst).tolist())
         return busy

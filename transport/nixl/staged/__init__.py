@@ -7,9 +7,9 @@ NIXL (UCX) pays per range: a TP change or page size 1 cuts a request into one ra
 bytes move at as 256 KiB blocks (bench/RESULTS.md). So for a batch of many small ranges the
 sender packs the ranges, the wire carries large writes, and the receiver unpacks.
 
-How (one lane per pair of transports, :mod:`~transport.nixl_staged.sender` /
-:mod:`~transport.nixl_staged.receiver`)
--------------------------------------------------------------------------------------------
+How (one lane per pair of transports: :mod:`~transport.nixl.staged.lane` and its jobs,
+:mod:`~transport.nixl.staged.sender`, on the sending side; :mod:`~transport.nixl.staged.receiver`)
+-------------------------------------------------------------------------------------------------
 1. At the first staged write to a peer, the sender allocates and registers its staging
    (``slots`` x ``slot_bytes``) and sends a Hello (its NIXL metadata) in a notification; the
    receiver allocates and registers the same on the batch's destination memory, loads the
@@ -17,7 +17,7 @@ How (one lane per pair of transports, :mod:`~transport.nixl_staged.sender` /
    ``send_notif``. Allocated once per peer, kept until the transport closes.
 2. Rows are cut into chunks that fit a slot. For each free slot: *gather* the chunk's rows
    into it (host: vectorised torch / numpy copies; CUDA: the NVLink backend's Triton row
-   kernel in its gather mode; :mod:`~transport.nixl_staged.copy`), write its header and row
+   kernel in its gather mode; :mod:`~transport.nixl.staged.copy`), write its header and row
    table in front, and post ONE NIXL write of the slot into the receiver's slot, its
    notification naming the chunk. Slots rotate, so the gather of one chunk, the wire of the
    previous and the receiver's scatter of the one before overlap.
@@ -40,7 +40,7 @@ range of the pair-major rows, cut in O(P); the sender gathers it in one step per
 uploaded once); each slot carries the write's destination table (P pairs, S slots: 32 P + 8 S
 bytes, 0.1 % of a 128 MiB slot for 160 x 16,384) instead of a row table; the receiver checks the
 table once per write (O(P + S), against its own regions) and scatters each chunk in one step
-(:mod:`~transport.nixl_staged.wire`, :mod:`~transport.nixl_staged.copy`).
+(:mod:`~transport.nixl.staged.wire`, :mod:`~transport.nixl.staged.copy`).
 
 When (``StagedNixlConfig.wants``): at least ``min_rows`` ranges, none longer than
 ``max_row_bytes``, all sources on one memory (host or one GPU) and all destinations on one;
@@ -63,6 +63,6 @@ Costs
   answers); payloads starting with ``wire.MAGIC`` are reserved.
 """
 
-from transport.nixl_staged.config import StagedNixlConfig
+from transport.nixl.staged.config import StagedNixlConfig
 
 __all__ = ["StagedNixlConfig"]

@@ -3,18 +3,18 @@
 Runs inside the owner's ``poll_notifications()`` (and any other call that reads NIXL's
 notifications), on the owner's thread:
 
-- :class:`~transport.nixl_staged.wire.Hello`: a sender's earlier lanes are dropped (its
+- :class:`~transport.nixl.staged.wire.Hello`: a sender's earlier lanes are dropped (its
   notifications arrive in order, so none of their chunks is still to come), a lane of
   ``slots`` x ``slot_bytes`` is allocated on the asked memory and registered, the sender's
   metadata loaded, and a Welcome sent back (or one with ``error``: too many lanes, a lane
   larger than this side's ``StagedNixlConfig`` allows, no memory).
-- :class:`~transport.nixl_staged.wire.Chunk`: its slot's header and row table are checked
+- :class:`~transport.nixl.staged.wire.Chunk`: its slot's header and row table are checked
   (the chunk the notification names, every row inside a registered region of the lane's
   memory), the rows scattered, a Credit sent; once every chunk of a write is scattered (in
   whatever order they came), its ``notify`` is queued for the owner, so a notification still
   means the bytes are in place. A chunk that fails the checks lands nothing and is answered
   with the error (the write then never notifies).
-- :class:`~transport.nixl_staged.wire.StridedChunk`: the same for a chunk of a strided write,
+- :class:`~transport.nixl.staged.wire.StridedChunk`: the same for a chunk of a strided write,
   except that the rows are named by the write's destination table (every chunk carries it):
   it is read and checked (every pair inside a registered region of the lane's memory for its
   furthest slot, O(P + S)) at the write's first chunk here and kept, with the table the scatter
@@ -25,12 +25,13 @@ notifications), on the owner's thread:
 Answers wait for the scatter, not the receiver (GPU lanes): a chunk's scatter is queued on the
 lane's stream and its answers (the Credit, and the write's notification after its last chunk)
 wait in the lane's FIFO until the slot's event has passed, while the next chunks' headers are
-read and their scatters queued. The transport's pump (``NixlTransport._pump``) reads NIXL's
-notifications again while scatters are in flight (for at most ~1 ms a call) and returns only
-once every answer went out, so the owner's thread is held about as long as synchronous
-scatters held it, and nothing is in flight between two calls (``deregister`` and ``close`` find every scatter done). An owner's
-notification from a sender whose answers wait joins the same FIFO: one sender's notifications
-keep their order. Host lanes scatter synchronously; their answers go out at once.
+read and their scatters queued. The transport's pump (:meth:`transport.nixl.core.Core.pump`)
+reads NIXL's notifications again while scatters are in flight (for at most ~1 ms a call) and
+returns only once every answer went out: the owner's thread is held about as long as
+synchronous scatters would hold it, and nothing is in flight between two calls (``deregister``
+and ``close`` find every scatter done). An owner's notification from a sender whose answers
+wait joins the same FIFO: one sender's notifications keep their order. Host lanes scatter
+synchronously; their answers go out at once.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from collections import deque
 from typing import Optional
 
 from transport.base import Notification
-from transport.nixl_staged.copy import Landed, Staging, make_staging
-from transport.nixl_staged.wire import (Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode,
+from transport.nixl.staged.copy import Landed, Staging, make_staging
+from transport.nixl.staged.wire import (Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode,
                                         registered_entries)
 
 __all__ = ["ReceiverLanes"]
@@ -77,8 +78,8 @@ class _Lane:
 class ReceiverLanes:
     """The lanes senders opened to one transport, by (sender name, lane id)."""
 
-    def __init__(self, transport):
-        self._t = transport
+    def __init__(self, core):
+        self._core = core  # transport.nixl.core.Core: agent, remotes, config, registry, table(), registered(), deliver()
         self._lanes: dict[tuple[str, int], _Lane] = {}
         self._waiting: dict[str, _Lane] = {}  # sender -> its lane whose answers wait for a scatter
 
@@ -92,7 +93,7 @@ class ReceiverLanes:
         that wait for a scatter (module doc)."""
         lane = self._waiting.get(sender)
         if lane is None:
-            self._t._notes.append(Notification(sender, payload))
+            self._core.deliver(Notification(sender, payload))
         else:
             lane.answers.append((None, None, payload))
 
@@ -113,7 +114,7 @@ class ReceiverLanes:
         while answers and (answers[0][0] is None or lane.staging.is_ready(answers[0][0])):
             _, credit, payload = answers.popleft()
             if payload is not None:
-                self._t._notes.append(Notification(sender, payload))
+                self._core.deliver(Notification(sender, payload))
             if credit is not None:
                 self._answer(sender, credit)
         if answers:
@@ -135,21 +136,18 @@ class ReceiverLanes:
             self._chunk(sender, msg)
 
     def _answer(self, sender: str, msg) -> None:
-        try:
-            self._t._agent_checked().send_notif(sender, encode(msg))
-        except Exception:  # the sender is gone: its transfer fails at its deadline
-            pass
+        self._core.agent.send(sender, encode(msg))  # False: the sender is gone, its transfer fails at its deadline
 
     def _hello(self, sender: str, msg: Hello) -> None:
-        cfg = self._t.config.staged
+        cfg = self._core.config.staged
         for key in [k for k in self._lanes if k[0] == sender]:
             self._drop(key)
         try:  # the sender must be known to answer it (its own connect may load it too: NIXL updates in place)
             registered = registered_entries(msg.registered)
-            self._t._agent_checked().add_remote_agent(msg.metadata)
+            self._core.agent.load(msg.metadata)
         except Exception:
             return  # cannot answer: the sender's write fails at its deadline
-        self._t._loaded_too(sender, registered)
+        self._core.remotes.loaded_too(sender, registered)
         device = None if msg.device == -1 else msg.device
         error = ""
         held = sum((lane.device is None) == (device is None) for lane in self._lanes.values())
@@ -161,20 +159,19 @@ class ReceiverLanes:
         elif msg.slots < 2 or msg.slot_bytes < 1 << 16 or msg.slots * msg.slot_bytes > most:
             error = (f"a lane of {msg.slots} x {msg.slot_bytes} bytes; this receiver allows at most "
                      f"{most} bytes per lane on {kind} memory")
-        elif device is not None and not any(r.device == device for r in self._t.regions.values()):
+        elif device is not None and not any(r.device == device for r in self._core.registry.view.values()):
             error = f"no region of this receiver is on cuda:{device}"
         if not error:
             try:
                 staging = make_staging(msg.slots, msg.slot_bytes, device)
-                reg = self._t._register_raw(staging.ptr, staging.nbytes, device)
+                reg = self._core.agent.register(staging.ptr, staging.nbytes, device)
             except Exception as exc:
                 error = f"staging of {msg.slots * msg.slot_bytes} bytes: {type(exc).__name__}: {exc}"
         if error:
             self._answer(sender, Welcome(msg.lane, 0, b"", error))
             return
         self._lanes[sender, msg.lane] = _Lane(staging, reg, device)
-        self._answer(sender, Welcome(msg.lane, staging.ptr, bytes(self._t._agent_checked().get_agent_metadata()),
-                                     "", self._t._registered()))
+        self._answer(sender, Welcome(msg.lane, staging.ptr, self._core.agent.metadata(), "", self._core.registered()))
 
     def _chunk(self, sender: str, msg: Chunk) -> None:
         lane = self._lanes.get((sender, msg.lane))
@@ -185,10 +182,10 @@ class ReceiverLanes:
                 raise ProtocolError(f"slot {msg.slot} of a {lane.staging.slots}-slot lane")
             expect = (msg.lane, msg.seq, msg.index)
             if isinstance(msg, StridedChunk):
-                _, lane.strided[msg.seq] = lane.staging.land_strided(msg.slot, expect, msg.chunks, self._t._table(),
+                _, lane.strided[msg.seq] = lane.staging.land_strided(msg.slot, expect, msg.chunks, self._core.table(),
                                                                      lane.known(msg.seq))
             else:
-                lane.staging.land(msg.slot, expect, self._t._table())
+                lane.staging.land(msg.slot, expect, self._core.table())
         except (ProtocolError, ValueError, TypeError) as exc:
             lane.strided.pop(msg.seq, None)  # a later chunk of it checks its own table again
             lane.answers.append((None, Credit(msg.lane, msg.seq, msg.index, msg.slot, str(exc)), None))
@@ -202,7 +199,7 @@ class ReceiverLanes:
         lane = self._lanes.pop(key)
         lane.staging.ready()  # its scatters are done before its memory goes; their answers go out
         self._answer_ready(key[0], lane)
-        self._t._deregister_raw(lane.reg)
+        self._core.agent.deregister(lane.reg)
         lane.staging.close()
 
     def close(self) -> None:

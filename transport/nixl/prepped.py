@@ -3,10 +3,7 @@
 ``initialize_xfer`` takes two descriptor lists built for the write and looks every descriptor
 up in the registrations (local and the peer's) each time; ``make_prepped_xfer`` takes indices
 into lists that ``prep_xfer_dlist`` looked up once, and NIXL merges consecutive indices back
-into one descriptor. Measured warm on the 2-core VM, a small request's write (4 ranges): the
-two descriptor arrays and ``initialize_xfer`` ~37 us, the indices and ``make_prepped_xfer``
-~23 us (the post itself, ``transfer()``, ~40 us either way; a control-plane request runs
-2-3x slower than that, cold).
+into one descriptor, so a small request's write spends less host time before its post.
 
 A list here is *strided* (NIXL's ``[n, 5]`` form ``(address, granule, device, granule,
 blocks)``: one row per region, its ``length // granule`` blocks back to back), so it costs
@@ -16,7 +13,7 @@ two dividing every offset and length of the batch (at most :data:`MAX_GRANULE`);
 finer granule that already exists serves it too (more indices, merged again by NIXL) while the
 write stays within :data:`MAX_INDICES` indices. A write that needs more indices, or reaches
 into a region's tail past its last whole block, or that NIXL refused to prepare a list for,
-goes the descriptor way (:meth:`transport.nixl.NixlPeer._direct`).
+goes the descriptor way (:meth:`transport.nixl.peer.NixlPeer.direct`).
 
 Lists, by (memory kind, granule): one :class:`PreparedLists` of this agent's regions (shared by
 every peer) and one per peer snapshot (the regions of the export it connected to, less those
@@ -39,7 +36,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from transport.base import SMALL_BATCH, Region, WriteBatch
+from transport.batch import SMALL_BATCH, Region, WriteBatch
 
 __all__ = ["MAX_GRANULE", "MAX_INDICES", "PreparedLists", "prepped_indices", "shape_of"]
 
@@ -63,15 +60,14 @@ class _List:
 
 class PreparedLists:
     """Strided prepared lists of one side's regions, by (memory kind, granule), prepared on
-    first use. ``agent()`` is the NIXL agent; ``remote`` the peer agent's name (None: this
-    agent's own regions); ``regions()`` the regions a list may name now."""
+    first use. ``agent`` is this transport's :class:`~transport.nixl.agent.Agent`; ``remote``
+    the peer agent's name (None: this agent's own regions); ``regions()`` the regions a list may
+    name now."""
 
-    def __init__(self, agent: Callable, remote: Optional[str], regions: Callable[[], Mapping[int, Region]],
-                 backends: list):
+    def __init__(self, agent, remote: Optional[str], regions: Callable[[], Mapping[int, Region]]):
         self._agent = agent
         self._remote = remote
         self._regions = regions
-        self._backends = backends
         self._lists: dict = {}  # (mem, granule) -> _List, or None: NIXL refused it or too many blocks
         self._finest: dict = {}  # mem -> the finest granule of a usable list
 
@@ -104,9 +100,7 @@ class PreparedLists:
         if not rows or total > _MAX_BLOCKS:
             return None
         try:
-            handle = self._agent().prep_xfer_dlist(self._remote or "NIXL_INIT_AGENT",
-                                                   np.array(rows, dtype=np.uint64),  # [regions, 5]
-                                                   mem, backends=self._backends)
+            handle = self._agent.prep_list(self._remote, np.array(rows, dtype=np.uint64), mem)  # [regions, 5]
         except Exception:  # NIXL cannot prepare it (e.g. no backend for this memory): descriptors then
             return None
         return _List(handle, granule, start, usable)
