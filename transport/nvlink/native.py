@@ -4,8 +4,10 @@ Why
 ---
 A direct write's host steps -- copy the slots into the pinned ring and check their bounds, queue
 their upload, order the copy stream after the caller's, launch -- are a few driver calls; in
-Python they cost several times those calls (bench/RESULTS.md: ~25 us of the ~65 us call on an
-H200's host). ``native.c`` does the same steps with the same checks, one call each.
+Python they cost several times those calls (bench/RESULTS.md). ``native.c`` does the same steps
+with the same checks, one call each, and holds the landed word's thread
+(:class:`transport.nvlink.completion.Lander`), which stores a notification's number without the
+GIL.
 
 How
 ---
@@ -13,8 +15,11 @@ How
 (no CUDA headers: it declares the few driver entry points it resolves from ``libcuda.so.1``),
 once per source and interpreter, into a cache directory (``~/.cache/kvtransfer/native``, else
 the temporary directory), and imports it. A machine without a compiler, the Python headers or
-the driver gets None and the reason (:func:`why_unavailable`); the callers then run the Python
-steps, which stay the reference (``NvlinkConfig.native`` chooses, for comparisons).
+the driver gets None and the reason (:func:`why_unavailable`); the callers then run the same
+steps in Python and the progress thread stores the landed word. That second path stays for
+correctness, not speed: it is what runs where ``native.c`` cannot be built (no C compiler, no
+Python headers, no driver library), and it is the reference the C steps are tested against
+(``NvlinkConfig.native`` False chooses it).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ sides answer):
   a write makes against them (``RegionRevoked``'s message).
 
 Backends: :mod:`transport.nixl_revoke` (over NIXL notifications) and the nvlink backend's
-:mod:`transport.nvlink.holders` / :mod:`transport.nvlink.holds` (over its mailbox connections).
+:mod:`transport.nvlink.revoke` / :mod:`transport.nvlink.revoke` (over its mailbox connections).
 """
 
 from transport.revocation.holder import Revoked
