@@ -78,13 +78,13 @@ __all__ = ["Lander", "NvlinkTransfer", "Passing", "PendingQueue", "Progress", "a
 class NvlinkTransfer(Transfer):
     """One batched write: a CUDA event, an optional notification, a deadline.
 
-    Its peer's :class:`~transport.nvlink.completion.PendingQueue` settles it (in posting order):
+    Its peer's :class:`PendingQueue` settles it (in posting order):
     DONE once the event has completed and the notification (sent while the copy ran) is
     released to the peer, FAILED on a CUDA error, a lost peer, the transfer timeout or
     :meth:`abort`."""
 
     # wait() sleeps until the transfer settles (the progress thread settles it as soon as the
-    # copy's event completes: :mod:`transport.nvlink.completion`), waking every WAIT_SLICE_S to
+    # copy's event completes: :class:`Progress`), waking every WAIT_SLICE_S to
     # advance the FIFO itself, so deadlines hold even if that thread is stuck.
     max_poll_sleep_s = 0.0
     WAIT_SLICE_S = 0.01
@@ -377,7 +377,7 @@ class Lander:
 
     def awaiting(self, number: int, event) -> "Passing":
         """What the progress thread waits on for watched notification ``number``
-        (:mod:`transport.nvlink.completion`): the thread passing it, no core kept busy."""
+        (:class:`Progress`): the thread passing it, no core kept busy."""
         return Passing(self._native, self._handle, number, event)
 
     def _forget_passed(self) -> None:

@@ -313,7 +313,7 @@ class Outbox:
     sends back is read by :meth:`receive`, on the transport's mailbox thread alone.
 
     ``landed_word`` False (default: where the CPU orders memory as the word needs,
-    :data:`~transport.nvlink.mailbox.ORDERED`): no word, the Hello carries no fd and the receiver
+    :data:`ORDERED`): no word, the Hello carries no fd and the receiver
     hands each notification out as it arrives; only :meth:`send` then fits, once the bytes are
     in place (:attr:`early` is False)."""
 

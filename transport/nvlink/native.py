@@ -1,4 +1,5 @@
-"""The direct path's host steps in C (``native.c``), built at first use and kept.
+"""The direct path's host steps in C (``native.c``, with the landers' thread in ``lander.c``),
+built at first use and kept.
 
 Why
 ---
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _NAME = "_kvt_native"
 _SOURCE = Path(__file__).with_name("native.c")
+_INCLUDED = (Path(__file__).with_name("lander.c"),)  # #included by native.c: part of the build's key
 _lock = threading.Lock()
 _loaded: dict = {}  # "module" -> the module with its driver loaded, or "why" -> the reason it is not
 
@@ -67,7 +69,7 @@ def build() -> ModuleType:
     """The compiled module, imported (built now unless a cached build of this source and this
     interpreter exists). ``OSError`` naming what is missing (a compiler, ``Python.h``) or the
     compiler's message."""
-    source = _SOURCE.read_bytes()
+    source = _SOURCE.read_bytes() + b"".join(path.read_bytes() for path in _INCLUDED)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     tag = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     for base in _cache_dirs():
