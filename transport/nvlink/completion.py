@@ -166,6 +166,9 @@ class NvlinkTransfer(Transfer):
                 pass
 
 
+# -- a peer's FIFO of pending transfers ------------------------------------------------------------
+
+
 def running(event) -> bool:
     """The copy behind ``event`` may still run (a CUDA error: nothing will run any more)."""
     try:
@@ -319,6 +322,9 @@ class PendingQueue:
             self._graveyard.clear()
 
 
+# -- the landers' thread (native.c, lander.c) ------------------------------------------------------
+
+
 _spin_ns: list = []  # the window set in this process: the smallest any transport asked for
 
 
@@ -412,6 +418,9 @@ class Passing:
     def synchronize(self) -> None:
         if self._native.lander_wait(self._handle, self._number, self.WAIT_S) is None:
             self._event.synchronize()
+
+
+# -- the progress thread ---------------------------------------------------------------------------
 
 
 class Progress:

@@ -1,15 +1,15 @@
-"""Settings of the nvlink backend: :class:`NvlinkConfig`, the engine choice, its refusal."""
+"""Settings of the nvlink backend: :class:`NvlinkConfig` and the engine choice (:class:`NvlinkEngine`)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from transport.nvlink.ipc import API_CHOICES, NvlinkUnsupported
+from transport.nvlink.ipc import API_CHOICES
 from transport.nvlink.kernel import KernelConfig
 from transport.nvlink.staged import StagedConfig
 
-__all__ = ["NvlinkConfig", "NvlinkEngine", "NvlinkUnsupported"]
+__all__ = ["NvlinkConfig", "NvlinkEngine", "check_engine"]
 
 
 class NvlinkEngine(enum.Enum):

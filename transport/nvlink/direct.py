@@ -76,6 +76,9 @@ __all__ = [
 ]
 
 
+# -- the copy stream -------------------------------------------------------------------------------
+
+
 _CURRENT: list = []  # the function that gives the raw current stream, found at the first call
 
 
@@ -109,9 +112,9 @@ class CopyStream:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _table_on(self, host, device: int, stream):
+    def table_on(self, host, device: int, stream):
         """``host`` copied to ``device`` on ``stream``, into memory allocated for ``stream``
-        (:func:`empty_for`). The pinned ``host`` must outlive the copy: transfers keep it
+        (:func:`~transport.nvlink.kernel.empty_for`). The pinned ``host`` must outlive the copy: transfers keep it
         until their event completes, failed ones too (buried)."""
         table = empty_for(stream, host.shape, host.dtype, device)
         with ipc.on_device(self._api, device, torch_too=False):
@@ -122,9 +125,9 @@ class CopyStream:
     def upload(self, job: PreparedWrite) -> tuple:
         """The job's pinned table on the local GPU (on this stream) and, staged, on the peer's
         (on the scatter stream): the tables :meth:`enqueue` reads."""
-        tables = (self._table_on(job.host_table, self.device, self.stream),)
+        tables = (self.table_on(job.host_table, self.device, self.stream),)
         if job.lane is not None:
-            tables += (self._table_on(job.host_table, job.lane.peer, job.lane.scatter_stream),)
+            tables += (self.table_on(job.host_table, job.lane.peer, job.lane.scatter_stream),)
         return tables
 
     def enqueue(self, job: PreparedWrite, tables: tuple):
@@ -251,6 +254,9 @@ class CopyStream:
             with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
                 self._events.event_destroy(self._order_event)
             self._order_event = None
+
+
+# -- write_strided's direct path: pair plans and the slot ring -------------------------------------
 
 
 NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits

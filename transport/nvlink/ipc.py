@@ -427,6 +427,9 @@ def close_handle(api: _CudaApi, handle: bytes, device: int) -> None:
             api.ipc_close(entry[0])
 
 
+# -- a peer's regions mapped here ------------------------------------------------------------------
+
+
 class PeerMapping:
     """The peer's regions, opened per local GPU on demand; :meth:`close` unmaps them all."""
 
@@ -503,6 +506,9 @@ class PeerMapping:
                 close_handle(self._api, handle, device)
             except CudaIpcError:
                 pass  # the mapping is gone with the peer; nothing left to release
+
+
+# -- the export ------------------------------------------------------------------------------------
 
 
 BACKEND = "nvlink"

@@ -72,6 +72,79 @@ from transport.revocation import wire
 __all__ = ["Inbox", "MailboxUnreachable", "ORDERED", "Outbox", "SharedWord", "WordView", "host_id"]
 
 
+# -- the landed word -------------------------------------------------------------------------------
+
+
+ORDERED = platform.machine().lower() in ("x86_64", "amd64")  # total store order: the word is safe here
+
+_BYTES = 8
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the seals stay as they are
+
+
+class SharedWord:
+    """The writer's side: a new counter at 0; :meth:`store` sets it, :attr:`fd` is what the
+    receiver maps (:class:`WordView`); :meth:`close` closes the fd and lets the map go."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, _BYTES)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._map = mmap.mmap(self.fd, _BYTES)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
+        self.address = ctypes.addressof(self._cell)  # where a store from C goes (transport.nvlink.completion)
+        self.value = 0
+
+    def store(self, value: int) -> None:
+        """Set the counter (never lower than it was: readers take it as a high-water mark);
+        after :meth:`close`, nothing."""
+        if value < self.value:
+            raise ValueError(f"the counter only goes up: {value} < {self.value}")
+        cell = self._cell
+        if cell is not None:
+            cell.value = value
+            self.value = value
+
+    def close(self) -> None:
+        """Close the fd and let the map go (unmapped with its last reference: a store racing
+        with the close writes into it, not into freed memory). Idempotent."""
+        if self._cell is None:
+            return
+        self._cell = self._map = None
+        os.close(self.fd)
+
+
+class WordView:
+    """The receiver's side of a :class:`SharedWord` it got the fd of (the fd is not kept: the
+    mapping outlives it; the caller closes its fd)."""
+
+    def __init__(self, fd: int):
+        """``ValueError`` unless ``fd`` is a memfd sealed against shrinking, of 8 bytes or more."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # not a memfd (a pipe, a socket, a plain file)
+            raise ValueError("the shared counter's fd is not a memfd") from None
+        if seals & fcntl.F_SEAL_SHRINK == 0:
+            raise ValueError("the shared counter's memfd is not sealed against shrinking")
+        if os.fstat(fd).st_size < _BYTES:
+            raise ValueError("the shared counter's file is shorter than 8 bytes")
+        self._map = mmap.mmap(fd, _BYTES, prot=mmap.PROT_READ)
+        self._cell = np.frombuffer(self._map, dtype=np.uint64, count=1)  # [1] read-only view
+
+    def read(self) -> int:
+        return int(self._cell[0])
+
+    def close(self) -> None:
+        """Let the map go (unmapped with its last reference). Idempotent."""
+        self._cell = self._map = None
+
+
+# -- the mailbox: one socket per transport ---------------------------------------------------------
+
+
 _FRAME = struct.Struct(">I")
 
 
@@ -501,70 +574,3 @@ class Outbox:
             self._lander.close()  # before the word goes: its thread stores into it
         if self._word is not None:
             self._word.close()
-
-
-ORDERED = platform.machine().lower() in ("x86_64", "amd64")  # total store order: the word is safe here
-
-_BYTES = 8
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the seals stay as they are
-
-
-class SharedWord:
-    """The writer's side: a new counter at 0; :meth:`store` sets it, :attr:`fd` is what the
-    receiver maps (:class:`WordView`); :meth:`close` closes the fd and lets the map go."""
-
-    def __init__(self):
-        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, _BYTES)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self.fd, _BYTES)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
-        self.address = ctypes.addressof(self._cell)  # where a store from C goes (transport.nvlink.completion)
-        self.value = 0
-
-    def store(self, value: int) -> None:
-        """Set the counter (never lower than it was: readers take it as a high-water mark);
-        after :meth:`close`, nothing."""
-        if value < self.value:
-            raise ValueError(f"the counter only goes up: {value} < {self.value}")
-        cell = self._cell
-        if cell is not None:
-            cell.value = value
-            self.value = value
-
-    def close(self) -> None:
-        """Close the fd and let the map go (unmapped with its last reference: a store racing
-        with the close writes into it, not into freed memory). Idempotent."""
-        if self._cell is None:
-            return
-        self._cell = self._map = None
-        os.close(self.fd)
-
-
-class WordView:
-    """The receiver's side of a :class:`SharedWord` it got the fd of (the fd is not kept: the
-    mapping outlives it; the caller closes its fd)."""
-
-    def __init__(self, fd: int):
-        """``ValueError`` unless ``fd`` is a memfd sealed against shrinking, of 8 bytes or more."""
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # not a memfd (a pipe, a socket, a plain file)
-            raise ValueError("the shared counter's fd is not a memfd") from None
-        if seals & fcntl.F_SEAL_SHRINK == 0:
-            raise ValueError("the shared counter's memfd is not sealed against shrinking")
-        if os.fstat(fd).st_size < _BYTES:
-            raise ValueError("the shared counter's file is shorter than 8 bytes")
-        self._map = mmap.mmap(fd, _BYTES, prot=mmap.PROT_READ)
-        self._cell = np.frombuffer(self._map, dtype=np.uint64, count=1)  # [1] read-only view
-
-    def read(self) -> int:
-        return int(self._cell[0])
-
-    def close(self) -> None:
-        """Let the map go (unmapped with its last reference). Idempotent."""
-        self._cell = self._map = None

@@ -49,6 +49,9 @@ from transport.registry import RegionRegistry
 __all__ = ["EngineRoute", "PreparedWrite", "WriteTables", "base_table"]
 
 
+# -- the engine ------------------------------------------------------------------------------------
+
+
 class EngineRoute:
     """The engine choice of one peer (:meth:`lane_for`)."""
 
@@ -79,6 +82,9 @@ class EngineRoute:
         except (ipc.CudaIpcError, NvlinkUnsupported, RuntimeError) as exc:
             self.error = f"staged engine off for peer {self._name!r}: {exc}"
             return None
+
+
+# -- tables ----------------------------------------------------------------------------------------
 
 
 def base_table(regions: Mapping[int, Region]) -> np.ndarray:
@@ -145,6 +151,9 @@ class WriteTables:
         n = len(batch)
         path = kern.choose_path(table[: 5 * batch.num_pairs])
         return kern.plan_launch(n, int(batch.length.max()) if n else 1, path, self.kernel_config(staged_launch))
+
+
+# -- prepared writes -------------------------------------------------------------------------------
 
 
 # (table on a GPU, device, torch stream, first row, end row, staging side) -> one kernel launch

@@ -75,6 +75,9 @@ from transport.revocation.wire import Hello, HoldAck, Message, ProtocolError, Re
 __all__ = ["Hold", "MailboxHolders", "MailboxThread"]
 
 
+# -- the writer's side -----------------------------------------------------------------------------
+
+
 @dataclass
 class _Ask:
     """A revoke not answered yet: its seq, its regions, the events of the copies it waits for."""
@@ -274,6 +277,9 @@ class MailboxThread:
             step()
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+# -- the owner's side ------------------------------------------------------------------------------
 
 
 class MailboxHolders(core.Holders):

@@ -29,9 +29,9 @@ from transport.base import (
     Notification, Peer, Region, RegionSizes, StridedBatch, Transport, TransportClosed, WriteBatch, pack_descriptor)
 from transport.nvlink import ipc, native, staged
 from transport.nvlink.completion import Lander, NvlinkTransfer, PendingQueue, Progress, ask_spin
-from transport.nvlink.config import NvlinkConfig, NvlinkEngine, NvlinkUnsupported, check_engine
+from transport.nvlink.config import NvlinkConfig, NvlinkEngine, check_engine
 from transport.nvlink.direct import CopyStream, PairCache, SlotRing, StagedPart, build_plan
-from transport.nvlink.ipc import BACKEND, PeerMapping, gpu_uuid, local_ordinal, parse_descriptor
+from transport.nvlink.ipc import BACKEND, NvlinkUnsupported, PeerMapping, gpu_uuid, local_ordinal, parse_descriptor
 from transport.nvlink.kernel import SplitLaunch, StageMode
 from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox, host_id
 from transport.nvlink.prepare import EngineRoute, PreparedWrite, WriteTables, base_table, build
@@ -40,6 +40,9 @@ from transport.registry import RegionRegistry
 from transport.revocation import wire as revoke_wire
 
 __all__ = ["NvlinkPeer", "NvlinkTransport"]
+
+
+# -- the transport ---------------------------------------------------------------------------------
 
 
 _UNSET = object()
@@ -215,6 +218,9 @@ class NvlinkTransport(Transport):
         self._registry.clear()
 
 
+# -- a connected peer ------------------------------------------------------------------------------
+
+
 class NvlinkPeer(Peer):
     """A connected peer: its regions mapped here, its tables, its mailbox, its pending writes.
 
@@ -372,7 +378,7 @@ class NvlinkPeer(Peer):
         ring, device, num_warps = self._owner._slot_ring(), self.device, self._config.kernel.num_warps
         return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
                           self._owner._registry.derived(base_table), self._mapping.bases(device),
-                          lambda host: self._copy._table_on(host, device, self._copy.stream), self._config.kernel,
+                          lambda host: self._copy.table_on(host, device, self._copy.stream), self._config.kernel,
                           bind=None if ring is None else lambda table, num_pairs, shape: SplitLaunch(
                               table, ring.dev, num_pairs, shape, device, num_warps, self._owner._native_steps()))
 
@@ -384,7 +390,7 @@ class NvlinkPeer(Peer):
         num_warps, native, copy = self._config.kernel.num_warps, self._owner._native_steps(), self._copy
 
         def stage(host, table, shape) -> StagedPart:
-            peer_table = copy._table_on(host, lane.peer, lane.scatter_stream)
+            peer_table = copy.table_on(host, lane.peer, lane.scatter_stream)
             slots = lane.peer_slots(ring.space.capacity)
             return StagedPart(lane, peer_table,
                               SplitLaunch(table, ring.dev, batch.num_pairs, shape, device, num_warps, native,
@@ -394,7 +400,7 @@ class NvlinkPeer(Peer):
 
         return build_plan(batch, self._owner._registry.sizes, self._peer_sizes,
                           self._owner._registry.derived(base_table), self._mapping.bases(lane.peer),
-                          lambda host: copy._table_on(host, device, copy.stream), self.tables.kernel_config(True),
+                          lambda host: copy.table_on(host, device, copy.stream), self.tables.kernel_config(True),
                           stage=stage)
 
     def _write(self, batch, notify: Optional[bytes], engine: Optional[NvlinkEngine] = None) -> NvlinkTransfer:
