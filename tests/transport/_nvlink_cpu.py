@@ -13,7 +13,7 @@
   It has a transport's calls (``register``, ``connect``, ``poll_notifications``, ``close``) and
   its peers a peer's (``write``, ``close``), so the writer process (:mod:`tests.transport._writer`)
   drives it as it drives the real ones;
-- :class:`StandInLander`: the lander's contract (:class:`transport.nvlink.completion.Lander`) in
+- :class:`StandInLander`: the lander's contract (:class:`transport.nvlink.landed.Lander`) in
   Python, its copies ended by the test.
 """
 
@@ -142,7 +142,7 @@ class CpuWriter:
 
 
 class StandInLander:
-    """The lander's contract in Python (:class:`transport.nvlink.completion.Lander`), its "events"
+    """The lander's contract in Python (:class:`transport.nvlink.landed.Lander`), its "events"
     completed by the test (:meth:`complete`): stores into the word in order, never past a
     withdrawn number before its release. The outbox and the inbox around it are real."""
 

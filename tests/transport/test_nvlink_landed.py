@@ -1,6 +1,6 @@
 """The nvlink mailbox's landed word: notifications sent while their copies run, handed out by
 the receiver only once the writer's shared counter says their bytes are in place
-(:mod:`transport.nvlink.mailbox`, :mod:`transport.nvlink.mailbox`). No GPU: the copies are the
+(:mod:`transport.nvlink.mailbox`, :mod:`transport.nvlink.landed`). No GPU: the copies are the
 test's stand-in events; the mailbox, the shared memory and the processes are real."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from tests.transport._nvlink_cpu import StandInLander, wait_until
 from transport.base import Notification
 from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox
-from transport.nvlink.mailbox import SharedWord, WordView
+from transport.nvlink.landed import SharedWord, WordView
 from transport.revocation import wire
 
 

@@ -240,18 +240,18 @@ def test_native_launch_is_kept_only_where_it_is_tritons_own_launch():
 
 
 def test_the_landers_window_is_the_smallest_any_transport_asked_for(monkeypatch):
-    """``NvlinkConfig.lander_spin_us``: checked; ``completion.ask_spin`` sets the process's one
+    """``NvlinkConfig.lander_spin_us``: checked; ``landed.ask_spin`` sets the process's one
     thread's window only when a transport asks for less than what is in force."""
-    from transport.nvlink import completion
+    from transport.nvlink import landed
 
     assert NvlinkConfig().lander_spin_us == 2000 and NvlinkConfig(lander_spin_us=0).lander_spin_us == 0
     for bad in (-1, 10 ** 7 + 1, 1.5, True):
         with pytest.raises(ValueError, match=r"lander_spin_us must be an int in \[0, 10\*\*7\]"):
             NvlinkConfig(lander_spin_us=bad)
-    monkeypatch.setattr(completion, "_spin_ns", [])
+    monkeypatch.setattr(landed, "_spin_ns", [])
     set_to = []
     steps = types.SimpleNamespace(lander_spin=lambda ns: set_to.append(ns))
-    assert [completion.ask_spin(steps, ns) for ns in (2_000_000, 500_000, 2_000_000, 0, 100)] == [
+    assert [landed.ask_spin(steps, ns) for ns in (2_000_000, 500_000, 2_000_000, 0, 100)] == [
         2_000_000, 500_000, 500_000, 0, 0]
     assert set_to == [2_000_000, 500_000, 0]
 

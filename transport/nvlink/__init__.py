@@ -17,11 +17,12 @@ Modules
 - :mod:`~transport.nvlink.direct`: the copy stream, and ``write_strided``'s direct path (pair
   plans resident on the GPU, slots from a ring).
 - :mod:`~transport.nvlink.staged`: the staged engine (gather, copy engine, scatter on the peer's GPU).
-- :mod:`~transport.nvlink.native` (``native.c``): the direct path's host steps and the landed
-  word's thread in C, built at first use.
-- :mod:`~transport.nvlink.mailbox`: notification -- one Unix socket per transport and the
-  landed word; :mod:`~transport.nvlink.completion`: transfers, their FIFO, the lander and the
-  progress thread.
+- :mod:`~transport.nvlink.native` (``native.c``, ``lander.c``): the direct path's host steps and
+  the landed word's thread in C, built at first use.
+- :mod:`~transport.nvlink.mailbox`: notification, one Unix socket per transport;
+  :mod:`~transport.nvlink.landed`: the landed word that releases a notification, and the thread
+  of C (``lander.c``) that stores it; :mod:`~transport.nvlink.completion`: transfers, their FIFO
+  and the progress thread.
 - :mod:`~transport.nvlink.revoke`: revocation over the mailbox (``deregister`` of exported memory).
 
 One write, followed through (``peer.write_strided(batch, notify)``, the direct path)
@@ -39,10 +40,12 @@ One write, followed through (``peer.write_strided(batch, notify)``, the direct p
    caller's stream, one launch (``kernel.SplitLaunch``, or ``native`` from C), an event recorded.
 6. ``completion.PendingQueue.track``: the :class:`NvlinkTransfer` queued; ``_posted`` makes the
    first look (``PendingQueue.advance`` -> ``mailbox.Outbox.announce``: the notification sent
-   while the copy runs; a copy already ended is landed at once) and wakes ``completion.Progress``.
-7. After the copy: the lander's thread of C (or, without the C steps, the progress thread)
-   stores the landed word; the receiver's ``poll_notifications`` (``mailbox.Inbox``) hands the
-   notification out; ``PendingQueue.advance`` marks the transfer DONE.
+   while the copy runs, and handed to ``landed.Lander.watch``; a copy already ended is landed at
+   once) and wakes ``completion.Progress``.
+7. After the copy: the landers' thread of C (or, without the C steps, ``PendingQueue.advance``
+   on the progress thread, through ``Outbox.settle``) stores the landed word; the receiver's
+   ``poll_notifications`` (``mailbox.Inbox``) hands the notification out;
+   ``PendingQueue.advance`` marks the transfer DONE.
 
 ``write`` and ``write_strided`` past the ring take the general path instead of steps 2-5:
 ``prepare.build`` (the table in pinned memory, the launch planned), then

@@ -1,6 +1,5 @@
 """Completion: a write in flight (:class:`NvlinkTransfer`), each peer's FIFO of them
-(:class:`PendingQueue`), the thread of C that stores the landed word (:class:`Lander`) and the
-transport's progress thread (:class:`Progress`).
+(:class:`PendingQueue`) and the transport's progress thread (:class:`Progress`).
 
 The FIFO
 --------
@@ -21,31 +20,16 @@ both take :attr:`PendingQueue.lock`, and no lock is held while the thread waits.
 
 Who stores the landed word
 --------------------------
-One completion path, with one step that runs in C where it can:
-
-- Where the C steps load (:mod:`transport.nvlink.native`) and the mailbox has a word (x86-64),
-  a :class:`Lander` per outbox queues its notifications, and one thread of C per process
-  (``native.c``'s ``lander_*``), which never takes the GIL, serves every lander: it looks at
-  each queue's front in turn and, once a front's completion event completed, stores that number
-  into the outbox's word with one release store. A caller that runs pure Python after posting
-  (a scheduler's loop between layer-wise writes) holds the GIL up to CPython's switch interval
-  (5 ms); the thread of C does not need it, so the notification is not held. The thread looks
-  without pause while some front has waited less than ``NvlinkConfig.lander_spin_us`` (then
-  every 20 us, and once all have waited 100 ms every 1 ms; a new watch ends a pause at once);
-  with nothing to wait on it looks for new work for 200 us before it sleeps, so that a write
-  that follows soon finds it awake. The window is process-wide, the smallest any transport
-  asked for (:func:`ask_spin`). The thread starts with the first lander and ends when the last
-  one closes. A caller that finds the copy already complete (the write call's first look)
-  stores the word itself (:meth:`Lander.land`). A notification being withdrawn
-  (:meth:`Lander.withdraw`) stops the thread at it -- nothing past it is stored -- until the
-  receiver was sent its ``Dropped`` and :meth:`Lander.release` lets it go on; one whose number
-  the thread stored already cannot be withdrawn (the receiver may have handed it out): the
-  transfer then counts as done. The events stay Python's objects (``torch.cuda.Event``): the
-  lander keeps each alive until the thread has passed its number.
-- Elsewhere (no C compiler, no Python headers or driver library to build ``native.c`` against,
-  a weakly ordered CPU, ``NvlinkConfig.native`` False) the progress thread stores the word as
-  it settles the FIFO. This is the same contract without the GIL-free store, kept so that the
-  backend is correct on every machine the Python steps run on.
+One completion path, with one step that runs in C where it can. Where the C steps load
+(:mod:`transport.nvlink.native`) and the mailbox has a word (x86-64), the outbox's
+:class:`~transport.nvlink.landed.Lander` stores it from a thread of C without the GIL: a
+transfer is DONE once the lander passed its number, and a failing one is withdrawn at once
+(:meth:`PendingQueue.withdraw`; too late once the lander released it: then it is DONE).
+Elsewhere (no C compiler, no Python headers or driver library to build ``native.c`` against,
+``NvlinkConfig.native`` False) the FIFO stores the word as it settles, from the caller's thread
+or the progress thread: the same contract without the GIL-free store, kept so that the backend
+is correct on every machine the Python steps run on. A weakly ordered CPU has no word at all
+(:mod:`transport.nvlink.mailbox`): the FIFO sends each notification once its copy completed.
 
 The progress thread
 -------------------
@@ -66,13 +50,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from types import ModuleType
 from typing import Callable, Optional
 
 from transport.base import Transfer, TransferStatus
-from transport.nvlink.mailbox import Outbox, SharedWord
+from transport.nvlink.mailbox import Outbox
 
-__all__ = ["Lander", "NvlinkTransfer", "Passing", "PendingQueue", "Progress", "ask_spin", "running"]
+__all__ = ["NvlinkTransfer", "PendingQueue", "Progress", "running"]
 
 
 class NvlinkTransfer(Transfer):
@@ -320,104 +303,6 @@ class PendingQueue:
         """Drop the buried tables (the caller has waited for every copy)."""
         with self.lock:
             self._graveyard.clear()
-
-
-# -- the landers' thread (native.c, lander.c) ------------------------------------------------------
-
-
-_spin_ns: list = []  # the window set in this process: the smallest any transport asked for
-
-
-def ask_spin(native: ModuleType, ns: int) -> int:
-    """Ask the landers' thread to look without pause for at most ``ns`` nanoseconds at a copy
-    in flight before it naps. The thread is one per process, so the window is too: the
-    smallest any transport asked for. Returns the window now in force."""
-    if not _spin_ns or ns < _spin_ns[0]:
-        native.lander_spin(ns)
-        _spin_ns[:] = [ns]
-    return _spin_ns[0]
-
-
-class Lander:
-    """One outbox's queue: the landers' thread stores ``word`` once each watched copy completed
-    (querying each event with its device's primary context current; ``device``: the one of
-    events that do not say). Calls come from any thread (each takes the landers' mutex
-    briefly); after :meth:`close` nothing more is stored into ``word``."""
-
-    def __init__(self, native: ModuleType, word: SharedWord, device: int):
-        self._native = native
-        self._word = word  # its memory must outlive the thread's last store
-        self._device = device
-        self._events: deque = deque()  # [(number, event)] the thread may still query
-        self._handle = native.lander_new(word.address)
-
-    def watch(self, number: int, event) -> None:
-        """Store ``number`` once ``event`` (a ``torch.cuda.Event`` recorded after the copy)
-        completed and every number before it is stored or withdrawn. Numbers come in
-        increasing order (``ValueError`` otherwise)."""
-        device = getattr(event, "device", None)  # the staged engine's is the peer GPU's
-        device = self._device if device is None or device.index is None else device.index
-        self._native.lander_watch(self._handle, number, event.cuda_event, device)
-        self._events.append((number, event))
-        self._forget_passed()
-
-    def land(self) -> None:
-        """Store now, from this thread, the watched numbers whose events have completed (in
-        order, up to the first still running): a copy that ended before the write call returned
-        is released by the call itself, not after the thread's wake-up."""
-        self._native.lander_land(self._handle)
-
-    def landed(self, number: int) -> bool:
-        """The thread has stored ``number`` (or a later one) into the word."""
-        return self._native.lander_landed(self._handle) >= number
-
-    def withdraw(self, number: int) -> bool:
-        """Keep the thread from storing ``number`` or anything past it until :meth:`release`;
-        False when the word is past ``number`` already (too late: it landed; a number is
-        withdrawn once, by the transfer that fails)."""
-        return self._native.lander_withdraw(self._handle, number)
-
-    def release(self, number: int) -> None:
-        """The receiver was told ``number`` is withdrawn: the thread may go past it."""
-        self._native.lander_release(self._handle, number)
-
-    def awaiting(self, number: int, event) -> "Passing":
-        """What the progress thread waits on for watched notification ``number``
-        (:class:`Progress`): the thread passing it, no core kept busy."""
-        return Passing(self._native, self._handle, number, event)
-
-    def _forget_passed(self) -> None:
-        events = self._events
-        passed = self._native.lander_passed(self._handle)
-        while events and events[0][0] <= passed:
-            events.popleft()
-
-    def close(self) -> None:
-        """Store nothing more (the thread lets go of this lander within one of its looks, and
-        ends with the last lander); idempotent."""
-        handle, native = getattr(self, "_handle", None), getattr(self, "_native", None)
-        if handle is not None and native is not None:  # (either may be gone at interpreter exit)
-            native.lander_close(handle)
-            self._events.clear()
-
-    __del__ = close
-
-
-class Passing:
-    """The landers' thread passing one number (storing it, or skipping it withdrawn), waited
-    for like an event: :meth:`synchronize` sleeps (the GIL let go) until then, at most
-    ``WAIT_S`` at a time -- the waiter looks at its transfers' deadlines and CUDA errors in
-    between -- and on the event itself once the lander is closed."""
-
-    WAIT_S = 0.01
-    __slots__ = ("_native", "_handle", "_number", "_event")
-
-    def __init__(self, native: ModuleType, handle, number: int, event):
-        self._native, self._handle, self._number, self._event = native, handle, number, event
-
-    def synchronize(self) -> None:
-        if self._native.lander_wait(self._handle, self._number, self.WAIT_S) is None:
-            self._event.synchronize()
 
 
 # -- the progress thread ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Notification: the mailbox (one Unix socket per transport) and the landed word.
+"""Notification: the mailbox, one Unix socket per transport.
 
 Each transport listens on a Unix stream socket in Linux's abstract namespace (nothing on
 disk); each peer (each ``connect``) keeps one connected socket to it. A frame is a 4-byte
@@ -15,7 +15,7 @@ Seeing the copy's end and then sending the notification would put the socket's s
 after the copy. So a write's notification goes out while its copy runs
 (:meth:`Outbox.announce`: the k-th of the connection is number k), and the receiver holds it
 until the *landed word* says its bytes are in place: a 64-bit counter in memory both processes
-map (:class:`SharedWord`; its fd rides with the Hello), which the writer sets to k once copy k
+map (:mod:`transport.nvlink.landed`; its fd rides with the Hello), which the writer sets to k once copy k
 has completed (:meth:`Outbox.settle`), with one store. The receiver hands out, per connection
 and in order, the notifications numbered up to the counter as it read it *before* reading the
 socket. A write that fails after its announcement is withdrawn: the writer sends
@@ -23,25 +23,9 @@ socket. A write that fails after its announcement is withdrawn: the writer sends
 a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
 connection that ends drops what it still holds (those bytes were never said to be in place).
 Where the C steps load, the word is stored by a thread of C that waits on each notification's
-copy event, without the GIL (:meth:`Outbox.land_with`, :class:`transport.nvlink.completion.Lander`);
+copy event, without the GIL (:meth:`Outbox.land_with`, :class:`~transport.nvlink.landed.Lander`);
 a failed write's notification is then withdrawn at once (:meth:`Outbox.withdraw`), the thread
 held at it until the Dropped is sent.
-
-The landed word (:class:`SharedWord`, :class:`WordView`)
--------------------------------------------------------
-The writer makes it (an anonymous ``memfd``, nothing on disk and nothing left when both
-processes are gone) and hands its file descriptor to the receiver over their Unix socket
-(``SCM_RIGHTS``); each maps it. The file is sealed against shrinking before it is sent, and the
-receiver maps only a sealed one: a writer cannot take the memory from under the receiver's map
-(a read past a shrunk file's end would kill the receiver with SIGBUS). A store is one aligned
-8-byte write and a read one aligned 8-byte load (no torn values on any CPU), with no system
-call: a receiver can look at it in every poll. The mailbox relies on the writer's store
-becoming visible after the socket sends that preceded it, and on the receiver's load of the
-word happening before its socket reads that follow it. x86-64's total store order gives both. A
-weakly ordered CPU (arm64) would need a fence on each side, which Python cannot issue cheaply:
-there (:data:`ORDERED` False) the writer makes no word and sends each notification once its
-copy completed; the receiver hands out the notifications of a connection without a word as
-they arrive.
 
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
@@ -51,11 +35,7 @@ the connection's end: the receiver's process is gone or its transport closed.
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
-import mmap
 import os
-import platform
 import select
 import socket
 import struct
@@ -64,85 +44,11 @@ import uuid
 from collections import deque
 from typing import Callable, Iterable, Optional
 
-import numpy as np
-
 from transport.base import Notification, TransportError
+from transport.nvlink.landed import ORDERED, Lander, SharedWord, WordView
 from transport.revocation import wire
 
-__all__ = ["Inbox", "MailboxUnreachable", "ORDERED", "Outbox", "SharedWord", "WordView", "host_id"]
-
-
-# -- the landed word -------------------------------------------------------------------------------
-
-
-ORDERED = platform.machine().lower() in ("x86_64", "amd64")  # total store order: the word is safe here
-
-_BYTES = 8
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # the size can only grow; the seals stay as they are
-
-
-class SharedWord:
-    """The writer's side: a new counter at 0; :meth:`store` sets it, :attr:`fd` is what the
-    receiver maps (:class:`WordView`); :meth:`close` closes the fd and lets the map go."""
-
-    def __init__(self):
-        self.fd = os.memfd_create("kvtransfer-nvlink-word", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, _BYTES)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self.fd, _BYTES)
-        except OSError:
-            os.close(self.fd)
-            raise
-        self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
-        self.address = ctypes.addressof(self._cell)  # where a store from C goes (transport.nvlink.completion)
-        self.value = 0
-
-    def store(self, value: int) -> None:
-        """Set the counter (never lower than it was: readers take it as a high-water mark);
-        after :meth:`close`, nothing."""
-        if value < self.value:
-            raise ValueError(f"the counter only goes up: {value} < {self.value}")
-        cell = self._cell
-        if cell is not None:
-            cell.value = value
-            self.value = value
-
-    def close(self) -> None:
-        """Close the fd and let the map go (unmapped with its last reference: a store racing
-        with the close writes into it, not into freed memory). Idempotent."""
-        if self._cell is None:
-            return
-        self._cell = self._map = None
-        os.close(self.fd)
-
-
-class WordView:
-    """The receiver's side of a :class:`SharedWord` it got the fd of (the fd is not kept: the
-    mapping outlives it; the caller closes its fd)."""
-
-    def __init__(self, fd: int):
-        """``ValueError`` unless ``fd`` is a memfd sealed against shrinking, of 8 bytes or more."""
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # not a memfd (a pipe, a socket, a plain file)
-            raise ValueError("the shared counter's fd is not a memfd") from None
-        if seals & fcntl.F_SEAL_SHRINK == 0:
-            raise ValueError("the shared counter's memfd is not sealed against shrinking")
-        if os.fstat(fd).st_size < _BYTES:
-            raise ValueError("the shared counter's file is shorter than 8 bytes")
-        self._map = mmap.mmap(fd, _BYTES, prot=mmap.PROT_READ)
-        self._cell = np.frombuffer(self._map, dtype=np.uint64, count=1)  # [1] read-only view
-
-    def read(self) -> int:
-        return int(self._cell[0])
-
-    def close(self) -> None:
-        """Let the map go (unmapped with its last reference). Idempotent."""
-        self._cell = self._map = None
-
-
-# -- the mailbox: one socket per transport ---------------------------------------------------------
+__all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
 
 
 _FRAME = struct.Struct(">I")
@@ -425,9 +331,9 @@ class Outbox:
             self.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
 
-    def land_with(self, make: Callable[[SharedWord], object]) -> None:
+    def land_with(self, make: Callable[[SharedWord], Lander]) -> None:
         """From now on the word is stored by ``make(word)``, a
-        :class:`~transport.nvlink.completion.Lander` (its thread stores each number once the event
+        :class:`Lander` (its thread stores each number once the event
         given to :meth:`announce` completed; :meth:`settle` is then refused and :meth:`withdraw`
         takes its place). Nothing without a word. Called before the first announcement."""
         if self._word is not None and self._announced == 0:

@@ -38,7 +38,7 @@
  * lander_landed / lander_passed / lander_wait / lander_close
  *     a queue of notifications whose numbers one thread of the process (no Python, no GIL,
  *     shared by every lander) stores into a mailbox's landed word once each one's copy event
- *     completed, in order (lander.c; transport/nvlink/completion.py, Lander, says what each
+ *     completed, in order (lander.c; transport/nvlink/landed.py, Lander, says what each
  *     call promises).
  * lander_spin(ns)
  *     how long that thread looks at a copy in flight without pause before it naps (default

@@ -7,7 +7,7 @@ A direct write's host steps -- copy the slots into the pinned ring and check the
 their upload, order the copy stream after the caller's, launch -- are a few driver calls; in
 Python they cost several times those calls (bench/RESULTS.md). ``native.c`` does the same steps
 with the same checks, one call each, and holds the landed word's thread
-(:class:`transport.nvlink.completion.Lander`), which stores a notification's number without the
+(:class:`transport.nvlink.landed.Lander`), which stores a notification's number without the
 GIL.
 
 How

@@ -28,11 +28,12 @@ import numpy as np
 from transport.base import (
     Notification, Peer, Region, RegionSizes, StridedBatch, Transport, TransportClosed, WriteBatch, pack_descriptor)
 from transport.nvlink import ipc, native, staged
-from transport.nvlink.completion import Lander, NvlinkTransfer, PendingQueue, Progress, ask_spin
+from transport.nvlink.completion import NvlinkTransfer, PendingQueue, Progress
 from transport.nvlink.config import NvlinkConfig, NvlinkEngine, check_engine
 from transport.nvlink.direct import CopyStream, PairCache, SlotRing, StagedPart, build_plan
 from transport.nvlink.ipc import BACKEND, NvlinkUnsupported, PeerMapping, gpu_uuid, local_ordinal, parse_descriptor
 from transport.nvlink.kernel import SplitLaunch, StageMode
+from transport.nvlink.landed import Lander, ask_spin
 from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox, host_id
 from transport.nvlink.prepare import EngineRoute, PreparedWrite, WriteTables, base_table, build
 from transport.nvlink.revoke import Hold, MailboxHolders, MailboxThread
