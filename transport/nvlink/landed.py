@@ -78,7 +78,7 @@ class SharedWord:
             os.close(self.fd)
             raise
         self._cell = ctypes.c_uint64.from_buffer(self._map)  # one typed 8-byte store per write
-        self.address = ctypes.addressof(self._cell)  # where a store from C goes (transport.nvlink.completion)
+        self.address = ctypes.addressof(self._cell)  # where a store from C goes (Lander, lander.c)
         self.value = 0
 
     def store(self, value: int) -> None:
