@@ -3,7 +3,7 @@ host, back to back and with the gaps a write waited for leaves between them.
 
 Usage: python3 bench/probes/call_sequence.py [--reps N] [--gap-us G]   (one GPU)
 
-The sequence is the direct path's (:meth:`transport.nvlink.stream.CopyStream.enqueue_split`):
+The sequence is the direct path's (:meth:`transport.nvlink.direct.CopyStream.enqueue_split`):
 ``cudaGetDevice``, an event recorded on the caller's stream and waited for by the copy stream,
 a 16 KiB ``cudaMemcpyAsync`` from pinned memory, a Triton launch (a tiny kernel, through its
 compiled launcher as the relauncher calls it), ``torch.cuda.Event()`` and its ``record``. Each

@@ -44,16 +44,16 @@ import torch
 
 from transport.base import Region, RegionSizes, StridedBatch
 from transport.nvlink import kernel as kern
-from transport.nvlink import stream as stream_mod
+from transport.nvlink import direct
 from transport.nvlink.config import NvlinkConfig
-from transport.nvlink.fastpath import PairCache, SlotRing, build_plan
-from transport.nvlink.holds import Hold
+from transport.nvlink.direct import PairCache, SlotRing, build_plan
+from transport.nvlink.revoke import Hold
 from transport.nvlink.mailbox import Inbox, Outbox
-from transport.nvlink.peer import NvlinkPeer
-from transport.nvlink.pending import PendingQueue
-from transport.nvlink.progress import Progress
-from transport.nvlink.route import EngineRoute
-from transport.nvlink.tables import WriteTables, base_table
+from transport.nvlink.transport import NvlinkPeer
+from transport.nvlink.completion import PendingQueue
+from transport.nvlink.completion import Progress
+from transport.nvlink.prepare import EngineRoute
+from transport.nvlink.prepare import WriteTables, base_table
 from transport.registry import RegionRegistry
 
 LAYERS, TOKEN_BYTES = 80, 2048
@@ -215,7 +215,7 @@ def cpu_setup(tokens, page):
     owner, receiver, cfg = _Owner(registry, ring), _Receiver(), NvlinkConfig()
     peer = object.__new__(NvlinkPeer)
     peer._owner, peer._config, peer.name, peer.regions = owner, cfg, "probe", peer_regions
-    peer._copy = stream_mod.CopyStream(_Api(), 0, wait_current_stream=True)
+    peer._copy = direct.CopyStream(_Api(), 0, wait_current_stream=True)
     peer._copy._stream = _Stream()
     peer._mapping = _Mapping(np.array([r.ptr for r in peer_regions.values()], dtype=np.int64))
     peer._queue = PendingQueue("probe", Outbox(receiver.name, 1.0, sender="probe"), 60.0)
@@ -386,7 +386,7 @@ def after_call(progress, peer, batch, reps, start_stamps, stamps, wait=None, beh
     """Medians (us) from the call to: its return, the progress thread's ``synchronize()`` on the
     write's event returning (the kernel included), the notification's announcement and its
     release (the landed word stored) returning (nan where a lander's thread of C stores it:
-    the C steps, :mod:`transport.nvlink.lander`), the receiver seeing it. ``start_stamps(tags)``
+    the C steps, :mod:`transport.nvlink.completion`), the receiver seeing it. ``start_stamps(tags)``
     has the receiver watch for them, ``stamps()`` returns ``{tag: time.monotonic() of its
     arrival}``; ``wait(transfer)`` waits for each write (default: ``wait()``).
     ``behind_cycles``: each write is called with that many GPU cycles of work queued before it

@@ -32,8 +32,7 @@ import torch
 
 from transport.base import StridedBatch
 from transport.nvlink import NvlinkConfig, NvlinkEngine, NvlinkTransport
-from transport.nvlink import fastpath
-from transport.nvlink import stream as stream_mod
+from transport.nvlink import direct
 from transport.nvlink.staged import StagedLane
 from kvtransfer.benchmarks._remote import RemoteBuffers
 
@@ -88,10 +87,10 @@ def main() -> None:
     sb = StridedBatch.of([r for r, _ in src], 0, row, dst, 0, row, row, src_pages, dst_pages)
 
     stamps = Stamps()
-    stamps.wrap(stream_mod.CopyStream, "upload", "uploaded")
-    if hasattr(fastpath.PairPlan, "cuts"):
-        stamps.wrap(fastpath.PairPlan, "cuts", "cut")
-        stamps.wrap(fastpath.SlotRing, "stage", "slots staged")
+    stamps.wrap(direct.CopyStream, "upload", "uploaded")
+    if hasattr(direct.PairPlan, "cuts"):
+        stamps.wrap(direct.PairPlan, "cuts", "cut")
+        stamps.wrap(direct.SlotRing, "stage", "slots staged")
         stamps.wrap(StagedLane, "_ensure", "buffers checked")
     c_steps = t._native_steps()
     if c_steps is not None and hasattr(c_steps, "pipeline"):  # inside the C calls (module attributes can be replaced)

@@ -48,7 +48,7 @@ def setup(tokens, page=1, layers=80, heads=8, head_dim=128):
 
 
 def steps(tr, peer, sb, reps=30):
-    from transport.nvlink import job as jobs
+    from transport.nvlink import prepare as jobs
     from transport.nvlink import kernel as kern
 
     t = {k: [] for k in ("bounds", "route", "pinned", "table", "plan", "upload", "enqueue", "wait", "total")}
@@ -65,7 +65,7 @@ def steps(tr, peer, sb, reps=30):
         t4 = time.perf_counter()
         plan = peer.tables.strided_plan(sb, table)
         t5 = time.perf_counter()
-        job = jobs.PreparedWrite(peer, host, lambda td, dev, st, b=0, e=None, stage=None: kern.scatter_strided(
+        job = jobs.PreparedWrite(peer._post_job, host, lambda td, dev, st, b=0, e=None, stage=None: kern.scatter_strided(
             td, sb.num_pairs, sb.num_slots, plan, dev, cfg.kernel.num_warps, checked=True, stream=st), sb.nbytes)
         dev_tables = peer._copy.upload(job)
         t6 = time.perf_counter()

@@ -21,7 +21,7 @@ count between two contiguous tensors on GPU 0 and GPU 1 of this process (CUDA ev
 median). The first write of each case is verified: the receiver waits for its notification
 (from this transport), then both sides checksum the rows (position-weighted); so is the first
 ``write_strided()`` with each engine (``verified``: write/kernel/staged). ``write_strided()``
-with either engine takes the direct path (``transport.nvlink.fastpath``) where the transport
+with either engine takes the direct path (``transport.nvlink.direct``) where the transport
 has one (the staged engine's since its pairs went resident too), else a prepared write.
 
 Fixed cost per write (second table): ``write_strided()`` (kernel engine) call to the

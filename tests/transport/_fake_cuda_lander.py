@@ -15,7 +15,7 @@ import numpy as np
 
 from tests.transport._nvlink_cpu import wait_until as until
 from transport.nvlink import native
-from transport.nvlink.word import SharedWord, WordView
+from transport.nvlink.landed import SharedWord, WordView
 
 RUNNING, DONE, FAILED = 0, 1, 2
 

@@ -13,7 +13,7 @@
   It has a transport's calls (``register``, ``connect``, ``poll_notifications``, ``close``) and
   its peers a peer's (``write``, ``close``), so the writer process (:mod:`tests.transport._writer`)
   drives it as it drives the real ones;
-- :class:`StandInLander`: the lander's contract (:class:`transport.nvlink.lander.Lander`) in
+- :class:`StandInLander`: the lander's contract (:class:`transport.nvlink.landed.Lander`) in
   Python, its copies ended by the test.
 """
 
@@ -26,11 +26,11 @@ from typing import Optional
 
 from transport.base import WriteBatch
 from transport.nvlink import ipc
-from transport.nvlink.descriptor import parse_descriptor
-from transport.nvlink.holds import Hold, MailboxThread
+from transport.nvlink.ipc import parse_descriptor
+from transport.nvlink.revoke import Hold, MailboxThread
 from transport.nvlink.mailbox import Outbox
-from transport.nvlink.pending import PendingQueue
-from transport.nvlink.transfer import NvlinkTransfer
+from transport.nvlink.completion import PendingQueue
+from transport.nvlink.completion import NvlinkTransfer
 
 
 def wait_until(what: str, check, timeout: float = 5.0) -> None:
@@ -65,7 +65,7 @@ def stand_in_ipc(monkeypatch) -> None:
 
 
 class DropRecorder:
-    """Stands in for a peer's :class:`~transport.nvlink.mapping.PeerMapping`: the region sets
+    """Stands in for a peer's :class:`~transport.nvlink.ipc.PeerMapping`: the region sets
     its revokes dropped, in order."""
 
     def __init__(self):
@@ -142,7 +142,7 @@ class CpuWriter:
 
 
 class StandInLander:
-    """The lander's contract in Python (:class:`transport.nvlink.lander.Lander`), its "events"
+    """The lander's contract in Python (:class:`transport.nvlink.landed.Lander`), its "events"
     completed by the test (:meth:`complete`): stores into the word in order, never past a
     withdrawn number before its release. The outbox and the inbox around it are real."""
 

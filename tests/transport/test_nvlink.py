@@ -41,13 +41,13 @@ from transport.nvlink import (
     parse_descriptor,
 )
 from transport.nvlink import kernel as kern
-from transport.nvlink.holds import Hold, MailboxThread
+from transport.nvlink.revoke import Hold, MailboxThread
 from transport.nvlink.mailbox import Inbox as _Inbox
 from transport.nvlink.mailbox import MailboxUnreachable
 from transport.nvlink.mailbox import Outbox as _Outbox
 from transport.nvlink.mailbox import host_id
-from transport.nvlink.pending import PendingQueue
-from transport.nvlink.transfer import NvlinkTransfer
+from transport.nvlink.completion import PendingQueue
+from transport.nvlink.completion import NvlinkTransfer
 
 HANDLE = bytes(range(64))
 

@@ -1,4 +1,4 @@
-"""The direct path of ``write_strided`` (``transport.nvlink.fastpath``): slot limits against the
+"""The direct path of ``write_strided`` (``transport.nvlink.direct``): slot limits against the
 full bounds check, the pair cache, the ring's bookkeeping, the split strided kernel under
 Triton's interpreter, the progress thread waiting on events; and, on two GPUs (marked), many
 direct writes of changing slots, bounds refused, the ring wrapping, regions changing."""
@@ -25,12 +25,12 @@ from tests.transport._nvlink_cpu import DropRecorder, StandInLander, stand_in_ip
 from transport.base import Notification, Region, RegionRevoked, RegionSizes, StridedBatch, TransferStatus
 from transport.nvlink import NvlinkTransport, parse_descriptor
 from transport.nvlink.config import NvlinkConfig
-from transport.nvlink.fastpath import NO_LIMIT, PairCache, RingSpace, check_slots, pair_key, slot_limits
-from transport.nvlink.holds import Hold, MailboxThread
+from transport.nvlink.direct import NO_LIMIT, PairCache, RingSpace, check_slots, pair_key, slot_limits
+from transport.nvlink.revoke import Hold, MailboxThread
 from transport.nvlink.mailbox import Inbox, Outbox
-from transport.nvlink.pending import PendingQueue
-from transport.nvlink.progress import Progress
-from transport.nvlink.transfer import NvlinkTransfer
+from transport.nvlink.completion import PendingQueue
+from transport.nvlink.completion import Progress
+from transport.nvlink.completion import NvlinkTransfer
 
 
 def _random_batch(rng, num_pairs=5, num_slots=7, regions=3, zero_stride=False):
@@ -332,8 +332,8 @@ import ctypes, numpy as np, torch
 from transport.base import RegionSizes, Region, StridedBatch
 from tests.transport._expected import landed
 from transport.nvlink import kernel as kern
-from transport.nvlink import stream as stream_mod
-from transport.nvlink.fastpath import SlotRing, build_plan, check_slots
+from transport.nvlink import direct
+from transport.nvlink.direct import SlotRing, build_plan, check_slots
 
 class Api:  # the CUDA runtime calls of the direct path, on host memory (copies at once)
     copies = 0
@@ -356,7 +356,7 @@ class Stream:
 
 torch.cuda.Event = Event
 api = Api()
-copy = stream_mod.CopyStream(api, 0, wait_current_stream=False)
+copy = direct.CopyStream(api, 0, wait_current_stream=False)
 copy._stream = Stream()
 ring = SlotRing(api, 0, torch.zeros(48, dtype=torch.int64), torch.full((48,), -1, dtype=torch.int64))
 rng = np.random.default_rng(2)
@@ -789,11 +789,11 @@ def fake_peer(monkeypatch):
     import torch
 
     from transport.nvlink import kernel as kern
-    from transport.nvlink import stream as stream_mod
-    from transport.nvlink.fastpath import SlotRing, build_plan
-    from transport.nvlink.peer import NvlinkPeer
-    from transport.nvlink.route import EngineRoute
-    from transport.nvlink.tables import WriteTables, base_table
+    from transport.nvlink import direct
+    from transport.nvlink.direct import SlotRing, build_plan
+    from transport.nvlink.transport import NvlinkPeer
+    from transport.nvlink.prepare import EngineRoute
+    from transport.nvlink.prepare import WriteTables, base_table
     from transport.registry import RegionRegistry
 
     launches = []
@@ -814,7 +814,7 @@ def fake_peer(monkeypatch):
     peer = object.__new__(NvlinkPeer)
     cfg = NvlinkConfig()
     peer._owner, peer._config, peer.name, peer.regions = _Owner(registry, ring), cfg, body["name"], regions
-    peer._copy = stream_mod.CopyStream(api, 0, wait_current_stream=True)
+    peer._copy = direct.CopyStream(api, 0, wait_current_stream=True)
     peer._copy._stream = _Stream()
     peer._mapping = _Mapping(np.array([regions[i].ptr for i in range(4)], dtype=np.int64))
     peer._queue = PendingQueue("fake", Outbox(body["mailbox"], 1.0, sender="fake-writer", regions=regions), 60.0)
@@ -916,8 +916,8 @@ def test_a_write_announces_before_it_returns_and_settles_a_copy_already_done(fak
 def test_direct_path_launches_through_the_plans_bound_launch(fake_peer):
     """A plan built with a launcher (the GPU peer's: ``kernel.SplitLaunch`` over the ring) is
     launched through it with the ring span's start and the slot count, nothing else."""
-    from transport.nvlink.fastpath import build_plan
-    from transport.nvlink.tables import base_table
+    from transport.nvlink.direct import build_plan
+    from transport.nvlink.prepare import base_table
 
     peer, launches, general, _, _ = fake_peer
     bound = []
@@ -995,9 +995,9 @@ def staged_peer(fake_peer):
     them, tables kept on the host and launches recorded as ``(mode, slot base, slots, rows,
     stage)``."""
     from transport.nvlink import staged
-    from transport.nvlink.fastpath import StagedPart, build_plan
-    from transport.nvlink.route import EngineRoute
-    from transport.nvlink.tables import base_table
+    from transport.nvlink.direct import StagedPart, build_plan
+    from transport.nvlink.prepare import EngineRoute
+    from transport.nvlink.prepare import base_table
 
     peer, launches, general, remote, api = fake_peer
     lane = _StandInLane()

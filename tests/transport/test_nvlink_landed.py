@@ -1,6 +1,6 @@
 """The nvlink mailbox's landed word: notifications sent while their copies run, handed out by
 the receiver only once the writer's shared counter says their bytes are in place
-(:mod:`transport.nvlink.mailbox`, :mod:`transport.nvlink.word`). No GPU: the copies are the
+(:mod:`transport.nvlink.mailbox`, :mod:`transport.nvlink.landed`). No GPU: the copies are the
 test's stand-in events; the mailbox, the shared memory and the processes are real."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from tests.transport._nvlink_cpu import StandInLander, wait_until
 from transport.base import Notification
 from transport.nvlink.mailbox import Inbox, MailboxUnreachable, Outbox
-from transport.nvlink.word import SharedWord, WordView
+from transport.nvlink.landed import SharedWord, WordView
 from transport.revocation import wire
 
 
@@ -254,8 +254,8 @@ def test_without_a_landed_word_a_notification_goes_out_once_its_bytes_are_in_pla
     as they arrive, and the queue sends each one only once its copy completed."""
     from tests.transport._nvlink_cpu import StandInEvent
     from transport.base import TransferStatus
-    from transport.nvlink.pending import PendingQueue
-    from transport.nvlink.transfer import NvlinkTransfer
+    from transport.nvlink.completion import PendingQueue
+    from transport.nvlink.completion import NvlinkTransfer
 
     inbox = Inbox()
     out = Outbox(inbox.name, 5.0, sender="writer", landed_word=False)

@@ -1,4 +1,4 @@
-"""The landed word stored from C (:mod:`transport.nvlink.lander`), on a GPU: a notification is
+"""The landed word stored from C (:mod:`transport.nvlink.completion`), on a GPU: a notification is
 released while the writing process holds the GIL, an aborted or timed-out write's notification
 is withdrawn and the next one still comes, with the lander and with the progress thread."""
 

@@ -13,7 +13,7 @@ from tests.transport._support import SLOTS, TOKEN, check_landed, kv_strided, loc
 from transport.base import StridedBatch, TransferStatus
 from transport.nvlink import native
 from transport.nvlink.config import NvlinkConfig
-from transport.nvlink.fastpath import NO_LIMIT, SlotRing
+from transport.nvlink.direct import NO_LIMIT, SlotRing
 from transport.nvlink.launch import native_launch
 
 
@@ -80,7 +80,7 @@ def test_same_bytes_agrees_with_the_pair_key(module):
 def test_pair_cache_finds_the_last_plan_alike_with_the_c_compare(module):
     """The cache with the C compare: the last plan found while the pairs' bytes are the same
     (other slots), other pairs built, the first pairs found again by their key."""
-    from transport.nvlink.fastpath import PairCache
+    from transport.nvlink.direct import PairCache
 
     built = []
     cache = PairCache(4, lambda: 0, lambda b: built.append(b) or object(), native=module)
@@ -240,18 +240,18 @@ def test_native_launch_is_kept_only_where_it_is_tritons_own_launch():
 
 
 def test_the_landers_window_is_the_smallest_any_transport_asked_for(monkeypatch):
-    """``NvlinkConfig.lander_spin_us``: checked; ``lander.ask_spin`` sets the process's one
+    """``NvlinkConfig.lander_spin_us``: checked; ``landed.ask_spin`` sets the process's one
     thread's window only when a transport asks for less than what is in force."""
-    from transport.nvlink import lander
+    from transport.nvlink import landed
 
     assert NvlinkConfig().lander_spin_us == 2000 and NvlinkConfig(lander_spin_us=0).lander_spin_us == 0
     for bad in (-1, 10 ** 7 + 1, 1.5, True):
         with pytest.raises(ValueError, match=r"lander_spin_us must be an int in \[0, 10\*\*7\]"):
             NvlinkConfig(lander_spin_us=bad)
-    monkeypatch.setattr(lander, "_spin_ns", [])
+    monkeypatch.setattr(landed, "_spin_ns", [])
     set_to = []
     steps = types.SimpleNamespace(lander_spin=lambda ns: set_to.append(ns))
-    assert [lander.ask_spin(steps, ns) for ns in (2_000_000, 500_000, 2_000_000, 0, 100)] == [
+    assert [landed.ask_spin(steps, ns) for ns in (2_000_000, 500_000, 2_000_000, 0, 100)] == [
         2_000_000, 500_000, 500_000, 0, 0]
     assert set_to == [2_000_000, 500_000, 0]
 

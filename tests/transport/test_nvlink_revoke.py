@@ -27,7 +27,7 @@ from tests.transport._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
 from transport.base import Notification, RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch
 from transport.nvlink import NvlinkConfig, NvlinkTransport, parse_descriptor
 from transport.nvlink import ipc
-from transport.nvlink.mapping import PeerMapping
+from transport.nvlink.ipc import PeerMapping
 from transport.revocation import wire
 
 FRAME = struct.Struct(">I")  # the mailbox's frame header
@@ -348,9 +348,9 @@ def _read_frame(conn: socket.socket) -> bytes:
 
 def test_a_dropped_region_is_unmapped_under_every_gpu_and_never_opened_again(monkeypatch):
     opened, closed = [], []
-    monkeypatch.setattr("transport.nvlink.mapping.ipc.open_handle",
+    monkeypatch.setattr("transport.nvlink.ipc.open_handle",
                         lambda api, handle, device: opened.append((handle, device)) or 1 << 32)
-    monkeypatch.setattr("transport.nvlink.mapping.ipc.close_handle",
+    monkeypatch.setattr("transport.nvlink.ipc.close_handle",
                         lambda api, handle, device: closed.append((handle, device)))
     from transport.base import Region
 

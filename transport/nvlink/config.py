@@ -1,20 +1,15 @@
-"""Settings of the nvlink backend: :class:`NvlinkConfig`, the engine choice, its refusal."""
+"""Settings of the nvlink backend: :class:`NvlinkConfig` and the engine choice (:class:`NvlinkEngine`)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from transport.base import TransportError
 from transport.nvlink.ipc import API_CHOICES
 from transport.nvlink.kernel import KernelConfig
 from transport.nvlink.staged import StagedConfig
 
-__all__ = ["NvlinkConfig", "NvlinkEngine", "NvlinkUnsupported"]
-
-
-class NvlinkUnsupported(TransportError):
-    """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
+__all__ = ["NvlinkConfig", "NvlinkEngine", "check_engine"]
 
 
 class NvlinkEngine(enum.Enum):
@@ -45,26 +40,25 @@ class NvlinkConfig:
     wait_current_stream: the copy stream waits for the caller's current stream first.
     max_notify_bytes: largest notification payload.
     slot_ring_bytes: the ring of slots of the direct path of ``write_strided``
-        (:mod:`transport.nvlink.fastpath`), pinned on the host and on the GPU, allocated at the
+        (:mod:`transport.nvlink.direct`), pinned on the host and on the GPU, allocated at the
         first such write; a write whose ``2 * S`` int64 slots exceed it takes the general path.
         0: no direct path (every write prepares its own tables).
     pair_plans: pair sets kept resident on the GPU per peer (least recently used out): at
         least as many as the writes to one peer cycle through, or each write rebuilds its
-        plan (~0.3 ms of host time). A request written layer by layer uses one pair set per
-        layer (and per head slice): 80 for a 70B-class model, where 64 made every write of
-        the cycle miss. A plan holds its pair table, 40 bytes per pair on the GPU and pinned
+        plan. A request written layer by layer uses one pair set per layer (and per head
+        slice): 80 for a 70B-class model. A plan holds its pair table, 40 bytes per pair on the GPU and pinned
         on the host (48 in the staged engine's form, on both GPUs).
     native: the direct path's host steps (slots staged and checked, uploaded, ordered after the
         caller's stream, launched) in C (:mod:`transport.nvlink.native`, built at first use
         with the system's C compiler); False, or where it cannot be built, in Python.
-    lander_spin_us: how long the landers' thread (:mod:`transport.nvlink.lander`) looks
+    lander_spin_us: how long the landers' thread (:mod:`transport.nvlink.completion`) looks
         without pause at a copy in flight before it naps 20 us at a time: the notification
         within a microsecond of the copy's end against a core busy meanwhile (0: naps from
         its first look). Process-wide: the smallest any transport of the process asked for.
     revoke_timeout_s: how long ``deregister`` waits for the peers that hold an export naming the
         region to acknowledge its revocation (or be found gone) before it refuses
         (``RevokeTimeout``), and how long a peer's first write waits for the receiver to
-        acknowledge its hold (:mod:`transport.nvlink.holds`).
+        acknowledge its hold (:mod:`transport.nvlink.revoke`).
     """
 
     peer_timeout_s: float = 10.0

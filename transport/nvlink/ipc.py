@@ -1,4 +1,4 @@
-"""CUDA IPC handles for GPU regions: export in the owning process, open in the peer.
+"""Mapping and IPC: CUDA IPC handles exported here, a peer's regions opened here, the export.
 
 Export
 ------
@@ -9,6 +9,14 @@ the allocation's base (``cuMemGetAddressRange``), takes the handle of that base
 
     IpcExport(handle=<64 bytes>, offset=ptr - base, alloc_size=<bytes of the allocation>)
 
+The transport's export (:func:`parse_descriptor` reads it) is :func:`transport.base.pack_descriptor`
+of the backend ``nvlink`` with, besides the region table: ``name``, ``host``
+(:func:`transport.nvlink.mailbox.host_id`), ``pid``, ``mailbox`` (the notification socket's
+name), ``ipc`` (``[region id, 64-byte CUDA IPC handle, offset in the allocation, allocation
+bytes]`` per region) and, optionally, ``gpu_uuid``: the UUID of the GPU holding the regions, by
+which the peer finds that GPU among its own ordinals (the staged engine launches kernels there;
+without it, or when the peer does not see that GPU, it stays off).
+
 Import
 ------
 :func:`open_handle` maps the allocation while the LOCAL GPU (the one that will run the copy
@@ -18,13 +26,24 @@ GPU is what makes the mapping usable by that GPU's kernels. A handle can be open
 process and device, so opened mappings are reference-counted here: :func:`close_handle`
 unmaps on the last release.
 
+:class:`PeerMapping` holds one peer's regions, opened once per GPU that launches on them: the
+local GPU (the direct kernel) and, for the staged engine, the peer's GPU (its scatter kernel
+runs there, launched by this process). Each opening gives a pointer table ``[num peer region
+ids]`` int64 (region base as mapped under that GPU; 0 for ids the peer did not export), which
+the row and strided tables index by region id. A revoked region (:mod:`transport.nvlink.revoke`)
+is unmapped by :meth:`PeerMapping.drop` and skipped by later openings; its table entries become
+0. The mailbox thread drops while the writer's thread may open the mapping under another GPU:
+both take the mapping's lock.
+
 API
 ---
 The CUDA calls come from cuda-python (``cuda.bindings.runtime`` / ``driver``, imported lazily),
 or, when it is missing, from ``libcudart`` (and ``libcuda`` for the address range) through
 ctypes. When neither can be loaded, :class:`CudaIpcUnavailable` says so. Memory from
 ``cuMemCreate`` (torch's ``expandable_segments``) has no legacy IPC handle: export fails with
-:class:`CudaIpcError` naming the call.
+:class:`CudaIpcError` naming the call. :class:`NvlinkUnsupported` is what the backend raises
+for memory or a peer it cannot serve (host memory, another host, this process, an allocation
+that cannot be opened here): the caller falls back to NIXL.
 """
 
 from __future__ import annotations
@@ -33,21 +52,18 @@ import ctypes
 import ctypes.util
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
-from transport.base import TransportError
+import numpy as np
+
+from transport.base import PeerDescriptorError, Region, TransportError, unpack_descriptor
 
 __all__ = [
-    "CudaIpcError",
-    "CudaIpcUnavailable",
-    "IPC_HANDLE_BYTES",
-    "IpcExport",
-    "close_handle",
-    "export_region",
-    "load_api",
-    "on_device",
-    "open_handle",
+    "BACKEND", "CudaIpcError", "CudaIpcUnavailable", "IPC_HANDLE_BYTES", "IpcExport", "NvlinkUnsupported",
+    "PeerMapping", "close_handle", "export_region", "gpu_uuid", "load_api", "local_ordinal", "on_device",
+    "open_handle", "parse_descriptor",
 ]
+
 
 IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -60,6 +76,10 @@ class CudaIpcUnavailable(TransportError):
 
 class CudaIpcError(TransportError):
     """A CUDA call failed; the message names the call and CUDA's error."""
+
+
+class NvlinkUnsupported(TransportError):
+    """This backend cannot serve the memory or peer asked for; use the NIXL backend."""
 
 
 @dataclass(frozen=True)
@@ -405,3 +425,143 @@ def close_handle(api: _CudaApi, handle: bytes, device: int) -> None:
         del _OPENED[key]
         with on_device(api, device):
             api.ipc_close(entry[0])
+
+
+# -- a peer's regions mapped here ------------------------------------------------------------------
+
+
+class PeerMapping:
+    """The peer's regions, opened per local GPU on demand; :meth:`close` unmaps them all."""
+
+    def __init__(self, api, name: str, regions: Mapping[int, Region], handles: Mapping[int, tuple[bytes, int, int]]):
+        """``handles``: region id -> (IPC handle, offset in the allocation, allocation bytes)."""
+        for rid, (_, offset, alloc_size) in handles.items():
+            reg = regions[rid]
+            if offset + reg.length > alloc_size:
+                raise PeerDescriptorError(
+                    f"peer region {rid} [{offset}, +{reg.length}) exceeds its allocation of {alloc_size} bytes"
+                )
+        self._api, self._name, self._regions, self._handles = api, name, regions, dict(handles)
+        self._bases: dict[int, np.ndarray] = {}  # GPU -> [num peer region ids] addresses
+        self._opened: list[tuple[int, bytes, int]] = []  # (region id, handle, GPU it was opened under)
+        self._dropped: set[int] = set()  # revoked region ids: unmapped, never opened again
+        self._lock = threading.Lock()
+
+    def is_open(self, device: int) -> bool:
+        return device in self._bases
+
+    def bases(self, device: int) -> np.ndarray:
+        """The pointer table of the peer's regions as mapped for ``device``'s kernels (opened at
+        the first call). :class:`NvlinkUnsupported` when a handle cannot be opened there."""
+        table = self._bases.get(device)
+        if table is not None:
+            return table
+        with self._lock:
+            table = self._bases.get(device)
+            return table if table is not None else self._open(device)
+
+    def _open(self, device: int) -> np.ndarray:
+        top = max(self._regions) if self._regions else -1
+        table = np.zeros(top + 1, dtype=np.int64)  # [num peer region ids] addresses
+        for rid, (handle, offset, _) in self._handles.items():
+            if rid in self._dropped:
+                continue
+            try:
+                base = open_handle(self._api, handle, device)
+            except CudaIpcError as exc:
+                raise NvlinkUnsupported(
+                    f"cannot open peer {self._name!r} region {rid} (peer cuda:{self._regions[rid].device}) "
+                    f"on local cuda:{device}: {exc}"
+                ) from None
+            self._opened.append((rid, handle, device))
+            table[rid] = base + offset
+        self._bases[device] = table
+        return table
+
+    @property
+    def opened(self) -> bool:
+        return bool(self._opened)
+
+    def drop(self, regions: Iterable[int]) -> None:
+        """Unmap ``regions`` (revoked: the caller waited for the copies that use them) under
+        every GPU; later openings skip them."""
+        regions = set(regions)
+        with self._lock:
+            self._dropped |= regions
+            self._close([o for o in self._opened if o[0] in regions])
+            for table in self._bases.values():
+                table[[r for r in regions if r < table.size]] = 0
+
+    def close(self) -> None:
+        """Unmap every opened handle (the caller first waits for the copies that use them)."""
+        with self._lock:
+            self._close(list(self._opened))
+            self._bases.clear()
+
+    def _close(self, opened: list) -> None:
+        for entry in opened:
+            self._opened.remove(entry)
+            _, handle, device = entry
+            try:
+                close_handle(self._api, handle, device)
+            except CudaIpcError:
+                pass  # the mapping is gone with the peer; nothing left to release
+
+
+# -- the export ------------------------------------------------------------------------------------
+
+
+BACKEND = "nvlink"
+
+
+def gpu_uuid(device: Optional[int]) -> Optional[str]:
+    """The UUID of ``device`` (the same GPU has the same UUID in every process), or None."""
+    if device is None:
+        return None
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # no CUDA, or a torch without the property: the staged engine stays off
+        return None
+
+
+def local_ordinal(uuid) -> Optional[int]:
+    """This process's ordinal of the GPU with ``uuid`` (None when it does not see it)."""
+    if not isinstance(uuid, str):
+        return None
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid:
+            return i
+    return None
+
+
+def parse_descriptor(peer_bytes) -> tuple[dict, dict[int, Region], dict[int, tuple[bytes, int, int]]]:
+    """Decode an nvlink export: (body, regions by id, ipc by id as (handle, offset, alloc_size))."""
+    body, regions = unpack_descriptor(peer_bytes, BACKEND, required=("name", "host", "pid", "mailbox", "ipc"))
+    for key, typ in (("name", str), ("host", str), ("pid", int), ("mailbox", str), ("ipc", list)):
+        if not isinstance(body[key], typ):
+            raise PeerDescriptorError(f"peer descriptor field {key!r} must be {typ.__name__}, got {body[key]!r:.60}")
+    host_regions = [rid for rid, r in regions.items() if not r.is_cuda]
+    if host_regions:
+        raise PeerDescriptorError(f"nvlink peer descriptor lists host regions {host_regions}; only GPU regions are allowed")
+    ipc: dict[int, tuple[bytes, int, int]] = {}
+    for item in body["ipc"]:
+        ok = (
+            isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
+            and isinstance(item[1], bytes) and len(item[1]) == IPC_HANDLE_BYTES
+            and isinstance(item[2], int) and isinstance(item[3], int) and item[2] >= 0 and item[3] > 0
+        )
+        if not ok:
+            raise PeerDescriptorError(
+                f"ipc entry must be [region id, {IPC_HANDLE_BYTES}-byte handle, offset >= 0, "
+                f"allocation size > 0], got {item!r:.80}"
+            )
+        ipc[item[0]] = (item[1], item[2], item[3])
+    if set(ipc) != set(regions):
+        raise PeerDescriptorError(
+            f"ipc entries cover regions {sorted(ipc)}, the region table lists {sorted(regions)}"
+        )
+    return body, regions, ipc

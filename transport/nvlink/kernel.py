@@ -45,7 +45,7 @@ in O(P + S) by :func:`build_strided_table`::
 The two parts may also live apart (:func:`scatter_strided_split`): the pair part, which
 depends only on the buffer pairs (the two sides' layouts), built and uploaded once and kept on
 the GPU; the slot part (``[2 * S]``: source slots, then destination slots) written per write
-at some element ``slot_base`` of a ring of slots on the GPU (:mod:`transport.nvlink.fastpath`).
+at some element ``slot_base`` of a ring of slots on the GPU (:mod:`transport.nvlink.direct`).
 
 Row ``r`` (of ``P * S``, pair-major) is pair ``p = r // S``, slot ``s = r % S``: the kernel
 computes ``src = table[p] + table[5P + s] * table[P + p]`` (and the same for the destination)
@@ -71,7 +71,7 @@ and the strided table's staged form has a sixth pair section, ``[6 * P + 2 * S]`
 
 Rows are pair-major, so ``off(p, s) = S * table[5 * P + p] + s * bytes(p)``: the pair part
 depends on the layouts alone, and a staged write's pair part stays resident like a direct
-one's (:mod:`transport.nvlink.fastpath`).
+one's (:mod:`transport.nvlink.direct`).
 
 CPU tensors run the same kernel in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
 set before triton is imported: tests do so in a subprocess, with tiny shapes, to check the
@@ -98,6 +98,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 __all__ = [
     "CopyPath",
+    "empty_for",
     "Stage",
     "StageMode",
     "KernelConfig",
@@ -113,6 +114,18 @@ __all__ = [
     "scatter_strided",
     "scatter_strided_split",
 ]
+
+
+def empty_for(stream, shape, dtype, device: int):
+    """An uninitialised tensor on GPU ``device`` for work queued on ``stream`` (a torch stream),
+    allocated for that stream: the caching allocator orders a block's reuse only on the stream
+    it was allocated for, so a block taken on the caller's stream could still be written by work
+    queued there (a model's temporaries, freed as soon as launched), which ``stream`` does not
+    wait for."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        return torch.empty(shape, dtype=dtype, device=torch.device("cuda", device))
 
 
 class CopyPath(enum.Enum):

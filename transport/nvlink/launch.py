@@ -30,7 +30,7 @@ integers change, each within int32 or the int64 the kernel declares for it (``x:
 which Triton keeps whatever the value) -- is bound once (:meth:`Relauncher.bind`): the bound
 launch keeps the compiled kernel and its fixed arguments, and a launch is then one range check
 of the integers, the hooks check and the launcher's call (the direct path of ``write_strided``,
-:mod:`transport.nvlink.fastpath`, where the key and the argument tuples cost more than the launch).
+:mod:`transport.nvlink.direct`, where the key and the argument tuples cost more than the launch).
 
 Given the C steps (:mod:`transport.nvlink.native`), a bound launch goes one step further once
 the kernel is kept: it calls ``cuLaunchKernel`` itself with the tensors' addresses, the int32s

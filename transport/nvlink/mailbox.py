@@ -1,4 +1,4 @@
-"""The NVLink engine's mailbox: notifications and revocation, one Unix socket per transport.
+"""Notification: the mailbox, one Unix socket per transport.
 
 Each transport listens on a Unix stream socket in Linux's abstract namespace (nothing on
 disk); each peer (each ``connect``) keeps one connected socket to it. A frame is a 4-byte
@@ -11,29 +11,25 @@ later frame from the writer is one notification payload, which the receiver retu
 
 Notifications sent before their bytes land
 ------------------------------------------
-Seeing the copy's end, then sending its notification and the receiver reading it, took 21-37
-us after the copy on one H200 (bench/RESULTS.md), most of it the send and the read. So a
-write's notification goes out while its copy runs (:meth:`Outbox.announce`: the k-th of the
-connection is number k), and the receiver holds it until the *landed word* says its bytes are
-in place: a 64-bit counter in memory both processes map (:mod:`transport.nvlink.word`; its fd
-rides with the Hello), which the writer sets to k once copy k has completed
-(:meth:`Outbox.settle`), with one store. The receiver hands out, per connection and in order,
-the notifications numbered up to the counter as it read it *before* reading the socket. A
-write that fails after its announcement is withdrawn: the writer sends
+Seeing the copy's end and then sending the notification would put the socket's send and read
+after the copy. So a write's notification goes out while its copy runs
+(:meth:`Outbox.announce`: the k-th of the connection is number k), and the receiver holds it
+until the *landed word* says its bytes are in place: a 64-bit counter in memory both processes
+map (:mod:`transport.nvlink.landed`; its fd rides with the Hello), which the writer sets to k once copy k
+has completed (:meth:`Outbox.settle`), with one store. The receiver hands out, per connection
+and in order, the notifications numbered up to the counter as it read it *before* reading the
+socket. A write that fails after its announcement is withdrawn: the writer sends
 :class:`~transport.revocation.wire.Dropped` naming it before it raises the counter past it, so
 a receiver that sees the counter past k has read the Dropped too, and never hands k out. A
 connection that ends drops what it still holds (those bytes were never said to be in place).
-Where the CPU does not order memory as the word needs (:data:`~transport.nvlink.word.ORDERED`
-False: arm64), the writer makes no word and sends each notification once its copy completed;
-the receiver hands out the notifications of a connection without a word as they arrive.
 Where the C steps load, the word is stored by a thread of C that waits on each notification's
-copy event, without the GIL (:meth:`Outbox.land_with`, :mod:`transport.nvlink.lander`); a
-failed write's notification is then withdrawn at once (:meth:`Outbox.withdraw`), the thread
+copy event, without the GIL (:meth:`Outbox.land_with`, :class:`~transport.nvlink.landed.Lander`);
+a failed write's notification is then withdrawn at once (:meth:`Outbox.withdraw`), the thread
 held at it until the Dropped is sent.
 
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
-the writing transport's mailbox thread reads them (:mod:`transport.nvlink.holds`) and notes
+the writing transport's mailbox thread reads them (:mod:`transport.nvlink.revoke`) and notes
 the connection's end: the receiver's process is gone or its transport closed.
 """
 
@@ -46,16 +42,14 @@ import struct
 import threading
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from transport.base import Notification, TransportError
-from transport.nvlink.word import ORDERED, SharedWord, WordView
+from transport.nvlink.landed import ORDERED, Lander, SharedWord, WordView
 from transport.revocation import wire
 
-if TYPE_CHECKING:
-    from transport.nvlink.lander import Lander
-
 __all__ = ["Inbox", "MailboxUnreachable", "Outbox", "host_id"]
+
 
 _FRAME = struct.Struct(">I")
 
@@ -167,7 +161,7 @@ class _Connection:
 class Inbox:
     """The receiving end: a listening abstract Unix socket and the writers connected to it.
 
-    ``listener`` (the transport's :class:`~transport.nvlink.holders.MailboxHolders`) gets each
+    ``listener`` (the transport's :class:`~transport.nvlink.revoke.MailboxHolders`) gets each
     connection's Hello (``hello(conn, msg)``), its revocation messages (``message(conn, msg)``)
     and its end (``closed(conn)``); a connection whose first frame is no Hello is closed (its
     writer never gets the answer its first write waits for, and sees the end)."""
@@ -182,7 +176,7 @@ class Inbox:
         self._conns: list[_Connection] = []
         self._notes: list[Notification] = []  # read, not yet polled
         # one poll(2) call says which sockets have something: a look at idle ones costs no
-        # read that fails (an exception each in Python: 6.7 us a look with one writer, 1.1 now)
+        # read that fails (an exception each in Python)
         self._poller = select.poll()
         self._poller.register(self._sock.fileno(), select.POLLIN)
 
@@ -298,7 +292,7 @@ class Outbox:
     sends back is read by :meth:`receive`, on the transport's mailbox thread alone.
 
     ``landed_word`` False (default: where the CPU orders memory as the word needs,
-    :data:`~transport.nvlink.word.ORDERED`): no word, the Hello carries no fd and the receiver
+    :data:`ORDERED`): no word, the Hello carries no fd and the receiver
     hands each notification out as it arrives; only :meth:`send` then fits, once the bytes are
     in place (:attr:`early` is False)."""
 
@@ -337,9 +331,9 @@ class Outbox:
             self.close()
             raise MailboxUnreachable(f"the peer's notification socket {name!r} refused our hello: {exc}") from None
 
-    def land_with(self, make: Callable[[SharedWord], "Lander"]) -> None:
+    def land_with(self, make: Callable[[SharedWord], Lander]) -> None:
         """From now on the word is stored by ``make(word)``, a
-        :class:`~transport.nvlink.lander.Lander` (its thread stores each number once the event
+        :class:`Lander` (its thread stores each number once the event
         given to :meth:`announce` completed; :meth:`settle` is then refused and :meth:`withdraw`
         takes its place). Nothing without a word. Called before the first announcement."""
         if self._word is not None and self._announced == 0:

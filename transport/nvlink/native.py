@@ -1,11 +1,14 @@
-"""The direct path's host steps in C (``native.c``), built at first use and kept.
+"""The direct path's host steps in C (``native.c``, with the landers' thread in ``lander.c``),
+built at first use and kept.
 
 Why
 ---
 A direct write's host steps -- copy the slots into the pinned ring and check their bounds, queue
 their upload, order the copy stream after the caller's, launch -- are a few driver calls; in
-Python they cost several times those calls (bench/RESULTS.md: ~25 us of the ~65 us call on an
-H200's host). ``native.c`` does the same steps with the same checks, one call each.
+Python they cost several times those calls (bench/RESULTS.md). ``native.c`` does the same steps
+with the same checks, one call each, and holds the landed word's thread
+(:class:`transport.nvlink.landed.Lander`), which stores a notification's number without the
+GIL.
 
 How
 ---
@@ -13,8 +16,11 @@ How
 (no CUDA headers: it declares the few driver entry points it resolves from ``libcuda.so.1``),
 once per source and interpreter, into a cache directory (``~/.cache/kvtransfer/native``, else
 the temporary directory), and imports it. A machine without a compiler, the Python headers or
-the driver gets None and the reason (:func:`why_unavailable`); the callers then run the Python
-steps, which stay the reference (``NvlinkConfig.native`` chooses, for comparisons).
+the driver gets None and the reason (:func:`why_unavailable`); the callers then run the same
+steps in Python and the progress thread stores the landed word. That second path stays for
+correctness, not speed: it is what runs where ``native.c`` cannot be built (no C compiler, no
+Python headers, no driver library), and it is the reference the C steps are tested against
+(``NvlinkConfig.native`` False chooses it).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _NAME = "_kvt_native"
 _SOURCE = Path(__file__).with_name("native.c")
+_INCLUDED = (Path(__file__).with_name("lander.c"),)  # #included by native.c: part of the build's key
 _lock = threading.Lock()
 _loaded: dict = {}  # "module" -> the module with its driver loaded, or "why" -> the reason it is not
 
@@ -62,7 +69,7 @@ def build() -> ModuleType:
     """The compiled module, imported (built now unless a cached build of this source and this
     interpreter exists). ``OSError`` naming what is missing (a compiler, ``Python.h``) or the
     compiler's message."""
-    source = _SOURCE.read_bytes()
+    source = _SOURCE.read_bytes() + b"".join(path.read_bytes() for path in _INCLUDED)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     tag = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     for base in _cache_dirs():

@@ -46,11 +46,10 @@ Costs, and when AUTO takes it
   keeps a deployment on the direct kernel when that memory matters more than the last few
   percent.
 - The peer's IPC handles are opened a second time, under the peer GPU: a mapping opened under
-  one GPU faults when another GPU's kernels use it, and opening one handle under both GPUs
-  works (both seen on two H200s).
+  one GPU faults when another GPU's kernels use it, and one handle opens under both GPUs.
 - Each write costs more host time than a direct one (the chunk cuts, per chunk three
   enqueues and their events; a row-table write also builds and uploads a table to each GPU,
-  where a strided one finds its pairs resident, :mod:`transport.nvlink.fastpath`): end to end
+  where a strided one finds its pairs resident, :mod:`transport.nvlink.direct`): end to end
   it beats the direct kernel only for large batches, hence ``min_bytes`` 2 GiB.
 - Short rows gather and scatter slowly (256 B head slices stay faster on the direct kernel),
   hence ``min_row_bytes``.
@@ -68,8 +67,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from transport.nvlink import ipc
-from transport.nvlink.kernel import Stage, StageMode
-from transport.nvlink.stream import empty_for
+from transport.nvlink.kernel import Stage, StageMode, empty_for
 
 __all__ = ["StagedConfig", "StagedLane", "chunk_sizes", "chunk_starts", "row_chunks", "strided_cuts"]
 
@@ -218,7 +216,7 @@ class StagedLane:
     def peer_slots(self, capacity: int):
         """The ring of ``capacity`` int64 slots on the peer's GPU that staged writes' scatters
         read (made at the first call, for the scatter stream): a write's slots go there at the
-        offsets they take in the transport's ring (:mod:`transport.nvlink.fastpath`)."""
+        offsets they take in the transport's ring (:mod:`transport.nvlink.direct`)."""
         import torch
 
         if self._peer_slots is None:

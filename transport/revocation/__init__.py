@@ -16,8 +16,8 @@ sides answer):
 - :mod:`~transport.revocation.holder`: the writer's revoked regions of one owner and the check
   a write makes against them (``RegionRevoked``'s message).
 
-Backends: :mod:`transport.nixl.revoke` (over NIXL notifications) and the nvlink backend's
-:mod:`transport.nvlink.holders` / :mod:`transport.nvlink.holds` (over its mailbox connections).
+Backends: :mod:`transport.nixl.revoke` (over NIXL notifications) and :mod:`transport.nvlink.revoke`
+(over the nvlink backend's mailbox connections).
 """
 
 from transport.revocation.holder import Revoked

@@ -8,7 +8,7 @@ with it (``write`` refuses them).
 - nixl (:mod:`transport.nixl.revoke`), over NIXL notifications (``send_notif``): writer
   ("holder") -> owner :class:`Hold`, :class:`RevokeAck`, :class:`Release`; owner -> holder
   :class:`HoldAck`, :class:`Revoke`, :class:`Closed`.
-- nvlink (:mod:`transport.nvlink.holders`, :mod:`transport.nvlink.holds`), as frames of the
+- nvlink (:mod:`transport.nvlink.revoke`, :mod:`transport.nvlink.revoke`), as frames of the
   writer's mailbox connection: the writer's first frame is :class:`Hello`, then owner -> writer
   :class:`HoldAck` and :class:`Revoke`, writer -> owner :class:`RevokeAck` and
   :class:`Dropped` among its notifications. The connection's end stands for Release and Closed.

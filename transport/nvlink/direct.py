@@ -1,57 +1,63 @@
-"""The direct path of a factored write in microseconds: resident pair tables, a ring of slots.
+"""The direct path: the copy stream every write is queued on, and ``write_strided``'s resident
+pair plans and slot ring.
 
-Why
----
-A KV write is buffer pairs x token slots (``StridedBatch``). The pair part -- which buffer
-goes to which, offsets, strides, row bytes -- depends only on the two sides' layouts, and is
-the same for every request between two ranks; only the slot arrays (a few KiB) change. The
-general path (:mod:`transport.nvlink.job`) rebuilds, re-checks and re-uploads all of it per
-write, in a fresh pinned buffer. Here that work is done once per pair set and kept:
+The copy stream (:class:`CopyStream`)
+-------------------------------------
+Every peer of one transport enqueues on the same stream, which first waits for the caller's
+current stream (``wait_current_stream``: KV written by the model is complete before it is
+read). Tables go up by one raw ``cudaMemcpyAsync`` each (torch's stream contexts cost more
+than the copy); a staged write's second table goes to the peer's GPU on the lane's scatter
+stream. A CUDA event recorded after the copy marks completion. :meth:`CopyStream.enqueue`
+queues a prepared write (:mod:`transport.nvlink.prepare`); :meth:`CopyStream.enqueue_split`
+queues a direct write: the slots go up from the pinned ring ahead of the wait for the caller's
+stream (they need nothing of the caller's), a raw event orders the copy stream after the
+caller's, and one launch reads the resident pair table.
 
 Once per pair set (per peer, :class:`PairCache`)
 ------------------------------------------------
-:class:`PairPlan`: the ``[5 * P]`` pair part of the strided table (``transport.nvlink.kernel``)
-on the GPU, its copy path (the pairs' alignment), the longest row, the bytes per slot, and per
-side the largest slot that every pair allows (:func:`slot_limits`): the bounds of all ``P * S``
-entries then reduce to ``0 <= min(slots)`` and ``max(slots) <= limit``, one vectorised pass over
-the slots. A plan is found by the pair arrays' bytes (not by the arrays' identity: a read-only
-array may be a view of one that changes); the cache is emptied when the local regions change
-(their sizes and bases are built into the plan).
+A KV write is buffer pairs x token slots (``StridedBatch``). The pair part -- which buffer goes
+to which, offsets, strides, row bytes -- depends only on the two sides' layouts and is the same
+for every request between two ranks; only the slot arrays change. :class:`PairPlan` holds the
+``[5 * P]`` pair part of the strided table (:mod:`transport.nvlink.kernel`) on the GPU, its
+copy path (the pairs' alignment), the longest row, the bytes per slot, and per side the largest
+slot that every pair allows (:func:`slot_limits`): the bounds of all ``P * S`` entries then
+reduce to ``0 <= min(slots)`` and ``max(slots) <= limit``, one vectorised pass over the slots. A
+plan is found by the pair arrays' bytes (not by the arrays' identity: a read-only array may be
+a view of one that changes); the cache is emptied when the local regions change (their sizes
+and bases are built into the plan).
 
 Per write (:class:`SlotRing`)
 -----------------------------
 The ``[2 * S]`` slot part goes into a ring of pinned host memory (where one reduction over it
-gives both sides' largest slot for the bounds check) and, by one
-``cudaMemcpyAsync`` on the copy stream, into the same place of a ring on the GPU, which the
-kernel reads at ``slot_base`` (:func:`~transport.nvlink.kernel.scatter_strided_split`). A span's
-space is handed out again once the write that holds it has completed (its event; the host copy ran
-before the kernel on the same stream), and a write that finds nothing held starts at 0 again:
-writes waited for one by one stay in memory the cache still holds (walking the 8 MiB ring,
-each write's copy in and bounds pass cost ~2-3x more). The ring is allocated once per transport,
-at the first write that uses it; a slot part larger than the ring takes the general path.
+gives both sides' largest slot for the bounds check) and, by one ``cudaMemcpyAsync`` on the
+copy stream, into the same place of a ring on the GPU, which the kernel reads at ``slot_base``
+(:func:`~transport.nvlink.kernel.scatter_strided_split`). A span's space is handed out again
+once the write that holds it has completed (its event; the host copy ran before the kernel on
+the same stream), and a write that finds nothing held starts at 0 again, so writes waited for
+one by one stay in memory the cache still holds. The ring is allocated once per transport, at
+the first write that uses it; a slot part larger than the ring takes the general path.
 
 A direct write whose slots are byte for byte those of the last direct write, with no span taken
 since, reads that write's span again (:meth:`SlotRing.reuse`: one compare, no copy in, no
 upload; the span's fence becomes the new write's, later on the same stream). A request written
-layer by layer brings the same slots with each layer's pairs: one span serves them all, where
-80 layers' spans of 16,384 slots filled the 8 MiB ring and blocked the caller's thread
-(bench/RESULTS.md).
+layer by layer brings the same slots with each layer's pairs: one span serves them all, and the
+ring does not fill with copies of the same slots.
 
-Given the C steps (:mod:`transport.nvlink.native`), the slots' copy in and bounds check is one
-call, and so is the comparison of a batch's pairs with the last plan's key.
+The staged engine's writes (:mod:`transport.nvlink.staged`) take the same road: a plan of the
+pairs' staged form (:class:`StagedPart`; the pair part with its staging prefixes, ``[6 * P]``,
+resident on both GPUs, destinations as mapped under the peer's GPU) is made once per pair set,
+and a write brings only its slots, checked the same way, uploaded to the transport's ring for
+the gather and to the lane's ring on the peer's GPU, at the same offsets, for the scatter. Only
+the chunk cuts are computed per write (O(P + chunks), they depend on the number of slots).
 
-The staged engine's writes (:mod:`transport.nvlink.staged`)
------------------------------------------------------------
-take the same road: a plan of the pairs' staged form (:class:`StagedPart`; the pair part with
-its staging prefixes, ``[6 * P]``, resident on both GPUs, destinations as mapped under the
-peer's GPU) is made once per pair set, and a write brings only its slots, checked the same
-way, uploaded to the transport's ring for the gather and to the lane's ring on the peer's GPU,
-at the same offsets, for the scatter. Only the chunk cuts are computed per write (O(P +
-chunks), they depend on the number of slots).
+Given the C steps (:mod:`transport.nvlink.native`), the slots' copy in and bounds check, the
+upload and the order, the launch and the comparison of a batch's pairs with the last plan's
+key are one call each; without them the same steps run here in Python.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -60,12 +66,198 @@ from typing import Callable, Optional
 import numpy as np
 
 from transport.base import RegionSizes, SMALL_BATCH, StridedBatch
-from transport.nvlink import kernel as kern
-from transport.nvlink import staged
-from transport.nvlink.stream import empty_for
+from transport.nvlink import ipc, kernel as kern, staged
+from transport.nvlink.kernel import empty_for
+from transport.nvlink.prepare import PreparedWrite
 
-__all__ = ["PairCache", "PairPlan", "RingSpace", "SlotRing", "StagedPart", "check_slots", "pair_key",
-           "slot_limits"]
+__all__ = [
+    "CopyStream", "PairCache", "PairPlan", "RingSpace", "SlotRing", "StagedPart", "check_slots",
+    "pair_key", "slot_limits",
+]
+
+
+# -- the copy stream -------------------------------------------------------------------------------
+
+
+_CURRENT: list = []  # the function that gives the raw current stream, found at the first call
+
+
+def _current_stream_handle(device: int) -> int:
+    """The raw handle of torch's current stream on ``device``: the private call Triton's launcher
+    uses (no Stream object made), else through ``torch.cuda.current_stream``."""
+    if not _CURRENT:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _CURRENT.append(raw if raw is not None else lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _CURRENT[0](device)
+
+
+class CopyStream:
+    """A torch stream on ``device`` (created at first use) and the enqueue steps of a write."""
+
+    def __init__(self, api, device: int, wait_current_stream: bool, native=None):
+        """``native``: the C steps of :meth:`enqueue_split` (:mod:`transport.nvlink.native`;
+        None: ``api``'s calls from Python)."""
+        self._api, self.device, self._wait_current, self._native = api, device, wait_current_stream, native
+        self._stream = None
+        self._order_event = None  # raw event: the caller's stream's point the copy stream waits for
+        self._events = api if native is None else native  # what makes and destroys it: the side that records it
+
+    @property
+    def stream(self):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def table_on(self, host, device: int, stream):
+        """``host`` copied to ``device`` on ``stream``, into memory allocated for ``stream``
+        (:func:`~transport.nvlink.kernel.empty_for`). The pinned ``host`` must outlive the copy: transfers keep it
+        until their event completes, failed ones too (buried)."""
+        table = empty_for(stream, host.shape, host.dtype, device)
+        with ipc.on_device(self._api, device, torch_too=False):
+            self._api.memcpy_async(table.data_ptr(), host.data_ptr(), host.numel() * host.element_size(),
+                                   stream.cuda_stream)
+        return table
+
+    def upload(self, job: PreparedWrite) -> tuple:
+        """The job's pinned table on the local GPU (on this stream) and, staged, on the peer's
+        (on the scatter stream): the tables :meth:`enqueue` reads."""
+        tables = (self.table_on(job.host_table, self.device, self.stream),)
+        if job.lane is not None:
+            tables += (self.table_on(job.host_table, job.lane.peer, job.lane.scatter_stream),)
+        return tables
+
+    def enqueue(self, job: PreparedWrite, tables: tuple):
+        """Queue the job's copy; return the CUDA event that marks its completion."""
+        import torch
+
+        stream = self.stream
+        if self._wait_current:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        lane, launch = job.lane, job.launch
+        if lane is None:
+            with ipc.on_device(self._api, self.device, torch_too=False):
+                launch(tables[0], self.device, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+        return lane.run(stream, job.bounds, job.offsets,
+                        lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
+                        lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
+
+    def _caller(self, stream) -> Optional[int]:
+        """The raw handle of the caller's current stream, which ``stream`` must wait for (None:
+        nothing to wait for, configured off or the same stream); the reused raw event that
+        orders them exists once this returns a handle (the device is current)."""
+        if not self._wait_current:
+            return None
+        current = _current_stream_handle(self.device)
+        if current == stream.cuda_stream:
+            return None
+        if self._order_event is None:
+            self._order_event = self._events.event_create()
+        return current
+
+    def _wait_caller(self, stream) -> None:
+        """The copy stream waits for the work queued so far on the caller's current stream (one
+        reused raw event: record, wait)."""
+        current = self._caller(stream)
+        if current is not None:
+            self._api.event_record(self._order_event, current)
+            self._api.stream_wait_event(stream.cuda_stream, self._order_event)
+
+    def enqueue_split(self, plan: PairPlan, num_slots: int, ring: SlotRing, start: int, num_warps: int,
+                      cuts: Optional[tuple] = None, upload: bool = True):
+        """Queue the direct write of ``num_slots`` slots staged in ``ring`` at ``start`` over the
+        pairs resident in ``plan``: the slots' upload, the wait for the caller's stream, one
+        launch, the event. The upload reads only the pinned ring, so it goes ahead of the wait
+        and runs while the caller's work does (a write posted behind compute starts its copy
+        that much sooner). Returns the event (recorded after the copy); the ring's span is
+        fenced with it (or freed once nothing can read it, on an error).
+
+        A staged plan (``plan.staged``) runs its lane's pipeline instead of the one launch,
+        over the chunks ``cuts`` (``(bounds, offsets)``, :meth:`PairPlan.cuts`), the slots also
+        uploaded to the lane's ring on the peer's GPU; the event is then the lane's, after the
+        last scatter. ``upload`` False: the span's slots are on the GPU already, uploaded by an
+        earlier write on this stream (:meth:`SlotRing.reuse`; direct writes only)."""
+        import torch
+
+        api, device, stream, native = self._api, self.device, self.stream, self._native
+        prev = api.get_device() if native is None else native.current_device()  # one call when the caller drives this GPU
+        if prev != device:
+            api.set_device(device)
+        event = None
+        try:
+            if not upload and plan.staged is not None:
+                raise ValueError("a staged write uploads its slots (the lane's ring has only its own)")
+            if native is not None:  # the same two steps, one C call
+                caller = self._caller(stream)  # (makes the order event at the first wait)
+                native.upload_after(stream.cuda_stream, *ring.addresses(start), 16 * num_slots if upload else 0,
+                                    caller, self._order_event)
+            else:
+                if upload:  # needs nothing of the caller's: ahead of the wait
+                    ring.upload(start, 2 * num_slots, stream.cuda_stream)
+                self._wait_caller(stream)
+            part = plan.staged
+            if part is not None:
+                upload = (part.lane.peer_slots(ring.space.capacity).data_ptr() + 8 * start, ring.addresses(start)[1],
+                          16 * num_slots)
+                specs = (part.gather.native_spec(), part.scatter.native_spec()) if native is not None else (None,)
+                if None not in specs:  # both launches kept and found equivalent in C: the pipeline in one call
+                    event = part.lane.run_native(native, stream, *cuts, *specs, (
+                        start, plan.num_pairs, num_slots, plan.launch.block_r, plan.launch.num_programs), upload)
+                else:
+                    event = part.lane.run(
+                        stream, *cuts,
+                        lambda a, b, stage, s: part.gather(start, num_slots, s, a, b, stage),
+                        lambda a, b, stage, s: part.scatter(start, num_slots, s, a, b, stage), upload=upload)
+            else:
+                if plan.launcher is not None:  # the launch bound at the plan's making
+                    plan.launcher(start, num_slots, stream)
+                else:
+                    kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots,
+                                               plan.launch, device, num_warps, checked=True, stream=stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+        finally:
+            if event is None:  # part of it may be queued: let the span go only once nothing reads it
+                self._drain(plan.staged.lane if plan.staged is not None else None)
+            ring.space.hold(start, event)
+            if prev != device and prev >= 0:  # -1: no device was current on this thread (native's answer)
+                api.set_device(prev)
+        return event
+
+    def quiesce(self, job: PreparedWrite) -> None:
+        """Wait for everything queued (after a failed enqueue: part of it may be queued, and
+        nothing may read the tables once they go)."""
+        self._drain(job.lane)
+
+    def _drain(self, lane=None) -> None:
+        """Wait for the copy stream and, given one, a staged lane's streams, each whatever the
+        other did (a CUDA error here would only repeat the first one)."""
+        for sync in (self.synchronize, None if lane is None else lane.synchronize):
+            if sync is not None:
+                with contextlib.suppress(Exception):
+                    sync()
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for the stream, release the raw event (idempotent)."""
+        self.synchronize()
+        if self._order_event is not None:
+            with contextlib.suppress(Exception), ipc.on_device(self._api, self.device, torch_too=False):
+                self._events.event_destroy(self._order_event)
+            self._order_event = None
+
+
+# -- write_strided's direct path: pair plans and the slot ring -------------------------------------
+
 
 NO_LIMIT = (1 << 63) - 1  # a side whose pairs all have stride 0 (or no pairs): any slot fits
 

@@ -1,22 +1,33 @@
-"""The nvlink writer's side of revocation: each peer's hold of its owner's export, and the
-transport's mailbox thread, which answers owners whatever the caller does.
+"""Revocation over the mailbox: the writer's holds of a peer's export and the transport's
+mailbox thread, and the owner's record of the writers that hold its export.
 
-Each :class:`~transport.nvlink.peer.NvlinkPeer` (each ``connect``) opens one mailbox
+A peer that connected to an export opened the CUDA IPC handle of each region's allocation; its
+kernel stores go straight to that GPU memory, which the owner cannot refuse: after a plain
+``cudaFree`` or a reuse of the caching allocator's block they would land in memory CUDA calls
+undefined, or in another tensor. So ``deregister`` first revokes the region from every peer
+that holds an export naming it (the revoke loop and its messages are
+:mod:`transport.revocation`'s, shared with the nixl backend).
+
+The writer's side (:class:`Hold`, :class:`MailboxThread`)
+---------------------------------------------------------
+Each :class:`~transport.nvlink.transport.NvlinkPeer` (each ``connect``) opens one mailbox
 connection, whose Hello names the regions of the export it connected to; that connection is
 its :class:`Hold`:
 
 - the owner answers the Hello with ``HoldAck(0, gone)``: the peer posts no copy before it
-  (:meth:`Hold.wait_ready`, at most ``NvlinkConfig.revoke_timeout_s``), and ``gone`` (regions
-  deregistered already, or being revoked) joins its revoked regions, unmapped at once;
+  (:meth:`Hold.wait_ready`, at most ``NvlinkConfig.revoke_timeout_s``, then its write FAILS
+  naming the receiver), and ``gone`` (regions deregistered already, or being revoked) joins its
+  revoked regions, unmapped at once: a writer that connects after a ``deregister`` with an
+  older export can never write the region;
 - a ``Revoke(seq, regions)`` adds them to the revoked regions at once (a later write naming
   them raises ``RegionRevoked``: :meth:`Hold.refuse`, a truth test while none is revoked) and
   takes a snapshot, under :attr:`Hold.lock`, of the completion events of every copy of this
   peer that may still run (pending transfers and failed ones whose copy has not ended). Writes
   check the revoked regions and post under the same lock, so no copy into those regions can
   start after the snapshot. Once every event of the snapshot has completed, the peer's
-  mappings of those regions are closed (:meth:`~transport.nvlink.mapping.PeerMapping.drop`)
-  and ``RevokeAck(seq)`` goes back. The snapshot holds the peer's copies into other regions
-  too: the copy stream runs in order, so they end no later than a copy posted after them.
+  mappings of those regions are closed (:meth:`~transport.nvlink.ipc.PeerMapping.drop`) and
+  ``RevokeAck(seq)`` goes back. The snapshot holds the peer's copies into other regions too:
+  the copy stream runs in order, so they end no later than a copy posted after them.
 
 :class:`MailboxThread` (one per transport, started at its first ``connect``) blocks in
 ``poll(2)`` on every hold's connection and reads what comes (:meth:`Hold.read`); while a
@@ -24,6 +35,24 @@ revoke waits for copies it looks again every :attr:`MailboxThread.POLL_S`. It al
 end of a connection (the owner's process died or its transport closed): the peer's writes
 then fail at once (``Outbox.alive``). ``Peer.close()`` ends the connection itself
 (:meth:`MailboxThread.remove`: the owner reads the end and forgets the hold).
+
+The owner's side (:class:`MailboxHolders`)
+------------------------------------------
+Each connection to this transport's inbox is one hold (one writer's ``connect``).
+:class:`MailboxHolders` records the regions of its Hello still registered and answers
+``HoldAck(0, gone)`` with the others; ``deregister`` revokes a region with the loop of
+:class:`transport.revocation.owner.Holders`: a ``Revoke`` on each connection that holds it,
+then reading the inbox until each answered ``RevokeAck`` or its connection ended. A writer that
+neither answers nor ends within ``revoke_timeout_s`` is silent: ``deregister`` raises
+``RevokeTimeout`` naming it and the region stays registered; ``deregister(rid, force=True)``
+releases it anyway. ``close()`` ends every connection and waits for nobody. Runs on the owner's
+thread, inside ``deregister`` and ``poll_notifications`` (the inbox's reads call
+:meth:`MailboxHolders.hello`, :meth:`~MailboxHolders.message` and
+:meth:`~MailboxHolders.closed`).
+
+Not proven here: that no copy a killed writer queued can still run once the end of its
+connection is read (its process's sockets and CUDA context are both torn down at exit, in an
+order this side cannot see).
 """
 
 from __future__ import annotations
@@ -32,16 +61,21 @@ import select
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from transport.base import RegionRevoked
-from transport.nvlink.pending import PendingQueue, running
+from transport.nvlink.completion import PendingQueue, running
+from transport.registry import RegionRegistry
+from transport.revocation import owner as core
 from transport.revocation.holder import Revoked
-from transport.revocation.wire import HoldAck, ProtocolError, Revoke, RevokeAck, decode, encode
+from transport.revocation.wire import Hello, HoldAck, Message, ProtocolError, Revoke, RevokeAck, decode, encode
 
-__all__ = ["Hold", "MailboxThread"]
+__all__ = ["Hold", "MailboxHolders", "MailboxThread"]
+
+
+# -- the writer's side -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -243,3 +277,43 @@ class MailboxThread:
             step()
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+# -- the owner's side ------------------------------------------------------------------------------
+
+
+class MailboxHolders(core.Holders):
+    """The holds of one :class:`~transport.nvlink.NvlinkTransport`'s export, by connection.
+    ``read_inbox``: reads the inbox now (what the revoke loop pumps)."""
+
+    SILENCE_HINT = ("an nvlink writer answers from its mailbox thread, whatever its caller does: that process "
+                    "is stopped or hangs")
+
+    def __init__(self, registry: RegionRegistry, read_inbox: Callable[[], None]):
+        super().__init__()
+        self._registry = registry
+        self._read_inbox = read_inbox
+
+    def _pump(self) -> None:
+        self._read_inbox()
+
+    def _live(self, region_id: int) -> bool:
+        return region_id in self._registry.view
+
+    def _send_to(self, holder: core.Holder, msg: Message) -> None:
+        holder.key.send(encode(msg))
+
+    # -- the inbox's calls ------------------------------------------------------------------------
+
+    def hello(self, conn, msg: Hello) -> None:
+        self._answer_hold(core.Holder(conn, msg.name), 0, msg.regions)
+
+    def message(self, conn, msg: Message) -> None:
+        holder = self._heard(conn)
+        if isinstance(msg, RevokeAck) and holder is not None:
+            self._acked(holder, msg.seq)
+
+    def closed(self, conn) -> None:
+        holder = self._holders.get(conn)
+        if holder is not None:
+            self._forget(holder)
