@@ -200,7 +200,7 @@ class RankWorker:
 
     # -- set-up -----------------------------------------------------------------------
     def _control_config(self):
-        from kvtransfer.control.common import ControlConfig
+        from kvtransfer.control.config import ControlConfig
 
         return ControlConfig(host=self.spec.host, **self.spec.control)
 
@@ -506,7 +506,7 @@ class RankWorker:
             return
         s = self.sending.get(rid)
         if s is not None:  # prefill: the first token is sampled; send KV, state and the token
-            from kvtransfer.control.common import pack_first_token
+            from kvtransfer.control.aux_records import pack_first_token
 
             s.sent_at = time.monotonic()
             s.sender.send(req.slots[:len(req.prompt_ids)].cpu().numpy(), last=True, state_slot=self._state_slot(req),
