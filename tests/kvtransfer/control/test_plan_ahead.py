@@ -12,7 +12,7 @@ import pytest
 
 from kvtransfer.batches import BufferRegions
 from kvtransfer.control.prefill_peers import DecodePeer
-from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
+from kvtransfer.plan import KVKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
 from tests.kvtransfer._support import mamba_layouts
 from transport.base import Peer, StridedBatch
 
@@ -43,7 +43,7 @@ class _Peer(_NoPlans):
 
 
 def _mha(tp_rank, tp_size, page_size, slots=512):
-    return RankLayout.attention(PoolKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
+    return RankLayout.attention(KVKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
                                 layer_ids=range(3), dtype="bfloat16", head_dim=8, num_slots=slots, total_heads=8)
 
 
