@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.layout import LayoutMismatch, KVKind, RankLayout, ShardRule, StateKind, dtype_itemsize
+from kvtransfer.layout import KVKind, LayoutMismatch, RankLayout, ShardRule, StateKind, dtype_itemsize
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
 from pools.hybrid_linear import HybridLinearKVPool
 from pools.mamba import MambaPool, MambaStateParams
@@ -53,6 +53,15 @@ def test_from_pools_mha(cls, dtype, kind, nbuf):
     _, _, items = pool.get_contiguous_buf_infos()
     assert [s.page_bytes for s in lay.kv_tensors] == items[::2]
     assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
+
+
+def test_the_layout_speaks_the_pools_enums():
+    """One enum per concept: a layout's kinds are the ones the pools describe themselves with."""
+    import pools.describe as described
+
+    assert (KVKind, ShardRule, StateKind) == (described.KVKind, described.ShardRule, described.StateKind)
+    with pytest.raises(ValueError, match="StateLayout.kind must be a StateKind other than NONE, got <StateKind.NONE"):
+        described.StateLayout(StateKind.NONE, described.Export.STATE, (0,), 1, 4, (1,), ())
 
 
 def test_from_pools_replicated_heads_needs_total():
