@@ -59,11 +59,10 @@ import uuid
 from typing import Optional
 
 import numpy as np
-import zmq
 
 from kvtransfer.control.aux_records import AuxRecords, unpack_first_token
 from kvtransfer.control.base import BaseKVManager, BaseKVReceiver
-from kvtransfer.control.bootstrap import BootstrapClient, BootstrapError
+from kvtransfer.control.bootstrap import BootstrapClient
 from kvtransfer.control.config import SWEEP_INTERVAL_S, ControlConfig
 from kvtransfer.control.decode_peers import HandshakeError, PrefillPeer, PrefillRanks
 from kvtransfer.control.decode_request import DecodeRequest
@@ -73,7 +72,6 @@ from kvtransfer.control.liveness import ProcessId
 from kvtransfer.control.session import Fences, PeerState, confirm_silent
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
-    PROTOCOL_VERSION,
     AbortRequest,
     Goodbye,
     Heartbeat,
@@ -82,9 +80,7 @@ from kvtransfer.control.wire import (
     NotConnected,
     Quiesced,
     TransferRequest,
-    VersionMismatch,
     WireError,
-    decode,
     endpoints_of,
     process_of,
 )
@@ -234,24 +230,7 @@ class DecodeKVManager(BaseKVManager):
 
     # -- loop thread: messages from prefill ranks -------------------------------------------
     def _on_socket(self, peer: PrefillPeer) -> None:
-        for _ in range(256):
-            try:
-                frame = peer.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = decode(frame)
-            except WireError as exc:
-                if isinstance(exc, VersionMismatch) and peer.session.state is PeerState.CONNECTING:  # our hello's
-                    peer.session.enter(PeerState.REFUSED, time.monotonic(), f"it speaks control protocol "
-                                       f"{exc.version!r}, this rank {PROTOCOL_VERSION}")  # answer
-                    log.error("prefill rank %d refused decode rank %d: %s", peer.rank, self.layout.tp_rank,
-                              peer.session.error)
-                    continue
-                log.warning("decode rank %d dropped a frame from prefill rank %d: %s", self.layout.tp_rank,
-                            peer.rank, exc)
-                continue
-            peer.session.heard(time.monotonic())
+        for msg in self._ranks.read(peer):
             handler = self._handlers.get(type(msg))
             if handler is None:
                 log.warning("decode rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
@@ -498,43 +477,22 @@ class DecodeKVManager(BaseKVManager):
     def _reconnect_restarted(self) -> None:
         """Look the lost and suspect ranks up at the bootstrap service; a new incarnation
         means the old process is gone (lost now, if it was not yet): connect to the new one."""
-        try:
-            topo = self._bootstrap.topology(self.config.dp_rank, timeout_s=0.2)
-        except BootstrapError as exc:
-            log.debug("bootstrap lookup failed: %s", exc)
-            return
         now = time.monotonic()
-        for reg in topo.rank_infos():
-            peer = self._ranks.peers.get(reg.tp_rank)
-            if peer is None or reg.incarnation == peer.registration.incarnation:
-                continue
-            if peer.session.suspect(now) or peer.session.state is PeerState.LOST:  # the old process is gone
+        for reg in self._ranks.restarted(self._bootstrap):
+            session = self._ranks[reg.tp_rank].session
+            if session.suspect(now) or session.state is PeerState.LOST:  # the old process is gone
                 self._lose(reg.tp_rank, f"prefill rank {reg.tp_rank} restarted (a new process registered)",
                            settled=True)
-            if peer.session.state is PeerState.LOST:
+            if session.state is PeerState.LOST:
                 log.info("decode rank %d: prefill rank %d is back (new incarnation); reconnecting",
                          self.layout.tp_rank, reg.tp_rank)
                 self._ranks.connect(reg)
 
     def _shutdown(self) -> None:
         """Fail what is in flight, then make every connected prefill rank forget this rank's
-        memory before it is deregistered (Goodbye, answered once none of its writes here is
-        in flight); a rank that does not answer within the heartbeat timeout is lost."""
+        memory before it is deregistered (:meth:`PrefillRanks.part`)."""
         self._closing = True
         for rid in list(self._incoming):
             self._fail(rid, "the decode manager closed", tell_senders=True)
-        waiting = self._ranks.ready()
-        for peer in waiting:
-            self._ranks.send(peer, Goodbye(incarnation=self.incarnation))
-        deadline = time.monotonic() + self.config.heartbeat_timeout_s
-        while any(p.session.state is PeerState.READY for p in waiting) and time.monotonic() < deadline:
-            for peer in waiting:
-                if peer.socket.poll(1, zmq.POLLIN):
-                    self._on_socket(peer)
-            for transport in self.endpoints.transports.values():  # keeps NIXL progressing while prefill drains
-                transport.poll_notifications()
-        for peer in self._ranks.peers.values():
-            if peer.session.state is PeerState.READY:
-                log.warning("decode rank %d closes without a goodbye from prefill rank %d (lost?)",
-                            self.layout.tp_rank, peer.rank)
+        self._ranks.part(self._on_socket)
         self._ranks.close()

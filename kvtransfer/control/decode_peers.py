@@ -1,5 +1,5 @@
 """A decode rank's view of the prefill ranks of its DP group: :class:`PrefillPeer` (one of
-them) and :class:`PrefillRanks` (their sockets, hellos, heartbeats).
+them) and :class:`PrefillRanks` (their sockets, hellos, heartbeats, goodbyes).
 
 Each prefill rank gets a DEALER socket and a hello (this rank's layout and endpoints); its
 :class:`~kvtransfer.control.session.PeerSession` says where the session stands. Saying hello
@@ -9,17 +9,22 @@ of the old session is read as an answer to the new one.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import zmq
 
+from kvtransfer.control.bootstrap import BootstrapError
 from kvtransfer.control.liveness import wire_of
 from kvtransfer.control.session import PeerSession, PeerState
-from kvtransfer.control.wire import DecodeHello, Endpoint, RegisterPrefill, endpoints_of
+from kvtransfer.control.wire import (PROTOCOL_VERSION, DecodeHello, Endpoint, Goodbye, RegisterPrefill, VersionMismatch,
+                                     WireError, decode, endpoints_of)
 
 __all__ = ["HandshakeError", "PrefillPeer", "PrefillRanks"]
+
+log = logging.getLogger("kvtransfer.control.decode")
 
 
 class HandshakeError(ConnectionError):
@@ -136,6 +141,60 @@ class PrefillRanks:
         transport = self._owner.endpoints.transports.get(peer.writer.backend) if peer.writer is not None else None
         why = transport.writer_gone(peer.writer.name) if transport is not None else None
         return f"its {peer.writer.backend} transport {why}" if why is not None else None
+
+    def read(self, peer: PrefillPeer):
+        """The messages waiting on ``peer``'s socket (a bounded batch per turn). A frame of
+        another protocol version that answers this rank's hello refuses it; other bad frames
+        are logged and dropped."""
+        me = self._owner.layout.tp_rank
+        for _ in range(256):
+            try:
+                frame = peer.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame)
+            except WireError as exc:
+                if isinstance(exc, VersionMismatch) and peer.session.state is PeerState.CONNECTING:  # the answer
+                    peer.session.enter(PeerState.REFUSED, time.monotonic(), f"it speaks control protocol "
+                                       f"{exc.version!r}, this rank {PROTOCOL_VERSION}")  # to our hello
+                    log.error("prefill rank %d refused decode rank %d: %s", peer.rank, me, peer.session.error)
+                else:
+                    log.warning("decode rank %d dropped a frame from prefill rank %d: %s", me, peer.rank, exc)
+                continue
+            peer.session.heard(time.monotonic())
+            yield msg
+
+    def restarted(self, bootstrap) -> list:
+        """The registrations at the bootstrap service of known ranks that name a new
+        incarnation (none when the service does not answer)."""
+        try:
+            topo = bootstrap.topology(self._owner.config.dp_rank, timeout_s=0.2)
+        except BootstrapError as exc:
+            log.debug("bootstrap lookup failed: %s", exc)
+            return []
+        return [reg for reg in topo.rank_infos() if reg.tp_rank in self.peers
+                and reg.incarnation != self.peers[reg.tp_rank].registration.incarnation]
+
+    def part(self, on_socket: Callable[[PrefillPeer], None]) -> None:
+        """Say goodbye to every ready rank and wait, up to the heartbeat timeout, for each to
+        answer (once none of its writes here is in flight: the owner may then deregister its
+        memory); ``on_socket`` reads the answers. A rank that does not answer is logged."""
+        me = self._owner
+        waiting = self.ready()
+        for peer in waiting:
+            self.send(peer, Goodbye(incarnation=me.incarnation))
+        deadline = time.monotonic() + me.config.heartbeat_timeout_s
+        while any(p.session.state is PeerState.READY for p in waiting) and time.monotonic() < deadline:
+            for peer in waiting:
+                if peer.socket.poll(1, zmq.POLLIN):
+                    on_socket(peer)
+            for transport in me.endpoints.transports.values():  # keeps NIXL progressing while prefill drains
+                transport.poll_notifications()
+        for peer in self.peers.values():
+            if peer.session.state is PeerState.READY:
+                log.warning("decode rank %d closes without a goodbye from prefill rank %d (lost?)",
+                            me.layout.tp_rank, peer.rank)
 
     def close(self) -> None:
         """Close every socket (on the loop), then the context (after the loop has stopped: call
