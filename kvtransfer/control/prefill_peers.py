@@ -203,8 +203,8 @@ class DecodeRanks:
         self._router.send_multipart([peer.identity, Heartbeat(seq=msg.seq, incarnation=self._owner.incarnation)
                                      .to_msgpack()], zmq.NOBLOCK)
 
-    def leave(self, peer: DecodePeer) -> None:
-        """The rank said goodbye: forgotten now, answered by :meth:`answer_departed`."""
+    def leave(self, peer: DecodePeer, goodbye: Goodbye) -> None:
+        """The rank said ``goodbye``: forgotten now, answered by :meth:`answer_departed`."""
         self.peers.pop(peer.key, None)
         self._on_drop(peer.key, f"decode rank {peer.key} said goodbye")
         self._by_identity.pop(peer.identity, None)
