@@ -14,7 +14,7 @@ import sys
 
 
 _MODULES = {"bootstrap": "kvtransfer.control.bootstrap", "transfer-demo": "kvtransfer.transfer_demo", "serve": "kvtransfer.serve.node",
-            "router": "kvtransfer.serve.router"}  # commands whose module is not kvtransfer.<command>
+            "router": "kvtransfer.serve.router", "layouts": "kvtransfer.cli_layouts"}  # commands whose module is not kvtransfer.<command>
 
 
 def _bench_names() -> list[str]:

@@ -2,7 +2,8 @@
 
 A :class:`RankLayout` is a frozen, msgpack-able description of one rank's KV pool (and
 optional state pool). It travels in the handshake; the planner (``kvtransfer.plan``) turns
-two of them plus a request's slots into byte ranges. Nothing here imports the pools: build
+two of them plus a request's slots into byte ranges. The pools' enums (``KVKind``,
+``StateKind``, ``ShardRule``, from ``pools.describe``) are the only thing taken from them: build
 a layout with :meth:`RankLayout.from_pools` (which reads what each pool says it holds, its
 ``transfer_layout()``, see ``pools.describe``) or with the explicit builders
 :meth:`RankLayout.attention` / :meth:`RankLayout.with_mamba` / :meth:`RankLayout.with_nsa_index`.
@@ -38,12 +39,14 @@ from typing import Optional, Sequence
 
 import msgpack
 
+from pools.describe import KVKind, ShardRule, StateKind
+
 __all__ = [
     "LAYOUT_VERSION",
     "LayoutMismatch",
-    "PoolKind",
+    "KVKind",
     "RankLayout",
-    "ShardKind",
+    "ShardRule",
     "StateKind",
     "TensorSpec",
     "UnitShard",
@@ -64,26 +67,6 @@ NSA_QUANT_BLOCK = 128  # index_k elements per fp32 scale
 
 class LayoutMismatch(ValueError):
     """Two layouts cannot exchange data; the message names the field and both values."""
-
-
-class PoolKind(enum.Enum):
-    MHA = "mha"
-    MHA_FP4 = "mha_fp4"
-    MLA = "mla"
-    MLA_FP4 = "mla_fp4"
-    NSA = "nsa"
-
-
-class StateKind(enum.Enum):
-    NONE = "none"
-    MAMBA = "mamba"  # hybrid linear-attention models: one state slot per request
-    NSA_INDEX = "nsa_index"  # NSA index_k: paged like the KV, addressed by token slots
-
-
-class ShardKind(enum.Enum):
-    REPLICATED = "replicated"
-    HEADS = "heads"
-    GROUPS = "groups"
 
 
 def dtype_itemsize(name: str) -> int:
@@ -145,7 +128,7 @@ class TensorSpec:
 
     name: str
     export_index: int
-    shard: ShardKind
+    shard: ShardRule
     row_bytes: int  # this rank's bytes per slot row of this section
     unit_bytes: int  # bytes of one channel (a head, a conv channel; the row for REPLICATED)
     groups: tuple  # ((units, channels_per_unit), ...) per sub-block, unsharded
@@ -181,7 +164,7 @@ class TensorSpec:
         except ValueError as exc:
             if not 0 <= tp_rank < tp_size:
                 raise
-            if self.shard is ShardKind.HEADS:
+            if self.shard is ShardRule.HEADS:
                 raise LayoutMismatch(
                     f"{self.name}: total heads {units} and TP size {tp_size} must divide one another") from exc
             raise LayoutMismatch(f"{self.name}: every sub-block's units must divide TP size {tp_size} or be "
@@ -219,7 +202,7 @@ class TensorSpec:
         if not isinstance(d, dict):
             raise LayoutMismatch(f"tensor spec must be a map, got {type(d).__name__}")
         d = dict(d)
-        d["shard"] = ShardKind(d["shard"])
+        d["shard"] = ShardRule(d["shard"])
         d["groups"] = tuple(tuple(g) for g in d["groups"])
         return cls(**d)
 
@@ -237,7 +220,7 @@ def _spec(name, index, shard, unit_bytes, groups, tp_size, page_size, section=(0
 class RankLayout:
     """One rank's pools. See the module docstring for buffer numbering and addressing."""
 
-    kind: PoolKind
+    kind: KVKind
     tp_rank: int
     tp_size: int
     page_size: int
@@ -308,32 +291,32 @@ class RankLayout:
     # -- builders --------------------------------------------------------------------
     @classmethod
     def attention(
-        cls, kind: PoolKind, *, tp_rank: int, tp_size: int, page_size: int, layer_ids: Sequence[int],
+        cls, kind: KVKind, *, tp_rank: int, tp_size: int, page_size: int, layer_ids: Sequence[int],
         dtype: str, head_dim: int, num_slots: int, total_heads: int = 1, v_head_dim: Optional[int] = None,
     ) -> "RankLayout":
         """The KV part of a layout. ``head_dim`` of MLA/NSA is the latent row width;
         ``total_heads`` counts KV heads over all TP ranks (MHA only)."""
-        kind = PoolKind(kind)
+        kind = KVKind(kind)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         isz = dtype_itemsize(dtype)
-        heads, ps = ShardKind.HEADS, page_size
-        if kind is PoolKind.MHA:
+        heads, ps = ShardRule.HEADS, page_size
+        if kind is KVKind.MHA:
             specs = [_spec("k", 0, heads, head_dim * isz, ((total_heads, 1),), tp_size, ps),
                      _spec("v", 1, heads, v_head_dim * isz, ((total_heads, 1),), tp_size, ps)]
-        elif kind is PoolKind.MHA_FP4:
+        elif kind is KVKind.MHA_FP4:
             specs = [_spec("k", 0, heads, head_dim // 2, ((total_heads, 1),), tp_size, ps),
                      _spec("v", 1, heads, v_head_dim // 2, ((total_heads, 1),), tp_size, ps),
                      _spec("k_scale", 2, heads, head_dim // FP4_BLOCK, ((total_heads, 1),), tp_size, ps),
                      _spec("v_scale", 3, heads, v_head_dim // FP4_BLOCK, ((total_heads, 1),), tp_size, ps)]
-        elif kind is PoolKind.MLA_FP4:
-            rep = ShardKind.REPLICATED
+        elif kind is KVKind.MLA_FP4:
+            rep = ShardRule.REPLICATED
             specs = [_spec("kv", 0, rep, head_dim // 2, ((1, 1),), tp_size, ps),
                      _spec("kv_scale", 1, rep, head_dim // FP4_BLOCK, ((1, 1),), tp_size, ps)]
         else:  # MLA, NSA: one latent row per token, replicated across TP
-            specs = [_spec("kv", 0, ShardKind.REPLICATED, head_dim * isz, ((1, 1),), tp_size, ps)]
-        if kind in (PoolKind.MHA_FP4, PoolKind.MLA_FP4) and head_dim % (2 * FP4_BLOCK):
+            specs = [_spec("kv", 0, ShardRule.REPLICATED, head_dim * isz, ((1, 1),), tp_size, ps)]
+        if kind in (KVKind.MHA_FP4, KVKind.MLA_FP4) and head_dim % (2 * FP4_BLOCK):
             raise ValueError(f"FP4 needs head_dim divisible by {2 * FP4_BLOCK}, got {head_dim}")
-        if kind not in (PoolKind.MHA, PoolKind.MHA_FP4):
+        if kind not in (KVKind.MHA, KVKind.MHA_FP4):
             total_heads = 1
         return cls(kind, tp_rank, tp_size, page_size, tuple(layer_ids), str(dtype).removeprefix("torch."),
                    head_dim, v_head_dim, total_heads, num_slots, tuple(specs))
@@ -359,11 +342,11 @@ class RankLayout:
         groups = _conv_groups(conv_shard_groups, conv_dims, t)
         specs = []
         for i, (dim, unit, grp) in enumerate(zip(conv_dims, conv_unit_bytes, groups)):
-            spec = _spec(f"conv{i}", i, ShardKind.GROUPS, unit, grp, t, 1)
+            spec = _spec(f"conv{i}", i, ShardRule.GROUPS, unit, grp, t, 1)
             if spec.row_bytes != dim * unit:
                 raise ValueError(_conv_mismatch(i, grp, spec.row_bytes // unit, t, dim))
             specs.append(spec)
-        specs.append(_spec("temporal", len(conv_dims), ShardKind.GROUPS, temporal_head_bytes,
+        specs.append(_spec("temporal", len(conv_dims), ShardRule.GROUPS, temporal_head_bytes,
                            ((temporal_heads * t, 1),), t, 1))
         return _replace(self, state_kind=StateKind.MAMBA, state_layer_ids=tuple(layer_ids), state_page_size=1,
                         state_num_slots=num_slots, state_tensors=tuple(specs),
@@ -375,7 +358,7 @@ class RankLayout:
         ps = self.page_size
         scale = index_head_dim // NSA_QUANT_BLOCK * 4
         page = ps * (index_head_dim + scale)
-        rep = ShardKind.REPLICATED
+        rep = ShardRule.REPLICATED
         specs = (_spec("index_k", 0, rep, index_head_dim, ((1, 1),), self.tp_size, ps, (0, page)),
                  _spec("index_k_scale", 0, rep, scale, ((1, 1),), self.tp_size, ps, (ps * index_head_dim, page)))
         return _replace(self, state_kind=StateKind.NSA_INDEX, state_layer_ids=self.layer_ids, state_page_size=ps,
@@ -452,7 +435,7 @@ class RankLayout:
         if set(body) != expected:
             raise LayoutMismatch(f"layout fields must be {sorted(expected)}, got {sorted(map(str, body))}")
         try:  # well-formed msgpack of the wrong shape: a LayoutMismatch, never a KeyError/TypeError
-            body["kind"] = PoolKind(body["kind"])
+            body["kind"] = KVKind(body["kind"])
             body["state_kind"] = StateKind(body["state_kind"])
             for part in ("kv_tensors", "state_tensors"):
                 body[part] = tuple(TensorSpec.from_wire(s) for s in body[part])
@@ -486,13 +469,13 @@ def _from_pools(kv_pool, state_pool, tp_rank, tp_size, total_kv_heads, conv_shar
             raise TypeError(f"state_pool must hold state buffers; {type(state_pool).__name__}.transfer_layout() "
                             f"describes none")
     kv_specs, _ = _specs_of(kv, tp_size, total_kv_heads, None)
-    total_heads = next((s.groups[0][0] for s in kv_specs if s.shard is ShardKind.HEADS), 1)
-    layout = RankLayout(PoolKind(kv.kind.value), tp_rank, tp_size, kv.page_size, kv.layer_ids, kv.dtype, kv.head_dim,
+    total_heads = next((s.groups[0][0] for s in kv_specs if s.shard is ShardRule.HEADS), 1)
+    layout = RankLayout(kv.kind, tp_rank, tp_size, kv.page_size, kv.layer_ids, kv.dtype, kv.head_dim,
                         kv.v_head_dim, total_heads, kv.num_slots, kv_specs)
     _check_export(kv_pool, kv, kv_specs)
     if state is not None:
         state_specs, conv = _specs_of(state, tp_size, None, conv_shard_groups)
-        layout = _replace(layout, state_kind=StateKind(state.kind.value), state_layer_ids=state.layer_ids,
+        layout = _replace(layout, state_kind=state.kind, state_layer_ids=state.layer_ids,
                           state_page_size=state.page_size, state_num_slots=state.num_slots, state_tensors=state_specs,
                           state_dims=state.dims, conv_shard_groups=conv)
         _check_export(holder, state, state_specs)
@@ -506,12 +489,12 @@ def _specs_of(part, tp_size: int, total_heads: Optional[int], conv_shard_groups)
     model_groups = _conv_groups(conv_shard_groups, model_cut, tp_size) if model_cut else ()
     specs, conv = [], iter(enumerate(model_groups))
     for t in part.tensors:
-        shard = ShardKind(t.shard.value)
+        shard = t.shard
         if t.model_sub_blocks:
             i, groups = next(conv)
-        elif shard is ShardKind.REPLICATED:
+        elif shard is ShardRule.REPLICATED:
             groups = ((1, 1),)
-        elif shard is ShardKind.HEADS:
+        elif shard is ShardRule.HEADS:
             groups = ((total_heads if total_heads is not None else t.units * tp_size, 1),)
         else:  # one block, split evenly
             groups = ((t.units * tp_size, 1),)
@@ -519,7 +502,7 @@ def _specs_of(part, tp_size: int, total_heads: Optional[int], conv_shard_groups)
                      (t.section_start, t.page_bytes))
         if spec.row_bytes != t.row_bytes:
             held = spec.row_bytes // t.unit_bytes
-            if shard is ShardKind.HEADS:
+            if shard is ShardRule.HEADS:
                 raise LayoutMismatch(f"pool holds {t.units} heads, but {groups[0][0]} total KV heads at TP {tp_size} "
                                      f"give {held} per rank (pass total_kv_heads)")
             if t.model_sub_blocks:

@@ -64,9 +64,9 @@ import numpy as np
 
 from kvtransfer.layout import (
     LayoutMismatch,
-    PoolKind,
+    KVKind,
     RankLayout,
-    ShardKind,
+    ShardRule,
     StateKind,
     TensorSpec,
 )
@@ -74,9 +74,9 @@ from kvtransfer.layout import (
 __all__ = [
     "BufferSet",
     "LayoutMismatch",
-    "PoolKind",
+    "KVKind",
     "RankLayout",
-    "ShardKind",
+    "ShardRule",
     "StateKind",
     "TensorSpec",
     "TransferPlan",

@@ -36,8 +36,9 @@ class KVKind(enum.Enum):
 
 
 class StateKind(enum.Enum):
-    """What the state buffers hold."""
+    """What the state buffers hold (``NONE``: a rank without state buffers)."""
 
+    NONE = "none"
     MAMBA = "mamba"  # one slot per request: conv tensors, then the temporal (SSM) state
     NSA_INDEX = "nsa_index"  # NSA index_k: paged like the KV, addressed by token slots
 
@@ -141,6 +142,8 @@ class StateLayout:
     tensors: tuple
 
     def __post_init__(self):
+        if not isinstance(self.kind, StateKind) or self.kind is StateKind.NONE:
+            raise ValueError(f"StateLayout.kind must be a StateKind other than NONE, got {self.kind!r}")
         _positive("StateLayout", page_size=self.page_size, num_slots=self.num_slots)
         for name in ("layer_ids", "dims", "tensors"):
             object.__setattr__(self, name, tuple(getattr(self, name)))

@@ -299,6 +299,17 @@ class Peer(abc.ABC):
         (a plan's merged runs) should hand that to :meth:`write` instead."""
         return False
 
+    def keeps_pairs(self) -> bool:
+        """Whether :meth:`plan_pairs` makes a strided batch's pair set resident (NVLink's
+        direct path keeps it on the device), so that a caller may hand over the pair sets of
+        its writes ahead, at handshake, and the first write finds them built. True where a
+        backend overrides :meth:`plan_pairs`."""
+        return type(self).plan_pairs is not Peer.plan_pairs
+
+    def plan_pairs(self, batch: StridedBatch) -> None:
+        """Make ``batch``'s pair set resident now; the slots are not looked at. Here: nothing
+        is kept (:meth:`keeps_pairs` is False)."""
+
     @abc.abstractmethod
     def write(self, batch: WriteBatch, notify: Optional[bytes] = None) -> Transfer:
         """Start one batched write; ``notify`` is delivered to the peer after the data."""

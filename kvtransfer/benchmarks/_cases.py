@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtransfer.batches import BufferRegions, plan_batch
 from kvtransfer.benchmarks._models import ModelShape
-from kvtransfer.plan import PoolKind, plan_kv_transfer, plan_state_transfer
+from kvtransfer.plan import KVKind, plan_kv_transfer, plan_state_transfer
 from transport.base import WriteBatch
 
 __all__ = ["Case", "Pools", "SLOT_ALIGN", "STATE_SLOTS"]
@@ -55,7 +55,7 @@ class Pools:
     def sizes(self, side: str) -> tuple:
         """``(kv sizes, state sizes)``: bytes of each buffer in export order on ``side``."""
         kv_row, state_rows = self.rows(self.prefill_tp if side == "src" else self.decode_tp)
-        per_layer = 2 if self.shape.kind is PoolKind.MHA else 1  # K and V, or one latent buffer
+        per_layer = 2 if self.shape.kind is KVKind.MHA else 1  # K and V, or one latent buffer
         kv = [self.num_slots * kv_row] * (per_layer * len(self.shape.layer_ids))
         m = self.shape.mamba
         state = [] if m is None else [STATE_SLOTS * r for r in state_rows for _ in m.layer_ids]

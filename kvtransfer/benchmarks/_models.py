@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from kvtransfer.layout import PoolKind, RankLayout, dtype_itemsize
+from kvtransfer.layout import KVKind, RankLayout, dtype_itemsize
 
 __all__ = ["MambaShape", "ModelShape", "PRESETS", "RowSlice"]
 
@@ -50,7 +50,7 @@ class RowSlice:
 @dataclass(frozen=True)
 class ModelShape:
     name: str
-    kind: PoolKind  # MHA (GQA) or MLA (one latent row, replicated on every TP rank)
+    kind: KVKind  # MHA (GQA) or MLA (one latent row, replicated on every TP rank)
     layer_ids: tuple  # attention layers
     kv_heads: int  # total KV heads (MLA: 1)
     head_dim: int  # MHA head dim; MLA latent width (kv_lora_rank + rope dim)
@@ -68,7 +68,7 @@ class ModelShape:
             if self.mamba is not None:
                 out = replace(out, mamba=replace(self.mamba, layer_ids=self.mamba.layer_ids[:layers]))
         if kv_heads is not None:
-            if self.kind is not PoolKind.MHA:
+            if self.kind is not KVKind.MHA:
                 raise ValueError(f"{self.name} is {self.kind.value}: its latent row has no KV heads to override")
             out = replace(out, kv_heads=kv_heads)
         if head_dim is not None:
@@ -92,7 +92,7 @@ class ModelShape:
     def kv_rows(self, tp_size: int) -> int:
         """Bytes of one token's row of one K/V buffer on a rank of ``tp_size``."""
         isz = dtype_itemsize(self.dtype)
-        if self.kind is PoolKind.MLA:
+        if self.kind is KVKind.MLA:
             return self.head_dim * isz
         return max(self.kv_heads // tp_size, 1) * self.head_dim * isz
 
@@ -102,7 +102,7 @@ class ModelShape:
         first share of every sharded block (the first heads, the first channels of each conv
         sub-block), so the two ranks share the first ``min`` of the two shares of each block."""
         isz = dtype_itemsize(self.dtype)
-        if self.kind is PoolKind.MLA:
+        if self.kind is KVKind.MLA:
             kv = [RowSlice(0, 0, self.head_dim * isz)]  # the whole latent row, on every rank
         else:
             kv = [RowSlice(0, 0, min(self.kv_rows(prefill_tp), self.kv_rows(decode_tp)))]
@@ -135,9 +135,9 @@ _QWEN3_NEXT_MAMBA = MambaShape(layer_ids=tuple(i for i in range(48) if i % 4 != 
                                temporal_head_bytes=128 * 128 * 4)
 
 PRESETS = {
-    "llama3-8b": ModelShape("Llama-3-8B", PoolKind.MHA, tuple(range(32)), kv_heads=8, head_dim=128),
-    "llama3-70b": ModelShape("Llama-3-70B", PoolKind.MHA, tuple(range(80)), kv_heads=8, head_dim=128),
-    "deepseek-v3": ModelShape("DeepSeek-V3", PoolKind.MLA, tuple(range(61)), kv_heads=1, head_dim=512 + 64),
-    "qwen3-next": ModelShape("Qwen3-Next-80B-A3B", PoolKind.MHA, tuple(range(3, 48, 4)), kv_heads=2, head_dim=256,
+    "llama3-8b": ModelShape("Llama-3-8B", KVKind.MHA, tuple(range(32)), kv_heads=8, head_dim=128),
+    "llama3-70b": ModelShape("Llama-3-70B", KVKind.MHA, tuple(range(80)), kv_heads=8, head_dim=128),
+    "deepseek-v3": ModelShape("DeepSeek-V3", KVKind.MLA, tuple(range(61)), kv_heads=1, head_dim=512 + 64),
+    "qwen3-next": ModelShape("Qwen3-Next-80B-A3B", KVKind.MHA, tuple(range(3, 48, 4)), kv_heads=2, head_dim=256,
                              mamba=_QWEN3_NEXT_MAMBA),
 }

@@ -118,7 +118,8 @@ class _RankWorker:
         import numpy as np
         import torch
 
-        from kvtransfer.control.common import ControlConfig, pack_first_token
+        from kvtransfer.control.aux_records import pack_first_token
+        from kvtransfer.control.config import ControlConfig
         from kvtransfer.layout import RankLayout
         from pools.mha import MHATokenToKVPool
         from transport.nixl import NixlTransport

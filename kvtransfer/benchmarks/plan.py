@@ -18,7 +18,7 @@ import numpy as np
 
 from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer.benchmarks._report import time_wall
-from kvtransfer.plan import PoolKind, RankLayout, _pair_table, plan_kv_transfer
+from kvtransfer.plan import KVKind, RankLayout, _pair_table, plan_kv_transfer
 
 
 def main(argv=None) -> int:
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     num_slots = pool + args.page_size  # size, plus the padding page
     common = dict(page_size=args.page_size, layer_ids=range(args.layers), dtype="bfloat16",
                   head_dim=args.head_dim, total_heads=args.heads, num_slots=num_slots)
-    src = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=args.prefill_tp, **common)
-    dst = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=args.decode_tp, **common)
+    src = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=args.prefill_tp, **common)
+    dst = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=args.decode_tp, **common)
     rng = np.random.default_rng(args.seed)
     if args.slots == "random":
         src_slots = rng.choice(np.arange(args.page_size, num_slots), args.tokens, replace=False)

@@ -122,16 +122,16 @@ def _scattered_slots(rng, page: int, tokens: int) -> tuple[np.ndarray, int]:
 def plan_request(req: KvRequest, seed: int = 0) -> KvBatch:
     """The request planned by ``plan_kv_transfer``, prefill rank 0 -> decode rank 0."""
     from kvtransfer.batches import BufferRegions, plan_batch
-    from kvtransfer.layout import PoolKind, RankLayout
+    from kvtransfer.layout import KVKind, RankLayout
     from kvtransfer.plan import plan_kv_transfer
 
     rng = np.random.default_rng(seed)
     src_slots, src_num = _scattered_slots(rng, req.prefill_page, req.tokens)
     dst_slots, dst_num = _scattered_slots(rng, req.decode_page, req.tokens)
     common = dict(layer_ids=range(req.layers), dtype="bfloat16", head_dim=req.head_dim, total_heads=req.heads)
-    src = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=req.prefill_tp, page_size=req.prefill_page,
+    src = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=req.prefill_tp, page_size=req.prefill_page,
                                num_slots=src_num, **common)
-    dst = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=req.decode_tp, page_size=req.decode_page,
+    dst = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=req.decode_tp, page_size=req.decode_page,
                                num_slots=dst_num, **common)
     plan = plan_kv_transfer(src, dst, src_slots, dst_slots)
     s_buf, s_off, d_buf, d_off, length = plan.flatten()

@@ -137,27 +137,32 @@ class BootstrapService:
         log.warning("bootstrap service dropped a frame: %s", why)
 
     def _answer(self, msg: Message, frame: bytes) -> Message:
-        if isinstance(msg, RegisterPrefill):
-            return self._register(msg, frame)
-        if isinstance(msg, UnregisterPrefill):
-            with self._lock:
-                group = self._groups.get(msg.dp_rank, {})
-                entry = group.get(msg.tp_rank)
-                if entry is not None and entry[0].incarnation == msg.incarnation:
-                    del group[msg.tp_rank]
-                    log.info("prefill dp %d tp %d unregistered", msg.dp_rank, msg.tp_rank)
-            return Registered(error="")
-        if isinstance(msg, GetTopology):
-            with self._lock:
-                group = self._groups.get(msg.dp_rank, {})
-                ranks = [group[tp][1] for tp in sorted(group)]
-                tp_size = next(iter(group.values()))[0].tp_size if group else 0
-            return Topology(dp_rank=msg.dp_rank, tp_size=tp_size, ranks=ranks)
-        if isinstance(msg, Ping):
-            with self._lock:
-                count = sum(len(g) for g in self._groups.values())
-            return Pong(nonce=msg.nonce, registered=count)
-        raise WireError(f"the bootstrap service does not answer {msg.KIND} messages")
+        handler = {RegisterPrefill: self._register, UnregisterPrefill: self._unregister,
+                   GetTopology: self._topology, Ping: self._pong}.get(type(msg))
+        if handler is None:
+            raise WireError(f"the bootstrap service does not answer {msg.KIND} messages")
+        return handler(msg, frame)
+
+    def _unregister(self, msg: UnregisterPrefill, frame: bytes) -> Registered:
+        with self._lock:
+            group = self._groups.get(msg.dp_rank, {})
+            entry = group.get(msg.tp_rank)
+            if entry is not None and entry[0].incarnation == msg.incarnation:
+                del group[msg.tp_rank]
+                log.info("prefill dp %d tp %d unregistered", msg.dp_rank, msg.tp_rank)
+        return Registered(error="")
+
+    def _topology(self, msg: GetTopology, frame: bytes) -> Topology:
+        with self._lock:
+            group = self._groups.get(msg.dp_rank, {})
+            ranks = [group[tp][1] for tp in sorted(group)]
+            tp_size = next(iter(group.values()))[0].tp_size if group else 0
+        return Topology(dp_rank=msg.dp_rank, tp_size=tp_size, ranks=ranks)
+
+    def _pong(self, msg: Ping, frame: bytes) -> Pong:
+        with self._lock:
+            count = sum(len(g) for g in self._groups.values())
+        return Pong(nonce=msg.nonce, registered=count)
 
     def _register(self, msg: RegisterPrefill, frame: bytes) -> Registered:
         with self._lock:

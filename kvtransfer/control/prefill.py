@@ -8,12 +8,12 @@ checks the layouts (a mismatch is refused, naming the field and both values) and
 over the best transport both sides have: ``nvlink`` when both offer it on one host and CUDA
 IPC works, else ``nixl``. Where the transport keeps a pair set's part of a write resident
 (NVLink's direct path), the pairs of this rank's writes to that decode rank are made resident
-then, once: they depend on the two layouts only (:meth:`_DecodePeer.plan_ahead`).
+then, once: they depend on the two layouts only (:mod:`kvtransfer.control.prefill_peers`).
 
 Per request, the engine calls ``sender = manager.sender(request_id)`` and then
 ``sender.send(slots, last=...)`` once per chunk of a chunked prefill: ``slots`` are this
 rank's token slots of the chunk's tokens, in order; the last chunk also carries the Mamba
-state slot and the aux record (the first output token, :func:`~kvtransfer.control.common.
+state slot and the aux record (the first output token, :func:`~kvtransfer.control.aux_records.
 pack_first_token`). Each decode rank of the request sends a ``TransferRequest`` (its
 destination slots, the prefix it already holds, its state slot); chunks queued
 before every expected decode rank has asked wait for it. Tokens decode already holds are not
@@ -57,17 +57,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import zmq
 
-from kvtransfer.batches import BufferRegions, plan_batch, write_batch
+from kvtransfer.control.aux_records import AUX_RECORD_BYTES
+from kvtransfer.control.base import BaseKVManager, BaseKVSender
 from kvtransfer.control.bootstrap import BootstrapClient
-from kvtransfer.control.common import (AUX_RECORD_BYTES, SWEEP_INTERVAL_S, ControlConfig, Endpoints, EventLoop,
-                                      default_host_id, pick_backend)
-from kvtransfer.control.liveness import ProcessId, ended, wire_of
+from kvtransfer.control.config import SWEEP_INTERVAL_S, ControlConfig
+from kvtransfer.control.endpoints import Endpoints, default_host_id
+from kvtransfer.control.event_loop import EventLoop
+from kvtransfer.control.liveness import ProcessId
+from kvtransfer.control.prefill_peers import DecodePeer, DecodeRanks
+from kvtransfer.control.prefill_request import Chunk, PrefillRequest
 from kvtransfer.control.state import KVPoll, RequestStatus, RequestTable
 from kvtransfer.control.wire import (
     PROTOCOL_VERSION,
@@ -75,21 +78,15 @@ from kvtransfer.control.wire import (
     DecodeHello,
     Goodbye,
     Heartbeat,
-    HelloAck,
-    KVArrived,
-    NotConnected,
     Quiesced,
     RegisterPrefill,
     TransferRequest,
     VersionMismatch,
     WireError,
     decode,
-    endpoints_of,
-    process_of,
 )
-from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
-from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, StridedBatch, TransferStatus, TransportError
+from kvtransfer.layout import RankLayout, StateKind
+from transport.base import TransportError
 
 __all__ = ["KVSender", "PrefillKVManager"]
 
@@ -103,7 +100,7 @@ def _slots(name: str, slots) -> np.ndarray:
     return np.array(arr, dtype=np.int64)
 
 
-class KVSender:
+class KVSender(BaseKVSender):
     """One request on this prefill rank (see the module docstring)."""
 
     def __init__(self, manager: "PrefillKVManager", request_id: str):
@@ -139,7 +136,7 @@ class KVSender:
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
         self._last_sent, self._kicked = last, True
-        chunk = _Chunk(arr, last, state_slot, aux, self._mgr._stream_mark())
+        chunk = Chunk(arr, last, state_slot, aux, self._mgr._stream_mark())
         # inline: posted from this thread when the loop is between turns (no wake-up on the way)
         self._mgr._loop.call(self._mgr._on_send, self, chunk, inline=True)
 
@@ -147,91 +144,13 @@ class KVSender:
         self._mgr._loop.call(self._mgr._fail, self.request_id, reason)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    slots: np.ndarray  # [n] this rank's token slots
-    last: bool
-    state_slot: Optional[int]
-    aux: Optional[bytes]
-    computed: object = None  # CUDA event recorded after the chunk's KV on the sender's stream (None: host KV)
+class PrefillKVManager(BaseKVManager):
+    """The KV manager of one prefill rank (see the module docstring).
 
-
-@dataclass
-class _DecodePeer:
-    """A decode rank that said hello (loop thread only)."""
-
-    hello: DecodeHello
-    identity: bytes
-    layout: RankLayout
-    backend: str  # the transport this pair writes through
-    src_regions: BufferRegions  # this rank's buffers on that transport
-    regions: BufferRegions  # the decode rank's buffers on that transport
-    peer: object  # transport Peer
-    reads_from_me: bool  # this rank is one of its senders_for(...)
-    writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
-    last_seen: float
-    process: Optional[ProcessId] = None  # the process its hello named (None: it could not)
-
-    def batch(self, plan):
-        """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
-        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.takes_strided(plan.num_token_entries))
-
-    def plan_ahead(self, mine: RankLayout) -> int:
-        """Make the pair sets of this rank's writes resident in its transport now, where the
-        transport keeps them (``plan_pairs``: NVLink's direct path). A write's pairs -- which
-        buffer to which, offsets, strides, row bytes -- come from the two layouts alone, so a
-        one-token plan (the first slot of page 1 on each side; state slot 1) gives the pairs of
-        every request's KV write, and of its Mamba state write: the first request then finds
-        them built, as every later one does. Returns how many pair sets were made resident (0:
-        the transport keeps none, or this rank reads nothing from ``mine``)."""
-        plan_pairs = getattr(self.peer, "plan_pairs", None)
-        if plan_pairs is None or not self.reads_from_me:
-            return 0
-        plans = [plan_kv_transfer(mine, self.layout, [mine.page_size], [self.layout.page_size])]  # page 1, token 0
-        if mine.state_kind is StateKind.MAMBA:
-            plans.append(plan_state_transfer(mine, self.layout, 1, 1))
-        made = 0
-        for plan in plans:
-            batch = None if plan.empty else self.batch(plan)
-            if isinstance(batch, StridedBatch) and batch.num_pairs:  # (NSA's sectioned pages write flat rows)
-                plan_pairs(batch)
-                made += 1
-        return made
-
-    def plan_ahead_or_log(self, mine: RankLayout, key) -> int:
-        """:meth:`plan_ahead`, its failure logged: it is not the hello's (the first write
-        builds the pair sets instead, and raises what is wrong there, for that request)."""
-        try:
-            return self.plan_ahead(mine)
-        except Exception as exc:  # a CUDA or bounds error of the transport: whatever it is, the hello stands
-            log.warning("prefill rank %d: the pair sets of the writes to decode rank %s were not made ahead: %s",
-                        mine.tp_rank, key, exc)
-            return 0
-
-
-@dataclass
-class _Outgoing:
-    """A request's progress on this rank (loop thread only)."""
-
-    sender: KVSender
-    since: float  # when sender() made it
-    deadline: float = float("inf")  # set once every decode rank asked
-    instance: Optional[str] = None
-    expected: frozenset = frozenset()  # decode keys that will ask: every rank of the instance
-    dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
-    chunks: list = field(default_factory=list)  # queued until every decode rank has asked
-    tokens_sent: int = 0
-    writes: dict = field(default_factory=dict)  # decode key -> writes posted
-    inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
-    last_posted: bool = False
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.expected) and set(self.dests) == self.expected
-
-
-class PrefillKVManager:
-    """The KV manager of one prefill rank (see the module docstring)."""
+    Its state, all on the loop thread: the decode ranks (``_ranks``), the
+    requests (``_outgoing`` and the two working sets ``_moving`` / ``_computing`` that its
+    tick polls), and what came for an id before or after its sender lived (``_early``,
+    ``_aborted_early``, ``_failed``)."""
 
     def __init__(self, layout: RankLayout, transports, kv_infos, state_infos=None, *,
                  bootstrap: str, config: ControlConfig = ControlConfig(), device: Optional[int] = None,
@@ -242,8 +161,8 @@ class PrefillKVManager:
         self.incarnation = uuid.uuid4().hex
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._device = device  # the pools' GPU (None: host memory)
-        self._host = host_id or default_host_id()
-        self._process = ProcessId.mine()
+        self.host = host_id or default_host_id()  # this host's identity in registrations
+        self.process = ProcessId.mine()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -256,23 +175,23 @@ class PrefillKVManager:
             raise OSError(f"prefill rank {layout.tp_rank}: cannot bind tcp://{config.host}:{config.port}: {exc}") from None
         self.control_addr = f"tcp://{config.host}:{port}"
         self._senders: RequestTable = RequestTable()
-        self._outgoing: dict = {}  # request id -> _Outgoing
+        self._outgoing: dict = {}  # request id -> PrefillRequest
         self._moving: set = set()  # request ids with writes in flight, or posted or failed since the last turn
         self._computing: set = set()  # request ids whose next chunk waits for the engine's stream (_flush)
         self._next_sweep = 0.0  # when _tick next looks at every request (deadlines, forgotten ids)
         self._early: dict = {}  # request id -> [(time, key, TransferRequest)] that came before sender()
         self._aborted_early: dict = {}  # request id -> (time, reason): aborts that came before sender()
         self._failed: dict = {}  # request id -> (time, reason): failed; a late ask is told so
-        self._decode: dict = {}  # (instance, tp_rank) -> _DecodePeer
-        self._by_identity: dict = {}  # routing id -> decode key
-        self._dropped: dict = {}  # routing id -> (time, reason, logged): sockets without a hello (NotConnected)
-        self._leaving: dict = {}  # decode key -> _DecodePeer that said goodbye, until no write to it is in flight
+        self._ranks = DecodeRanks(self._router, self, on_drop=self._fail_requests_of)
+        self._decode = self._ranks.peers  # (instance, tp_rank) -> DecodePeer
+        self._handlers = {Heartbeat: self._ranks.answer_heartbeat, TransferRequest: self._on_request,
+                          AbortRequest: self._on_abort, Goodbye: self._ranks.leave}  # a connected rank's messages
         self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
         self._bootstrap = BootstrapClient(bootstrap)
         try:
             self._bootstrap.register(RegisterPrefill(
                 dp_rank=config.dp_rank, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
-                control_addr=self.control_addr, host=self._host, endpoints=self.endpoints.wire(),
+                control_addr=self.control_addr, host=self.host, endpoints=self.endpoints.wire(),
                 layout=layout.to_msgpack(), incarnation=self.incarnation), deadline_s=config.bootstrap_timeout_s)
         except BaseException:
             self._router.close()
@@ -311,50 +230,33 @@ class PrefillKVManager:
         self._ctx.term()
         self.endpoints.release()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # -- loop thread: requests ----------------------------------------------------------
     def _on_new_sender(self, sender: KVSender) -> None:
-        self._failed.pop(sender.request_id, None)  # an id used again after a failure
-        out = _Outgoing(sender, since=time.monotonic())
-        self._outgoing[sender.request_id] = out
-        aborted = self._aborted_early.pop(sender.request_id, None)
+        rid = sender.request_id
+        self._failed.pop(rid, None)  # an id used again after a failure
+        out = self._outgoing[rid] = PrefillRequest(rid, sender.status, since=time.monotonic())
+        aborted = self._aborted_early.pop(rid, None)
         if aborted is not None:
-            self._fail(sender.request_id, aborted[1])
+            self._fail(rid, aborted[1])
             return
-        for _, key, req in self._early.pop(sender.request_id, []):
+        for _, key, req in self._early.pop(rid, []):
             self._attach(out, key, req)
 
-    def _on_send(self, sender: KVSender, chunk: _Chunk) -> None:
+    def _on_send(self, sender: KVSender, chunk: Chunk) -> None:
         out = self._outgoing.get(sender.request_id)
         if out is None or sender.status.state.final:
             return  # failed (and forgotten) meanwhile: nothing to send
         out.chunks.append(chunk)
         self._flush(out)
 
-    def _attach(self, out: _Outgoing, key: tuple, req: TransferRequest) -> None:
-        peer = self._decode.get(key)
-        if peer is None:
-            self._fail(out.sender.request_id, f"decode rank {key} asked without a hello")
+    def _attach(self, out: PrefillRequest, key: tuple, req: TransferRequest) -> None:
+        if key not in self._decode:
+            self._fail(out.request_id, f"decode rank {key} asked without a hello")
             return
-        if out.instance is None:
-            out.instance = req.instance
-            out.expected = self._askers_of(req.instance)
-        elif out.instance != req.instance:
-            self._fail(out.sender.request_id, f"decode instances {out.instance!r} and {req.instance!r} both asked")
-            return
-        if len(req.dst_slots) % 8:
-            self._fail(out.sender.request_id, f"decode rank {key}: dst_slots of {len(req.dst_slots)} bytes is not "
-                                              "int64 slots")
-            return
-        out.dests[key] = (req, np.frombuffer(req.dst_slots, dtype="<i8").astype(np.int64))
-        if out.ready:
-            out.deadline = time.monotonic() + self.config.transfer_timeout_s
-            out.sender.status.advance(KVPoll.WaitingForInput)
+        error = out.attach(key, req, self._askers_of, time.monotonic(), self.config.transfer_timeout_s)
+        if error:
+            self._fail(out.request_id, error)
+        elif out.ready:
             self._flush(out)
 
     def _askers_of(self, instance: str) -> frozenset:
@@ -363,12 +265,12 @@ class PrefillKVManager:
         peer = next((p for k, p in self._decode.items() if k[0] == instance), None)
         return frozenset() if peer is None else frozenset((instance, d) for d in range(peer.layout.tp_size))
 
-    def _flush(self, out: _Outgoing) -> None:
+    def _flush(self, out: PrefillRequest) -> None:
         """Post the queued chunks, in order, once every decode rank asked and while each one's
         KV is computed (a chunk whose event has not completed waits; each turn looks again)."""
-        rid = out.sender.request_id
+        rid = out.request_id
         self._computing.discard(rid)
-        if not out.ready or out.sender.status.state.final:
+        if not out.ready or out.status.state.final:
             return
         if out.chunks and time.monotonic() > out.deadline:  # the decode rank may have let its pages go
             self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s: its deadline passed before "
@@ -378,20 +280,21 @@ class PrefillKVManager:
             while out.chunks:
                 if not self._computed(out, out.chunks[0]):
                     return
-                self._post_chunk(out, out.chunks.pop(0))
+                out.post(out.chunks.pop(0), self.layout, self._decode)
+                self._moving.add(rid)
         except (ValueError, TypeError, TransportError) as exc:  # bad slots, a peer gone, a closed transport
             self._fail(rid, f"cannot write: {exc}")
 
-    def _computed(self, out: _Outgoing, chunk: _Chunk) -> bool:
+    def _computed(self, out: PrefillRequest, chunk: Chunk) -> bool:
         """Whether the chunk's KV is complete; if not, the request waits in ``_computing``
         (failed when the engine's stream did: its KV never comes)."""
         try:
             if chunk.computed is None or chunk.computed.query():
                 return True
         except RuntimeError as exc:  # a CUDA error on the engine's stream
-            self._fail(out.sender.request_id, f"the engine's stream failed before a chunk's KV was computed: {exc}")
+            self._fail(out.request_id, f"the engine's stream failed before a chunk's KV was computed: {exc}")
             return False
-        self._computing.add(out.sender.request_id)
+        self._computing.add(out.request_id)
         return False
 
     def _stream_mark(self):
@@ -405,71 +308,18 @@ class PrefillKVManager:
         event.record(torch.cuda.current_stream(self._device))
         return event
 
-    def _post_chunk(self, out: _Outgoing, chunk: _Chunk) -> None:
-        rid = out.sender.request_id
-        first, out.tokens_sent = out.tokens_sent, out.tokens_sent + chunk.slots.size
-        for key in sorted(out.dests):
-            req, dst_all = out.dests[key]
-            peer = self._decode[key]
-            if not peer.reads_from_me:  # it asked so that this rank does not wait; nothing to write
-                continue
-            skip = min(chunk.slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
-            src = chunk.slots[skip:]
-            start = first + skip - req.prefix_tokens
-            dst = dst_all[start:start + src.size]
-            if dst.size != src.size:
-                raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
-                                 f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            writes = [("kv", peer.batch(plan_kv_transfer(self.layout, peer.layout, src, dst)))]
-            if self.layout.state_kind is StateKind.NSA_INDEX:
-                writes.append(("state", peer.batch(plan_state_transfer(self.layout, peer.layout, src, dst))))
-            if chunk.last:
-                if out.tokens_sent != req.prefix_tokens + dst_all.size:
-                    raise ValueError(f"the request has {out.tokens_sent} tokens, decode rank {key} expects "
-                                     f"{req.prefix_tokens} held + {dst_all.size} sent")
-                writes += self._state_writes(peer, req, chunk)
-            for i, (part, batch) in enumerate(writes):
-                seq = out.writes.get(key, 0)
-                out.writes[key] = seq + 1
-                final = chunk.last and i == len(writes) - 1
-                aux = chunk.aux if final and peer.writes_aux and chunk.aux is not None else b""
-                note = KVArrived(request_id=rid, part=part, seq=seq, total=seq + 1 if final else 0,
-                                 aux=bytes(aux)).to_msgpack()
-                out.inflight.append((write_batch(peer.peer, batch, note), key))
-        out.last_posted |= chunk.last
-        self._moving.add(rid)
-        out.sender.status.advance(KVPoll.Transferring)
-
-    def _state_writes(self, peer: _DecodePeer, req: TransferRequest, chunk: _Chunk) -> list:
-        """The Mamba state write that goes with the last chunk to one decode rank."""
-        if self.layout.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
-            return []
-        plan = plan_state_transfer(self.layout, peer.layout, int(chunk.state_slot), req.state_slot)
-        return [] if plan.empty else [("state", peer.batch(plan))]
-
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail a request: abort its writes; tell its decode ranks (Quiesced follows once no
         write is in flight)."""
         out = self._outgoing.get(request_id)
-        if out is None:
+        if out is None or not out.fail(reason):
             return
-        if out.sender.status.fail(reason):
-            self._moving.add(request_id)  # the loop finishes it once none of its writes is in flight
-            log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
-            self._failed[request_id] = (time.monotonic(), reason)  # a decode rank that asks later is told
-            for transfer, _ in out.inflight:  # they stay in flight until nothing of them can land:
-                transfer.cancel()  # Quiesced waits for that, and the loop goes on serving meanwhile
-            for key in out.dests:
-                self._send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
-                                                                           f"{reason}"))
-
-    def _send(self, key: tuple, msg) -> None:
-        peer = self._decode.get(key)
-        if peer is not None:
-            try:
-                self._router.send_multipart([peer.identity, msg.to_msgpack()], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the decode rank is gone: heartbeats will tell
-                log.debug("cannot send %s to decode rank %s: %s", msg.KIND, key, exc)
+        self._moving.add(request_id)  # the loop finishes it once none of its writes is in flight
+        log.info("request %s failed on prefill rank %d: %s", request_id, self.layout.tp_rank, reason)
+        self._failed[request_id] = (time.monotonic(), reason)  # a decode rank that asks later is told
+        for key in out.dests:
+            self._ranks.send(key, AbortRequest(request_id=request_id, reason=f"prefill rank {self.layout.tp_rank}: "
+                                                                       f"{reason}"))
 
     # -- loop thread: control messages ----------------------------------------------------
     def _on_router(self) -> None:
@@ -487,133 +337,53 @@ class PrefillKVManager:
             except WireError as exc:
                 log.warning("prefill rank %d dropped a frame: %s", self.layout.tp_rank, exc)
                 if isinstance(exc, VersionMismatch) and exc.kind == DecodeHello.KIND:  # refused in this version
-                    self._ack(identity, f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not "
+                    self._ranks.ack(identity, f"this prefill rank speaks control protocol {PROTOCOL_VERSION}, not "
                                         f"{exc.version!r}")
                 continue
-            if isinstance(msg, DecodeHello):
-                self._on_hello(identity, msg)
+            if isinstance(msg, DecodeHello):  # the one message a socket without a hello may send
+                self._ranks.hello(identity, msg)
                 continue
-            key = self._by_identity.get(identity)
+            key, peer = self._ranks.of_socket(identity)
             if key is None:
-                self._not_connected(identity, msg)
+                self._ranks.not_connected(identity, msg)
                 continue
-            peer = self._decode.get(key)
             if peer is None:  # said goodbye or was dropped meanwhile
                 log.debug("prefill rank %d dropped %s from a departed decode rank", self.layout.tp_rank, msg.KIND)
                 continue
-            peer.last_seen = time.monotonic()
-            if isinstance(msg, Heartbeat):
-                self._router.send_multipart([identity, Heartbeat(seq=msg.seq, incarnation=self.incarnation)
-                                             .to_msgpack()], zmq.NOBLOCK)
-            elif isinstance(msg, TransferRequest):
-                self._on_request(key, msg)
-            elif isinstance(msg, AbortRequest):
-                self._on_abort(key, msg)
-            elif isinstance(msg, Goodbye):
-                self._decode.pop(key)
-                self._fail_requests_of(key, f"decode rank {key} said goodbye")
-                self._by_identity.pop(identity, None)
-                self._leaving[key] = peer
-            else:
+            peer.session.heard(time.monotonic())
+            handler = self._handlers.get(type(msg))
+            if handler is None:
                 log.warning("prefill rank %d dropped an unexpected %s", self.layout.tp_rank, msg.KIND)
-
-    def _not_connected(self, identity: bytes, msg) -> None:
-        """A message from a socket without a hello: a decode rank dropped as lost (alive after
-        all: a loaded machine paused it past the heartbeat timeout) or a stranger. Answered
-        with NotConnected, so that a live decode rank fails what it asked of this rank and says
-        hello again; logged once per socket."""
-        when, reason, logged = self._dropped.get(identity, (time.monotonic(), "", False))
-        if not logged:
-            log.warning("prefill rank %d: %s from %s; answered not_connected", self.layout.tp_rank, msg.KIND,
-                        f"a decode rank it dropped ({reason})" if reason else "a socket without a hello")
-            self._dropped[identity] = (when, reason, True)
-        try:
-            self._router.send_multipart([identity, NotConnected(
-                incarnation=self.incarnation, reason=reason or "this prefill rank holds no hello of it").to_msgpack()],
-                zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("prefill rank %d cannot answer not_connected: %s", self.layout.tp_rank, exc)
-
-    def _on_hello(self, identity: bytes, hello: DecodeHello) -> None:
-        error = ""
-        try:
-            layout = RankLayout.from_msgpack(hello.layout)
-            self.layout.check_compatible(layout)
-            theirs = endpoints_of(hello)
-            readers = senders_for(layout, self.layout.tp_size)
-        except (LayoutMismatch, ValueError, TypeError) as exc:
-            error = str(exc)
-        if not error:
-            old = self._decode.pop(hello.key, None)
-            if old is not None:  # it restarted, or lost this rank and reconnects: its old requests cannot finish
-                self._drop_peer(old, f"decode rank {hello.key} said hello again (restarted or reconnecting)")
-            connected = self._connect(hello, theirs)
-            if isinstance(connected, str):
-                error = connected
             else:
-                backend, peer, regions = connected
-                entry = self._decode[hello.key] = _DecodePeer(
-                    hello, identity, layout, backend, self.endpoints.regions[backend], regions, peer,
-                    reads_from_me=self.layout.tp_rank in readers,
-                    writes_aux=bool(readers) and readers[0] == self.layout.tp_rank, last_seen=time.monotonic(),
-                    process=process_of(hello))
-                entry.plan_ahead_or_log(self.layout, hello.key)
-                self._by_identity[identity] = hello.key
-                self._dropped.pop(identity, None)
-                log.info("prefill rank %d: decode rank %s connected over %s", self.layout.tp_rank, hello.key, backend)
-        if error:
-            log.warning("prefill rank %d refused decode rank %s: %s", self.layout.tp_rank, hello.key, error)
-        entry = self._decode.get(hello.key) if not error else None
-        self._ack(identity, error, entry.backend if entry is not None else "")
+                handler(peer, msg)
 
-    def _ack(self, identity: bytes, error: str, backend: str = "") -> None:
-        """Answer a hello: ``error`` empty when accepted, ``backend`` what this rank writes through."""
-        ack = HelloAck(error=error, incarnation=self.incarnation, process=wire_of(self._process), backend=backend)
-        self._router.send_multipart([identity, ack.to_msgpack()], zmq.NOBLOCK)
-
-    def _connect(self, hello: DecodeHello, theirs: dict):
-        """``(backend, transport Peer, the decode rank's BufferRegions)`` over the best shared
-        transport that connects, else why none did (a str)."""
-        mine = self.endpoints.transports
-        candidates = pick_backend(mine, theirs, same_host=hello.host == self._host)
-        if not candidates:
-            return f"no transport in common: this side {sorted(mine)}, peer {sorted(theirs)}"
-        failures = []
-        for backend in candidates:
-            try:
-                regions = BufferRegions.from_wire(theirs[backend].regions)
-                return backend, mine[backend].connect(theirs[backend].export), regions
-            except (PeerDescriptorError, TransportError, ValueError) as exc:
-                failures.append(f"{backend}: {exc}")
-                log.info("prefill rank %d: %s to decode rank %s unusable: %s", self.layout.tp_rank, backend,
-                         hello.key, exc)
-        return "cannot connect to the decode rank's transport (" + "; ".join(failures) + ")"
-
-    def _on_request(self, key: tuple, req: TransferRequest) -> None:
+    def _on_request(self, peer: DecodePeer, req: TransferRequest) -> None:
+        key = peer.key
         out = self._outgoing.get(req.request_id)
         failed = self._failed.get(req.request_id)
         if failed is not None and (out is None or key not in out.dests):  # it failed before that decode
-            self._send(key, AbortRequest(request_id=req.request_id,  # rank asked: nothing of it went there
+            self._ranks.send(key, AbortRequest(request_id=req.request_id,  # rank asked: nothing of it went there
                                          reason=f"prefill rank {self.layout.tp_rank}: {failed[1]}"))
-            self._send(key, Quiesced(request_id=req.request_id))
+            self._ranks.send(key, Quiesced(request_id=req.request_id))
         elif out is not None:
             self._attach(out, key, req)
         elif req.request_id in self._aborted_early:
-            self._send(key, Quiesced(request_id=req.request_id))
+            self._ranks.send(key, Quiesced(request_id=req.request_id))
         else:
             self._early.setdefault(req.request_id, []).append((time.monotonic(), key, req))
 
-    def _on_abort(self, key: tuple, msg: AbortRequest) -> None:
+    def _on_abort(self, peer: DecodePeer, msg: AbortRequest) -> None:
+        key = peer.key
         reason = f"aborted by decode rank {key}: {msg.reason}"
         if msg.request_id in self._outgoing:
             self._fail(msg.request_id, reason)
             out = self._outgoing[msg.request_id]
             if key not in out.dests:  # it asked for nothing yet: nothing of ours can land there
-                self._send(key, Quiesced(request_id=msg.request_id))
+                self._ranks.send(key, Quiesced(request_id=msg.request_id))
         else:  # before sender(): remember, and nothing can be in flight
             self._early.pop(msg.request_id, None)
             self._aborted_early[msg.request_id] = (time.monotonic(), reason)
-            self._send(key, Quiesced(request_id=msg.request_id))
+            self._ranks.send(key, Quiesced(request_id=msg.request_id))
 
     # -- loop thread: timers and transfers --------------------------------------------------
     def _tick(self) -> float:
@@ -626,8 +396,8 @@ class PrefillKVManager:
         busy = bool(self._computing)
         for rid in list(self._moving):  # the others wait for an ask or a chunk: nothing to poll
             out = self._outgoing[rid]
-            busy |= self._advance(out)
-            state = out.sender.status.state
+            busy |= out.poll_writes(lambda key, error: self._fail(rid, f"write to decode rank {key} failed: {error}"))
+            state = out.status.state
             if state is KVPoll.Success or (state is KVPoll.Failed and not out.inflight):
                 self._finish(rid, out)
             elif not out.inflight:
@@ -635,115 +405,53 @@ class PrefillKVManager:
         if now >= self._next_sweep:  # timeouts are seconds long: every request looked at every SWEEP_INTERVAL_S
             self._next_sweep = now + SWEEP_INTERVAL_S
             self._sweep(now)
-        for key, peer in list(self._leaving.items()):
-            if not any(k == key for rid in self._moving for _, k in self._outgoing[rid].inflight):
-                del self._leaving[key]
-                self._close_peer(peer)
-                self._router.send_multipart([peer.identity, Goodbye(incarnation=self.incarnation).to_msgpack()],
-                                            zmq.NOBLOCK)
-        lost = [p for p in self._decode.values() if now - p.last_seen > self.config.heartbeat_timeout_s]
-        if lost:  # read what came meanwhile first: a long turn here is this rank's pause, not their silence
-            self._on_router()
-            lost = [p for p in lost if self._decode.get(p.hello.key) is p
-                    and now - p.last_seen > self.config.heartbeat_timeout_s]
-        for peer in lost:
-            self._decode.pop(peer.hello.key, None)
-            self._drop_peer(peer, f"decode rank {peer.hello.key} lost: no heartbeat for "
-                                  f"{self.config.heartbeat_timeout_s:g} s")
+        self._ranks.answer_departed({k for rid in self._moving for _, k in self._outgoing[rid].inflight})
+        self._ranks.drop_silent(now, self._on_router)
         return self.config.loop_pause(busy)
 
     def _sweep(self, now: float) -> None:
         """Fail the requests past their deadline; forget the ids nobody claimed in time; drop the
-        decode ranks silent for two heartbeat intervals whose process has ended (no need to wait
-        for the heartbeat timeout: :mod:`kvtransfer.control.liveness`)."""
-        for key, peer in list(self._decode.items()):
-            if now - peer.last_seen > 2 * self.config.heartbeat_interval_s and ended(peer.process, self._process):
-                del self._decode[key]
-                self._drop_peer(peer, f"decode rank {key} lost: its process (pid {peer.process.pid}) has exited")
+        decode ranks known to have ended (:meth:`DecodeRanks.sweep`)."""
+        horizon = now - self.config.transfer_timeout_s
+        self._ranks.sweep(now, horizon)
         for rid, out in list(self._outgoing.items()):
-            if out.sender.status.state.final:
+            if out.status.state.final:
                 continue
             if now > out.deadline:
-                self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({self._describe(out)})")
+                self._fail(rid, f"not done after {self.config.transfer_timeout_s:g} s ({out.describe()})")
             elif not self._decode and not out.dests and now - out.since > self.config.handshake_timeout_s:
                 self._fail(rid, f"no decode node is connected to this prefill node (none for "
                                 f"{self.config.handshake_timeout_s:g} s): send requests through the router, "
                                 f"which pairs each with a decode node")
-        horizon = now - self.config.transfer_timeout_s
         for rid in [r for r, asks in self._early.items() if asks[0][0] < horizon]:
             del self._early[rid]
         for table in (self._aborted_early, self._failed):
             for rid in [r for r, (when, _) in table.items() if when < horizon]:
                 del table[rid]
-        for identity in [i for i, (when, _, _) in self._dropped.items() if when < horizon]:
-            del self._dropped[identity]  # a later message from it is answered all the same
 
-    def _advance(self, out: _Outgoing) -> bool:
-        """Poll the request's writes; True while some are in flight."""
-        still = []
-        for transfer, key in out.inflight:
-            status = transfer.status()
-            if status is TransferStatus.PENDING:
-                still.append((transfer, key))
-                continue
-            if status is TransferStatus.FAILED:
-                self._fail(out.sender.request_id, f"write to decode rank {key} failed: {transfer.error}")
-        out.inflight = still
-        if out.last_posted and not still:
-            out.sender.status.advance(KVPoll.Success)
-        return bool(still)
-
-    def _finish(self, rid: str, out: _Outgoing) -> None:
+    def _finish(self, rid: str, out: PrefillRequest) -> None:
         """Forget an ended request; a failed one tells its decode ranks nothing is in flight."""
-        if out.sender.status.state is KVPoll.Failed:
+        if out.status.state is KVPoll.Failed:
             for key in out.dests:
-                self._send(key, Quiesced(request_id=rid))
+                self._ranks.send(key, Quiesced(request_id=rid))
         del self._outgoing[rid]
         self._moving.discard(rid)
         self._computing.discard(rid)
         self._senders.pop(rid)
-
-    def _describe(self, out: _Outgoing) -> str:
-        if not out.ready:
-            missing = sorted(out.expected - set(out.dests)) if out.expected else "every decode rank"
-            return f"waiting for the destination from {missing}"
-        if out.chunks:
-            return f"{out.tokens_sent} tokens sent, the next chunk's KV not computed yet"
-        if not out.last_posted:
-            return f"{out.tokens_sent} tokens sent, waiting for the last chunk"
-        return f"{len(out.inflight)} writes in flight"
-
-    def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
-        log.warning("prefill rank %d: %s", self.layout.tp_rank, reason)
-        self._fail_requests_of(peer.hello.key, reason)
-        self._by_identity.pop(peer.identity, None)
-        self._dropped[peer.identity] = (time.monotonic(), reason, False)
-        self._close_peer(peer)
 
     def _fail_requests_of(self, key: tuple, reason: str) -> None:
         for rid, out in list(self._outgoing.items()):
             if key in out.dests or key in out.expected:
                 self._fail(rid, reason)
 
-    def _close_peer(self, peer: _DecodePeer) -> None:
-        try:
-            peer.peer.close()
-        except TransportError as exc:
-            log.debug("closing the transport peer of %s: %s", peer.hello.key, exc)
-
     def _shutdown(self) -> None:
         for rid in list(self._outgoing):
             self._fail(rid, "the prefill manager closed")
         deadline = time.monotonic() + 5.0
         while any(out.inflight for out in self._outgoing.values()) and time.monotonic() < deadline:
-            for out in self._outgoing.values():
-                self._advance(out)
+            for rid, out in self._outgoing.items():
+                out.poll_writes(lambda key, error: None)  # failed already: only their end is awaited
             time.sleep(0.001)
         for rid, out in list(self._outgoing.items()):
             self._finish(rid, out)
-        for key in list(self._decode):  # decode ranks stop asking a closed rank at once
-            self._send(key, Goodbye(incarnation=self.incarnation))
-        for peer in [*self._decode.values(), *self._leaving.values()]:
-            self._close_peer(peer)
-        self._decode.clear()
-        self._leaving.clear()
+        self._ranks.close()

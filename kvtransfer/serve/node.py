@@ -5,7 +5,8 @@
     kvtransfer serve --role colocated --model smollm2 --tp 1 --port 30003
 
 A node is this HTTP process (FastAPI on uvicorn: tokenizer, chat template, text, the OpenAI
-shapes, metrics) and one process per TP rank (:mod:`kvtransfer.serve.worker`: model shard,
+shapes, metrics; :mod:`kvtransfer.serve.node_app`, with what each role does differently in
+:mod:`kvtransfer.serve.roles`) and one process per TP rank (:mod:`kvtransfer.serve.worker`: model shard,
 pools, transports, KV manager). A prefill node also runs the bootstrap service its ranks
 register with (``--bootstrap-port``; ``GET /info`` names it for the router).
 
@@ -31,27 +32,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
-import random
 import sys
 import threading
-import time
 import uuid
 from typing import Dict, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from kvtransfer._args import HelpFormatter, deprecated_alias, description, positive_int
-from kvtransfer.serve.http import (DEFAULT_MAX_BODY_BYTES, ClientGone, UsageError, add_error_handlers,
-                                   add_metrics_and_models, client_gone, http_server, port_socket, read_body,
-                                   unless_gone)
+from kvtransfer.serve.http import DEFAULT_MAX_BODY_BYTES, UsageError, http_server, port_socket
+from kvtransfer.serve.node_app import build_app
+from kvtransfer.serve.roles import ROLES, role_of
 
 log = logging.getLogger("kvtransfer.serve.node")
 
-ROLES = ("prefill", "decode", "colocated")
 RANKS_STOP_S = 15.0  # how long a rank may take to stop after Shutdown before it is killed
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
 
@@ -198,6 +192,7 @@ class Node:
         self.max_body_bytes = max_body_bytes
         self.model_name = spec.model
         self.model_names = ModelName(spec.model).names  # what a request's "model" may say
+        self.role = role_of(spec.role)  # what this node does differently (kvtransfer.serve.roles)
         self.metrics = NodeMetrics(spec.role, spec.model)
         self.state, self.error = "starting", ""
         self.ranks = Ranks(spec)
@@ -219,7 +214,7 @@ class Node:
     def _run(self) -> None:
         """Start the ranks, then relay their events until the node stops or a rank dies."""
         try:
-            if self.spec.role == "prefill":
+            if self.role.runs_bootstrap:
                 from kvtransfer.control.bootstrap import BootstrapService
 
                 self.bootstrap_service = BootstrapService(self.spec.host, self.bootstrap_port)
@@ -305,248 +300,6 @@ class Node:
         self.metrics.requests.labels(outcome).inc()
 
 
-RETRY_AFTER_S = 1  # a busy node's Retry-After
-
-
-def _failure(event) -> dict:
-    """The HTTP status and error code of a failed request (a rank's death names its node)."""
-    if event.client_error:
-        return {"status": 400, "code": "invalid_request"}
-    if event.busy:
-        return {"status": 503, "code": "server_busy"}
-    if "node:" in event.reason:
-        return {"status": 503, "code": "node_failed"}
-    return {"status": 502, "code": "request_failed"}
-
-
-def _headers_of(event) -> Optional[dict]:
-    return {"Retry-After": str(RETRY_AFTER_S)} if event.busy else None
-
-
-def build_app(node: Node):
-    """The FastAPI app of a node."""
-    from kvtransfer.models.engine import Sampling
-    from kvtransfer.serve import messages as m
-    from kvtransfer.serve.openai_api import (ApiError, Shaper, TextStream, check_model, error_body, pairing_for,
-                                             parse_request, sse)
-    from kvtransfer.serve.prompts import prompt_ids, token_budget
-
-    app = FastAPI(title=f"kvtransfer {node.spec.role} node", docs_url=None, redoc_url=None)
-    app.router.on_startup.append(node.startup)
-    add_error_handlers(app)
-
-    def error(message: str, status: int, headers: Optional[dict] = None, **fields):
-        return JSONResponse(error_body(message, status, **fields), status_code=status, headers=headers)
-
-    @app.get("/health")
-    async def health():
-        if node.state == "ready":
-            return {"status": "ready", "role": node.spec.role, "model": node.model_name}
-        return JSONResponse({"status": node.state, "error": node.error}, status_code=503)
-
-    @app.get("/info")
-    async def info():
-        spec = node.spec
-        return {"role": spec.role, "model": spec.model, "model_names": node.model_names, "tp": spec.tp_size,
-                "page_size": spec.page_size, "dtype": spec.dtype, "device": spec.device, "state": node.state,
-                "bootstrap": spec.bootstrap if spec.role == "prefill" else None,
-                "ranks": [r.layout for r in node.ranks.ready]}
-
-    add_metrics_and_models(app, node.metrics, lambda: [node.model_name])
-
-    @app.post("/kvtransfer/connect")
-    async def connect(request: Request):
-        """Decode: connect to a prefill node's ranks now ({"bootstrap": "tcp://host:port"}), so
-        that its first request does not wait for the handshakes."""
-        try:
-            bootstrap = json.loads(await request.body())["bootstrap"]
-            if not isinstance(bootstrap, str) or not bootstrap.startswith("tcp://"):
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            return error('the body must be {"bootstrap": "tcp://host:port"}', 400)
-        if node.spec.role != "decode":
-            return error(f"a {node.spec.role} node does not connect to prefill nodes", 400)
-        if node.state != "ready":
-            return error(f"the decode node is {node.state}", 503)
-        cmd = m.Connect(bootstrap)
-        try:
-            q = await node.submit(cmd.rid, cmd)
-        except KeyError:
-            return error(f"already connecting to {bootstrap}", 409)
-        try:
-            answer = await q.get()
-        finally:
-            node.pending.pop(cmd.rid, None)
-        if isinstance(answer, m.RequestFailed) or answer.error:
-            return error(getattr(answer, "error", "") or answer.reason, 502)
-        return {"connected": bootstrap}
-
-    async def serve(request: Request, kind: str):
-        arrived = time.monotonic()
-        if node.state != "ready":
-            return error(f"the {node.spec.role} node is {node.state}{': ' + node.error if node.error else ''}", 503)
-        role = node.spec.role
-        try:
-            req = parse_request(kind, await read_body(request, node.max_body_bytes))
-            check_model(req, node.model_names)
-            pairing = pairing_for(role, req)
-            ids = await asyncio.to_thread(prompt_ids, req, node.tokenizer, node.engine_config, node.model_config)
-            new_tokens = token_budget(req, ids, role, node.engine_config, node.model_config)
-        except ApiError:
-            node.metrics.requests.labels("client_error").inc()
-            raise
-        seed = req.seed if req.seed is not None else random.getrandbits(63)
-        sampling = Sampling(req.temperature, seed, max(req.top_k, 0))
-        rid = pairing.rid if pairing else uuid.uuid4().hex
-        stop_ids = frozenset() if req.ignore_eos else node.tokenizer.stop_ids
-        if role == "prefill":
-            cmd = m.Prefill(rid, tuple(ids), sampling, pairing.verify)
-        elif role == "decode":
-            cmd = m.Decode(rid, tuple(ids), new_tokens, stop_ids, sampling, pairing.bootstrap, pairing.verify)
-        else:
-            cmd = m.Generate(rid, tuple(ids), new_tokens, stop_ids, sampling)
-        shaper = Shaper(kind == "chat", node.model_name)
-        headers = {"x-kvtransfer-rid": rid}
-        text = TextStream(node.tokenizer, req.stop)
-        counts = {"completion": 0}
-        try:
-            q = await node.submit(rid, cmd)
-        except KeyError:
-            return error(f"request id {rid!r} is already in flight here", 409)
-        node.metrics.prompt_tokens.inc(len(ids))
-        ended = False
-        gone = asyncio.ensure_future(client_gone(request))
-        try:
-            try:
-                first = await unless_gone(q.get(), gone)
-            except ClientGone:  # the client left (the router cancels a request whose other half failed)
-                ended = True
-                gone.cancel()
-                node.finish(rid, False, "aborted")
-                return Response(status_code=499)
-            if isinstance(first, m.RequestFailed):
-                ended = True
-                gone.cancel()
-                outcome = "client_error" if first.client_error else "busy" if first.busy else "failed"
-                node.finish(rid, True, outcome)
-                return error(first.reason, headers=_headers_of(first), **_failure(first))
-            if role == "prefill":
-                ended = True
-                gone.cancel()
-                node.metrics.transfer_seconds.observe(first.transfer_s)
-                node.metrics.queue_seconds.observe(first.queue_s)
-                node.finish(rid, True, "ok")
-                return {"kvtransfer": {"rid": rid, "prompt_tokens": first.prompt_tokens,
-                                       "first_token": first.first_token, "transfer_s": first.transfer_s,
-                                       "decode_wait_s": first.wait_s, "queue_s": first.queue_s,
-                                       "compute_s": first.compute_s,
-                                       "digests": first.digests}}
-            extra = None
-            if isinstance(first, m.KVReceived):
-                node.metrics.transfer_seconds.observe(first.transfer_s)
-                node.metrics.queue_seconds.observe(first.wait_s)
-                node.metrics.kv_bytes.inc(first.kv_bytes)
-                extra = {"rid": rid, "kv_bytes": first.kv_bytes, "kv_wait_s": first.transfer_s,
-                         "queue_s": first.wait_s, "digests": first.digests}
-                first = None
-        except BaseException:
-            gone.cancel()
-            node.finish(rid, ended, "aborted")
-            raise
-
-        async def events():
-            """Token events until the request ends: (delta text, finish reason or None)."""
-            nonlocal first
-            while True:
-                ev = first if first is not None else await q.get()
-                first = None
-                if isinstance(ev, m.RequestFailed):
-                    raise _Failed(ev)
-                if counts["completion"] == 0 and ev.token_ids:
-                    node.metrics.ttft_seconds.observe(time.monotonic() - arrived)
-                if ev.queue_s is not None:
-                    node.metrics.queue_seconds.observe(ev.queue_s)
-                counts["completion"] += len(ev.token_ids)
-                node.metrics.generated_tokens.inc(len(ev.token_ids))
-                delta = text.feed(ev.token_ids)
-                if text.stopped:
-                    yield delta, "stop"
-                    return
-                if ev.finish is not None:
-                    yield delta + text.flush(), ev.finish
-                    return
-                yield delta, None
-
-        if not req.stream:
-            out, finish = [], None
-            try:
-                async for delta, finish in _watch(events(), gone):
-                    out.append(delta)
-            except _Failed as f:
-                node.finish(rid, True, "failed")
-                return error(f.event.reason, **_failure(f.event))
-            except ClientGone:
-                node.finish(rid, False, "aborted")
-                return Response(status_code=499)
-            finally:
-                gone.cancel()
-            node.finish(rid, finish is not None and not text.stopped, "ok")
-            return JSONResponse(shaper.response("".join(out), finish, len(ids), counts["completion"], extra),
-                                headers=headers)
-
-        async def stream():
-            ended_ok = False
-            try:
-                async for delta, finish in _watch(events(), gone):  # a chunk per token event, its text
-                    # possibly empty (bytes that end mid-character); the figures ride on the last one
-                    yield sse(shaper.chunk(delta, finish, extra if finish else None))
-                    if finish:
-                        ended_ok = not text.stopped
-                if req.include_usage:
-                    yield sse(shaper.usage_chunk(len(ids), counts["completion"]))
-                yield sse("[DONE]")
-                node.finish(rid, ended_ok, "ok")
-            except _Failed as f:
-                yield sse(error_body(f.event.reason, **_failure(f.event)))
-                yield sse("[DONE]")
-                node.finish(rid, True, "failed")
-            except BaseException as exc:  # the client left (ClientGone, or the server cancelled the stream)
-                node.finish(rid, False, "aborted")
-                if not isinstance(exc, ClientGone):
-                    raise
-            finally:
-                gone.cancel()
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await serve(request, "chat")
-
-    return app
-
-
-class _Failed(Exception):
-    def __init__(self, event):
-        super().__init__(event.reason)
-        self.event = event
-
-
-async def _watch(gen, gone: asyncio.Future):
-    """``gen``'s items; ClientGone as soon as ``gone`` is done (the client disconnected) meanwhile."""
-    it = gen.__aiter__()
-    while True:
-        try:
-            item = await unless_gone(it.__anext__(), gone)
-        except StopAsyncIteration:
-            return
-        yield item
-
-
 def main(argv=None) -> int:
     from kvtransfer.models import registry
 
@@ -557,7 +310,7 @@ def main(argv=None) -> int:
     try:
         spec, config, ec, bootstrap_port = resolve(args)
         socks.append(port_socket(args.host, args.port, "port"))
-        if spec.role == "prefill":
+        if role_of(spec.role).runs_bootstrap:
             port_socket(args.host, bootstrap_port, "bootstrap port").close()
         _, tokenizer = registry.load(registry.parse_name(args.model))
     except (UsageError, RuntimeError) as exc:

@@ -64,6 +64,7 @@ import torch
 
 from kvtransfer._procs import report_failure
 from kvtransfer.serve import messages as m
+from kvtransfer.serve.rank_managers import RankManagers
 
 log = logging.getLogger("kvtransfer.serve.worker")
 
@@ -185,39 +186,17 @@ class RankWorker:
         self.bootstrapping: Dict[str, _Bootstrapping] = {}  # prefill: waiting for decode's destination
         self.sending: Dict[str, _Sending] = {}
         self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
-        self.decode_managers: Dict[str, object] = {}  # prefill bootstrap -> DecodeKVManager
-        self.prefill_manager = None
-        self.transports: list = []
+        self.managers = RankManagers(spec, self.layout, self.kv_infos, self.state_infos, self.gpu,
+                                     all_up=lambda ok: self.ctl.agree([OK if ok else FAILED])[0] == OK)
         self.stopping = False
         self._load = None
+        self._commands_by_type = {m.Shutdown: self._stop, m.Generate: self._generate, m.Prefill: self._prefill,
+                                  m.Decode: self._decode, m.Abort: lambda cmd: self._abort(cmd.rid, cmd.reason),
+                                  m.Connect: self._connect}
         if spec.role == "prefill":
-            from kvtransfer.control.prefill import PrefillKVManager
-
-            self.transports = self._make_transports()
-            self.prefill_manager = PrefillKVManager(self.layout, self.transports, self.kv_infos, self.state_infos,
-                                                    bootstrap=spec.bootstrap, config=self._control_config(),
-                                                    device=self.gpu)
+            self.managers.start_prefill()
 
     # -- set-up -----------------------------------------------------------------------
-    def _control_config(self):
-        from kvtransfer.control.common import ControlConfig
-
-        return ControlConfig(host=self.spec.host, **self.spec.control)
-
-    def _make_transports(self) -> list:
-        from transport.nixl import NixlTransport
-
-        out = []
-        if self.spec.transport in ("auto", "nixl"):
-            out.append(NixlTransport())
-        if self.spec.transport in ("auto", "nvlink") and self.gpu is not None:
-            from transport.nvlink import NvlinkTransport
-
-            out.append(NvlinkTransport())
-        if not out:
-            raise ValueError(f"transport {self.spec.transport!r} needs CUDA pools (--device cuda)")
-        return out
-
     def describe(self) -> str:
         lay = self.layout
         state = f", state {lay.state_kind.value} x {len(lay.state_layer_ids)} layers" if lay.is_hybrid else ""
@@ -262,29 +241,33 @@ class RankWorker:
 
     # -- commands ---------------------------------------------------------------------
     def _apply(self, cmd) -> None:
-        if isinstance(cmd, m.Shutdown):
-            self.stopping = True
-        elif isinstance(cmd, (m.Generate, m.Prefill, m.Decode)):
-            if not self._full(cmd.rid):
-                self._take(cmd)
-        elif isinstance(cmd, m.Abort):
-            self._abort(cmd.rid, cmd.reason)
-        elif isinstance(cmd, m.Connect):
-            _, error = self._manager_for(cmd.bootstrap)
-            self._emit(m.Connected(cmd.rid, error or ""))
-        else:
+        handler = self._commands_by_type.get(type(cmd))
+        if handler is None:
             raise TypeError(f"unknown command {type(cmd).__name__}")
+        handler(cmd)
 
-    def _take(self, cmd) -> None:
-        """A new request: colocated into the engine's queue, prefill to wait for decode's
-        destination, decode to wait for its reservation."""
-        if isinstance(cmd, m.Generate):
-            if self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids, cmd.sampling,
-                         hold=False) is not None:
-                self.arrived[cmd.rid] = time.monotonic()
-        elif isinstance(cmd, m.Prefill):
-            self.bootstrapping[cmd.rid] = _Bootstrapping(cmd, self.prefill_manager.sender(cmd.rid), time.monotonic())
-        else:
+    def _stop(self, cmd: m.Shutdown) -> None:
+        self.stopping = True
+
+    def _connect(self, cmd: m.Connect) -> None:
+        _, error = self.managers.decode_for(cmd.bootstrap)
+        self._emit(m.Connected(cmd.rid, error or ""))
+
+    def _generate(self, cmd: m.Generate) -> None:
+        """Colocated: a new request into the engine's queue."""
+        if not self._full(cmd.rid) and self._add(cmd.rid, cmd.prompt_ids, cmd.max_new_tokens, cmd.stop_ids,
+                                                 cmd.sampling, hold=False) is not None:
+            self.arrived[cmd.rid] = time.monotonic()
+
+    def _prefill(self, cmd: m.Prefill) -> None:
+        """Prefill: a new request waits for decode's destination."""
+        if not self._full(cmd.rid):
+            self.bootstrapping[cmd.rid] = _Bootstrapping(cmd, self.managers.prefill.sender(cmd.rid),
+                                                         time.monotonic())
+
+    def _decode(self, cmd: m.Decode) -> None:
+        """Decode: a new request waits for its reservation."""
+        if not self._full(cmd.rid):
             self.receiving[cmd.rid] = _Receiving(cmd, time.monotonic())
 
     def _queued(self) -> int:
@@ -349,37 +332,11 @@ class RankWorker:
         return req
 
     # -- decode: reservations ---------------------------------------------------------
-    def _manager_for(self, bootstrap: str):
-        """This rank's DecodeKVManager for the prefill node at ``bootstrap`` (made on first
-        use; every rank must agree it came up, or none keeps it)."""
-        mgr = self.decode_managers.get(bootstrap)
-        if mgr is not None:
-            return mgr, None
-        from kvtransfer.control.decode import DecodeKVManager
-
-        error, transports = None, []
-        try:
-            transports = self._make_transports()
-            mgr = DecodeKVManager(self.layout, transports, self.kv_infos, self.state_infos,
-                                  bootstrap=bootstrap, instance=self.spec.instance, config=self._control_config(),
-                                  device=self.gpu)
-        except Exception as exc:  # noqa: BLE001 - any failure to connect fails the request, not the node
-            error = f"cannot connect to the prefill node at {bootstrap}: {exc}"
-        ok = self.ctl.agree([FAILED if error else OK])[0] == OK
-        if not ok:
-            if mgr is not None:
-                mgr.close()
-            for t in transports:  # the manager's own, not kept: no agent left behind
-                t.close()
-            return None, error or f"cannot connect to the prefill node at {bootstrap}: another rank failed to"
-        self.decode_managers[bootstrap] = mgr
-        return mgr, None
-
     def _reserve(self) -> None:
         for rid, rec in list(self.receiving.items()):
             if rec.req is not None:
                 continue
-            mgr, error = self._manager_for(rec.cmd.bootstrap)
+            mgr, error = self.managers.decode_for(rec.cmd.bootstrap)
             if error:
                 del self.receiving[rid]
                 self._emit(m.RequestFailed(rid, error))
@@ -506,7 +463,7 @@ class RankWorker:
             return
         s = self.sending.get(rid)
         if s is not None:  # prefill: the first token is sampled; send KV, state and the token
-            from kvtransfer.control.common import pack_first_token
+            from kvtransfer.control.aux_records import pack_first_token
 
             s.sent_at = time.monotonic()
             s.sender.send(req.slots[:len(req.prompt_ids)].cpu().numpy(), last=True, state_slot=self._state_slot(req),
@@ -540,15 +497,7 @@ class RankWorker:
 
     # -- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
-        managers = list(self.decode_managers.values())
-        if self.prefill_manager is not None:
-            managers.append(self.prefill_manager)
-        for mgr in managers:
-            try:
-                mgr.close()
-            finally:
-                for t in mgr.endpoints.transports.values():
-                    t.close()
+        self.managers.close()
 
 
 def rank_main(conn, spec: m.NodeSpec, rank: int) -> None:
@@ -562,7 +511,7 @@ def rank_main(conn, spec: m.NodeSpec, rank: int) -> None:
     worker = None
     try:
         worker = RankWorker(spec, rank, conn)
-        conn.send(m.RankReady(rank, worker.describe(), tuple(t.backend for t in worker.transports)))
+        conn.send(m.RankReady(rank, worker.describe(), worker.managers.prefill_backends()))
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - reported to the node, which names this rank
         report_failure(conn, exc)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
+from kvtransfer.plan import KVKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def attention_layouts(kind, tp, page_size, num_pages, **kw):
 
 
 def mha_refs(kind, heads, head_dim, dtype):
-    if kind is PoolKind.MHA_FP4:  # packed K, V, then block-16 scale rows: a head is a range in each
+    if kind is KVKind.MHA_FP4:  # packed K, V, then block-16 scale rows: a head is a range in each
         return [Ref(heads, head_dim // 2, "heads")] * 2 + [Ref(heads, head_dim // 16, "heads")] * 2
     return [Ref(heads, head_dim * ITEMSIZE[dtype], "heads")] * 2
 
@@ -204,9 +204,9 @@ def case_mha_every_tp_mix(heads, p, d):
     rng = np.random.default_rng(heads * 100 + p * 10 + d)
     i = HEADS.index(heads) + TP.index(p) + TP.index(d)
     variants = [
-        (PoolKind.MHA, "bfloat16", [64, 128, 256][i % 3]),
-        (PoolKind.MHA, "float8_e4m3fn", [128, 256, 64][i % 3]),  # fp8 stored as uint8
-        (PoolKind.MHA_FP4, "bfloat16", [256, 64, 128][i % 3]),
+        (KVKind.MHA, "bfloat16", [64, 128, 256][i % 3]),
+        (KVKind.MHA, "float8_e4m3fn", [128, 256, 64][i % 3]),  # fp8 stored as uint8
+        (KVKind.MHA_FP4, "bfloat16", [256, 64, 128][i % 3]),
     ]
     for j, (kind, dtype, head_dim) in enumerate(variants):
         src_ps, dst_ps = PAGE_SIZES[(i + j) % 3], PAGE_SIZES[(i + 2 * j + 1) % 3]
@@ -217,7 +217,7 @@ def case_mha_every_tp_mix(heads, p, d):
 def case_mha_page_sizes_differ(src_ps, dst_ps, mode):
     rng = np.random.default_rng(src_ps * 7 + dst_ps)
     for p, d in [(2, 4), (4, 2), (1, 1)]:
-        run_attention(PoolKind.MHA, p, d, mha_refs(PoolKind.MHA, 4, 64, "bfloat16"), rng, n=150, src_ps=src_ps,
+        run_attention(KVKind.MHA, p, d, mha_refs(KVKind.MHA, 4, 64, "bfloat16"), rng, n=150, src_ps=src_ps,
                       dst_ps=dst_ps, mode=mode, dtype="bfloat16", head_dim=64, total_heads=4)
 
 
@@ -225,12 +225,12 @@ def case_mha_v_head_dim_differs():
     rng = np.random.default_rng(5)
     refs = [Ref(8, 128 * 2, "heads"), Ref(8, 64 * 2, "heads")]
     for p, d in [(2, 8), (8, 2), (4, 4)]:
-        run_attention(PoolKind.MHA, p, d, refs, rng, dtype="bfloat16", head_dim=128, v_head_dim=64, total_heads=8)
+        run_attention(KVKind.MHA, p, d, refs, rng, dtype="bfloat16", head_dim=128, v_head_dim=64, total_heads=8)
 
 
 def case_mla_replicated(kind, p, d):
     rng = np.random.default_rng(p * 10 + d)
-    refs = ([Ref(1, 576 * 2, "replicated")] if kind is PoolKind.MLA
+    refs = ([Ref(1, 576 * 2, "replicated")] if kind is KVKind.MLA
             else [Ref(1, 576 // 2, "replicated"), Ref(1, 576 // 16, "replicated")])
     src_ps, dst_ps = PAGE_SIZES[p % 3], PAGE_SIZES[d % 3]
     src, dst = run_attention(kind, p, d, refs, rng, src_ps=src_ps, dst_ps=dst_ps, dtype="bfloat16", head_dim=576)
@@ -245,7 +245,7 @@ def case_nsa_kv_and_index(p, d, src_ps, dst_ps, mode):
 
     def layouts(tp, ps):
         pages = -(-n // ps) + 3
-        return [RankLayout.attention(PoolKind.NSA, tp_rank=r, tp_size=tp, page_size=ps, layer_ids=range(layers),
+        return [RankLayout.attention(KVKind.NSA, tp_rank=r, tp_size=tp, page_size=ps, layer_ids=range(layers),
                                      dtype="float8_e4m3fn", head_dim=656, num_slots=pages * ps)
                 .with_nsa_index(index_head_dim=128, num_pages=pages) for r in range(tp)], pages
 
@@ -265,7 +265,7 @@ def mamba_layouts(tp, groups, heads=8, num_slots=6):
     kv = dict(page_size=1, layer_ids=[0, 3], dtype="bfloat16", head_dim=64, total_heads=8, num_slots=16)
     out = []
     for r in range(tp):
-        base = RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, **kv)
+        base = RankLayout.attention(KVKind.MHA, tp_rank=r, tp_size=tp, **kv)
         out.append(base.with_mamba(
             layer_ids=[1, 2, 4], num_slots=num_slots, conv_dims=[conv_dim(g, tp) for g in groups],
             conv_unit_bytes=[3 * 2] * len(groups), temporal_heads=heads // tp, temporal_head_bytes=16 * 4 * 4,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtransfer.batches import BufferRegions, plan_batch
-from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer
+from kvtransfer.plan import KVKind, RankLayout, plan_kv_transfer, plan_state_transfer
 from transport.base import StridedBatch, WriteBatch
 
 FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "length")
@@ -24,7 +24,7 @@ def _byte_map(arrays) -> dict:
 
 
 def _mha(tp_rank, tp_size, page_size, heads=4, head_dim=4, slots=256):
-    return RankLayout.attention(PoolKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
+    return RankLayout.attention(KVKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
                                 layer_ids=range(2), dtype="float16", head_dim=head_dim, num_slots=slots,
                                 total_heads=heads)
 
@@ -73,7 +73,7 @@ def test_the_flat_form_is_the_strided_form_coalesced(src_tp, dst_tp, page):
 
 def test_sectioned_state_pages_take_the_flat_batch():
     def nsa(page_size):
-        lay = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=page_size, layer_ids=range(2),
+        lay = RankLayout.attention(KVKind.NSA, tp_rank=0, tp_size=1, page_size=page_size, layer_ids=range(2),
                                    dtype="uint8", head_dim=656, num_slots=64 * page_size)
         return lay.with_nsa_index(index_head_dim=128, num_pages=64)
 
@@ -165,8 +165,8 @@ def test_a_kv_plan_written_as_the_control_plane_writes_it_lands_byte_for_byte(mo
         monkeypatch.setenv(key, value)
     rng = np.random.default_rng(31)
     common = dict(layer_ids=range(2), dtype="bfloat16", head_dim=16, total_heads=8, num_slots=512)
-    src = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=1, **common)  # 128 B rows
-    dst = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=1, page_size=4, **common)  # 256 B rows
+    src = RankLayout.attention(KVKind.MHA, tp_rank=1, tp_size=2, page_size=1, **common)  # 128 B rows
+    dst = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=1, page_size=4, **common)  # 256 B rows
     plan = plan_kv_transfer(src, dst, rng.permutation(np.arange(1, 512))[:300], rng.permutation(np.arange(4, 512))[:300])
     src_bytes, dst_bytes = 512 * 128, 512 * 256  # per buffer
     staged = StagedNixlConfig(slot_bytes=1 << 16, slots=3, min_rows=64)

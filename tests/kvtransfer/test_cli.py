@@ -75,7 +75,7 @@ def test_bench_nvlink_prints_n_a_for_a_path_that_did_not_run():
     ("kvtransfer.benchmarks.plan", ["--repeat", "0"], "argument --repeat: must be a positive integer, got 0"),
     ("kvtransfer.benchmarks.plan", ["--pool-tokens", "10", "--tokens", "100"],
      r"--pool-tokens \(10\) must hold the request's --tokens \(100\)"),
-    ("kvtransfer.layouts", ["--tp-size", "0"], "argument --tp-size: must be a positive integer, got 0"),
+    ("kvtransfer.cli_layouts", ["--tp-size", "0"], "argument --tp-size: must be a positive integer, got 0"),
     ("kvtransfer.benchmarks.move_kv", ["--tokens", "-1"], "argument --tokens: must be a positive integer, got -1"),
     ("kvtransfer.benchmarks.transport", ["--total", "0"], "--total must be a positive size, got 0"),
     ("kvtransfer.benchmarks.transport", ["--iters", "0"], "argument --iters: must be a positive integer, got 0"),

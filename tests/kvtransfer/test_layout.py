@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.layout import LayoutMismatch, PoolKind, RankLayout, ShardKind, StateKind, dtype_itemsize
+from kvtransfer.layout import KVKind, LayoutMismatch, RankLayout, ShardRule, StateKind, dtype_itemsize
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
 from pools.hybrid_linear import HybridLinearKVPool
 from pools.mamba import MambaPool, MambaStateParams
@@ -40,9 +40,9 @@ def mamba(tp, size=4, layers=(1, 2)):
 
 # -- from_pools --------------------------------------------------------------------------
 @pytest.mark.parametrize("cls,dtype,kind,nbuf", [
-    (MHATokenToKVPool, torch.bfloat16, PoolKind.MHA, 4),
-    (MHATokenToKVPool, torch.float8_e4m3fn, PoolKind.MHA, 4),
-    (MHATokenToKVPoolFP4, torch.bfloat16, PoolKind.MHA_FP4, 8),
+    (MHATokenToKVPool, torch.bfloat16, KVKind.MHA, 4),
+    (MHATokenToKVPool, torch.float8_e4m3fn, KVKind.MHA, 4),
+    (MHATokenToKVPoolFP4, torch.bfloat16, KVKind.MHA_FP4, 8),
 ])
 def test_from_pools_mha(cls, dtype, kind, nbuf):
     pool = mha(2, 8, cls=cls, dtype=dtype)
@@ -53,6 +53,15 @@ def test_from_pools_mha(cls, dtype, kind, nbuf):
     _, _, items = pool.get_contiguous_buf_infos()
     assert [s.page_bytes for s in lay.kv_tensors] == items[::2]
     assert RankLayout.from_msgpack(lay.to_msgpack()) == lay
+
+
+def test_the_layout_speaks_the_pools_enums():
+    """One enum per concept: a layout's kinds are the ones the pools describe themselves with."""
+    import pools.describe as described
+
+    assert (KVKind, ShardRule, StateKind) == (described.KVKind, described.ShardRule, described.StateKind)
+    with pytest.raises(ValueError, match="StateLayout.kind must be a StateKind other than NONE, got <StateKind.NONE"):
+        described.StateLayout(StateKind.NONE, described.Export.STATE, (0,), 1, 4, (1,), ())
 
 
 def test_from_pools_replicated_heads_needs_total():
@@ -67,16 +76,16 @@ def test_from_pools_mla_nsa():
     mla = MLATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
                            layer_num=3, device="cpu")
     lay = RankLayout.from_pools(mla, tp_rank=0, tp_size=4)
-    assert (lay.kind, lay.head_dim, lay.kv_tensors[0].shard) == (PoolKind.MLA, 576, ShardKind.REPLICATED)
+    assert (lay.kind, lay.head_dim, lay.kv_tensors[0].shard) == (KVKind.MLA, 576, ShardRule.REPLICATED)
     fp4 = MLATokenToKVPoolFP4(size=64, page_size=16, dtype=torch.float4_e2m1fn_x2, kv_lora_rank=512,
                               qk_rope_head_dim=64, layer_num=3, device="cpu")
     lay4 = RankLayout.from_pools(fp4, tp_rank=0, tp_size=1)
-    assert lay4.kind is PoolKind.MLA_FP4 and [s.row_bytes for s in lay4.kv_tensors] == [288, 36]
+    assert lay4.kind is KVKind.MLA_FP4 and [s.row_bytes for s in lay4.kv_tensors] == [288, 36]
     nsa = NSATokenToKVPool(size=128, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
                            layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
                            kv_cache_dim=656)
     layn = RankLayout.from_pools(nsa, tp_rank=1, tp_size=2)
-    assert (layn.kind, layn.state_kind, layn.head_dim) == (PoolKind.NSA, StateKind.NSA_INDEX, 656)
+    assert (layn.kind, layn.state_kind, layn.head_dim) == (KVKind.NSA, StateKind.NSA_INDEX, 656)
     assert layn.state_num_slots == nsa.num_index_pages * 64
     assert RankLayout.from_msgpack(layn.to_msgpack()) == layn
 
@@ -185,7 +194,7 @@ def test_real_mamba_state_transfer(p, d, n_groups):
 
 # -- wire and checks -------------------------------------------------------------------
 def test_msgpack_errors():
-    lay = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+    lay = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
                                head_dim=64, total_heads=1, num_slots=8)
     with pytest.raises(LayoutMismatch, match="not valid msgpack"):
         RankLayout.from_msgpack(b"\xc1")
@@ -203,13 +212,13 @@ def test_builder_errors():
     with pytest.raises(ValueError, match="unknown dtype 'float7'"):
         dtype_itemsize("float7")
     with pytest.raises(ValueError, match=r"tp_rank must be in \[0, 2\), got 2"):
-        RankLayout.attention(PoolKind.MLA, tp_rank=2, tp_size=2, page_size=1, layer_ids=[0], dtype="bfloat16",
+        RankLayout.attention(KVKind.MLA, tp_rank=2, tp_size=2, page_size=1, layer_ids=[0], dtype="bfloat16",
                              head_dim=64, num_slots=8)
     with pytest.raises(ValueError, match="FP4 needs head_dim divisible by 32, got 48"):
-        RankLayout.attention(PoolKind.MHA_FP4, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+        RankLayout.attention(KVKind.MHA_FP4, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
                              head_dim=48, total_heads=2, num_slots=8)
     with pytest.raises(ValueError, match=r"layer_ids must be non-empty and distinct, got \[1, 1\]"):
-        RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[1, 1], dtype="bfloat16",
+        RankLayout.attention(KVKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[1, 1], dtype="bfloat16",
                              head_dim=64, num_slots=8)
 
 
@@ -247,32 +256,32 @@ def _attention(kind, tp, r, **kw):
 # (name, tp, pools, from_pools kwargs, the layout the explicit builders give for them)
 ROUND_TRIPS = [
     ("mha bf16", 2, lambda: (mha(2, 8),), dict(),
-     lambda r: _attention(PoolKind.MHA, 2, r, page_size=16, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+     lambda r: _attention(KVKind.MHA, 2, r, page_size=16, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
                           total_heads=8, num_slots=112)),
     ("mha fp8 heads replicated", 8, lambda: (mha(8, 2, dtype=torch.float8_e4m3fn),), dict(total_kv_heads=2),
-     lambda r: _attention(PoolKind.MHA, 8, r, page_size=16, layer_ids=[5, 6], dtype="float8_e4m3fn", head_dim=64,
+     lambda r: _attention(KVKind.MHA, 8, r, page_size=16, layer_ids=[5, 6], dtype="float8_e4m3fn", head_dim=64,
                           total_heads=2, num_slots=112)),
     ("mha fp4", 4, lambda: (mha(4, 8, page_size=1, cls=MHATokenToKVPoolFP4),), dict(),
-     lambda r: _attention(PoolKind.MHA_FP4, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+     lambda r: _attention(KVKind.MHA_FP4, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
                           total_heads=8, num_slots=97)),
     ("mla", 4, lambda: (MLATokenToKVPool(size=64, page_size=16, dtype=torch.bfloat16, kv_lora_rank=512,
                                          qk_rope_head_dim=64, layer_num=3, device="cpu", start_layer=2),), dict(),
-     lambda r: _attention(PoolKind.MLA, 4, r, page_size=16, layer_ids=[2, 3, 4], dtype="bfloat16", head_dim=576,
+     lambda r: _attention(KVKind.MLA, 4, r, page_size=16, layer_ids=[2, 3, 4], dtype="bfloat16", head_dim=576,
                           num_slots=80)),
     ("mla fp4", 2, lambda: (MLATokenToKVPoolFP4(size=64, page_size=16, dtype=torch.float4_e2m1fn_x2, kv_lora_rank=512,
                                                 qk_rope_head_dim=64, layer_num=3, device="cpu"),), dict(),
-     lambda r: _attention(PoolKind.MLA_FP4, 2, r, page_size=16, layer_ids=[0, 1, 2], dtype="float4_e2m1fn_x2",
+     lambda r: _attention(KVKind.MLA_FP4, 2, r, page_size=16, layer_ids=[0, 1, 2], dtype="float4_e2m1fn_x2",
                           head_dim=576, num_slots=80)),
     ("nsa fp8", 2, lambda: (_nsa(),), dict(),
-     lambda r: _attention(PoolKind.NSA, 2, r, page_size=64, layer_ids=[0, 1], dtype="float8_e4m3fn", head_dim=656,
+     lambda r: _attention(KVKind.NSA, 2, r, page_size=64, layer_ids=[0, 1], dtype="float8_e4m3fn", head_dim=656,
                           num_slots=192).with_nsa_index(index_head_dim=128, num_pages=_nsa().num_index_pages)),
     ("hybrid mha + mamba", 2, lambda: (_hybrid(2),), dict(conv_shard_groups=[64, 16, 16]),
-     lambda r: _attention(PoolKind.MHA, 2, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=64,
+     lambda r: _attention(KVKind.MHA, 2, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=64,
                           total_heads=8, num_slots=33).with_mamba(
          layer_ids=[1, 2], num_slots=5, conv_dims=[48], conv_unit_bytes=[6], temporal_heads=4,
          temporal_head_bytes=4 * 16 * 4, conv_shard_groups=[64, 16, 16])),
     ("hybrid mla + mamba", 1, lambda: (_hybrid(1, use_mla=True),), dict(),
-     lambda r: _attention(PoolKind.MLA, 1, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=96,
+     lambda r: _attention(KVKind.MLA, 1, r, page_size=1, layer_ids=[0, 3, 5], dtype="bfloat16", head_dim=96,
                           num_slots=33).with_mamba(
          layer_ids=[1, 2], num_slots=5, conv_dims=[96], conv_unit_bytes=[6], temporal_heads=8,
          temporal_head_bytes=4 * 16 * 4)),
@@ -281,7 +290,7 @@ ROUND_TRIPS = [
                                                             max_context_len=8, cache_params=mamba2(4, 2).cache_params,
                                                             mamba_layer_ids=[7, 9])),
      dict(conv_shard_groups=[64, (2, 8), (2, 8)]),
-     lambda r: _attention(PoolKind.MHA, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
+     lambda r: _attention(KVKind.MHA, 4, r, page_size=1, layer_ids=[5, 6], dtype="bfloat16", head_dim=64,
                           total_heads=8, num_slots=97).with_mamba(
          layer_ids=[7, 9], num_slots=5, conv_dims=[32], conv_unit_bytes=[6], temporal_heads=2,
          temporal_head_bytes=4 * 8 * 4, conv_shard_groups=[64, (2, 8), (2, 8)])),
@@ -327,7 +336,7 @@ def test_from_pools_needs_a_description():
 def _wire(**kw):
     import msgpack
 
-    lay = RankLayout.attention(PoolKind.MHA, tp_rank=0, tp_size=2, page_size=4, layer_ids=[0, 1], dtype="bfloat16",
+    lay = RankLayout.attention(KVKind.MHA, tp_rank=0, tp_size=2, page_size=4, layer_ids=[0, 1], dtype="bfloat16",
                                head_dim=64, total_heads=4, num_slots=64)
     body = msgpack.unpackb(lay.to_msgpack())
     return lay, body
@@ -379,7 +388,7 @@ def test_a_layouts_cached_hash_matches_its_fields_and_is_not_pickled():
     no cached value and hashes its own fields."""
     import pickle
 
-    make = lambda rank: RankLayout.attention(PoolKind.MHA, tp_rank=rank, tp_size=2, page_size=16,  # noqa: E731
+    make = lambda rank: RankLayout.attention(KVKind.MHA, tp_rank=rank, tp_size=2, page_size=16,  # noqa: E731
                                              layer_ids=range(4), dtype="bfloat16", head_dim=128, num_slots=64,
                                              total_heads=8)
     a = make(0)

@@ -7,7 +7,7 @@ import pytest
 from kvtransfer.plan import (
     BufferSet,
     LayoutMismatch,
-    PoolKind,
+    KVKind,
     RankLayout,
     plan_kv_transfer,
     plan_state_transfer,
@@ -48,7 +48,7 @@ def test_mha_v_head_dim_differs():
 # -- MLA / NSA: replicated latent rows, one prefill rank per decode rank, spread ------------
 @pytest.mark.parametrize("d", TP)
 @pytest.mark.parametrize("p", TP)
-@pytest.mark.parametrize("kind", [PoolKind.MLA, PoolKind.MLA_FP4])
+@pytest.mark.parametrize("kind", [KVKind.MLA, KVKind.MLA_FP4])
 def test_mla_replicated(kind, p, d):
     case_mla_replicated(kind, p, d)
 
@@ -62,7 +62,7 @@ def test_nsa_kv_and_index(p, d, src_ps, dst_ps, mode):
 
 def test_nsa_index_whole_pages_merge_to_one_range():
     n, ps, layers = 4 * 64, 64, 3
-    lay = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(layers),
+    lay = RankLayout.attention(KVKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(layers),
                                dtype="bfloat16", head_dim=576, num_slots=8 * ps).with_nsa_index(index_head_dim=128,
                                                                                                    num_pages=8)
     slots = np.arange(ps, ps + n)
@@ -104,7 +104,7 @@ def test_senders_count_kv_and_state():
     """2 KV heads at prefill TP 4 -> decode TP 1: KV from ranks 0 and 2 (one replica per head),
     temporal heads split 4 ways: state from every rank."""
     def layouts(tp):
-        return [RankLayout.attention(PoolKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16",
+        return [RankLayout.attention(KVKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16",
                                      head_dim=64, total_heads=2, num_slots=16).with_mamba(
             layer_ids=[1], num_slots=4, conv_dims=[16 // tp], conv_unit_bytes=[6], temporal_heads=8 // tp,
             temporal_head_bytes=64) for r in range(tp)]
@@ -126,9 +126,9 @@ def test_mamba_slots_are_ints_and_checked():
 @pytest.mark.parametrize("src_ps,dst_ps", [(1, 1), (16, 1), (64, 16)])
 def test_contiguous_slots_give_one_range_per_buffer(src_ps, dst_ps):
     n, layers = 300, 4
-    src = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=src_ps, layer_ids=range(layers),
+    src = RankLayout.attention(KVKind.MHA, tp_rank=1, tp_size=2, page_size=src_ps, layer_ids=range(layers),
                                dtype="bfloat16", head_dim=128, total_heads=8, num_slots=1024)
-    dst = RankLayout.attention(PoolKind.MHA, tp_rank=1, tp_size=2, page_size=dst_ps, layer_ids=range(layers),
+    dst = RankLayout.attention(KVKind.MHA, tp_rank=1, tp_size=2, page_size=dst_ps, layer_ids=range(layers),
                                dtype="bfloat16", head_dim=128, total_heads=8, num_slots=2048)
     plan = plan_kv_transfer(src, dst, np.arange(64, 64 + n), np.arange(700, 700 + n))
     sb, so, db, do, ln = plan.flatten()
@@ -139,7 +139,7 @@ def test_contiguous_slots_give_one_range_per_buffer(src_ps, dst_ps):
 
 
 def test_runs_split_only_where_a_side_jumps():
-    lay = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+    lay = RankLayout.attention(KVKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
                                head_dim=64, num_slots=64)
     src = np.array([5, 6, 7, 20, 21, 9])
     dst = np.array([1, 2, 3, 4, 5, 6])
@@ -148,7 +148,7 @@ def test_runs_split_only_where_a_side_jumps():
 
 
 def test_runs_that_continue_out_of_order_are_chained():
-    lay = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
+    lay = RankLayout.attention(KVKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=[0], dtype="bfloat16",
                                head_dim=64, num_slots=64)
     rng = np.random.default_rng(0)
     perm = rng.permutation(40)  # one contiguous block on both sides, tokens in random order
@@ -160,7 +160,7 @@ def test_runs_that_continue_out_of_order_are_chained():
 
 def test_empty_request_and_idle_pair():
     mk = lambda r, tp: RankLayout.attention(  # noqa: E731
-        PoolKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16", head_dim=64,
+        KVKind.MHA, tp_rank=r, tp_size=tp, page_size=1, layer_ids=[0], dtype="bfloat16", head_dim=64,
         total_heads=2, num_slots=32)
     plan = plan_kv_transfer(mk(0, 1), mk(0, 1), np.zeros(0, int), np.zeros(0, int))
     assert plan.empty and all(a.size == 0 for a in plan.flatten())
@@ -173,7 +173,7 @@ def _mha(**kw):
     args = dict(tp_rank=0, tp_size=1, page_size=1, layer_ids=range(2), dtype="bfloat16", head_dim=128,
                 total_heads=8, num_slots=64)
     args.update(kw)
-    return RankLayout.attention(PoolKind.MHA, **args)
+    return RankLayout.attention(KVKind.MHA, **args)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -188,7 +188,7 @@ def test_mismatch_raises_with_both_values(change, match):
 
 
 def test_kind_mismatch():
-    mla = RankLayout.attention(PoolKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=range(2),
+    mla = RankLayout.attention(KVKind.MLA, tp_rank=0, tp_size=1, page_size=1, layer_ids=range(2),
                                dtype="bfloat16", head_dim=128, num_slots=64)
     with pytest.raises(LayoutMismatch, match="kind: this side mha, peer mla"):
         plan_kv_transfer(_mha(), mla, [1], [1])
@@ -241,9 +241,9 @@ def test_select_one_layer():
 
 def test_msgpack_round_trip_every_kind():
     layouts = [_mha(), _mha(tp_size=8, tp_rank=5, total_heads=2), mamba_layouts(4, [(64, (2, 8), (2, 8))])[3],
-               RankLayout.attention(PoolKind.MLA_FP4, tp_rank=0, tp_size=2, page_size=64, layer_ids=[0, 2],
+               RankLayout.attention(KVKind.MLA_FP4, tp_rank=0, tp_size=2, page_size=64, layer_ids=[0, 2],
                                     dtype="float4_e2m1fn_x2", head_dim=576, num_slots=256),
-               RankLayout.attention(PoolKind.NSA, tp_rank=1, tp_size=2, page_size=64, layer_ids=[0], dtype="bfloat16",
+               RankLayout.attention(KVKind.NSA, tp_rank=1, tp_size=2, page_size=64, layer_ids=[0], dtype="bfloat16",
                                     head_dim=576, num_slots=256).with_nsa_index(index_head_dim=128, num_pages=4)]
     for lay in layouts:
         back = RankLayout.from_msgpack(lay.to_msgpack())
@@ -320,7 +320,7 @@ def test_small_requests_plan_as_the_array_path_does(seed, monkeypatch):
     rng = np.random.default_rng(seed)
     ps = int(rng.choice([1, 4, 16]))
     n = int(rng.integers(1, plan_mod.SMALL_REQUEST + 1))
-    nsa = RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(2), dtype="bfloat16",
+    nsa = RankLayout.attention(KVKind.NSA, tp_rank=0, tp_size=1, page_size=ps, layer_ids=range(2), dtype="bfloat16",
                                head_dim=576, num_slots=64 * ps).with_nsa_index(index_head_dim=128, num_pages=64)
     lay = _mha(num_slots=64 * ps, page_size=ps)
     src = ps + rng.permutation(63 * ps)[:n] if seed % 3 == 0 else ps + np.arange(n)  # scattered or one block

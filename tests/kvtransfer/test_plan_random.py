@@ -5,13 +5,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.plan import PoolKind
+from kvtransfer.plan import KVKind
 from tests.kvtransfer._support import HEADS, PAGE_SIZES, TP, Ref, mha_refs, run_attention
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    kind=st.sampled_from([PoolKind.MHA, PoolKind.MHA_FP4, PoolKind.MLA]),
+    kind=st.sampled_from([KVKind.MHA, KVKind.MHA_FP4, KVKind.MLA]),
     heads=st.sampled_from(HEADS),
     p=st.sampled_from(TP),
     d=st.sampled_from(TP),
@@ -23,7 +23,7 @@ from tests.kvtransfer._support import HEADS, PAGE_SIZES, TP, Ref, mha_refs, run_
 )
 def test_random_requests(kind, heads, p, d, src_ps, dst_ps, n, mode, seed):
     rng = np.random.default_rng(seed)
-    if kind is PoolKind.MLA:
+    if kind is KVKind.MLA:
         refs, kw = [Ref(1, 96 * 2, "replicated")], dict(dtype="bfloat16", head_dim=96)
     else:
         refs, kw = mha_refs(kind, heads, 64, "bfloat16"), dict(dtype="bfloat16", head_dim=64, total_heads=heads)

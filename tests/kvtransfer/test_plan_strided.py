@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer
+from kvtransfer.plan import KVKind, RankLayout, plan_kv_transfer, plan_state_transfer
 from tests.kvtransfer import _support as support
 from transport.base import StridedBatch
 
@@ -88,7 +88,7 @@ def test_mha_v_head_dim_differs():
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (2, 8), (8, 2), (4, 4)])
-@pytest.mark.parametrize("kind", [PoolKind.MLA, PoolKind.MLA_FP4])
+@pytest.mark.parametrize("kind", [KVKind.MLA, KVKind.MLA_FP4])
 def test_mla_replicated(kind, p, d):
     support.case_mla_replicated(kind, p, d)
 
@@ -103,7 +103,7 @@ def test_nsa_kv_strided_index_pages_not(p, d, src_ps, dst_ps, mode):
 def test_nsa_index_with_page_size_one_is_strided():
     """Sectioned pages of one slot: a slot's sections are ``slot * page + section``."""
     n, layers = 20, 2
-    lay = [RankLayout.attention(PoolKind.NSA, tp_rank=0, tp_size=1, page_size=1, layer_ids=range(layers),
+    lay = [RankLayout.attention(KVKind.NSA, tp_rank=0, tp_size=1, page_size=1, layer_ids=range(layers),
                                 dtype="float8_e4m3fn", head_dim=656, num_slots=n + 3)
            .with_nsa_index(index_head_dim=128, num_pages=n + 3)]
     rng = np.random.default_rng(4)
@@ -126,7 +126,7 @@ def test_mamba2_groups(n_groups):
 
 def test_strided_form_is_token_slots_of_the_runs():
     """Contiguous slots: one run per pair in flatten, one slot per token here, same bytes."""
-    lay = support.attention_layouts(PoolKind.MHA, 1, 16, 8, layer_ids=range(2), dtype="bfloat16", head_dim=64,
+    lay = support.attention_layouts(KVKind.MHA, 1, 16, 8, layer_ids=range(2), dtype="bfloat16", head_dim=64,
                                   total_heads=4)[0]
     src_slots, dst_slots = np.arange(16, 48), np.arange(64, 96)
     plan = plan_kv_transfer(lay, lay, src_slots, dst_slots)

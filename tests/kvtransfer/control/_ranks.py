@@ -136,7 +136,7 @@ class _Rank:
     def __init__(self, spec: RankSpec):
         import numpy as np
 
-        from kvtransfer.control.common import ControlConfig
+        from kvtransfer.control.config import ControlConfig
         from tests.kvtransfer.control._pools import PoolKit
         from transport.nixl import NixlTransport
 
@@ -194,7 +194,7 @@ class _Rank:
             self.free_state.append(self.state_slot.pop(request_id))
 
     def run(self, cmd):
-        from kvtransfer.control.common import pack_first_token
+        from kvtransfer.control.aux_records import pack_first_token
         from kvtransfer.control.state import KVPoll
 
         if isinstance(cmd, Prefill):
@@ -279,7 +279,7 @@ class _Rank:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def _prefill(self, cmd: Prefill, slots, state_slot) -> None:
-        from kvtransfer.control.common import pack_first_token
+        from kvtransfer.control.aux_records import pack_first_token
 
         sender = self.handles[cmd.request_id] = self.manager.sender(cmd.request_id)
         start = 0

@@ -17,7 +17,7 @@ try:
 except ImportError as exc:  # NIXL is an optional extra
     pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
 
-from kvtransfer.control.common import Endpoints  # noqa: E402
+from kvtransfer.control.endpoints import Endpoints  # noqa: E402
 from tests.transport._nixl_peer import LOOPBACK_ENV  # noqa: E402
 from tests.transport._support import Writer  # noqa: E402
 from transport.base import RevokeTimeout  # noqa: E402
@@ -40,7 +40,7 @@ def test_release_keeps_the_regions_a_silent_peer_holds_and_warns(monkeypatch, ca
         writer.idle(pump=False)  # holds the export, answers nothing
         time.sleep(0.2)
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.control.common"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.control"):
             endpoints.release()
         took = time.monotonic() - start
         assert took < 4.0, f"release took {took:.1f} s (one revoke timeout of 1 s, then the silent peer is known)"

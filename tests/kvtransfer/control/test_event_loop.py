@@ -1,4 +1,4 @@
-"""The managers' event loop (``kvtransfer.control.common.EventLoop``): jobs, wakes, sockets."""
+"""The managers' event loop (``kvtransfer.control.event_loop.EventLoop``): jobs, wakes, sockets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from kvtransfer.control.common import EventLoop
+from kvtransfer.control.event_loop import EventLoop
 
 LONG_S = 30.0  # the tick's pause: nothing below may be waiting for the tick
 
@@ -230,9 +230,9 @@ def test_close_fails_jobs_it_did_not_run():
 def test_a_long_turn_and_a_late_loop_are_logged(monkeypatch, caplog):
     """Heartbeats wait for the loop: a turn that takes long, or a loop kept from running (here
     an inline call holds the turn), is logged with how long, naming the loop."""
-    from kvtransfer.control import common
+    from kvtransfer.control import event_loop
 
-    monkeypatch.setattr(common, "STALL_LOG_S", 0.2)
+    monkeypatch.setattr(event_loop, "STALL_LOG_S", 0.2)
     loop = EventLoop("stall-loop", {}, lambda: 0.01)
     loop.start()
     try:

@@ -1,5 +1,5 @@
 """A prefill rank makes the pair sets of its writes to a decode rank resident at its hello
-(``_DecodePeer.plan_ahead``): the pairs of a one-token plan are those of every request's write,
+(``DecodePeer.plan_ahead``): the pairs of a one-token plan are those of every request's write,
 whatever its slots. The transport's side (``NvlinkPeer.plan_pairs`` keeping them on the GPU) is
 tested in tests/transport; here a stand-in peer records what it is given."""
 
@@ -11,20 +11,30 @@ import numpy as np
 import pytest
 
 from kvtransfer.batches import BufferRegions
-from kvtransfer.control.prefill import _DecodePeer
-from kvtransfer.plan import PoolKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
+from kvtransfer.control.prefill_peers import DecodePeer
+from kvtransfer.plan import KVKind, RankLayout, plan_kv_transfer, plan_state_transfer, senders_for
 from tests.kvtransfer._support import mamba_layouts
-from transport.base import StridedBatch
+from transport.base import Peer, StridedBatch
 
 
-class _Peer:
+class _NoPlans(Peer):
+    """A transport peer that keeps nothing resident (as NIXL's); it is never written to here."""
+
+    def takes_strided(self, entries: int) -> bool:
+        return True
+
+    def write(self, batch, notify=None):
+        raise NotImplementedError("plan_ahead does not write")
+
+    def close(self) -> None:
+        pass
+
+
+class _Peer(_NoPlans):
     """A transport peer that expands strided batches and keeps pair sets (as NVLink's does)."""
 
     def __init__(self, fail: bool = False):
         self.planned, self.fail = [], fail
-
-    def takes_strided(self, entries: int) -> bool:
-        return True
 
     def plan_pairs(self, batch):
         if self.fail:
@@ -32,23 +42,16 @@ class _Peer:
         self.planned.append(batch)
 
 
-class _NoPlans:
-    """A transport peer that keeps nothing resident (as NIXL's)."""
-
-    def takes_strided(self, entries: int) -> bool:
-        return True
-
-
 def _mha(tp_rank, tp_size, page_size, slots=512):
-    return RankLayout.attention(PoolKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
+    return RankLayout.attention(KVKind.MHA, tp_rank=tp_rank, tp_size=tp_size, page_size=page_size,
                                 layer_ids=range(3), dtype="bfloat16", head_dim=8, num_slots=slots, total_heads=8)
 
 
-def _entry(mine: RankLayout, theirs: RankLayout, peer, reads_from_me: bool = True) -> _DecodePeer:
+def _entry(mine: RankLayout, theirs: RankLayout, peer, reads_from_me: bool = True) -> DecodePeer:
     src = BufferRegions.of(100 + np.arange(mine.num_kv_buffers), 200 + np.arange(mine.num_state_buffers))
     dst = BufferRegions.of(300 + np.arange(theirs.num_kv_buffers), 400 + np.arange(theirs.num_state_buffers))
-    return _DecodePeer(None, b"", theirs, "nvlink", src, dst, peer, reads_from_me=reads_from_me, writes_aux=True,
-                       last_seen=0.0)
+    return DecodePeer(None, b"", theirs, "nvlink", src, dst, peer, reads_from_me=reads_from_me, writes_aux=True,
+                      session=None)
 
 
 def _same_pairs(a: StridedBatch, b: StridedBatch) -> bool:

@@ -1,14 +1,10 @@
-"""What both KV managers share: their config, the aux records, and the event loop thread.
+"""A KV manager's one background thread: :class:`EventLoop`.
 
-:class:`ControlConfig` holds every timeout and address (no environment variables).
-:class:`AuxRecords` is a small host buffer of fixed-size records: decode reserves one per
-request; the first output token and its logprob land there from the notification that
-completes the request. :class:`EventLoop` is a manager's one background thread: it polls the
-manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue, and calls the
-manager's ``tick`` for timers and in-flight transfers. Every transport and socket call happens
-in one of its turns, one turn at a time (transports are single-threaded by contract): on the
-loop thread, or, for a job called ``inline`` while the loop is between turns, on the caller's
-thread under the same turn lock.
+It polls the manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue,
+and calls the manager's ``tick`` for timers and in-flight transfers. Every transport and
+socket call happens in one of its turns, one turn at a time (transports are single-threaded
+by contract): on the loop thread, or, for a job called ``inline`` while the loop is between
+turns, on the caller's thread under the same turn lock.
 """
 
 from __future__ import annotations
@@ -18,178 +14,19 @@ import logging
 import os
 import queue
 import select
-import socket
-import struct
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-import numpy as np
 import zmq
 
-from kvtransfer.batches import BufferRegions
-from kvtransfer.control.wire import Endpoint
-from transport.base import RevokeTimeout, Transport
-
-__all__ = ["AUX_RECORD_BYTES", "AuxRecords", "ControlConfig", "EventLoop", "Endpoints", "default_host_id",
-           "pack_first_token", "pick_backend", "unpack_first_token"]
+__all__ = ["EventLoop"]
 
 log = logging.getLogger("kvtransfer.control")
 
-BUSY_POLL_S = 2e-4  # a manager loop's pause while transfers are in flight
-SWEEP_INTERVAL_S = 0.01  # how often a manager loop looks at every request (deadlines, forgotten ids)
 STALL_LOG_S = 1.0  # a loop that ran this late, or a turn this long, is logged (heartbeats wait for it)
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
-AUX_RECORD_BYTES = 16  # one aux record: first output token id (int64) and its logprob (float64)
-_FIRST_TOKEN = struct.Struct("<qd")
-
-
-class Endpoints:
-    """A rank's transports by backend and, for each, its pools' buffers registered there.
-
-    ``transports``: one Transport or several of distinct backends (``nixl`` for anything,
-    ``nvlink`` beside it for CUDA pools of one host). Registration of every buffer with every
-    transport happens here, at start; :meth:`release` deregisters (idempotent)."""
-
-    def __init__(self, transports, kv_infos, state_infos=None, device: Optional[int] = None):
-        items = [transports] if isinstance(transports, Transport) else list(transports)
-        if not items or not all(isinstance(t, Transport) for t in items):
-            raise TypeError(f"transports must be a Transport or a non-empty list of them, got {transports!r}")
-        self.transports: dict = {}
-        for t in items:
-            if t.backend in self.transports:
-                raise ValueError(f"two transports of backend {t.backend!r}")
-            self.transports[t.backend] = t
-        self.regions: dict = {}  # backend -> BufferRegions
-        try:
-            for backend, t in self.transports.items():
-                self.regions[backend] = BufferRegions.register(t, kv_infos, state_infos, device)
-        except BaseException:
-            self.release()
-            raise
-
-    def wire(self) -> list:
-        """``Endpoint.to_wire()`` of each transport, for a registration or a hello."""
-        return [Endpoint(b, t.name, t.export(), self.regions[b].to_wire()).to_wire()
-                for b, t in self.transports.items()]
-
-    def release(self) -> None:
-        """Deregister every buffer. A region that a peer still holds and does not give up in
-        time (``RevokeTimeout``: the transport cannot prove that peer will not write into it;
-        the decode manager's goodbye normally makes peers let go first) stays registered, with
-        a warning: the pools' memory must then outlive that peer."""
-        for backend, regions in list(self.regions.items()):
-            transport = self.transports[backend]
-            kept = []
-            for rid in np.concatenate([regions.kv, regions.state]).tolist():
-                try:
-                    transport.deregister(int(rid))
-                except RevokeTimeout as exc:
-                    kept.append((rid, exc))
-                except ValueError as exc:  # the transport was closed first
-                    log.debug("deregistering from %s after close: %s", backend, exc)
-            if kept:
-                log.warning("%d %s region(s) stay registered: a peer that holds them did not let go (%s)",
-                            len(kept), backend, kept[0][1])
-            del self.regions[backend]
-
-
-def pick_backend(mine: dict, theirs: dict, same_host: bool) -> list:
-    """The backends two ranks share, best first: ``nvlink`` when both offer it on one host,
-    then ``nixl``, then any other."""
-    common = [b for b in mine if b in theirs]
-    order = {"nvlink": 0 if same_host else 9, "nixl": 1}
-    return sorted((b for b in common if b != "nvlink" or same_host), key=lambda b: order.get(b, 5))
-
-
-def default_host_id() -> str:
-    """This host's identity in registrations (ranks on one host may share GPUs over NVLink)."""
-    return socket.gethostname()
-
-
-def pack_first_token(token_id: int, logprob: float) -> bytes:
-    """The aux record prefill sends with a request's last chunk."""
-    return _FIRST_TOKEN.pack(int(token_id), float(logprob))
-
-
-def unpack_first_token(record: bytes) -> tuple:
-    """``(token_id, logprob)`` from an aux record."""
-    return _FIRST_TOKEN.unpack(bytes(record[:_FIRST_TOKEN.size]))
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """Addresses and timeouts of one rank's KV manager."""
-
-    host: str = "127.0.0.1"  # the address this rank's control socket binds and announces
-    port: int = 0  # control socket port (0: any free port)
-    dp_rank: int = 0  # the DP group of this rank (prefill) / of the prefill ranks it reads from (decode)
-    bootstrap_timeout_s: float = 60.0  # registration and topology deadline
-    handshake_timeout_s: float = 30.0  # a DecodeHello's answer
-    transfer_timeout_s: float = 120.0  # a request not done by then fails
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 5.0  # a peer silent this long is lost
-    aux_slots: int = 1024  # decode: aux records, one per request in flight
-
-    def loop_pause(self, busy: bool) -> float:
-        """How long a manager's loop may pause: briefly while transfers are in flight (their
-        status and notifications are polled), else until the next heartbeat is due."""
-        return BUSY_POLL_S if busy else min(0.05, self.heartbeat_interval_s)
-
-    def __post_init__(self):
-        for name in ("bootstrap_timeout_s", "handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
-                     "heartbeat_timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
-                             f"({self.heartbeat_interval_s})")
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        if not isinstance(self.aux_slots, int) or self.aux_slots < 2:
-            raise ValueError(f"aux_slots must be an int >= 2 (slot 0 is padding), got {self.aux_slots!r}")
-        if not isinstance(self.dp_rank, int) or self.dp_rank < 0:
-            raise ValueError(f"dp_rank must be an int >= 0, got {self.dp_rank!r}")
-
-
-class AuxRecords:
-    """``num_slots`` records of ``record_bytes`` in host memory; slot 0 is never handed out."""
-
-    def __init__(self, num_slots: int, record_bytes: int = AUX_RECORD_BYTES):
-        self.record_bytes = record_bytes
-        self.buffer = np.zeros(num_slots * record_bytes, dtype=np.uint8)  # [num_slots * record_bytes]
-        self._free = list(range(num_slots - 1, 0, -1))
-        self._lock = threading.Lock()
-
-    @property
-    def available(self) -> int:
-        with self._lock:
-            return len(self._free)
-
-    def alloc(self) -> Optional[int]:
-        """A free slot, or None when all are taken."""
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def free(self, slot: int) -> None:
-        with self._lock:
-            if not 0 < slot < self.buffer.size // self.record_bytes or slot in self._free:
-                raise ValueError(f"aux slot {slot} is not an allocated slot")
-            self._free.append(slot)
-
-    def read(self, slot: int) -> bytes:
-        start = slot * self.record_bytes
-        return self.buffer[start:start + self.record_bytes].tobytes()
-
-    def write(self, slot: int, record: bytes) -> None:
-        if len(record) > self.record_bytes:
-            raise ValueError(f"an aux record holds at most {self.record_bytes} bytes, got {len(record)}")
-        start = slot * self.record_bytes
-        self.buffer[start:start + self.record_bytes] = 0
-        self.buffer[start:start + len(record)] = np.frombuffer(record, dtype=np.uint8)
 
 
 def _precise_sleeps() -> None:

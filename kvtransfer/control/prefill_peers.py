@@ -1,0 +1,270 @@
+"""A prefill rank's view of the decode ranks: :class:`DecodePeer` (one that said hello) and
+:class:`DecodeRanks` (all of them: hellos, heartbeats, departures and losses).
+
+It holds the decode rank's layout, the transport pair both write through, its buffers there,
+its :class:`~kvtransfer.control.session.PeerSession`, and whether this rank writes to it at
+all (``senders_for``). Where the transport keeps a write's pair set resident
+(``Peer.keeps_pairs``: NVLink's direct path), the pairs of this rank's writes to it are made
+resident at its hello, once: they depend on the two layouts only (:meth:`DecodePeer.plan_ahead`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvtransfer.batches import BufferRegions, plan_batch
+from kvtransfer.control.endpoints import pick_backend
+from kvtransfer.control.liveness import wire_of
+from kvtransfer.control.session import PeerSession, PeerState, confirm_silent
+from kvtransfer.control.wire import DecodeHello, Goodbye, Heartbeat, HelloAck, NotConnected, endpoints_of, process_of
+from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
+from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
+from transport.base import PeerDescriptorError, StridedBatch, TransportError
+
+__all__ = ["DecodePeer", "DecodeRanks"]
+
+log = logging.getLogger("kvtransfer.control.prefill")
+
+
+@dataclass
+class DecodePeer:
+    """A decode rank that said hello (loop thread only)."""
+
+    hello: DecodeHello
+    identity: bytes  # its ROUTER routing id
+    layout: RankLayout
+    backend: str  # the transport this pair writes through
+    src_regions: BufferRegions  # this rank's buffers on that transport
+    regions: BufferRegions  # the decode rank's buffers on that transport
+    peer: object  # transport Peer
+    reads_from_me: bool  # this rank is one of its senders_for(...)
+    writes_aux: bool  # this rank is the lowest of its senders: its last notification carries the aux record
+    session: PeerSession
+
+    @property
+    def key(self) -> tuple:
+        return self.hello.key
+
+    def batch(self, plan):
+        """The transport batch of ``plan`` to this rank, in the form its transport takes best."""
+        return plan_batch(plan, self.src_regions, self.regions, strided=self.peer.takes_strided(plan.num_token_entries))
+
+    def plan_ahead(self, mine: RankLayout) -> int:
+        """Make the pair sets of this rank's writes resident in its transport now, where the
+        transport keeps them (``Peer.keeps_pairs``). A write's pairs -- which buffer to which,
+        offsets, strides, row bytes -- come from the two layouts alone, so a one-token plan (the
+        first slot of page 1 on each side; state slot 1) gives the pairs of every request's KV
+        write, and of its Mamba state write: the first request then finds them built, as every
+        later one does. Returns how many pair sets were made resident (0: the transport keeps
+        none, or this rank reads nothing from ``mine``)."""
+        if not self.reads_from_me or not self.peer.keeps_pairs():
+            return 0
+        plans = [plan_kv_transfer(mine, self.layout, [mine.page_size], [self.layout.page_size])]  # page 1, token 0
+        if mine.state_kind is StateKind.MAMBA:
+            plans.append(plan_state_transfer(mine, self.layout, 1, 1))
+        made = 0
+        for plan in plans:
+            batch = None if plan.empty else self.batch(plan)
+            if isinstance(batch, StridedBatch) and batch.num_pairs:  # (NSA's sectioned pages write flat rows)
+                self.peer.plan_pairs(batch)
+                made += 1
+        return made
+
+    def plan_ahead_or_log(self, mine: RankLayout, key) -> int:
+        """:meth:`plan_ahead`, its failure logged: it is not the hello's (the first write
+        builds the pair sets instead, and raises what is wrong there, for that request)."""
+        try:
+            return self.plan_ahead(mine)
+        except Exception as exc:  # a CUDA or bounds error of the transport: whatever it is, the hello stands
+            log.warning("prefill rank %d: the pair sets of the writes to decode rank %s were not made ahead: %s",
+                        mine.tp_rank, key, exc)
+            return 0
+
+
+class DecodeRanks:
+    """The decode ranks a prefill rank knows, and its ROUTER socket to them (loop thread only).
+
+    A hello is checked (layouts, a transport in common) and answered here; a rank is known by
+    its key ``(instance, tp_rank)`` and by its socket's routing id. A rank is *dropped* when it
+    is lost (silent past the heartbeat timeout, or its process ended) or says hello again: its
+    transport peer is closed with drain, and ``on_drop(key, reason)`` fails its requests. A
+    socket dropped so is answered ``NotConnected`` (it says hello again if it lives). A rank
+    that says goodbye *leaves*: it is answered once no write to it is in flight."""
+
+    def __init__(self, router, owner, on_drop):
+        self._router = router
+        self._owner = owner  # the PrefillKVManager: layout, config, endpoints, host, process, incarnation
+        self._on_drop = on_drop
+        self.peers: dict = {}  # (instance, tp_rank) -> DecodePeer
+        self._by_identity: dict = {}  # routing id -> key
+        self._dropped: dict = {}  # routing id -> (time, reason, logged): sockets without a hello (NotConnected)
+        self._leaving: dict = {}  # key -> DecodePeer that said goodbye, until no write to it is in flight
+
+    @property
+    def _rank(self) -> int:
+        return self._owner.layout.tp_rank
+
+    def of_socket(self, identity: bytes):
+        """``(key, DecodePeer)`` of a socket: (None, None) without a hello (answered
+        NotConnected by the caller), (key, None) for a rank gone meanwhile."""
+        key = self._by_identity.get(identity)
+        return key, (None if key is None else self.peers.get(key))
+
+    def send(self, key: tuple, msg) -> None:
+        peer = self.peers.get(key)
+        if peer is not None:
+            self.send_to(peer.identity, msg, f"decode rank {key}")
+
+    def send_to(self, identity: bytes, msg, whom: str) -> None:
+        try:
+            self._router.send_multipart([identity, msg.to_msgpack()], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the decode rank is gone: heartbeats will tell
+            log.debug("cannot send %s to %s: %s", msg.KIND, whom, exc)
+
+    # -- hellos -----------------------------------------------------------------------
+    def hello(self, identity: bytes, hello: DecodeHello) -> None:
+        """Check the decode rank's layout and connect to it over the best shared transport; a
+        known rank's old entry is dropped first (its requests fail, its transport peer closes
+        with drain). Answered with HelloAck (an error says why it was refused)."""
+        mine = self._owner.layout
+        error = ""
+        try:
+            layout = RankLayout.from_msgpack(hello.layout)
+            mine.check_compatible(layout)
+            theirs = endpoints_of(hello)
+            readers = senders_for(layout, mine.tp_size)
+        except (LayoutMismatch, ValueError, TypeError) as exc:
+            error = str(exc)
+        entry = None
+        if not error:
+            old = self.peers.pop(hello.key, None)
+            if old is not None:  # it restarted, or lost this rank and reconnects: its old requests cannot finish
+                self.drop(old, f"decode rank {hello.key} said hello again (restarted or reconnecting)")
+            connected = self._connect(hello, theirs)
+            if isinstance(connected, str):
+                error = connected
+            else:
+                backend, peer, regions = connected
+                entry = self.peers[hello.key] = DecodePeer(
+                    hello, identity, layout, backend, self._owner.endpoints.regions[backend], regions, peer,
+                    reads_from_me=mine.tp_rank in readers, writes_aux=bool(readers) and readers[0] == mine.tp_rank,
+                    session=PeerSession.answering(self._owner.config, time.monotonic(), process_of(hello)))
+                entry.plan_ahead_or_log(mine, hello.key)
+                self._by_identity[identity] = hello.key
+                self._dropped.pop(identity, None)
+                log.info("prefill rank %d: decode rank %s connected over %s", mine.tp_rank, hello.key, backend)
+        if error:
+            log.warning("prefill rank %d refused decode rank %s: %s", mine.tp_rank, hello.key, error)
+        self.ack(identity, error, entry.backend if entry is not None else "")
+
+    def ack(self, identity: bytes, error: str, backend: str = "") -> None:
+        """Answer a hello: ``error`` empty when accepted, ``backend`` what this rank writes through."""
+        ack = HelloAck(error=error, incarnation=self._owner.incarnation, process=wire_of(self._owner.process),
+                       backend=backend)
+        self._router.send_multipart([identity, ack.to_msgpack()], zmq.NOBLOCK)
+
+    def _connect(self, hello: DecodeHello, theirs: dict):
+        """``(backend, transport Peer, the decode rank's BufferRegions)`` over the best shared
+        transport that connects, else why none did (a str)."""
+        mine = self._owner.endpoints.transports
+        candidates = pick_backend(mine, theirs, same_host=hello.host == self._owner.host)
+        if not candidates:
+            return f"no transport in common: this side {sorted(mine)}, peer {sorted(theirs)}"
+        failures = []
+        for backend in candidates:
+            try:
+                regions = BufferRegions.from_wire(theirs[backend].regions)
+                return backend, mine[backend].connect(theirs[backend].export), regions
+            except (PeerDescriptorError, TransportError, ValueError) as exc:
+                failures.append(f"{backend}: {exc}")
+                log.info("prefill rank %d: %s to decode rank %s unusable: %s", self._rank, backend, hello.key, exc)
+        return "cannot connect to the decode rank's transport (" + "; ".join(failures) + ")"
+
+    def not_connected(self, identity: bytes, msg) -> None:
+        """A message from a socket without a hello: a decode rank dropped as lost (alive after
+        all: a loaded machine paused it past the heartbeat timeout) or a stranger. Answered
+        with NotConnected, so that a live decode rank fails what it asked of this rank and says
+        hello again; logged once per socket."""
+        when, reason, logged = self._dropped.get(identity, (time.monotonic(), "", False))
+        if not logged:
+            log.warning("prefill rank %d: %s from %s; answered not_connected", self._rank, msg.KIND,
+                        f"a decode rank it dropped ({reason})" if reason else "a socket without a hello")
+            self._dropped[identity] = (when, reason, True)
+        self.send_to(identity, NotConnected(incarnation=self._owner.incarnation,
+                                            reason=reason or "this prefill rank holds no hello of it"),
+                     "a socket without a hello")
+
+    # -- heartbeats, departures, losses ---------------------------------------------------
+    def answer_heartbeat(self, peer: DecodePeer, msg: Heartbeat) -> None:
+        self._router.send_multipart([peer.identity, Heartbeat(seq=msg.seq, incarnation=self._owner.incarnation)
+                                     .to_msgpack()], zmq.NOBLOCK)
+
+    def leave(self, peer: DecodePeer, goodbye: Goodbye) -> None:
+        """The rank said ``goodbye``: forgotten now, answered by :meth:`answer_departed`."""
+        self.peers.pop(peer.key, None)
+        self._on_drop(peer.key, f"decode rank {peer.key} said goodbye")
+        self._by_identity.pop(peer.identity, None)
+        peer.session.enter(PeerState.GONE, time.monotonic())
+        self._leaving[peer.key] = peer
+
+    def answer_departed(self, writing: set) -> None:
+        """Answer the goodbye of each leaving rank that no write (``writing``: keys with writes
+        in flight) still targets; its transport peer is closed first."""
+        for key, peer in list(self._leaving.items()):
+            if key not in writing:
+                del self._leaving[key]
+                self._close(peer)
+                self._router.send_multipart([peer.identity, Goodbye(incarnation=self._owner.incarnation)
+                                             .to_msgpack()], zmq.NOBLOCK)
+
+    def drop_silent(self, now: float, read) -> None:
+        """Drop the ranks silent past the heartbeat timeout, after ``read()`` has read what came
+        meanwhile (a long turn here is this rank's pause, not their silence)."""
+        lost = confirm_silent(list(self.peers.values()), lambda p: p.session, now, lambda _: read(),
+                              lambda p: self.peers.get(p.key) is p)
+        for peer in lost:
+            self.peers.pop(peer.key, None)
+            self.drop(peer, f"decode rank {peer.key} lost: no heartbeat for "
+                            f"{self._owner.config.heartbeat_timeout_s:g} s")
+
+    def sweep(self, now: float, horizon: float) -> None:
+        """Drop the ranks silent for two heartbeat intervals whose process has ended (no need to
+        wait for the heartbeat timeout: :mod:`kvtransfer.control.liveness`); forget the sockets
+        dropped before ``horizon``."""
+        for key, peer in list(self.peers.items()):
+            ended = peer.session.process_ended(self._owner.process) if peer.session.suspect(now) else None
+            if ended is not None:
+                del self.peers[key]
+                self.drop(peer, f"decode rank {key} lost: {ended}")
+        for identity in [i for i, (when, _, _) in self._dropped.items() if when < horizon]:
+            del self._dropped[identity]  # a later message from it is answered all the same
+
+    def drop(self, peer: DecodePeer, reason: str) -> None:
+        """Drop a rank already taken out of :attr:`peers`: its requests fail, its transport peer
+        closes, and its socket is answered NotConnected from now on."""
+        log.warning("prefill rank %d: %s", self._rank, reason)
+        peer.session.enter(PeerState.LOST, time.monotonic(), reason)
+        self._on_drop(peer.key, reason)
+        self._by_identity.pop(peer.identity, None)
+        self._dropped[peer.identity] = (time.monotonic(), reason, False)
+        self._close(peer)
+
+    def close(self) -> None:
+        """Tell every rank this one closes (they stop asking it at once); close transport peers."""
+        for key in list(self.peers):
+            self.send(key, Goodbye(incarnation=self._owner.incarnation))
+        for peer in [*self.peers.values(), *self._leaving.values()]:
+            self._close(peer)
+        self.peers.clear()
+        self._leaving.clear()
+
+    @staticmethod
+    def _close(peer: DecodePeer) -> None:
+        try:
+            peer.peer.close()
+        except TransportError as exc:
+            log.debug("closing the transport peer of %s: %s", peer.key, exc)

@@ -1,0 +1,153 @@
+"""One request's progress on a prefill rank: :class:`PrefillRequest`, and its :class:`Chunk`.
+
+A request waits for every decode rank of its instance to ask (:meth:`PrefillRequest.attach`:
+then WaitingForInput, and its deadline starts), has its chunks posted as writes to the decode
+ranks that read from this rank (:meth:`~PrefillRequest.post`: Transferring), and succeeds once
+every write of its last chunk is done (:meth:`~PrefillRequest.poll_writes`). Failing it
+(:meth:`~PrefillRequest.fail`) cancels its writes; they stay in flight until nothing of them
+can land. The manager keeps these records and owns the sockets; a record changes only its own
+state and its writes. Loop thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvtransfer.batches import write_batch
+from kvtransfer.control.state import KVPoll, RequestStatus
+from kvtransfer.control.wire import KVArrived, TransferRequest
+from kvtransfer.layout import RankLayout, StateKind
+from kvtransfer.plan import plan_kv_transfer, plan_state_transfer
+from transport.base import TransferStatus
+
+__all__ = ["Chunk", "PrefillRequest"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    slots: np.ndarray  # [n] this rank's token slots
+    last: bool
+    state_slot: Optional[int]
+    aux: Optional[bytes]
+    computed: object = None  # CUDA event recorded after the chunk's KV on the sender's stream (None: host KV)
+
+
+@dataclass
+class PrefillRequest:
+    """A request's progress on this rank (module docstring)."""
+
+    request_id: str
+    status: RequestStatus  # shared with the owner's KVSender
+    since: float  # when sender() made it
+    deadline: float = float("inf")  # set once every decode rank asked
+    instance: Optional[str] = None
+    expected: frozenset = frozenset()  # decode keys that will ask: every rank of the instance
+    dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
+    chunks: list = field(default_factory=list)  # queued until every decode rank has asked
+    tokens_sent: int = 0
+    writes: dict = field(default_factory=dict)  # decode key -> writes posted
+    inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
+    last_posted: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.expected) and set(self.dests) == self.expected
+
+    def attach(self, key: tuple, req: TransferRequest, askers_of: Callable[[str], frozenset], now: float,
+               timeout_s: float) -> Optional[str]:
+        """Record decode rank ``key``'s ask; why the request must fail, else None. Once every
+        rank of the instance has asked the deadline starts and the request waits for input."""
+        if self.instance is None:
+            self.instance = req.instance
+            self.expected = askers_of(req.instance)
+        elif self.instance != req.instance:
+            return f"decode instances {self.instance!r} and {req.instance!r} both asked"
+        if len(req.dst_slots) % 8:
+            return f"decode rank {key}: dst_slots of {len(req.dst_slots)} bytes is not int64 slots"
+        self.dests[key] = (req, np.frombuffer(req.dst_slots, dtype="<i8").astype(np.int64))
+        if self.ready:
+            self.deadline = now + timeout_s
+            self.status.advance(KVPoll.WaitingForInput)
+        return None
+
+    def post(self, chunk: Chunk, mine: RankLayout, peers: dict) -> None:
+        """Post ``chunk``'s writes to each decode rank that reads from this one (``peers``: key
+        -> DecodePeer), each with its notification; Transferring. ValueError where the decode
+        rank's destination does not fit the tokens sent."""
+        first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size
+        for key in sorted(self.dests):
+            req, dst_all = self.dests[key]
+            peer = peers[key]
+            if not peer.reads_from_me:  # it asked so that this rank does not wait; nothing to write
+                continue
+            skip = min(chunk.slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
+            src = chunk.slots[skip:]
+            start = first + skip - req.prefix_tokens
+            dst = dst_all[start:start + src.size]
+            if dst.size != src.size:
+                raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
+                                 f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
+            writes = [("kv", peer.batch(plan_kv_transfer(mine, peer.layout, src, dst)))]
+            if mine.state_kind is StateKind.NSA_INDEX:
+                writes.append(("state", peer.batch(plan_state_transfer(mine, peer.layout, src, dst))))
+            if chunk.last:
+                if self.tokens_sent != req.prefix_tokens + dst_all.size:
+                    raise ValueError(f"the request has {self.tokens_sent} tokens, decode rank {key} expects "
+                                     f"{req.prefix_tokens} held + {dst_all.size} sent")
+                writes += _state_writes(mine, peer, req, chunk)
+            for i, (part, batch) in enumerate(writes):
+                seq = self.writes.get(key, 0)
+                self.writes[key] = seq + 1
+                final = chunk.last and i == len(writes) - 1
+                aux = chunk.aux if final and peer.writes_aux and chunk.aux is not None else b""
+                note = KVArrived(request_id=self.request_id, part=part, seq=seq, total=seq + 1 if final else 0,
+                                 aux=bytes(aux)).to_msgpack()
+                self.inflight.append((write_batch(peer.peer, batch, note), key))
+        self.last_posted |= chunk.last
+        self.status.advance(KVPoll.Transferring)
+
+    def poll_writes(self, failed: Callable[[tuple, str], None]) -> bool:
+        """Poll the writes; ``failed(key, error)`` for each that failed; Success once the last
+        chunk's writes are all done. True while some are in flight."""
+        still = []
+        for transfer, key in self.inflight:
+            status = transfer.status()
+            if status is TransferStatus.PENDING:
+                still.append((transfer, key))
+            elif status is TransferStatus.FAILED:
+                failed(key, transfer.error)
+        self.inflight = still
+        if self.last_posted and not still:
+            self.status.advance(KVPoll.Success)
+        return bool(still)
+
+    def fail(self, reason: str) -> bool:
+        """Fail the request unless it ended; its writes are cancelled (they stay in flight until
+        nothing of them can land). Whether it failed now."""
+        if not self.status.fail(reason):
+            return False
+        for transfer, _ in self.inflight:
+            transfer.cancel()
+        return True
+
+    def describe(self) -> str:
+        """Where it waits, for a timeout's message."""
+        if not self.ready:
+            missing = sorted(self.expected - set(self.dests)) if self.expected else "every decode rank"
+            return f"waiting for the destination from {missing}"
+        if self.chunks:
+            return f"{self.tokens_sent} tokens sent, the next chunk's KV not computed yet"
+        if not self.last_posted:
+            return f"{self.tokens_sent} tokens sent, waiting for the last chunk"
+        return f"{len(self.inflight)} writes in flight"
+
+
+def _state_writes(mine: RankLayout, peer, req: TransferRequest, chunk: Chunk) -> list:
+    """The Mamba state write that goes with the last chunk to one decode rank."""
+    if mine.state_kind is not StateKind.MAMBA or req.state_slot <= 0:
+        return []
+    plan = plan_state_transfer(mine, peer.layout, int(chunk.state_slot), req.state_slot)
+    return [] if plan.empty else [("state", peer.batch(plan))]
