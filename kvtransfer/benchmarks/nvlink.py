@@ -671,6 +671,15 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
               f"{r['engines']['kernel'][1] * 1e3:.3f} ms")
 
 
+def record_variant(argv) -> str:
+    """The kind of a ``--record`` run in bench/RESULTS.md: two GPUs, or one (its ratios are not NVLink's)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--src-device", type=int, default=0)
+    ap.add_argument("--dst-device", type=int, default=1)
+    args, _ = ap.parse_known_args(argv)
+    return "one GPU" if args.src_device == args.dst_device else "two GPUs"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kvtransfer bench nvlink", description=description(__doc__),
                                  formatter_class=HelpFormatter)
