@@ -49,7 +49,7 @@ descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
-Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its section).
+Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its record).
 """
 
 from __future__ import annotations
@@ -436,7 +436,8 @@ class _Bench:
         torch, args, peer = self.torch, self.args, self.peers["nvlink"]
         sb = case.strided_batch()
         fields = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
-        # (the fields by name, not StridedBatch.pairs: the trees before the direct path lack it)
+        # (the fields by name, not StridedBatch.pairs: a transport without the direct path, as
+        # bench/before_after_nvlink.sh runs one, has no such property)
         layers = [StridedBatch(*(getattr(sb, f)[g] for f in fields), sb.src_slot, sb.dst_slot)
                   for g in np.array_split(np.arange(sb.num_pairs), args.layers) if g.size]
         engine, warmup = self.engines.KERNEL, args.warmup
