@@ -2,7 +2,8 @@
 ``bench NAME [--record]``, ``layouts``, ``bootstrap``.
 
 ``kvtransfer bench NAME --record ...`` runs the benchmark and, when it succeeds, rewrites its
-section of bench/RESULTS.md (machine, date, command line, the table it printed).
+record in bench/RESULTS.md (machine, date, command line, the table it printed): the benchmark's
+section, or the record of this kind of run within it (``record_variant(argv)`` of the module).
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         if args.name is None:  # `kvtransfer bench` or `kvtransfer bench --help`
             print("usage: kvtransfer bench NAME [--help | [--record] options]\nNAME: " + ", ".join(_bench_names())
-                  + "\n--record: on success, rewrite the benchmark's section of bench/RESULTS.md")
+                  + "\n--record: on success, rewrite the benchmark's record in bench/RESULTS.md")
             return 0 if rest in ([], ["--help"], ["-h"]) else 2
         module = importlib.import_module(f"kvtransfer.benchmarks.{args.name}")
         if "--record" in rest:
             from kvtransfer.benchmarks._results import run_recorded
 
             argv = [a for a in rest if a != "--record"]
-            title = getattr(module, "record_title", lambda argv: None)(argv)  # a section per variant
-            return run_recorded(args.name, module.main, argv, title=title)
+            variant = getattr(module, "record_variant", lambda argv: None)(argv)  # a record per kind of run
+            return run_recorded(args.name, module.main, argv, variant=variant)
         return int(module.main(rest) or 0)
     module = importlib.import_module(_MODULES.get(args.command, f"kvtransfer.{args.command}"))
     return int(module.main(rest) or 0)

@@ -11,10 +11,10 @@ spread derived from them), and writes what it measured the same way:
 - PNG plots (:mod:`kvtransfer.benchmarks._plots`).
 
 Long runs report progress on stderr (:class:`Progress`), so stdout stays the table that
-``--record`` keeps in bench/RESULTS.md. A benchmark that plugs in (``transfer`` today, a
-``serve`` load generator later: per-request TTFT / inter-token samples as :class:`Timing`,
-``percentile`` for p50/p90/p99, one :class:`~kvtransfer.benchmarks._plots.Panel` per figure)
-brings its own cases and figures; nothing here knows of KV.
+``--record`` keeps in bench/RESULTS.md. A benchmark that plugs in (``transfer``; ``serve``, whose
+per-request TTFT / inter-token samples are :class:`Timing`, ``percentile`` for p50/p90/p99, one
+:class:`~kvtransfer.benchmarks._plots.Panel` per figure) brings its own cases and figures;
+nothing here knows of KV.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ class Rig:
     def nvlink_writer(self, engine, batches: list) -> tuple:
         """A writer through the nvlink peer with ``engine``, and the engine it actually took:
         the kernel engine writes a StridedBatch as kvtransfer does, ``write_strided`` (its
-        direct path: resident pair tables, issue 18), where the peer takes ``engine=``; other
+        direct path: resident pair tables), where the peer takes ``engine=``; other
         batches and engines through prepared jobs (prepared per write, as a request is)."""
         from transport.base import StridedBatch
 

@@ -49,7 +49,7 @@ descriptor, the receiver progressing NIXL as it polls).
 With ``transport.nixl`` importable, page size 1 also runs through NIXL (one descriptor per
 page) on a slice of the batch.
 
-Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its section).
+Figures: bench/RESULTS.md (``kvtransfer bench nvlink --record`` rewrites its record).
 """
 
 from __future__ import annotations
@@ -436,7 +436,8 @@ class _Bench:
         torch, args, peer = self.torch, self.args, self.peers["nvlink"]
         sb = case.strided_batch()
         fields = ("src_region", "src_offset", "src_stride", "dst_region", "dst_offset", "dst_stride", "length")
-        # (the fields by name, not StridedBatch.pairs: the trees before the direct path lack it)
+        # (the fields by name, not StridedBatch.pairs: a transport without the direct path, as
+        # bench/before_after_nvlink.sh runs one, has no such property)
         layers = [StridedBatch(*(getattr(sb, f)[g] for f in fields), sb.src_slot, sb.dst_slot)
                   for g in np.array_split(np.arange(sb.num_pairs), args.layers) if g.size]
         engine, warmup = self.engines.KERNEL, args.warmup
@@ -669,6 +670,15 @@ def _print_table(bench: _Bench, results: list[dict]) -> None:
               f"{gbs(r['nbytes'], r['kernel'][bench.configs[0]] / 1e3):.1f}); the general path's host bounds + "
               f"table {r['strided_host_s'] * 1e3:.2f} ms; write_strided() (kernel engine) returned after "
               f"{r['engines']['kernel'][1] * 1e3:.3f} ms")
+
+
+def record_variant(argv) -> str:
+    """The kind of a ``--record`` run in bench/RESULTS.md: two GPUs, or one (its ratios are not NVLink's)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--src-device", type=int, default=0)
+    ap.add_argument("--dst-device", type=int, default=1)
+    args, _ = ap.parse_known_args(argv)
+    return "one GPU" if args.src_device == args.dst_device else "two GPUs"
 
 
 def main(argv=None) -> int:

@@ -411,13 +411,13 @@ def _from_json(path: Path, out: Optional[Path]) -> int:
     return 0
 
 
-def record_title(argv) -> str:
-    """The bench/RESULTS.md section of a ``--record`` run: host-memory and GPU runs keep one each."""
+def record_variant(argv) -> str:
+    """The kind of a ``--record`` run in bench/RESULTS.md: host-memory and GPU runs keep a record each."""
     import torch
 
     memory = _parse(argv).memory
     gpu = memory == "gpu" or (memory == "auto" and torch.cuda.is_available())
-    return f"transfer ({'GPU' if gpu else 'host memory'})"
+    return "GPU" if gpu else "host memory"
 
 
 # -- the command -------------------------------------------------------------------------------

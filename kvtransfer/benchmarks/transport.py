@@ -329,6 +329,14 @@ def _format(row: dict, cuda: bool) -> str:
     return line
 
 
+def record_variant(argv) -> str:
+    """The kind of a ``--record`` run in bench/RESULTS.md: blocks or a KV request, and where."""
+    memory = "GPU" if "--cuda" in argv else "host memory"
+    if "--kv" not in argv:
+        return f"blocks, {memory}"
+    return "KV request, two hosts" if "--two-hosts" in argv else f"KV request, {memory}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtransfer bench transport", description=description(__doc__),
                                  formatter_class=HelpFormatter)
