@@ -11,8 +11,8 @@ A pending write's end is reported when it comes.
 
 The pipe carries one frozen dataclass per message: from the parent :class:`Connect`,
 :class:`Write`, :class:`Idle`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
-:class:`Connected`, :class:`Posted` (a write started, or refused at once), :class:`Finished` (a
-pending write ended), :class:`Bye`.
+:class:`Connected`, :class:`Idling` (an Idle taken: from now on it pumps, or not), :class:`Posted` (a
+write started, or refused at once), :class:`Finished` (a pending write ended), :class:`Bye`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class Finished:
 @dataclass(frozen=True)
 class Idle:
     pump: bool  # keep calling the transport between commands
+
+
+@dataclass(frozen=True)
+class Idling:
+    pass
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,7 @@ def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=
                 break
             if isinstance(cmd, Idle):
                 pump = cmd.pump
+                conn.send(Idling())
             elif isinstance(cmd, Connect):
                 peer = transport.connect(cmd.export)
                 conn.send(Connected())

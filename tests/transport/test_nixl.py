@@ -270,8 +270,17 @@ def test_stalled_receiver_fails_at_the_deadline(writer, receiver):
 
 
 def resumed_later(rx, delay=0.3) -> threading.Timer:
-    """Continue the stopped receiver after ``delay`` s (abort() waits for it meanwhile)."""
-    timer = threading.Timer(delay, os.kill, (rx.proc.pid, signal.SIGCONT))
+    """Continue the stopped receiver after ``delay`` s (abort() waits for it meanwhile); the
+    timer's ``continued`` is set just before the SIGCONT: an abort() that returns before it is
+    set returned while the receiver was still stopped."""
+    continued = threading.Event()
+
+    def resume():
+        continued.set()
+        os.kill(rx.proc.pid, signal.SIGCONT)
+
+    timer = threading.Timer(delay, resume)
+    timer.continued = continued
     timer.start()
     return timer
 
@@ -580,14 +589,11 @@ def test_no_byte_of_an_aborted_write_lands_after_abort_returns(writer, receiver,
                                        peer_loss_timeout_s=20.0)
     fresh, fresh_id = host_region(peer._transport, nbytes, 30 + num_threads)
     tr = stalled_write(rx, peer, sid, nbytes, rng)
-    delay = 0.3
-    start = time.monotonic()  # before the timer: its delay counts from its own start
-    resume = resumed_later(rx, delay)
+    resume = resumed_later(rx)
     tr.abort()
-    waited = time.monotonic() - start
-    resume.join()
     # while the receiver is stopped, the request cannot be finished: bytes of it would land later
-    assert waited >= delay, f"abort() returned after {waited:.3f} s, before the stopped receiver ran again"
+    assert resume.continued.is_set(), "abort() returned while the receiver was still stopped"
+    resume.join()
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     nothing_lands_later(rx, peer, fresh, fresh_id, "aborted")
 

@@ -327,12 +327,10 @@ STRIDED_OR_FLAT = pytest.mark.parametrize("strided", [False, True], ids=["flat",
 @STRIDED_OR_FLAT
 def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, receiver, strided):
     rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 5, peer_loss_timeout_s=20.0, strided=strided)
-    start = time.monotonic()  # before the timer: its delay counts from its own start
     resume = resumed_later(rx, 0.3)
     tr.abort()
-    waited = time.monotonic() - start
+    assert resume.continued.is_set(), "abort() returned before the stopped receiver could answer"
     resume.join()
-    assert waited >= 0.3, f"abort() returned after {waited:.3f} s, before the stopped receiver could answer"
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted < tr.num_chunks
     at_abort = rx.dump(0)
@@ -360,17 +358,21 @@ def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(
     rng = np.random.default_rng(8)
     offs = np.arange(n, dtype=np.int64) * 4096
     peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096)).wait(60)  # the lane open and warm
-    rx.pause(1.5)
+    rx.pause()
     if strided:
         tr = peer.write_strided(StridedBatch.of(sid, 0, 4096, 0, 0, 4096, 4096, rng.permutation(n), rng.permutation(n)))
     else:
         tr = peer.write(wb(sid, offs, 0, rng.permutation(offs), 4096))
-    deadline = time.monotonic() + 1.0
-    while tr.gathered <= tr.posted and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while tr.gathered <= tr.posted:
+        assert time.monotonic() < deadline, f"no chunk gathered ahead: {(tr.credited, tr.posted, tr.gathered)}"
         tr.status()
         time.sleep(0.01)
     assert tr.credited == 0 and tr.posted == slots and tr.gathered > tr.posted, (tr.credited, tr.posted, tr.gathered)
-    tr.abort()  # returns once the paused receiver answered what was posted
+    # the receiver answers from now on; this process reads its answers only inside abort(),
+    # which posts nothing more from its start
+    rx.resume()
+    tr.abort()  # returns once the receiver answered what was posted
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted == slots  # the gathered chunks were never posted
     at_abort = rx.dump(0)

@@ -24,6 +24,7 @@ import pytest
 
 from tests._stop import stop
 from tests.transport._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
+from tests.transport._revoke_clock import LONG_S, revoke_clock, silent
 from transport.base import Notification, RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch
 from transport.nvlink import NvlinkConfig, NvlinkTransport, parse_descriptor
 from transport.nvlink import ipc
@@ -89,19 +90,11 @@ def polling(transport):
         thread.join()
 
 
-def timed(call, *args, **kwargs) -> float:
-    start = time.monotonic()
-    call(*args, **kwargs)
-    return time.monotonic() - start
-
-
-def listen(transport, seconds: float) -> None:
-    """Read the owner's mailbox for ``seconds`` (a silent writer that answers again is waited
-    for again once its answers have been read, as in NIXL)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        transport.poll_notifications()
-        time.sleep(1e-3)
+def heard_again(transport, name: str) -> None:
+    """Read the owner's mailbox until the silent writer ``name`` has been heard from (a silent
+    writer that answers again is waited for again once its answers have been read, as in NIXL)."""
+    wait_until(f"{name} heard from again", lambda: transport.poll_notifications() is not None
+               and not silent(transport, name), timeout=30.0)
 
 
 # -- one process: the owner's transport, writers on the real mailbox ------------------------------
@@ -120,16 +113,15 @@ def test_a_hold_is_acknowledged_before_the_first_copy_and_notifications_still_co
     assert peer.mapping.dropped == []
 
 
-def test_deregister_waits_for_the_copy_in_flight_then_the_writer_refuses_the_region(owner, cpu_writer):
-    t, rids = owner([4096, 4096])
+def test_deregister_waits_for_the_copy_in_flight_then_the_writer_refuses_the_region(owner, cpu_writer, monkeypatch):
+    clock = revoke_clock(monkeypatch)
+    t, rids = owner([4096, 4096], revoke_timeout_s=LONG_S)
     peer = cpu_writer().connect(t.export())
     with polling(t):
         tr = peer.write(wb(rids[0]))
-    timer = threading.Timer(0.5, peer.land)  # the copy ends half a second from now
-    timer.start()
-    took = timed(t.deregister, rids[0])
-    timer.join()
-    assert took >= 0.45, f"deregister returned after {took:.3f} s, before the copy into the region ended"
+    clock.on_nap = lambda: clock.naps == 1 and peer.land()  # the copy ends while deregister waits for it
+    t.deregister(rids[0])
+    assert clock.naps >= 1, "deregister returned before the copy into the region ended"
     assert tr.status() is TransferStatus.DONE
     assert rids[0] not in t.regions
     assert peer.mapping.dropped == [{rids[0]}]  # unmapped before the acknowledgement
@@ -161,7 +153,7 @@ def test_writes_racing_a_revoke_all_end_before_deregister_returns(owner, cpu_wri
 
     thread = threading.Thread(target=hammer)
     thread.start()
-    time.sleep(0.1)
+    wait_until("the thread's copies running", lambda: len(peer.events) > 2)
     t.deregister(rids[0])
     returned = time.monotonic()
     stop.set()
@@ -171,13 +163,15 @@ def test_writes_racing_a_revoke_all_end_before_deregister_returns(owner, cpu_wri
     assert not late, f"{len(late)} copies into the region still ran when deregister returned (up to {max(late):.4f} s)"
 
 
-def test_a_connect_with_an_export_older_than_a_deregister_cannot_write_the_region(owner, cpu_writer):
+def test_a_connect_with_an_export_older_than_a_deregister_cannot_write_the_region(owner, cpu_writer, monkeypatch):
     """The race of a late connect: the region was deregistered (nobody held it: at once) before
     this writer connected with an export naming it; the owner's answer to its Hello names the
     region gone, and the writer posts nothing before that answer."""
+    clock = revoke_clock(monkeypatch)
     t, rids = owner([4096, 4096])
     stale = t.export()
-    assert timed(t.deregister, rids[0]) < 0.5
+    with clock.no_wait():
+        t.deregister(rids[0])
     peer = cpu_writer().connect(stale)
     with polling(t):
         with pytest.raises(RegionRevoked, match=rf"region {rids[0]} of peer '{t.name}' was revoked"):
@@ -186,22 +180,26 @@ def test_a_connect_with_an_export_older_than_a_deregister_cannot_write_the_regio
     assert peer.mapping.dropped == [{rids[0]}]  # the gone region's mapping goes at the answer
 
 
-def test_a_hold_that_comes_while_the_region_is_revoked_gets_it_as_gone(owner, cpu_writer):
+def test_a_hold_that_comes_while_the_region_is_revoked_gets_it_as_gone(owner, cpu_writer, monkeypatch):
     """A second writer connects (Hello read inside deregister's wait for the first one): its
     answer names the region gone, so it cannot write into it after deregister returns."""
-    t, rids = owner([4096])
+    clock = revoke_clock(monkeypatch)
+    t, rids = owner([4096], revoke_timeout_s=LONG_S)
     export = t.export()
     first = cpu_writer("first").connect(export)
     with polling(t):
         first.write(wb(rids[0]))
     late = {}
-    connecting = threading.Timer(0.2, lambda: late.setdefault("peer", cpu_writer("late").connect(export)))
-    landing = threading.Timer(0.8, first.land)
-    connecting.start(), landing.start()
-    took = timed(t.deregister, rids[0])
-    connecting.join(), landing.join()
-    assert took >= 0.75
-    wait_until("the late writer's acknowledgement", lambda: late["peer"].hold.acked)
+
+    def meanwhile():  # inside deregister's wait: the late writer connects; once answered, the first one's copy ends
+        if "peer" not in late:
+            late["peer"] = cpu_writer("late").connect(export)
+        elif late["peer"].hold.acked:
+            first.land()
+
+    clock.on_nap = meanwhile
+    t.deregister(rids[0])
+    assert late["peer"].hold.acked, "deregister returned before the late writer's Hello was answered"
     with pytest.raises(RegionRevoked, match=rf"region {rids[0]} of peer '{t.name}' was revoked"):
         late["peer"].write(wb(rids[0]))
 
@@ -209,23 +207,23 @@ def test_a_hold_that_comes_while_the_region_is_revoked_gets_it_as_gone(owner, cp
 def test_the_first_write_fails_when_the_owner_never_answers_the_hold(owner, cpu_writer):
     t, rids = owner([4096])
     peer = cpu_writer(revoke_timeout_s=0.3).connect(t.export())  # the owner does not poll
-    start = time.monotonic()
     tr = peer.write(wb(rids[0]))
-    assert time.monotonic() - start >= 0.3
-    assert tr.status() is TransferStatus.FAILED
+    assert not peer.hold.acked and tr.status() is TransferStatus.FAILED
     assert re.search(rf"peer '{t.name}' did not acknowledge this transport's hold of its export within 0.3 s",
                      tr.error), tr.error
 
 
 def test_a_closed_peer_lets_go_of_its_hold(owner, cpu_writer):
-    """Closing the peer ends its connection: the owner's deregister waits for nobody, though the
-    writer's copy never ended and it answers no revoke."""
-    t, rids = owner([4096])
+    """Closing the peer ends its connection: the owner's deregister goes through (it waits at
+    most for the connection's end to be read), though the writer's copy never ended and it
+    answers no revoke."""
+    t, rids = owner([4096], revoke_timeout_s=LONG_S)
     peer = cpu_writer().connect(t.export())
     with polling(t):
         peer.write(wb(rids[0]))
     peer.close()
-    assert timed(t.deregister, rids[0]) < 1.0
+    t.deregister(rids[0])  # RevokeTimeout if it still counted the closed peer as a holder
+    assert rids[0] not in t.regions
 
 
 def test_an_owner_that_closes_ends_its_writers_connections(owner, cpu_writer):
@@ -238,35 +236,37 @@ def test_an_owner_that_closes_ends_its_writers_connections(owner, cpu_writer):
     wait_until("the writer seeing the owner's end", lambda: not peer.queue.outbox.alive())
 
 
-def test_revoke_timeout_and_force_match_nixl(owner, cpu_writer):
+def test_revoke_timeout_and_force_match_nixl(owner, cpu_writer, monkeypatch):
     """A writer whose copy into the region never ends cannot acknowledge: deregister refuses
-    after revoke_timeout_s naming it (the region stays registered), a second revoke of the
-    silent writer refuses at once, force releases, and once it answers again it is waited for."""
-    t, rids = owner([4096, 4096, 4096], revoke_timeout_s=0.5)
+    at the timeout naming it (the region stays registered), a second revoke of the silent
+    writer refuses without waiting, force releases, and once it answers again it is waited for."""
+    clock = revoke_clock(monkeypatch)
+    t, rids = owner([4096, 4096, 4096], revoke_timeout_s=LONG_S)
     peer = cpu_writer("stuck").connect(t.export())
     with polling(t):
         peer.write(wb(rids[0]))
-    start = time.monotonic()
+    clock.expire = lambda: True  # the wait for the stuck writer times out at its first nap
     with pytest.raises(RevokeTimeout, match=rf"region {rids[0]} is still held by peer\(s\) \['stuck'\]: no "
-                                            r"acknowledgement of its revocation within 0.5 s"):
+                                            rf"acknowledgement of its revocation within {LONG_S:g} s"):
         t.deregister(rids[0])
-    assert 0.45 < time.monotonic() - start < 3.0
     assert rids[0] in t.regions
-    start = time.monotonic()
-    with pytest.raises(RevokeTimeout, match=rf"region {rids[1]} is still held"):
-        t.deregister(rids[1])
-    assert time.monotonic() - start < 0.3  # silent already: no second full wait
-    assert timed(t.deregister, rids[1], force=True) < 0.3 and rids[1] not in t.regions
+    clock.expire = lambda: False
+    with clock.no_wait():  # silent already: no second wait
+        with pytest.raises(RevokeTimeout, match=rf"region {rids[1]} is still held"):
+            t.deregister(rids[1])
+        t.deregister(rids[1], force=True)
+    assert rids[1] not in t.regions
     peer.land()  # now it answers the revokes it missed: it is waited for again
-    listen(t, 0.3)
-    assert timed(t.deregister, rids[2]) < 1.0 and rids[2] not in t.regions
-    assert timed(t.deregister, rids[0]) < 1.0 and rids[0] not in t.regions
+    heard_again(t, "stuck")
+    t.deregister(rids[2])
+    t.deregister(rids[0])
+    assert rids[2] not in t.regions and rids[0] not in t.regions
 
 
 # -- malformed frames ----------------------------------------------------------------------------------
 
 
-def test_a_connection_that_does_not_say_hello_is_closed(owner):
+def test_a_connection_that_does_not_say_hello_is_closed(owner, monkeypatch):
     t, rids = owner([4096])
     mailbox = parse_descriptor(t.export())[0]["mailbox"]
     bad_frames = [b"just a name", wire.encode(wire.RevokeAck(1)), wire.MAGIC + b"\xc1",
@@ -278,7 +278,8 @@ def test_a_connection_that_does_not_say_hello_is_closed(owner):
         sock.settimeout(5.0)
         wait_until("the inbox reading the frame", lambda: t.poll_notifications() == [] and _ended(sock))
         sock.close()
-    assert timed(t.deregister, rids[0]) < 0.5  # none of them holds anything
+    with revoke_clock(monkeypatch).no_wait():
+        t.deregister(rids[0])  # none of them holds anything
 
 
 def _ended(sock: socket.socket) -> bool:
@@ -289,7 +290,7 @@ def _ended(sock: socket.socket) -> bool:
 
 
 def test_a_malformed_frame_from_a_writer_is_dropped(owner, cpu_writer):
-    t, rids = owner([4096])
+    t, rids = owner([4096], revoke_timeout_s=LONG_S)
     peer = cpu_writer("w").connect(t.export())
     with polling(t) as notes:
         peer.write(wb(rids[0]))
@@ -298,7 +299,7 @@ def test_a_malformed_frame_from_a_writer_is_dropped(owner, cpu_writer):
         wait_until("the notification after it", lambda: notes)
     assert notes == [Notification("w", b"after")]
     peer.land()
-    assert timed(t.deregister, rids[0]) < 1.0  # the connection still answers
+    t.deregister(rids[0])  # the connection still answers (RevokeTimeout otherwise)
 
 
 def test_malformed_frames_from_an_owner_are_dropped_and_the_next_revoke_answered(cpu_writer):
@@ -369,20 +370,18 @@ def test_a_dropped_region_is_unmapped_under_every_gpu_and_never_opened_again(mon
 # -- writer processes: stopped, killed --------------------------------------------------------------
 
 
-def test_a_writer_killed_mid_revoke_counts_as_lost(owner, writer_proc):
+def test_a_writer_killed_mid_revoke_counts_as_lost(owner, writer_proc, monkeypatch):
     """The writer's copy into the region never ends, so it cannot acknowledge; it is killed
-    while deregister waits: its connection ends and deregister returns long before the timeout."""
-    t, rids = owner([4096], revoke_timeout_s=30.0)
+    while deregister waits: its connection ends and deregister returns (it never times out)."""
+    clock = revoke_clock(monkeypatch)
+    t, rids = owner([4096], revoke_timeout_s=LONG_S)
     w = writer_proc(1, 4096, backend="nvlink-cpu")
     w.connect(t.export(), pump=t.poll_notifications)
     posted = w.write(1, rids[0], 0, 4096, pump=t.poll_notifications, delay_s=3600.0)
     assert posted.status == "PENDING", posted
-    killer = threading.Timer(0.5, w.kill)
-    killer.start()
-    took = timed(t.deregister, rids[0])
-    killer.join()
-    assert 0.45 < took < 10.0, f"deregister took {took:.2f} s (writer killed after 0.5 s, revoke timeout 30 s)"
-    assert rids[0] not in t.regions
+    clock.on_nap = lambda: clock.naps == 1 and w.kill()  # while deregister waits for it
+    t.deregister(rids[0])
+    assert clock.naps >= 1 and not w.proc.is_alive() and rids[0] not in t.regions
 
 
 def test_writer_gone_follows_the_writers_mailbox_connections(owner, writer_proc):
@@ -399,27 +398,33 @@ def test_writer_gone_follows_the_writers_mailbox_connections(owner, writer_proc)
     assert t.writer_gone(w.name) == "let go of this side's export"
 
 
-def test_a_stopped_writer_is_silent_and_answers_once_it_runs_again(owner, writer_proc):
-    """SIGSTOP: the writer's mailbox thread cannot answer; deregister refuses after the timeout
-    naming it and keeps the region; force releases another one at once. SIGCONT: it answers the
-    revokes it missed, and the region goes; its next write to it raises RegionRevoked."""
-    t, rids = owner([4096, 4096], revoke_timeout_s=1.0)
+def test_a_stopped_writer_is_silent_and_answers_once_it_runs_again(owner, writer_proc, monkeypatch):
+    """SIGSTOP: the writer's mailbox thread cannot answer; deregister refuses at the timeout
+    naming it and keeps the region; force releases another one without waiting. SIGCONT: it
+    answers the revokes it missed, and the region goes; its next write to it raises RegionRevoked."""
+    clock = revoke_clock(monkeypatch)
+    t, rids = owner([4096, 4096], revoke_timeout_s=LONG_S)
     w = writer_proc(2, 4096, backend="nvlink-cpu")
     w.connect(t.export(), pump=t.poll_notifications)
     w.write(1, rids[0], 0, 4096, pump=t.poll_notifications)
     assert w.wait_finished(1, pump=t.poll_notifications).status == "DONE"
     stop(w.proc.pid)
     try:
-        start = time.monotonic()
+        clock.expire = lambda: True  # the stopped writer cannot answer: its wait times out at the first nap
         with pytest.raises(RevokeTimeout, match=rf"region {rids[0]} is still held by peer\(s\) \['{w.name}'\]: "
-                                                r"no acknowledgement of its revocation within 1 s.*stopped or hangs"):
+                                                rf"no acknowledgement of its revocation within {LONG_S:g} s"
+                                                r".*stopped or hangs"):
             t.deregister(rids[0])
-        assert 0.9 < time.monotonic() - start < 5.0 and rids[0] in t.regions
-        assert timed(t.deregister, rids[1], force=True) < 0.5 and rids[1] not in t.regions
+        assert rids[0] in t.regions
+        clock.expire = lambda: False
+        with clock.no_wait():
+            t.deregister(rids[1], force=True)
+        assert rids[1] not in t.regions
     finally:
         os.kill(w.proc.pid, signal.SIGCONT)
-    listen(t, 0.5)  # it answers the revokes it missed
-    assert timed(t.deregister, rids[0]) < 2.0 and rids[0] not in t.regions
+    heard_again(t, w.name)  # it answers the revokes it missed
+    t.deregister(rids[0])
+    assert rids[0] not in t.regions
     posted = w.write(2, rids[0], 0, 4096)
     assert posted.status == "RAISED" and re.search(rf"RegionRevoked: region {rids[0]} of peer .* was revoked",
                                                    posted.error), posted
@@ -484,8 +489,7 @@ def test_gpu_deregister_waits_for_a_write_in_flight(remote):
         gpu_sleep(4.0)  # calibrated on a GPU that may still be clocking up: it may run half as long
         tr = peer.write(_full(s0, dst_rids[0]), notify=b"in-flight")
         assert tr.status() is TransferStatus.PENDING
-        ((took, at_return),) = remote.deregister([dst_rids[0]])
-        assert took > 1.0, f"deregister returned after {took:.3f} s, while the write was still queued"
+        ((_, at_return),) = remote.deregister([dst_rids[0]])
         assert at_return == digest(src[s0]), "the write in flight had not landed when deregister returned"
         tr.wait(60)
         with pytest.raises(RegionRevoked, match=f"region {dst_rids[0]} of peer"):
@@ -499,13 +503,13 @@ def test_gpu_deregister_waits_for_a_write_in_flight(remote):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_gpu_a_writer_killed_mid_revoke_counts_as_lost(writer_proc):
+def test_gpu_a_writer_killed_mid_revoke_counts_as_lost(writer_proc, monkeypatch):
     """This process owns the memory; a writer process on cuda:1 queues a write into it behind
-    a 30 s kernel, so it cannot acknowledge the revoke; it is killed one second into
-    deregister, which then returns (lost) long before the 60 s revoke timeout, the region
-    never written."""
+    a 30 s kernel, so it cannot acknowledge the revoke; it is killed while deregister waits,
+    which then returns (lost; it never times out), the region never written."""
     import torch
 
+    clock = revoke_clock(monkeypatch)
     torch.cuda.set_device(0)
     mem = torch.full((GPU_BUF,), 0x11, dtype=torch.uint8, device="cuda:0")
     warm = torch.zeros(GPU_BUF, dtype=torch.uint8, device="cuda:0")
@@ -520,12 +524,9 @@ def test_gpu_a_writer_killed_mid_revoke_counts_as_lost(writer_proc):
         assert w.wait_finished(0, pump=owner.poll_notifications).status == "DONE"
         posted = w.write(1, rid, 0, GPU_BUF, pump=owner.poll_notifications, delay_s=30.0)
         assert posted.status == "PENDING", posted
-        killer = threading.Timer(1.0, w.kill)
-        killer.start()
-        took = timed(owner.deregister, rid)
-        killer.join()
-        assert 0.9 < took < 20.0, f"deregister took {took:.1f} s (writer killed after 1 s, revoke timeout 60 s)"
-        assert rid not in owner.regions
+        clock.on_nap = lambda: clock.naps == 1 and w.kill()  # while deregister waits for it
+        owner.deregister(rid)
+        assert clock.naps >= 1 and not w.proc.is_alive() and rid not in owner.regions
         time.sleep(0.5)
         assert (mem.cpu() == 0x11).all(), "a copy the killed writer had queued landed after deregister"
     finally:
@@ -544,8 +545,7 @@ def test_gpu_a_late_connect_with_a_stale_export_cannot_write_the_revoked_region(
 
     dst = remote.alloc([GPU_BUF, GPU_BUF], 0x5A)
     stale = remote.export()["nvlink"]
-    ((took, _),) = remote.deregister([dst[0]])
-    assert took < 1.0  # nobody holds it
+    remote.deregister([dst[0]])  # nobody holds it
     torch.cuda.set_device(0)
     t = Transport()
     try:
