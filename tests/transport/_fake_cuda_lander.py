@@ -37,6 +37,18 @@ def threads() -> tuple[int, int]:
     return len(names), names.count("kvt-lander")
 
 
+def lander_naps() -> int:
+    """How often the landers' thread has slept so far (its voluntary context switches: a nap
+    between looks is one; a look without pause is none)."""
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() != "kvt-lander":
+                continue
+        with open(f"/proc/self/task/{tid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches:"))
+    raise AssertionError("no landers' thread")
+
+
 def waiting(steps, h, number: int, got: list) -> threading.Thread:
     """A thread in ``lander_wait(h, number)`` (30 s at most), appending what it returned to ``got``."""
     waiter = threading.Thread(target=lambda: got.append(steps.lander_wait(h, number, 30.0)))
@@ -131,21 +143,20 @@ def main() -> None:
 
     # waiting for the thread to pass a number: asleep until then (the GIL let go), or a timeout
     steps.lander_watch(h, 2111, event(11), 0)
-    t0 = time.monotonic()
-    assert steps.lander_wait(h, 2111, 0.05) is False and time.monotonic() - t0 >= 0.05
+    assert steps.lander_wait(h, 2111, 0.05) is False  # its timeout: not passed
     got = []
     waiter = waiting(steps, h, 2111, got)
     time.sleep(0.01)  # the waiter sleeps in lander_wait while this thread runs
     assert waiter.is_alive() and not got
     flags[11] = DONE
-    waiter.join(timeout=5)
+    waiter.join(timeout=30)
     assert got == [True], got
     assert steps.lander_wait(h, 2110, 0.0) is True  # passed long ago
     steps.lander_watch(h, 2112, event(12), 0)
     assert steps.lander_withdraw(h, 2112) is True
     waiter = waiting(steps, h, 2112, got)
     steps.lander_release(h, 2112)
-    waiter.join(timeout=5)
+    waiter.join(timeout=30)
     assert got == [True, True], f"a withdrawn number, once let go, is passed too: {got}"
     print("waited")
 
@@ -216,13 +227,9 @@ def main() -> None:
     got = []
     waiter = waiting(steps, h, 2500, got)
     time.sleep(0.005)  # past the 2 ms without pause: the thread naps between looks
-    t0 = time.monotonic()
     steps.lander_close(h)
-    took = time.monotonic() - t0
-    assert took < 1.0, f"close took {took:.3f} s"
-    waiter.join(timeout=5)
-    assert got == [None], f"a waiter for a closed lander: {got}"
-    assert time.monotonic() - t0 < 1.0, "the waiter woke only at its timeout"
+    waiter.join(timeout=20)  # a backstop, short of the waiter's own 30 s
+    assert not waiter.is_alive() and got == [None], f"a waiter for a closed lander (woke at its timeout?): {got}"
     steps.lander_close(keep)
     other.close()
     flags[400] = DONE
@@ -231,8 +238,7 @@ def main() -> None:
     steps.lander_land(h)
     stays("nothing is stored after close", lambda: view.read() == 2100 + numbers[-1], 0.02)
     steps.lander_close(h)  # idempotent
-    t0 = time.monotonic()
-    assert steps.lander_wait(h, 2500, 5.0) is None and time.monotonic() - t0 < 1.0, "a closed lander is waited for"
+    assert steps.lander_wait(h, 2500, 5.0) is None, "a closed lander is waited for"  # False at the timeout
     retained, released = (ctypes.c_int.in_dll(fake, n).value for n in ("fake_retained", "fake_released"))
     assert retained == released == 3, f"contexts retained {retained}, released {released}"
     assert threads() == alone, "the thread outlived the last lander"
@@ -245,27 +251,29 @@ def main() -> None:
     assert threads() == alone
     print("closed")
 
-    # the window of looking without pause (lander_spin): 0 naps 20 us between looks from the
-    # first one; a long window looks on without pause
+    # the window of looking without pause (lander_spin): 0 naps between looks from the first
+    # one (a nap, a voluntary context switch of the thread, per look); a long window looks on
+    # without pause (no nap however many looks)
     queries = ctypes.c_long.in_dll(fake, "fake_queries")
     spin_word = SharedWord()
     spin_view = WordView(spin_word.fd)
     spun = steps.lander_new(spin_word.address)
 
-    def looks_in(window_ns: int, number: int, seconds: float = 0.1) -> int:
+    def looks_in(window_ns: int, number: int, seconds: float = 0.1) -> tuple[int, int]:
+        """(looks, naps) of the thread while it waits ``seconds`` for one copy."""
         steps.lander_spin(window_ns)
         steps.lander_watch(spun, number, event(600 + number), 0)
-        start = queries.value
+        start, naps = queries.value, lander_naps()
         time.sleep(seconds)
-        looks = queries.value - start
+        looks, naps = queries.value - start, lander_naps() - naps
         flags[600 + number] = DONE
         until(f"released under a window of {window_ns} ns", lambda: spin_view.read() == number)
-        return looks
+        return looks, naps
 
     assert steps.lander_spin(2_000_000) == 2_000_000, "the default window is 2 ms"
-    napping, spinning = looks_in(0, 1), looks_in(10 ** 10, 2)
-    assert napping <= 0.1 / 20e-6 + 100, f"{napping} looks in 100 ms napping 20 us between them"
-    assert spinning > 4 * napping, f"{spinning} looks without pause against {napping} napping"
+    (napping, naps), (spinning, spun_naps) = looks_in(0, 1), looks_in(10 ** 10, 2)
+    assert naps >= napping * 9 // 10, f"{napping} looks under a window of 0 with {naps} naps: not one per look"
+    assert spun_naps <= 2 + spinning // 100, f"{spinning} looks without pause with {spun_naps} naps"
     assert steps.lander_spin(2_000_000) == 10 ** 10
     try:
         steps.lander_spin(-1)
@@ -276,7 +284,7 @@ def main() -> None:
     steps.lander_close(spun)
     spin_view.close()
     spin_word.close()
-    print(f"spin ({napping} looks napping, {spinning} without pause)")
+    print(f"spin ({napping} looks, {naps} naps; {spinning} looks without pause, {spun_naps} naps)")
     for v, w in zip(views, words):
         v.close()
         w.close()

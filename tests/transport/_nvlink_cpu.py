@@ -33,8 +33,8 @@ from transport.nvlink.pending import PendingQueue
 from transport.nvlink.transfer import NvlinkTransfer
 
 
-def wait_until(what: str, check, timeout: float = 5.0) -> None:
-    """Return once ``check()`` is true; fail naming ``what`` after ``timeout`` seconds."""
+def wait_until(what: str, check, timeout: float = 30.0) -> None:
+    """Return once ``check()`` is true; fail naming ``what`` after ``timeout`` seconds (a backstop)."""
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, f"{what} not within {timeout} s"

@@ -298,8 +298,7 @@ def test_mailbox_delivers_whole_frames_in_order():
     sender.join()
     assert got == [Notification("writer", p) for p in payloads]
     assert out.alive()
-    inbox.close()
-    time.sleep(0.05)
+    inbox.close()  # closes its end of every connection before it returns
     assert out.receive() == [] and not out.alive()  # the end, as the mailbox thread reads it
     out.close()
 
@@ -311,13 +310,11 @@ def test_outbox_send_is_bounded_when_the_receiver_reads_nothing():
     frame sent before, then the end, and the outbox refuses to send or release more."""
     inbox = _Inbox()
     out = _Outbox(inbox.name, timeout_s=0.3, sender="writer")
-    t0 = time.monotonic()
     sent = 0
     with pytest.raises(TimeoutError):
         for _ in range(100000):
             out.send(b"x" * 1024)
             sent += 1
-    assert 0.25 < time.monotonic() - t0 < 5
     assert not out.alive()
     got = _drain(inbox, sent)
     assert got == [Notification("writer", b"x" * 1024)] * sent and inbox._conns == []  # the end read
@@ -537,13 +534,10 @@ def test_dead_peer_does_not_hang_the_writer():
         peer.write(batch, notify=b"alive").wait(timeout=30)
         victim.proc.kill()
         victim.proc.join(timeout=30)
-        time.sleep(0.2)
-        start = time.monotonic()
         tr = peer.write(batch, notify=b"dead")
         with pytest.raises(TransferFailed, match="lost"):
-            tr.wait(timeout=30)
+            tr.wait(timeout=30)  # a backstop: the peer's loss ends it (peer_timeout_s 2 s)
         assert tr.status() is TransferStatus.FAILED
-        assert time.monotonic() - start < 10
     finally:
         if t is not None:
             t.close()
@@ -555,9 +549,10 @@ def test_dead_peer_does_not_hang_the_writer():
 
 @pytest.fixture
 def cpu_peer():
-    """A peer's pending queue (FIFO, lock, outbox to a real inbox) without CUDA."""
+    """A peer's pending queue (FIFO, lock, outbox to a real inbox) without CUDA; its copies time
+    out after 30 s (a test of the timeout sets ``transfer_timeout_s`` before it submits)."""
     inbox = _Inbox()
-    queue = PendingQueue("cpu-peer", _Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)
+    queue = PendingQueue("cpu-peer", _Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30.0)
     yield queue, inbox
     queue.outbox.close()
     inbox.close()
@@ -567,7 +562,9 @@ def _submit(queue, notify, event=None):
     return queue.track(NvlinkTransfer(queue, event or _Event(), notify))
 
 
-def _drain(inbox, want: int, timeout: float = 2.0) -> list[Notification]:
+def _drain(inbox, want: int, timeout: float = 30.0) -> list[Notification]:
+    """What ``inbox`` got until ``want`` notifications came or ``timeout`` passed (a backstop;
+    a short one looks for notifications that must not come)."""
     got, deadline = [], time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
         got += inbox.poll()
@@ -583,7 +580,7 @@ def test_notification_only_after_the_event_and_in_order(cpu_peer):
     t1._event.fired = True
     assert t2.status() is TransferStatus.DONE and t1.status() is TransferStatus.DONE
     assert _drain(inbox, 2) == [Notification("cpu-writer", b"one"), Notification("cpu-writer", b"two")]
-    t1.wait(timeout=1)
+    t1.wait(timeout=30)
 
 
 def test_abort_fails_the_transfer_and_suppresses_its_notification(cpu_peer):
@@ -611,6 +608,7 @@ def test_the_notification_travels_while_the_copy_runs_and_comes_out_when_it_ends
 
 def test_an_aborted_or_timed_out_copy_never_notifies_and_the_next_one_does(cpu_peer):
     queue, inbox = cpu_peer
+    queue.transfer_timeout_s = 0.2
     aborted = queue.track(NvlinkTransfer(queue, _Event(), b"aborted"))
     late = queue.track(NvlinkTransfer(queue, _Event(), b"late"))
     fine = queue.track(NvlinkTransfer(queue, _Event(), b"fine"))
@@ -647,6 +645,7 @@ def test_failed_transfers_hold_their_tables_until_the_copy_ends(cpu_peer):
 
 def test_copy_that_never_completes_fails_after_the_timeout(cpu_peer):
     peer, _ = cpu_peer
+    peer.transfer_timeout_s = 0.2
     t = _submit(peer, None)
     with pytest.raises(TransferFailed, match="did not complete within 0.2 s"):
         t.wait(timeout=5)
@@ -657,8 +656,7 @@ def test_cuda_error_and_lost_peer_fail_the_transfer(cpu_peer):
     bad = _submit(peer, b"x", _Event(RuntimeError("illegal memory access")))
     assert bad.status() is TransferStatus.FAILED and "illegal memory access" in bad.error
     t = _submit(peer, b"late")
-    inbox.close()
-    time.sleep(0.05)
+    inbox.close()  # closes its end of the connection before it returns
     t._event.fired = True
     with pytest.raises(TransferFailed, match="lost"):
         t.wait(timeout=5)

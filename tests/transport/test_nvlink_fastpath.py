@@ -501,14 +501,14 @@ def test_progress_sends_the_notification_once_the_event_fires_without_polling(se
     event = _BlockingEvent()
     t = queue.track(NvlinkTransfer(queue, event, b"landed"))
     progress.wake()
-    time.sleep(0.05)
+    wait_until("the progress thread waiting on the event", lambda: event.synchronized > 0)
     assert t._status is TransferStatus.PENDING and event.synchronized == 1  # one wait, no polling loop
-    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 30})
     waiter.start()
     event.fire()
-    waiter.join(5)
+    waiter.join(30)
     assert not waiter.is_alive() and t.status() is TransferStatus.DONE
-    got, deadline = [], time.monotonic() + 2
+    got, deadline = [], time.monotonic() + 30
     while not got and time.monotonic() < deadline:
         got = inbox.poll()
     assert [n.payload for n in got] == [b"landed"]
@@ -524,16 +524,16 @@ def test_with_a_lander_progress_sleeps_until_it_passes_the_number_not_on_the_eve
     t = queue.track(NvlinkTransfer(queue, event, b"landed"))
     progress.wake()
     wait_until("the progress thread waiting on the lander", lambda: lander.awaited > 0)
-    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 5})
+    waiter = threading.Thread(target=t.wait, kwargs={"timeout": 30})
     waiter.start()
-    time.sleep(0.03)
+    time.sleep(0.03)  # room for a wrong early end (the next line would see it)
     assert t._status is TransferStatus.PENDING
     event.fire()
     lander.complete(1)
-    waiter.join(5)
+    waiter.join(30)
     assert not waiter.is_alive() and t.status() is TransferStatus.DONE
     assert event.synchronized == 0
-    got, deadline = [], time.monotonic() + 2
+    got, deadline = [], time.monotonic() + 30
     while not got and time.monotonic() < deadline:
         got = inbox.poll()
     assert [n.payload for n in got] == [b"landed"]
@@ -545,14 +545,14 @@ def test_every_waiter_wakes_when_the_transfer_settles(settling):
     t = queue.track(NvlinkTransfer(queue, event, b"landed"))
     progress.wake()
     woke = []
-    waiters = [threading.Thread(target=lambda: (t.wait(timeout=5), woke.append(1))) for _ in range(3)]
+    waiters = [threading.Thread(target=lambda: (t.wait(timeout=30), woke.append(1))) for _ in range(3)]
     for w in waiters:
         w.start()
-    time.sleep(0.05)
+    time.sleep(0.05)  # room for a wrong early wake (the next line would see it)
     assert woke == []
     event.fire()
     for w in waiters:
-        w.join(5)
+        w.join(30)
     assert woke == [1, 1, 1]
     t.wait(timeout=0.01)  # settled: returns at once, however often
     t.wait(timeout=0.01)
@@ -585,18 +585,21 @@ def test_a_peer_lost_before_completion_fails_the_transfer_with_or_without_a_noti
 
 
 def test_wait_times_out_and_fails_at_the_deadline_without_the_progress_thread():
+    """A wait shorter than the copy's deadline raises TransferTimeout (the transfer still
+    pending); a longer one ends when the deadline fails the transfer."""
     inbox = Inbox()
-    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=0.2)
+    queue = PendingQueue("cpu-peer", Outbox(inbox.name, 1.0, sender="cpu-writer"), transfer_timeout_s=30.0)
     try:
         from transport.base import TransferFailed, TransferTimeout
 
         t = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
-        t0 = time.monotonic()
         with pytest.raises(TransferTimeout, match="still pending after 0.05 s"):
             t.wait(timeout=0.05)
+        assert t.status() is TransferStatus.PENDING
+        queue.transfer_timeout_s = 0.2
+        t = queue.track(NvlinkTransfer(queue, _BlockingEvent(), None))
         with pytest.raises(TransferFailed, match="did not complete within 0.2 s"):
-            t.wait(timeout=5)
-        assert time.monotonic() - t0 < 2
+            t.wait(timeout=30)  # a backstop: the copy's deadline ends it
     finally:
         queue.outbox.close()
         inbox.close()
@@ -640,7 +643,7 @@ def test_progress_wake_is_never_lost_while_the_thread_goes_to_sleep():
             with lock:
                 pending.append(i)
             progress.wake()
-            deadline = time.monotonic() + 2
+            deadline = time.monotonic() + 30  # a backstop: a lost wake is never seen
             while len(seen) <= i and time.monotonic() < deadline:
                 time.sleep(0)
             assert len(seen) == i + 1, f"write {i} not seen: its wake was lost"
@@ -852,7 +855,7 @@ def test_direct_path_launches_once_over_the_resident_pairs_and_notifies(fake_pee
     assert (num_pairs, num_slots) == (4, 2) and plan.block_r >= 1
     assert [n for _, _, n, _ in api.copies] == [8 * 6, 8 * 2, 8 * 4]  # 2 S slots each, nothing else per write
     np.testing.assert_array_equal(pairs_table[:4], 0x100000 * np.arange(1, 5))  # source bases of slot 0
-    got, deadline = [], time.monotonic() + 2
+    got, deadline = [], time.monotonic() + 30
     while len(got) < 3 and time.monotonic() < deadline:
         got += remote.poll_notifications()
     assert got == [Notification("fake-writer", b"n%d" % i) for i in range(3)]
