@@ -1,6 +1,6 @@
 """Every ``kvtransfer`` process ends with the exit status its supervisor expects: 0 at a command's
 normal end, 0 for a node (every role, its rank processes too) and the router stopped by SIGTERM
-after serving a request. An exit status of 139 (SIGSEGV in a native library's teardown after the
+after serving a request, 0 for the demo stopped by SIGTERM. An exit status of 139 (SIGSEGV in a native library's teardown after the
 results were printed) fails here: on a host with libibverbs, every process with NIXL's UCX ends
 that way unless :func:`transport._nixl_import._load_host_libnl_route` ran first (``./dev setup``
 installs libibverbs where it can, so the suite runs as on an RDMA host)."""
@@ -8,6 +8,7 @@ installs libibverbs where it can, so the suite runs as on an RDMA host)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvtransfer.cli import _MODULES, _bench_names
 from tests.serve._cluster import Cluster, chat, group_is_gone
+from tests.serve._demo import started_demo, stopped_demo
 
 # each command's short form, run here to its end
 SHORT_FORMS = {
@@ -88,3 +90,12 @@ def test_nodes_and_router_exit_0_on_sigterm_after_a_request():
             log = f.read()
         assert "ended with" not in log and "Traceback" not in log, f"{name}: {log[-3000:]}"
         assert group_is_gone(s.proc.pid), f"{name}: processes of its group are left"
+
+
+def test_demo_exits_0_on_sigterm():
+    """A supervisor's SIGTERM is an orderly stop: the demo tears down every process it started,
+    quietly, and exits 0 (Ctrl-C stays 130: test_demo_interrupted_leaves_nothing_behind)."""
+    proc, before = started_demo("--model", "mla-tiny", "--prompts", "1")
+    err = stopped_demo(proc, before, signal.SIGTERM)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-2000:]}"
+    assert "interrupted" not in err and "Traceback" not in err, err[-2000:]

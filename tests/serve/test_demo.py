@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.serve._cluster import group_members
+from tests.serve._demo import started_demo, stopped_demo
 
 
 def _demo(*args) -> subprocess.CompletedProcess:
@@ -67,45 +67,8 @@ def test_demo_bad_input_is_one_line():
 
 def test_demo_interrupted_leaves_nothing_behind():
     import signal
-    import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", "demo", "--model", "mla-tiny", "--prompts", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    for line in proc.stdout:  # the nodes are starting
-        if line.startswith("starting the nodes"):
-            break
-    time.sleep(1)
-    before = {pid for pid in _descendants(proc.pid)}
-    assert before, "the demo started no process"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    proc, before = started_demo("--model", "mla-tiny", "--prompts", "1")
+    err = stopped_demo(proc, before, signal.SIGINT)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    deadline = time.monotonic() + 15
-    while [p for p in before if _alive(p)]:
-        assert time.monotonic() < deadline, f"left behind: {[p for p in before if _alive(p)]}"
-        time.sleep(0.2)
-    assert not group_members(proc.pid)
-
-
-def _descendants(pid: int) -> list:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
-    children: dict = {}
-    for line in out:
-        if line.strip():
-            p, pp = map(int, line.split())
-            children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
