@@ -17,7 +17,8 @@ import pytest
 from kvtransfer.demo import Server, stop_all
 from kvtransfer.serve.http import free_port
 from tests._stop import stop
-from tests.serve._cluster import Cluster, chat, group_is_gone, group_members, port_is_free, wait_ready
+from tests.serve._cluster import (Cluster, chat, group_is_gone, group_members, metric, port_is_free, wait_ready,
+                                  wait_until)
 
 
 def _run(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -36,7 +37,8 @@ def test_a_killed_prefill_node_fails_its_request_and_a_restarted_one_serves(tmp_
         result = {}
         t = threading.Thread(target=lambda: result.update(r=chat(c.url("router"), "during")))
         t.start()
-        time.sleep(1.0)
+        wait_until(lambda: all(metric(c.url(n), "kvtransfer_requests_in_flight") >= 1 for n in ("prefill", "decode")),
+                   "the request in flight on both nodes")
         os.killpg(prefill.proc.pid, signal.SIGKILL)  # the node and its frozen ranks
         t.join(60)
         prefill.stop()

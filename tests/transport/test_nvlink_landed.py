@@ -33,7 +33,9 @@ def pair():
     inbox.close()
 
 
-def _drain(inbox, want: int, timeout: float = 2.0) -> list[Notification]:
+def _drain(inbox, want: int, timeout: float = 30.0) -> list[Notification]:
+    """What ``inbox`` got until ``want`` notifications came or ``timeout`` passed (a backstop;
+    a short one looks for notifications that must not come)."""
     got, deadline = [], time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
         got += inbox.poll()
