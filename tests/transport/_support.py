@@ -243,6 +243,13 @@ class Writer:
         self.conn.send(_writer.Idle(pump))
         self.expect(_writer.Idling)
 
+    def await_refusal(self, region: int) -> str:
+        """Once the writer has read what makes it refuse a write into ``region`` (NIXL): why."""
+        self.conn.send(_writer.AwaitRefusal(region))
+        why = self.expect(_writer.Refusing, 60.0).why
+        assert why, f"the writer would still write into region {region}"
+        return why
+
     def close_peer(self, pump=None) -> None:
         self.conn.send(_writer.ClosePeer())
         self.expect(_writer.Connected, pump=pump)

@@ -10,15 +10,17 @@ NIXL holder that does not answer revokes; an nvlink one still does, from its mai
 A pending write's end is reported when it comes.
 
 The pipe carries one frozen dataclass per message: from the parent :class:`Connect`,
-:class:`Write`, :class:`Idle`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
+:class:`Write`, :class:`Idle`, :class:`AwaitRefusal`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
 :class:`Connected`, :class:`Idling` (an Idle taken: from now on it pumps, or not), :class:`Posted` (a
-write started, or refused at once), :class:`Finished` (a pending write ended), :class:`Bye`.
+write started, or refused at once), :class:`Refusing` (the answer to AwaitRefusal),
+:class:`Finished` (a pending write ended), :class:`Bye`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +84,19 @@ class Idling:
 
 
 @dataclass(frozen=True)
+class AwaitRefusal:
+    """Call the transport until a write into ``region`` of the connected owner would be
+    refused (what the owner told this side was read: NIXL only), at most ``timeout_s``."""
+    region: int
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Refusing:
+    why: str  # why a write would be refused; empty: not within the timeout
+
+
+@dataclass(frozen=True)
 class ClosePeer:
     pass
 
@@ -136,6 +151,17 @@ def _delay(backend: str, transport, seconds: float) -> None:
     gpu_sleep(seconds)
 
 
+def _await_refusal(transport, owner: str, cmd: AwaitRefusal) -> str:
+    deadline = time.monotonic() + cmd.timeout_s
+    while time.monotonic() < deadline:
+        transport.poll_notifications()
+        why = transport._holds.check(owner, np.array([cmd.region], dtype=np.int64))
+        if why is not None:
+            return why
+        time.sleep(1e-3)
+    return ""
+
+
 def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=None) -> None:
     for key, value in {**LOOPBACK_ENV, **(env or {})}.items():
         os.environ[key] = value
@@ -163,6 +189,8 @@ def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=
             elif isinstance(cmd, Connect):
                 peer = transport.connect(cmd.export)
                 conn.send(Connected())
+            elif isinstance(cmd, AwaitRefusal):
+                conn.send(Refusing(_await_refusal(transport, peer.name, cmd)))
             elif isinstance(cmd, ClosePeer):
                 peer.close()
                 conn.send(Connected())
