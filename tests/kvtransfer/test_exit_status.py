@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from kvtransfer.cli import _MODULES, _bench_names
-from tests.serve._cluster import Cluster, chat, group_is_gone
-from tests.serve._demo import started_demo, stopped_demo
+from tests.kvtransfer.serve._cluster import Cluster, chat, group_is_gone
+from tests.kvtransfer.serve._demo import started_demo, stopped_demo
 
 # each command's short form, run here to its end
 SHORT_FORMS = {
@@ -29,14 +29,14 @@ SHORT_FORMS = {
 }
 # the commands whose short form another test runs as a process and checks for exit status 0
 ELSEWHERE = {
-    "demo": "tests/serve/test_demo.py::test_demo",
+    "demo": "tests/kvtransfer/serve/test_demo.py::test_demo",
     "transfer-demo": "tests/e2e/test_transfer_demo.py::test_demo_moves_and_verifies",
     "layouts": "tests/kvtransfer/test_cli.py::test_layouts_prints_every_pool_kind",
-    "generate": "tests/models/test_generate_cli.py::test_tiny_hybrid_generates_with_tp2",
+    "generate": "tests/kvtransfer/models/test_generate_cli.py::test_tiny_hybrid_generates_with_tp2",
     "bootstrap": "tests/kvtransfer/control/test_bootstrap.py::test_the_command_serves_until_terminated",
     "bench transport": "tests/kvtransfer/test_cli.py::test_bench_transport_small",
     "bench move_kv": "tests/kvtransfer/test_cli.py::test_bench_move_kv_cpu",
-    "bench serve": "tests/serve/test_bench_serve.py",
+    "bench serve": "tests/kvtransfer/benchmarks/test_bench_serve.py",
     "bench nvlink": "tests/kvtransfer/test_cli.py::test_bench_nvlink_names_the_gpus_it_needs (needs two GPUs)",
     "serve": "test_nodes_and_router_exit_0_on_sigterm_after_a_request (below)",
     "router": "test_nodes_and_router_exit_0_on_sigterm_after_a_request (below)",

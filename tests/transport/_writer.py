@@ -2,7 +2,7 @@
 
 It owns a writing transport (``backend``: ``nixl``, host memory; ``nvlink``, its source on
 CUDA ``device``; ``nvlink-cpu``, the nvlink mailbox with stand-in copies,
-:class:`tests.transport._nvlink_cpu.CpuWriter`) with one source region of seeded random bytes,
+:class:`tests.transport.nvlink._nvlink_cpu.CpuWriter`) with one source region of seeded random bytes,
 connects to the export the parent sends and writes what it is told. Between commands it either
 keeps calling its transport (``Idle(pump=True)``: ``poll_notifications`` and the status of its
 pending writes, as a live serving process does) or only waits on its pipe (``pump=False``: a
@@ -129,7 +129,7 @@ def _open(backend: str, src: np.ndarray, device):
         transport = NvlinkTransport()
         return transport, transport.register_tensor(buf), buf
     if backend == "nvlink-cpu":
-        from tests.transport._nvlink_cpu import CpuWriter
+        from tests.transport.nvlink._nvlink_cpu import CpuWriter
 
         transport = CpuWriter()
         return transport, transport.register(src.ctypes.data, src.nbytes), src
