@@ -1,7 +1,7 @@
 """Every ``kvtransfer`` process ends with the exit status its supervisor expects: 0 at a command's
 normal end, 0 for a node (every role, its rank processes too) and the router stopped by SIGTERM
-after serving a request, 0 for the demo stopped by SIGTERM. An exit status of 139 (SIGSEGV in a native library's teardown after the
-results were printed) fails here: on a host with libibverbs, every process with NIXL's UCX ends
+after serving a request, 0 for the demo stopped by SIGTERM. An exit status of 139 (SIGSEGV in a
+native library's teardown after the results were printed) fails here: on a host with libibverbs, every process with NIXL's UCX ends
 that way unless :func:`transport._nixl_import._load_host_libnl_route` ran first (``./dev setup``
 installs libibverbs where it can, so the suite runs as on an RDMA host)."""
 

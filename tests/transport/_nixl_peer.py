@@ -8,10 +8,11 @@ that the data was already in place when the notification was seen.
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
 The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
 :class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Paused`, :class:`Bye`; from the
-parent :class:`Dump`, :class:`Deregister`, :class:`Register`, :class:`Pause` (until :class:`Resume`), :class:`Quit`. A deregistered region can
-be freed (``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
-pool's would; dumping it afterwards is an error. :class:`Register` registers a range of a buffer
-as a new region (a pool laid out again over memory a deregistered region held).
+parent :class:`Dump`, :class:`Deregister`, :class:`Register`, :class:`Pause` (until :class:`Resume`),
+:class:`Quit`. A deregistered region can be freed (``Deregister.free``): its memory goes back to
+the allocator (a 64 MiB one is unmapped), as a pool's would; dumping it afterwards is an error.
+:class:`Register` registers a range of a buffer as a new region (a pool laid out again over
+memory a deregistered region held).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 It owns a writing transport (``backend``: ``nixl``, host memory; ``nvlink``, its source on
 CUDA ``device``; ``nvlink-cpu``, the nvlink mailbox with stand-in copies,
-:class:`tests.transport.nvlink._nvlink_cpu.CpuWriter`) with one source region of seeded random bytes,
-connects to the export the parent sends and writes what it is told. Between commands it either
+:class:`tests.transport.nvlink._nvlink_cpu.CpuWriter`) with one source region of seeded random
+bytes, connects to the export the parent sends and writes what it is told. Between commands it either
 keeps calling its transport (``Idle(pump=True)``: ``poll_notifications`` and the status of its
 pending writes, as a live serving process does) or only waits on its pipe (``pump=False``: a
 NIXL holder that does not answer revokes; an nvlink one still does, from its mailbox thread).

@@ -17,8 +17,8 @@ import pytest
 from kvtransfer.demo import Server, stop_all
 from kvtransfer.serve.http import free_port
 from tests._stop import stop
-from tests.kvtransfer.serve._cluster import (Cluster, chat, group_is_gone, group_members, metric, port_is_free, wait_ready,
-                                  wait_until)
+from tests.kvtransfer.serve._cluster import (Cluster, chat, group_is_gone, group_members, metric, port_is_free,
+                                             wait_ready, wait_until)
 
 
 def _run(*args, timeout=120) -> subprocess.CompletedProcess:

@@ -10,8 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from tests.transport.nvlink._nvlink_cpu import DropRecorder, wait_until
-from tests.transport.nvlink._nvlink_cpu import StandInEvent as _Event
 from tests.transport._support import (
     LAYERS,
     SLOTS,
@@ -23,6 +21,8 @@ from tests.transport._support import (
     local_pair,
     write_landed,
 )
+from tests.transport.nvlink._nvlink_cpu import DropRecorder, wait_until
+from tests.transport.nvlink._nvlink_cpu import StandInEvent as _Event
 from transport.base import (
     Notification,
     PeerDescriptorError,

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from tests._stop import stop
-from tests.transport.nvlink._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
 from tests.transport._revoke_clock import LONG_S, revoke_clock, silent
+from tests.transport.nvlink._nvlink_cpu import CpuWriter, stand_in_ipc, wait_until
 from transport.base import Notification, RegionRevoked, RevokeTimeout, TransferStatus, WriteBatch
 from transport.nvlink import NvlinkConfig, NvlinkTransport, parse_descriptor
 from transport.nvlink import ipc
