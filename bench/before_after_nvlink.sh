@@ -61,9 +61,9 @@ for what in "${steps[@]}"; do
             done ;;
         tests)
             (cd "$here" && PYTHONPATH=$here${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} python3 -m pytest -q -m gpu \
-                -p no:cacheprovider -o addopts= tests/transport/test_nvlink.py tests/transport/test_nvlink_fastpath.py \
-                tests/transport/test_strided.py tests/transport/test_nvlink_staged.py tests/transport/test_triton_launch.py \
-                tests/transport/test_nvlink_lander.py) \
+                -p no:cacheprovider -o addopts= tests/transport/nvlink/test_nvlink.py tests/transport/nvlink/test_nvlink_fastpath.py \
+                tests/transport/test_strided.py tests/transport/nvlink/test_nvlink_staged.py tests/transport/nvlink/test_triton_launch.py \
+                tests/transport/nvlink/test_nvlink_lander.py) \
                 2>&1 | tee "$OUT/gpu_tests_transport.log" || rc=1 ;;
         probe)
             for tokens in 1024 16384; do

@@ -335,7 +335,10 @@ def main(argv=None) -> int:
           f"a colocated node as the reference; logs in {logdir}", flush=True)
     servers: dict = {}
 
-    def on_signal(*_):  # Ctrl-C or SIGTERM: whatever the demo is doing, stop what it started
+    signals: list = []
+
+    def on_signal(signum, _frame):  # Ctrl-C or SIGTERM: whatever the demo is doing, stop what it started
+        signals.append(signum)
         raise KeyboardInterrupt  # (asyncio's own SIGINT handling cancels a task, which may not end)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -345,6 +348,8 @@ def main(argv=None) -> int:
         print(f"kvtransfer demo: failed: {exc} (logs in {logdir})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if signals[:1] == [signal.SIGTERM]:  # a supervisor's orderly stop: 0 once all is torn down
+            return 0
         print("kvtransfer demo: interrupted; stopping what it started", file=sys.stderr)
         return 130
     finally:

@@ -11,7 +11,8 @@ def _gpu_count() -> int:
 # Where the tests that start processes live (most of the suite's time): collected first, so
 # that on two workers (`./dev test`, a file's tests on one worker) the long files start early
 # and the workers end together. The order is otherwise the files' own.
-_LONG_FIRST = ("tests/serve/", "tests/kvtransfer/control/", "tests/e2e/", "tests/models/")
+_LONG_FIRST = ("tests/kvtransfer/serve/", "tests/kvtransfer/benchmarks/test_bench_serve.py",
+               "tests/kvtransfer/control/", "tests/e2e/", "tests/kvtransfer/models/")
 
 
 def _start_rank(item) -> int:

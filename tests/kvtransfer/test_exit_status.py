@@ -1,20 +1,22 @@
 """Every ``kvtransfer`` process ends with the exit status its supervisor expects: 0 at a command's
 normal end, 0 for a node (every role, its rank processes too) and the router stopped by SIGTERM
-after serving a request. An exit status of 139 (SIGSEGV in a native library's teardown after the
-results were printed) fails here: on a host with libibverbs, every process with NIXL's UCX ends
+after serving a request, 0 for the demo stopped by SIGTERM. An exit status of 139 (SIGSEGV in a
+native library's teardown after the results were printed) fails here: on a host with libibverbs, every process with NIXL's UCX ends
 that way unless :func:`transport._nixl_import._load_host_libnl_route` ran first (``./dev setup``
 installs libibverbs where it can, so the suite runs as on an RDMA host)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from kvtransfer.cli import _MODULES, _bench_names
-from tests.serve._cluster import Cluster, chat, group_is_gone
+from tests.kvtransfer.serve._cluster import Cluster, chat, group_is_gone
+from tests.kvtransfer.serve._demo import started_demo, stopped_demo
 
 # each command's short form, run here to its end
 SHORT_FORMS = {
@@ -27,14 +29,14 @@ SHORT_FORMS = {
 }
 # the commands whose short form another test runs as a process and checks for exit status 0
 ELSEWHERE = {
-    "demo": "tests/serve/test_demo.py::test_demo",
+    "demo": "tests/kvtransfer/serve/test_demo.py::test_demo",
     "transfer-demo": "tests/e2e/test_transfer_demo.py::test_demo_moves_and_verifies",
     "layouts": "tests/kvtransfer/test_cli.py::test_layouts_prints_every_pool_kind",
-    "generate": "tests/models/test_generate_cli.py::test_tiny_hybrid_generates_with_tp2",
+    "generate": "tests/kvtransfer/models/test_generate_cli.py::test_tiny_hybrid_generates_with_tp2",
     "bootstrap": "tests/kvtransfer/control/test_bootstrap.py::test_the_command_serves_until_terminated",
     "bench transport": "tests/kvtransfer/test_cli.py::test_bench_transport_small",
     "bench move_kv": "tests/kvtransfer/test_cli.py::test_bench_move_kv_cpu",
-    "bench serve": "tests/serve/test_bench_serve.py",
+    "bench serve": "tests/kvtransfer/benchmarks/test_bench_serve.py",
     "bench nvlink": "tests/kvtransfer/test_cli.py::test_bench_nvlink_names_the_gpus_it_needs (needs two GPUs)",
     "serve": "test_nodes_and_router_exit_0_on_sigterm_after_a_request (below)",
     "router": "test_nodes_and_router_exit_0_on_sigterm_after_a_request (below)",
@@ -88,3 +90,12 @@ def test_nodes_and_router_exit_0_on_sigterm_after_a_request():
             log = f.read()
         assert "ended with" not in log and "Traceback" not in log, f"{name}: {log[-3000:]}"
         assert group_is_gone(s.proc.pid), f"{name}: processes of its group are left"
+
+
+def test_demo_exits_0_on_sigterm():
+    """A supervisor's SIGTERM is an orderly stop: the demo tears down every process it started,
+    quietly, and exits 0 (Ctrl-C stays 130: test_demo_interrupted_leaves_nothing_behind)."""
+    proc, before = started_demo("--model", "mla-tiny", "--prompts", "1")
+    err = stopped_demo(proc, before, signal.SIGTERM)
+    assert proc.returncode == 0, f"exit status {proc.returncode}: {err[-2000:]}"
+    assert "interrupted" not in err and "Traceback" not in err, err[-2000:]

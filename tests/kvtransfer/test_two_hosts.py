@@ -27,7 +27,6 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 from kvtransfer._procs import Child  # noqa: E402
 from kvtransfer.layout import RankLayout  # noqa: E402
@@ -170,7 +169,9 @@ def bootstrap_on(host):
         boot.wait(10)
 
 
-FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 30.0}
+# The transfer timeout is a backstop no test reaches: pages released within Released's 30 s
+# were not released by it.
+FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "transfer_timeout_s": 600.0}
 
 
 def test_the_control_plane_across_the_hosts(cluster):
@@ -203,8 +204,8 @@ def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(
     """A prefill rank on A killed mid-request, its decode rank on B. Its process is not one B
     can read (it names none, as on another kernel). Once it is suspect (two heartbeat intervals
     of silence), B's NIXL transport, asked about that writer, probes it over the veth pair and
-    the probe fails with a disconnect: the request fails and its pages are released long before
-    the (20 s) heartbeat timeout and the (30 s) transfer timeout. It is killed once its first
+    the probe fails with a disconnect: the request fails (naming the disconnect, not the 20 s
+    heartbeat timeout) and its pages are released (not by the transfer timeout). It is killed once its first
     chunk is posted: killed a few ms after the hello, its hold of B's export (sent at the hello)
     may not have reached B yet, and a writer B never heard of is not known dead."""
     a, b = cluster.hosts.a, cluster.hosts.b
@@ -220,12 +221,10 @@ def test_a_prefill_rank_killed_on_the_other_host_is_found_lost_by_its_transport(
             prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
             until_state(prefill, "doomed", "Transferring", timeout_s=30)  # its first chunk posted: it holds the export
             prefill.kill()
-            start = time.monotonic()
             state, reason = decode.call(Wait("doomed", timeout_s=30))
             assert state == "Failed" and "prefill rank 0 lost: its nixl transport is lost (" in reason, reason
             assert "DISCONNECT" in reason.upper(), reason
-            assert decode.call(Released("doomed", timeout_s=30.0)) < 10.0
-            assert time.monotonic() - start < 12.0
+            decode.call(Released("doomed", timeout_s=30.0))
         finally:
             decode.close()
             prefill.close()

@@ -8,10 +8,11 @@ that the data was already in place when the notification was seen.
 Notification payload (msgpack): ``[tag, [[region, offset, length], ...]]``.
 The pipe carries one frozen dataclass per message: to the parent :class:`Ready`,
 :class:`Notified`, :class:`Dumped`, :class:`Exported`, :class:`Refused`, :class:`Paused`, :class:`Bye`; from the
-parent :class:`Dump`, :class:`Deregister`, :class:`Register`, :class:`Pause`, :class:`Quit`. A deregistered region can
-be freed (``Deregister.free``): its memory goes back to the allocator (a 64 MiB one is unmapped), as a
-pool's would; dumping it afterwards is an error. :class:`Register` registers a range of a buffer
-as a new region (a pool laid out again over memory a deregistered region held).
+parent :class:`Dump`, :class:`Deregister`, :class:`Register`, :class:`Pause` (until :class:`Resume`),
+:class:`Quit`. A deregistered region can be freed (``Deregister.free``): its memory goes back to
+the allocator (a 64 MiB one is unmapped), as a pool's would; dumping it afterwards is an error.
+:class:`Register` registers a range of a buffer as a new region (a pool laid out again over
+memory a deregistered region held).
 """
 
 from __future__ import annotations
@@ -92,8 +93,13 @@ class Paused:
 
 @dataclass(frozen=True)
 class Pause:
-    """Read no notification for ``seconds`` (NIXL's progress thread, if on, still runs)."""
-    seconds: float
+    """Read no notification until the next command, a :class:`Resume` (NIXL's progress thread,
+    if on, still runs)."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,9 @@ def serve(conn, sizes, env=None, cuda_device=None, progress_thread=False, staged
                 conn.send(Dumped(buffers.read(ids.index(cmd.region))))
             elif isinstance(cmd, Pause):
                 conn.send(Paused())
-                time.sleep(cmd.seconds)
+                resume = conn.recv()  # the owner waits on its pipe alone meanwhile
+                if not isinstance(resume, Resume):
+                    raise TypeError(f"a paused receiver takes Resume, got {type(resume).__name__}")
             elif isinstance(cmd, Register):
                 view = buffers.view(cmd.buffer, cmd.offset, cmd.length)
                 a = buffers.arrays[view]

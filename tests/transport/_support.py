@@ -141,10 +141,14 @@ class Receiver:
         assert len(self.notes) >= count, f"{len(self.notes)} of {count} notifications within {timeout} s"
         return self.notes
 
-    def pause(self, seconds: float) -> None:
-        """The receiver reads no notification for ``seconds`` from now (its owner sleeps)."""
-        self.conn.send(_nixl_peer.Pause(seconds))
+    def pause(self) -> None:
+        """The receiver reads no notification from now until :meth:`resume` (its owner waits on
+        its pipe)."""
+        self.conn.send(_nixl_peer.Pause())
         self._expect(_nixl_peer.Paused, 30.0)
+
+    def resume(self) -> None:
+        self.conn.send(_nixl_peer.Resume())
 
     def dump(self, region) -> np.ndarray:
         self.conn.send(_nixl_peer.Dump(region))
@@ -234,7 +238,17 @@ class Writer:
         return self.finished[tag]
 
     def idle(self, pump: bool) -> None:
+        """From its answer on the writer calls its transport between commands (``pump``), or
+        only waits on its pipe."""
         self.conn.send(_writer.Idle(pump))
+        self.expect(_writer.Idling)
+
+    def await_refusal(self, region: int) -> str:
+        """Once the writer has read what makes it refuse a write into ``region`` (NIXL): why."""
+        self.conn.send(_writer.AwaitRefusal(region))
+        why = self.expect(_writer.Refusing, 60.0).why
+        assert why, f"the writer would still write into region {region}"
+        return why
 
     def close_peer(self, pump=None) -> None:
         self.conn.send(_writer.ClosePeer())

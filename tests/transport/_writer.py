@@ -2,23 +2,25 @@
 
 It owns a writing transport (``backend``: ``nixl``, host memory; ``nvlink``, its source on
 CUDA ``device``; ``nvlink-cpu``, the nvlink mailbox with stand-in copies,
-:class:`tests.transport._nvlink_cpu.CpuWriter`) with one source region of seeded random bytes,
-connects to the export the parent sends and writes what it is told. Between commands it either
+:class:`tests.transport.nvlink._nvlink_cpu.CpuWriter`) with one source region of seeded random
+bytes, connects to the export the parent sends and writes what it is told. Between commands it either
 keeps calling its transport (``Idle(pump=True)``: ``poll_notifications`` and the status of its
 pending writes, as a live serving process does) or only waits on its pipe (``pump=False``: a
 NIXL holder that does not answer revokes; an nvlink one still does, from its mailbox thread).
 A pending write's end is reported when it comes.
 
 The pipe carries one frozen dataclass per message: from the parent :class:`Connect`,
-:class:`Write`, :class:`Idle`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
-:class:`Connected`, :class:`Posted` (a write started, or refused at once), :class:`Finished` (a
-pending write ended), :class:`Bye`.
+:class:`Write`, :class:`Idle`, :class:`AwaitRefusal`, :class:`ClosePeer`, :class:`Quit`; to the parent :class:`Ready`,
+:class:`Connected`, :class:`Idling` (an Idle taken: from now on it pumps, or not), :class:`Posted` (a
+write started, or refused at once), :class:`Refusing` (the answer to AwaitRefusal),
+:class:`Finished` (a pending write ended), :class:`Bye`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +79,24 @@ class Idle:
 
 
 @dataclass(frozen=True)
+class Idling:
+    pass
+
+
+@dataclass(frozen=True)
+class AwaitRefusal:
+    """Call the transport until a write into ``region`` of the connected owner would be
+    refused (what the owner told this side was read: NIXL only), at most ``timeout_s``."""
+    region: int
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Refusing:
+    why: str  # why a write would be refused; empty: not within the timeout
+
+
+@dataclass(frozen=True)
 class ClosePeer:
     pass
 
@@ -109,7 +129,7 @@ def _open(backend: str, src: np.ndarray, device):
         transport = NvlinkTransport()
         return transport, transport.register_tensor(buf), buf
     if backend == "nvlink-cpu":
-        from tests.transport._nvlink_cpu import CpuWriter
+        from tests.transport.nvlink._nvlink_cpu import CpuWriter
 
         transport = CpuWriter()
         return transport, transport.register(src.ctypes.data, src.nbytes), src
@@ -129,6 +149,17 @@ def _delay(backend: str, transport, seconds: float) -> None:
     from tests.transport._support import gpu_sleep  # not at the top: _support imports this module
 
     gpu_sleep(seconds)
+
+
+def _await_refusal(transport, owner: str, cmd: AwaitRefusal) -> str:
+    deadline = time.monotonic() + cmd.timeout_s
+    while time.monotonic() < deadline:
+        transport.poll_notifications()
+        why = transport._holds.check(owner, np.array([cmd.region], dtype=np.int64))
+        if why is not None:
+            return why
+        time.sleep(1e-3)
+    return ""
 
 
 def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=None) -> None:
@@ -154,9 +185,12 @@ def serve(conn, seed: int, nbytes: int, env=None, backend: str = "nixl", device=
                 break
             if isinstance(cmd, Idle):
                 pump = cmd.pump
+                conn.send(Idling())
             elif isinstance(cmd, Connect):
                 peer = transport.connect(cmd.export)
                 conn.send(Connected())
+            elif isinstance(cmd, AwaitRefusal):
+                conn.send(Refusing(_await_refusal(transport, peer.name, cmd)))
             elif isinstance(cmd, ClosePeer):
                 peer.close()
                 conn.send(Connected())

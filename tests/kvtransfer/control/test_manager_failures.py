@@ -19,7 +19,9 @@ from tests.kvtransfer.control._ranks import (Abort, HoldLoop, IsReleased, Prefil
                                              wait_forgotten)
 from tests._stop import stop
 
-FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 30.0}
+# The transfer timeout is a backstop no test reaches unless it sets its own: a request's pages
+# released within Released's 30 s were not released by it.
+FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5, "transfer_timeout_s": 600.0}
 
 
 @pytest.fixture
@@ -65,17 +67,15 @@ def test_a_killed_prefill_rank_fails_its_requests_and_its_restart_is_used_again(
     decode.call(Receive("doomed", 40))
     for p in prefill:
         p.call(Prefill("doomed", 40, (16, 24), hold_last=True))
-    t0 = time.monotonic()
     pid = prefill[1].child.proc.pid
     prefill[1].kill()
     state, reason = decode.call(Wait("doomed", timeout_s=20))
-    # silent for two heartbeat intervals, and its process is gone (one host): lost before the
-    # heartbeat timeout, and its death proves it writes nothing more
+    # silent for two heartbeat intervals, and its process is gone (one host): lost by its death
+    # (the heartbeat timeout would say "no answer"), which proves it writes nothing more
     assert state == "Failed" and f"prefill rank 1 lost: its process (pid {pid}) has exited" in reason, reason
-    assert time.monotonic() - t0 < 10
     state, reason = prefill[0].call(Wait("doomed", timeout_s=20))
     assert state == "Failed" and "prefill rank 1 lost" in reason  # decode told the survivor
-    assert decode.call(Released("doomed")) < 10  # rank 0 quiesced; rank 1 is dead: no wait for the transfer timeout
+    decode.call(Released("doomed"))  # rank 0 quiesced; rank 1 is dead: no wait for the transfer timeout
     # a request while rank 1 is down fails at once, naming it; nothing was asked of anyone
     decode.call(Receive("while-down", 8))
     state, reason = decode.call(Wait("while-down", timeout_s=10))
@@ -119,7 +119,7 @@ def test_abort_from_prefill_fails_decode_and_releases(bootstrap, ranks):
     assert prefill.call(Wait("p-abort")) == ("Failed", "out of memory")
     state, reason = decode.call(Wait("p-abort"))
     assert state == "Failed" and "prefill rank 0: out of memory" in reason
-    assert decode.call(Released("p-abort")) < 10
+    decode.call(Released("p-abort"))
 
 
 def test_an_ask_that_comes_after_prefill_aborted_is_told_at_once(bootstrap, ranks):
@@ -131,7 +131,7 @@ def test_an_ask_that_comes_after_prefill_aborted_is_told_at_once(bootstrap, rank
     decode.call(Receive("late-ask", 20))
     state, reason = decode.call(Wait("late-ask", timeout_s=10))
     assert state == "Failed" and "prefill rank 0: out of memory" in reason
-    assert decode.call(Released("late-ask")) < 10
+    decode.call(Released("late-ask"))
 
 
 @contextlib.contextmanager
@@ -178,7 +178,7 @@ def test_a_decode_rank_paused_past_the_heartbeat_timeout_is_dropped_then_connect
     # yet) timed out by the decode rank itself first: both name the loss
     assert state == "Failed" and ("prefill rank 0 dropped this rank: decode rank ('decode-a', 0) lost" in reason
                                   or "prefill rank 0 lost: no answer" in reason), reason
-    assert decode.call(Released("paused")) < 10
+    decode.call(Released("paused"))
     wait_ready(decode, [0])
     assert_lands(prefill, decode, "after")
 
@@ -197,7 +197,7 @@ def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected
         time.sleep(1.0)
         assert decode.call(IsReleased("paused")) is False
     # the hello it answers after the pause comes once it closed its old entry with drain
-    assert decode.call(Released("paused")) < 10
+    decode.call(Released("paused"))
     wait_ready(decode, [0])
     state, reason = prefill.call(Wait("paused", timeout_s=20))
     assert state == "Failed" and "decode rank ('decode-a', 0)" in reason, reason
@@ -216,13 +216,11 @@ def test_a_killed_prefill_rank_whose_process_is_unknown_is_found_lost_by_its_tra
     decode.call(Receive("doomed", 20))
     prefill.call(Prefill("doomed", 20, (10, 10), hold_last=True))
     until_state(prefill, "doomed", "Transferring")
-    t0 = time.monotonic()
     prefill.kill()
     state, reason = decode.call(Wait("doomed", timeout_s=20))
     assert state == "Failed" and "prefill rank 0 lost: its nixl transport is lost (" in reason, reason
-    assert "DISCONNECT" in reason.upper(), reason
-    assert decode.call(Released("doomed")) < 10
-    assert time.monotonic() - t0 < 12
+    assert "DISCONNECT" in reason.upper(), reason  # not the heartbeat timeout's "no answer for 20 s"
+    decode.call(Released("doomed"))
 
 
 def test_a_prefill_rank_paused_past_the_transfer_timeout_has_its_pages_released_then(bootstrap, ranks):
@@ -235,7 +233,7 @@ def test_a_prefill_rank_paused_past_the_transfer_timeout_has_its_pages_released_
         state, reason = decode.call(Wait("orphan", timeout_s=20))
         assert state == "Failed" and "prefill rank 0 lost: no answer for 1.5 s" in reason
         assert decode.call(IsReleased("orphan")) is False
-        assert decode.call(Released("orphan", timeout_s=20.0)) > 1.0  # the fence held past the loss
+        decode.call(Released("orphan", timeout_s=20.0))  # once the transfer timeout passed
     state, reason = prefill.call(Wait("orphan", timeout_s=20))
     assert state == "Failed", (state, reason)  # its deadline passed while paused: nothing more was posted
     wait_ready(decode, [0])
@@ -248,12 +246,11 @@ def test_a_killed_decode_rank_is_dropped_before_the_heartbeat_timeout(bootstrap,
     patient = {**FAST, "heartbeat_timeout_s": 20.0}
     prefill, decode = one_request_in_flight(bootstrap, ranks, "doomed", prefill=patient, decode=patient)
     pid = decode.child.proc.pid
-    t0 = time.monotonic()
     decode.kill()
     state, reason = prefill.call(Wait("doomed", timeout_s=30))
+    # lost by its death, not by the heartbeat timeout ("no answer for 20 s")
     assert state == "Failed" and f"decode rank ('decode-a', 0) lost: its process (pid {pid}) has exited" in reason, \
         reason
-    assert time.monotonic() - t0 < 10
     wait_forgotten(prefill)
 
 
@@ -270,7 +267,7 @@ def test_a_chunk_sent_after_its_requests_deadline_is_not_posted(bootstrap, ranks
     assert (state, reason) == ("Failed", "not done after 3 s: its deadline passed before a chunk was posted")
     state, reason = decode.call(Wait("late", timeout_s=20))
     assert state == "Failed" and "its deadline passed before a chunk was posted" in reason, reason
-    assert decode.call(Released("late")) < 10
+    decode.call(Released("late"))
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -342,7 +339,7 @@ def test_the_transfer_timeout_fails_a_request_whose_last_chunk_never_comes(boots
     assert state == "Failed" and re.search(r"not done after 1.5 s \((waiting for prefill ranks \[0\]|10 tokens sent, "
                                            r"waiting for the last chunk)\)", reason), reason
     assert prefill.call(Wait("stuck", timeout_s=20))[0] == "Failed"
-    assert decode.call(Released("stuck")) < 10
+    decode.call(Released("stuck"))
 
 
 def test_a_closing_decode_rank_says_goodbye_before_freeing_its_memory(bootstrap, ranks):

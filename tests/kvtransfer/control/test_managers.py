@@ -10,7 +10,9 @@ from kvtransfer.control.bootstrap import BootstrapService
 from tests.kvtransfer.control._ranks import (Abort, Prefill, RankProcess, RankSpec, Receive, Released, SendLast,
                                              Stats, Verify, Wait, wait_forgotten)
 
-FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "transfer_timeout_s": 30.0}
+# The transfer timeout is a backstop no test reaches: pages released within Released's 30 s
+# were not released by it.
+FAST = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "transfer_timeout_s": 600.0}
 
 
 def start(bootstrap, prefill_tp, decode_tp, prefill_page=16, decode_page=4, kind="mha", config=FAST):
@@ -98,7 +100,7 @@ def test_abort_from_decode_fails_both_sides_and_releases_the_pages(group):
         assert state == "Failed" and "aborted by decode rank" in reason and "client went away" in reason
     for d in decode:
         assert d.call(Wait("ab"))[0] == "Failed"  # the other decode ranks learn it from prefill
-        assert d.call(Released("ab")) < 10
+        d.call(Released("ab"))
     run_request(prefill, decode, "after", 30, (30,))  # the group still serves
     for d in decode:
         assert d.call(Verify("after"))[0] == 0

@@ -1,0 +1,183 @@
+"""Batched decode under CUDA graphs (kvtransfer.models.runner) and GPU sampling
+(kvtransfer.models.sampler): the GPU path's greedy float32 tokens equal the CPU path's across
+batch sizes, seeded draws depend only on (seed, position); CPU parts run everywhere."""
+
+import pytest
+import torch
+
+from kvtransfer.models import launch, registry
+from kvtransfer.models.config import ModelName
+from kvtransfer.models.engine import Engine, Sampling
+from kvtransfer.models.registry import ModelSpec
+from kvtransfer.models.runner import build_runner, capture_sizes, prefill_buckets
+from tests.kvtransfer.models._support import SMALL, engine_config
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_maximum():
+    for top in (1, 3, 8, 20, 64):
+        sizes = capture_sizes(top)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == top
+        assert all(any(s >= n for s in sizes) for n in range(1, top + 1))
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_no_runner_on_cpu():
+    spec = registry.load(ModelName.TINY_MLA)[0]
+    model = spec.build(launch.TPGroup(), torch.float32, "cpu")
+    engine = Engine(model, SMALL)
+    assert engine.graphs is None and build_runner(model, engine.pools, 4, 64) is None
+
+
+def test_prefill_buckets_reach_the_chunk_size_within_the_context():
+    assert prefill_buckets(512, 8192) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(1000, 8192)[-1] == 1024
+    assert prefill_buckets(4096, 256) == [16, 32, 64, 128, 256]
+
+
+def _random_smollm2():
+    """SmolLM2's shape with its random weights drawn once on the CPU (a device draws other
+    numbers from the same seed), so the CPU and GPU runs share them."""
+    spec = registry.load(ModelName.SMOLLM2_RANDOM)[0]
+    return ModelSpec(spec.name, spec.config, dict(spec.weights))
+
+
+PROMPTS = ((5, 6, 7), tuple(range(40, 70)), (300, 301), tuple(range(1000, 1013)))
+NEW = (9, 3, 6, 1)  # requests finish at different steps: the batch shrinks 4 -> 3 -> 2 -> 1
+
+
+class _Mixed:
+    """Each prompt alone first (a captured first chunk, then decode at batch 1), then all of
+    them in one continuous batch (an eager prefill of four, then decode at 4, 3, 2, 1)."""
+
+    def __call__(self, engine):
+        alone = []
+        for p, n in zip(PROMPTS, NEW):
+            alone.append(engine.add(p, n, record_logits=True))
+            engine.run()
+        reqs = alone + [engine.add(p, n, record_logits=True) for p, n in zip(PROMPTS, NEW)]
+        engine.run()
+        return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+def test_graph_decode_tokens_equal_the_cpu_path_across_batch_sizes():
+    spec = _random_smollm2()
+    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(max_requests=4), _Mixed())
+    gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(max_requests=4, device="cuda"), _Mixed())
+    assert gpu_ids == cpu_ids
+    for a, b in zip(cpu_logits, gpu_logits):
+        assert (a - b).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
+    spec = _random_smollm2()
+    graphs = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", dtype=torch.bfloat16), _Mixed())
+    eager = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", dtype=torch.bfloat16,
+                                              cuda_graphs=False), _Mixed())
+    for a, b in zip(graphs[1], eager[1]):  # the first tokens' logits (later ones may follow other tokens)
+        assert torch.nn.functional.cosine_similarity(a[0], b[0], dim=0) > 0.99
+
+
+class _Interleaved:
+    """Steps driven one by one: four requests finishing at different steps, a fifth added while
+    they decode (its prefill takes in the step launched ahead), the third aborted mid-way; then
+    what the pools still hold."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n) for p, n in zip(PROMPTS, (12, 5, 8, 3))]
+        late, steps, free = None, 0, engine.pools.allocator.available_size()
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 3:
+                late = engine.add(PROMPTS[1], 6)
+            if steps == 5:
+                engine.abort(reqs[2])
+        held = free - engine.pools.allocator.available_size()
+        return [r.output_ids for r in reqs + [late]], held
+
+
+@pytest.mark.gpu
+def test_decode_launched_ahead_gives_the_tokens_of_waiting_for_each_step():
+    spec = _random_smollm2()
+    ahead, held = launch.run(spec, 1, engine_config(max_requests=5, device="cuda"), _Interleaved())
+    each, held_each = launch.run(spec, 1, engine_config(max_requests=5, device="cuda", overlap=False),
+                               _Interleaved())
+    # the aborted request may have taken one more token ahead; everything else is the same
+    assert ahead[:2] + ahead[3:] == each[:2] + each[3:]
+    assert ahead[2] == each[2][: len(ahead[2])] or each[2] == ahead[2][: len(each[2])]
+    assert held == held_each == 0
+
+
+class _Chunked:
+    """Every prompt at once through chunks of 8 tokens: prefill steps mix a request's later
+    chunks (after a cached prefix) with other requests' first ones, then decode."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n, record_logits=True) for p, n in zip(PROMPTS, NEW)]
+        engine.run()
+        return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_chunked_prefill_on_the_gpu_equals_the_cpu_path(page_size):
+    spec = _random_smollm2()
+    cfg = dict(max_requests=4, chunk_size=8, page_size=page_size)
+    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**cfg), _Chunked())
+    for graphs in (True, False):
+        gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**cfg, device="cuda", cuda_graphs=graphs), _Chunked())
+        assert gpu_ids == cpu_ids
+        for a, b in zip(cpu_logits, gpu_logits):
+            assert (a - b).abs().max().item() < 1e-3
+
+
+class _Seeded:
+    """One seeded request alone (a captured first chunk), then the same request among others
+    (an eager prefill of five): the same tokens."""
+
+    def __call__(self, engine):
+        s = Sampling(temperature=0.8, seed=7)
+        alone = engine.add(PROMPTS[1], 8, sampling=s)
+        engine.run()
+        others = [engine.add(p, 8, sampling=Sampling(temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS)]
+        again = engine.add(PROMPTS[1], 8, sampling=s)
+        engine.run()
+        other = engine.add(PROMPTS[1], 8, sampling=Sampling(temperature=0.8, seed=8))
+        engine.run()
+        return alone.output_ids, again.output_ids, other.output_ids, [r.output_ids for r in others]
+
+
+@pytest.mark.gpu
+def test_seeded_draws_depend_on_seed_and_position_not_the_batch():
+    alone, again, other, _ = launch.run(_random_smollm2(), 1, engine_config(max_requests=6, device="cuda"), _Seeded())
+    assert alone == again
+    assert other != alone
+
+
+@pytest.mark.gpu
+def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
+    from kvtransfer.models.sampler import sample
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50000, generator=gen)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins
+    logits = logits.cuda()
+    zeros = torch.zeros(6, device="cuda")
+    keys = torch.arange(6, dtype=torch.int64, device="cuda")
+    no_limit = torch.zeros(6, dtype=torch.int64, device="cuda")
+    tokens, logprobs = sample(logits, zeros, keys, no_limit)
+    assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[2].item() == 7
+    ref = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs, ref, atol=1e-5)
+
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 1.5, -2.0, 0.2], device="cuda")
+    n, temp = 40000, 0.7
+    keys = torch.randint(0, 2**62, (n,), generator=gen).cuda()
+    no_limit = torch.zeros(n, dtype=torch.int64, device="cuda")
+    tokens, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
+    freq = torch.bincount(tokens, minlength=8).float() / n
+    assert (freq - torch.softmax(row / temp, -1)).abs().max().item() < 0.015
+    again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
+    assert torch.equal(tokens, again)
