@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's tables on two GPUs, before and after, in one device call (logs in $OUT):
+# The nvlink tables on two GPUs, before and after, in one device call (logs in $OUT):
 #   bench/before_after_nvlink.sh OLD_TREE [steps...]
 # OLD_TREE: a checkout of the code before the direct path (the device call's repository root,
 # when this tree travels as a carried folder of it). Steps (default: compare tests):

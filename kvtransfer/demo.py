@@ -157,9 +157,8 @@ def heartbeat_timeout(device: str) -> float:
 def threads_per_rank(ranks: int) -> int:
     """Torch threads for each of the ``ranks`` rank processes started on this machine: the cores
     this process may run on, shared among them. A node's own default (the cores over its TP)
-    assumes it has the machine alone; the demo's five ranks at that default asked two cores for
-    seven threads, which contended for them, and its five requests took 45-120 s instead
-    of ~5 (bench/RESULTS.md)."""
+    assumes it has the machine alone; several ranks at that default ask for more threads than
+    there are cores, and the threads contend for them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // ranks)
 

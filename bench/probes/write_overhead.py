@@ -3,7 +3,7 @@
 Usage: python3 bench/probes/write_overhead.py [TOKENS] (two GPUs).
 
 Prints: the medians of the host steps of the general path of ``peer.write_strided`` (all of
-it before issue 18's direct path) (bounds, route, pinned allocation, table build, plan, upload, launch + event, wait),
+it before the direct path) (bounds, route, pinned allocation, table build, plan, upload, launch + event, wait),
 a cProfile of whole writes, the cost of a few raw CUDA calls, and how late a host thread sees
 an event that completed (a spinning ``cudaEventQuery`` loop against ``cudaEventSynchronize``
 on a spin and on a blocking-sync event)."""

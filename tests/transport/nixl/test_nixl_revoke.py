@@ -1,4 +1,4 @@
-"""Revocation (issue 11, item 2): no byte of a writer holding an older export lands in memory
+"""Revocation: no byte of a writer holding an older export lands in memory
 its owner deregistered and freed, and deregister never hangs on a peer.
 
 Two processes over loopback UCX (tcp kept in ``UCX_TLS``, ``UCX_NET_DEVICES=lo``), the real

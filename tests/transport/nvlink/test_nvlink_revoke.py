@@ -1,4 +1,4 @@
-"""Revocation in the nvlink backend (issue 11, item 2): no copy of a writer holding an older
+"""Revocation in the nvlink backend: no copy of a writer holding an older
 export reaches memory its owner deregistered, and deregister never hangs on a writer.
 
 On CPU: the owner is a real :class:`NvlinkTransport` registering host arrays with stand-in IPC
