@@ -56,19 +56,25 @@ def revoke_clock(monkeypatch) -> RevokeClock:
     return clock
 
 
+def owner_side(transport):
+    """``transport``'s :class:`~transport.revocation.owner.Holders` (NIXL keeps it on its core)."""
+    core = getattr(transport, "_core", None)
+    return core.holders if core is not None else transport._holders
+
+
 def answered(transport, names) -> bool:
     """Every holder of ``transport``'s export named in ``names`` acknowledged its latest revoke
     (read off the owner's holds: what a deregister waits for)."""
-    holders = transport._holders
-    return all(h.acked >= holders._seq for h in holders._holders.values() if h.name in names)
+    holders = owner_side(transport)
+    return all(h.acked >= holders.seq for h in holders.holding() if h.name in names)
 
 
 def holds(transport, name: str) -> bool:
     """The writer named ``name`` holds ``transport``'s export (its hold was answered)."""
-    return any(h.name == name for h in transport._holders._holders.values())
+    return any(h.name == name for h in owner_side(transport).holding())
 
 
 def silent(transport, name: str) -> bool:
     """The owner counts the writer named ``name`` as silent (a revoke of it went unanswered, and
     nothing of it has been read since): a revoke does not wait for it."""
-    return any(h.name == name and h.silent_since is not None for h in transport._holders._holders.values())
+    return any(h.name == name and h.silent_since is not None for h in owner_side(transport).holding())

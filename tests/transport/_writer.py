@@ -155,7 +155,7 @@ def _await_refusal(transport, owner: str, cmd: AwaitRefusal) -> str:
     deadline = time.monotonic() + cmd.timeout_s
     while time.monotonic() < deadline:
         transport.poll_notifications()
-        why = transport._holds.check(owner, np.array([cmd.region], dtype=np.int64))
+        why = transport._core.holds.check(owner, np.array([cmd.region], dtype=np.int64))
         if why is not None:
             return why
         time.sleep(1e-3)

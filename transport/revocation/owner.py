@@ -90,6 +90,15 @@ class Holders(abc.ABC):
             while len(self._let_go) > LET_GO_KEPT:
                 del self._let_go[next(iter(self._let_go))]
 
+    @property
+    def seq(self) -> int:
+        """The seq of the latest revoke sent (0 before the first)."""
+        return self._seq
+
+    def holding(self) -> list[Holder]:
+        """The holders recorded now, a snapshot (for inspection; the protocol reads its own)."""
+        return list(self._holders.values())
+
     def gone(self, name: str) -> Optional[str]:
         """Why the holder named ``name`` can write nothing more here (it let go, or is lost),
         else None (it holds, or was never heard of). A holder that holds is probed
