@@ -2,9 +2,10 @@
 ``req_to_token`` row, so prefill chunks and decode steps read exactly what earlier steps (or a
 prefill node, over the transport) wrote into the pool.
 
-Three paths: :func:`gqa_attention` (any batch of chunks, each after a cached prefix: on CUDA the
-Triton kernel of :mod:`kvtransfer.models.extend_attention` reads the pool in place for all of
-them in one launch; on the CPU, per request, its K/V gathered from the pool),
+Three paths: :func:`gqa_attention` (any batch of chunks, each after a cached prefix: on CUDA one
+kernel rotates Q/K and writes K/V into the pool, and the Triton kernel of
+:mod:`kvtransfer.models.extend_attention` reads the pool in place for all of them in one launch;
+on the CPU, per request, its K/V gathered from the pool),
 :func:`gqa_decode_attention` (one token per request; the Triton kernel of
 :mod:`kvtransfer.models.decode_attention` reads the pool in place) and
 :func:`gqa_prefill_attention` (one request's first chunk, causal over its own K/V). The last two
@@ -94,18 +95,20 @@ def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer
     ``kv_pool`` at ``batch.out_cache_loc`` before attention reads them back.
     """
     t, d = x.shape[0], head_dim
-    q_end, k_end = heads * d, (heads + kv_heads) * d
     qkv = F.linear(x, qkv_w)  # [T, (heads + 2 * kv_heads) * head_dim]
-    q = rotary.apply(qkv[:, :q_end].view(t, heads, d), batch.positions)  # [T, heads, head_dim]
-    k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), batch.positions)  # [T, kv_heads, head_dim]
-    v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, kv_heads, head_dim]
-    kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
     k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
-    if q.is_cuda:
+    if x.is_cuda:  # one kernel rotates Q/K and writes K/V into the pool, one reads the pool in place
+        q = rope_into_pool(qkv, batch.positions, batch.out_cache_loc, rotary.cos, rotary.sin, k_buf, v_buf, heads,
+                           kv_heads, d)  # [T, heads, head_dim]
         ix = batch.extend_index
         o = extend_attention(q, k_buf, v_buf, req_to_token, ix.req_rows, ix.prefix_lens, ix.cu_seqlens, ix.max_extend,
                              d ** -0.5)  # [T, heads, head_dim]
     else:
+        q_end, k_end = heads * d, (heads + kv_heads) * d
+        q = rotary.apply(qkv[:, :q_end].view(t, heads, d), batch.positions)  # [T, heads, head_dim]
+        k = rotary.apply(qkv[:, q_end:k_end].view(t, kv_heads, d), batch.positions)  # [T, kv_heads, head_dim]
+        kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, qkv[:, k_end:].view(t, kv_heads, d))
+
         def gather(slots):
             return k_buf[slots], v_buf[slots]
 

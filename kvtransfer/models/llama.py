@@ -61,8 +61,18 @@ class LlamaModel(Decoder):
         """Logits ``[B, vocab]`` of each request's last new token (``[T, vocab]`` with
         ``all_logits``); writes the new tokens' K/V into ``pools.kv`` first."""
         cfg = self.config
-        h = self.embed[batch.input_ids]  # [T, hidden]
         r2t = pools.req_to_token.req_to_token
+        if batch.input_ids.is_cuda:  # the element-wise steps fused, as in the captured steps
+            def attend(i, w, x):
+                return gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
+                                     self.kv_heads, cfg.head_dim, self.tp)
+
+            h, delta = self._fused_layers(batch.input_ids, attend)
+            if not all_logits:
+                last = batch.last_token_index()
+                h, delta = h[last], delta[last]  # [B, hidden] each
+            return self._fused_logits(h, delta)
+        h = self.embed[batch.input_ids]  # [T, hidden]
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w["attn_norm"], cfg.rms_eps)
             h = h + gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,

@@ -50,6 +50,27 @@ RANKS_STOP_S = 15.0  # how long a rank may take to stop after Shutdown before it
 EXIT_AFTER_RANK_DEATH_S = 1.0  # time for the failed requests' answers to leave before the node exits
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineDefaults:
+    """The engine options whose defaults depend on where it runs."""
+
+    pool_tokens: int
+    max_running: int
+    chunk_size: int
+
+
+# On a GPU a prefill step's cost is mostly fixed host work, so larger chunks prefill more per
+# second, and one captured decode step serves many requests, whose KV a GPU pool holds with room
+# to spare (bench/RESULTS.md, "kvtransfer bench serve on a GPU"). On the CPU the arithmetic
+# dominates, and a smaller chunk lets a colocated node's decode steps run in between.
+DEFAULTS = {"cpu": EngineDefaults(pool_tokens=8192, max_running=16, chunk_size=512),
+            "cuda": EngineDefaults(pool_tokens=65536, max_running=64, chunk_size=4096)}
+
+
+def _default_help(field: str) -> str:
+    return f"(default: {getattr(DEFAULTS['cuda'], field)} on a GPU, {getattr(DEFAULTS['cpu'], field)} on the CPU)"
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtransfer serve", description=description(__doc__),
                                  formatter_class=HelpFormatter)
@@ -66,11 +87,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu", type=int, default=0, help="CUDA: rank r uses GPU (gpu + r) %% visible GPUs")
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--transport", default="auto", choices=("auto", "nixl", "nvlink"),
-                    help="auto: nvlink between GPUs of one host when both sides offer it, else nixl")
-    pool = ap.add_argument("--pool-tokens", type=positive_int, default=8192, help="KV pool size in token slots")
+                    help="auto: nvlink between GPUs of one host when both sides offer it, else nixl "
+                         "(nvlink alone where NIXL is not installed)")
+    pool = ap.add_argument("--pool-tokens", type=positive_int, default=None,
+                           help=f"KV pool size in token slots {_default_help('pool_tokens')}")
     deprecated_alias(ap, "--max-tokens", pool)
-    ap.add_argument("--max-running", type=positive_int, default=16, help="requests in the engine at once")
-    ap.add_argument("--chunk-size", type=positive_int, default=512, help="prompt tokens per prefill step")
+    ap.add_argument("--max-running", type=positive_int, default=None,
+                    help=f"requests in the engine at once {_default_help('max_running')}")
+    ap.add_argument("--chunk-size", type=positive_int, default=None,
+                    help=f"prompt tokens per prefill step {_default_help('chunk_size')}")
     ap.add_argument("--max-queue", type=positive_int, default=128,
                     help="requests that may wait for KV pages at once; past it a new one gets 503 + Retry-After")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
@@ -106,6 +131,9 @@ def resolve(args) -> tuple:
         dtype = DType.parse(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
         if args.transport == "nvlink" and device != "cuda":
             raise ValueError("--transport nvlink needs --device cuda")
+        for field in dataclasses.fields(EngineDefaults):
+            if getattr(args, field.name) is None:
+                setattr(args, field.name, getattr(DEFAULTS[device], field.name))
         ec = EngineConfig(max_tokens=args.pool_tokens, page_size=args.page_size, max_requests=args.max_running,
                           chunk_size=args.chunk_size, dtype=dtype.torch, device=device)
         for name_, v in (("--transfer-timeout", args.transfer_timeout), ("--heartbeat-timeout", args.heartbeat_timeout),

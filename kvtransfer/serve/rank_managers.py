@@ -5,14 +5,17 @@ decode rank has one :class:`~kvtransfer.control.decode.DecodeKVManager` per pref
 reads from, made on the first request that names that node; every rank of the node must agree
 that its own came up, or none keeps it (the ranks' schedules stay equal). Each manager gets
 transports of its own (``nixl``, and ``nvlink`` beside it for CUDA pools when asked), closed
-with it.
+with it. ``auto`` on CUDA pools without NIXL installed uses the NVLink engine alone.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Dict, Optional
 
 __all__ = ["RankManagers"]
+
+log = logging.getLogger("kvtransfer.serve.worker")
 
 
 class RankManagers:
@@ -70,7 +73,12 @@ class RankManagers:
 
         out = []
         if self.spec.transport in ("auto", "nixl"):
-            out.append(NixlTransport())
+            try:
+                out.append(NixlTransport())
+            except ImportError as exc:  # NIXL is not installed
+                if self.spec.transport == "nixl" or self.gpu is None:
+                    raise
+                log.warning("transport auto: NIXL is not installed, the NVLink engine alone moves KV (%s)", exc)
         if self.spec.transport in ("auto", "nvlink") and self.gpu is not None:
             from transport.nvlink import NvlinkTransport
 

@@ -144,7 +144,8 @@ def test_help_shows_defaults_and_no_rst_markup(command, capsys):
     text = capsys.readouterr().out
     assert "``" not in text and "(default: " in text
     if command == "serve":
-        assert re.search(r"--pool-tokens POOL_TOKENS\s+KV pool size in token slots \(default: 8192\)", text)
+        assert re.search(r"--pool-tokens POOL_TOKENS\s+KV pool size in token slots \(default: 65536 on a GPU,\s+8192 on\s+the CPU\)",
+                         text)
         assert "--max-tokens" not in text  # the old name of --pool-tokens: accepted, not shown
 
 
@@ -154,7 +155,17 @@ def test_serve_max_tokens_is_a_deprecated_name_of_pool_tokens(capsys):
     args = parser().parse_args(["--role", "decode", "--model", "mla-tiny", "--port", "1", "--max-tokens", "640"])
     assert args.pool_tokens == 640
     assert capsys.readouterr().err == "kvtransfer serve: warning: --max-tokens is deprecated; use --pool-tokens\n"
-    assert parser().parse_args(["--role", "decode", "--model", "x", "--port", "1"]).pool_tokens == 8192
+
+
+def test_serve_engine_defaults_follow_the_device_and_yield_to_flags():
+    from kvtransfer.serve.node import DEFAULTS, parser, resolve
+
+    base = ["--role", "decode", "--model", "mla-tiny", "--port", "1", "--device", "cpu"]
+    cpu = DEFAULTS["cpu"]
+    _, _, ec, _ = resolve(parser().parse_args(base))
+    assert (ec.max_tokens, ec.max_requests, ec.chunk_size) == (cpu.pool_tokens, cpu.max_running, cpu.chunk_size)
+    _, _, ec, _ = resolve(parser().parse_args(base + ["--chunk-size", "64", "--max-running", "3"]))
+    assert (ec.max_tokens, ec.max_requests, ec.chunk_size) == (cpu.pool_tokens, 3, 64)
 
 
 @pytest.mark.parametrize("name, alias", [("smollm2", "smollm2-135m"), ("mla-tiny", "tiny-mla"),
