@@ -61,7 +61,7 @@ class EngineDefaults:
 
 # On a GPU a prefill step's cost is mostly fixed host work, so larger chunks prefill more per
 # second, and one captured decode step serves many requests, whose KV a GPU pool holds with room
-# to spare (bench/RESULTS.md, "kvtransfer bench serve on a GPU"). On the CPU the arithmetic
+# to spare (bench/RESULTS.md, kvtransfer bench serve, "On a GPU"). On the CPU the arithmetic
 # dominates, and a smaller chunk lets a colocated node's decode steps run in between.
 DEFAULTS = {"cpu": EngineDefaults(pool_tokens=8192, max_running=16, chunk_size=512),
             "cuda": EngineDefaults(pool_tokens=65536, max_running=64, chunk_size=4096)}
