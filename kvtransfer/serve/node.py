@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -232,6 +233,10 @@ class Node:
         self.on_fatal = None  # called (from a thread) after a rank died: the server should exit
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # Prompts are tokenized off the event loop on one thread of the node's own, started with
+        # the first request and kept: a pool that grows with the load would be a thread count
+        # that depends on how requests happened to overlap.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvt-tokenize")
 
     # -- life cycle ---------------------------------------------------------------------
     async def startup(self) -> None:
@@ -310,6 +315,7 @@ class Node:
         self.ranks.stop()  # those it did not stop (still starting, or one died)
         if self.bootstrap_service is not None:
             self.bootstrap_service.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # -- requests -----------------------------------------------------------------------
     async def submit(self, rid: str, cmd) -> asyncio.Queue:

@@ -133,7 +133,8 @@ class _Completion:
             req = parse_request(self.kind, await read_body(self.request, node.max_body_bytes))
             check_model(req, node.model_names)
             pairing = pairing_for(role, req)
-            ids = await asyncio.to_thread(prompt_ids, req, node.tokenizer, node.engine_config, node.model_config)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                node.tokenizing, prompt_ids, req, node.tokenizer, node.engine_config, node.model_config)
             new_tokens = token_budget(req, ids, role, node.engine_config, node.model_config)
         except ApiError:
             node.metrics.requests.labels("client_error").inc()
