@@ -109,9 +109,11 @@ if tl is not None:
 
 
 GEMV_MAX_ROWS = 4  # the most rows small_linear takes
-# Decode batches up to this size go through small_linear in decode_linear. 0 keeps cuBLAS for
-# every matmul: the kernel is used once bench/probes/small_linear.py shows it faster on the GPU.
-DECODE_GEMV_ROWS = 0
+# Decode batches up to this size go through small_linear in decode_linear: on one H100
+# (bench/probes/small_linear.py, bf16, weights read from memory) one row of SmolLM2's four
+# matmuls took 2.8-3.8 us against cuBLAS's 3.3-5.1 us, and Llama-3-8B's 19.0 / 42.6 us against
+# 20.7 / 43.4 us; from two rows on cuBLAS is faster (the kernel reads the weights once per row).
+DECODE_GEMV_ROWS = 1
 
 
 def _need_triton() -> None:
@@ -178,9 +180,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 512,
+                 num_warps: int = 1) -> torch.Tensor:
     """``x @ w.T`` ``[M, N]`` for ``x`` ``[M, K]`` (``M <= GEMV_MAX_ROWS``), ``w`` ``[N, K]``
-    contiguous: one program per ``block_n`` output columns, fp32 accumulation."""
+    contiguous: one program per ``block_n`` output columns, fp32 accumulation (the default
+    tiling is the probe's fastest for one row)."""
     _need_triton()
     m, k = x.shape
     if not 1 <= m <= GEMV_MAX_ROWS:
@@ -191,7 +195,7 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: i
     x = x.contiguous()
     y = x.new_empty(m, w.shape[0])
     _gemv_kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, y, w.shape[0], k, M=m, BLOCK_N=block_n,
-                                                      BLOCK_K=block_k, num_warps=4)
+                                                      BLOCK_K=block_k, num_warps=num_warps)
     return y
 
 
