@@ -20,13 +20,13 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtransfer.serve.http import ClientGone, add_error_handlers, add_metrics_and_models, client_gone, read_body, \
-    unless_gone
+from kvtransfer.serve.http import ClientGone, add_error_handlers, add_metrics_and_models, client_gone, read_body
 from kvtransfer.serve.roles import error
 
 __all__ = ["build_app"]
 
 RETRY_AFTER_S = 1  # a busy node's Retry-After
+_GONE = object()  # put in a request's event queue when its client has left
 
 
 def _failure(event) -> dict:
@@ -154,6 +154,7 @@ class _Completion:
             return error(f"request id {self.rid!r} is already in flight here", 409)
         node.metrics.prompt_tokens.inc(len(ids))
         self.gone = asyncio.ensure_future(client_gone(self.request))
+        self.gone.add_done_callback(lambda _: self.q.put_nowait(_GONE))  # wakes a wait for the next event
         return None
 
     async def _first_answer(self) -> Optional[Response]:
@@ -162,10 +163,8 @@ class _Completion:
         from kvtransfer.serve import messages as m
 
         node, rid = self.node, self.rid
-        try:
-            first = await unless_gone(self.q.get(), self.gone)
-        except ClientGone:  # the client left (the router cancels a request whose other half failed)
-            self.gone.cancel()
+        first = await self.q.get()
+        if first is _GONE:  # the client left (the router cancels a request whose other half failed)
             node.finish(rid, False, "aborted")
             return Response(status_code=499)
         if isinstance(first, m.RequestFailed):
@@ -179,13 +178,16 @@ class _Completion:
         return reply
 
     async def _events(self):
-        """Token events until the request ends: (delta text, finish reason or None)."""
+        """Token events until the request ends: (delta text, finish reason or None);
+        :class:`ClientGone` once the client has left."""
         from kvtransfer.serve import messages as m
 
         metrics, text = self.node.metrics, self.text
         while True:
             ev = self.first if self.first is not None else await self.q.get()
             self.first = None
+            if ev is _GONE or self.gone.done():
+                raise ClientGone()
             if isinstance(ev, m.RequestFailed):
                 raise _Failed(ev)
             if self.completion_tokens == 0 and ev.token_ids:
@@ -208,7 +210,7 @@ class _Completion:
         node, rid = self.node, self.rid
         out, finish = [], None
         try:
-            async for delta, finish in _watch(self._events(), self.gone):
+            async for delta, finish in self._events():
                 out.append(delta)
         except _Failed as f:
             node.finish(rid, True, "failed")
@@ -232,7 +234,7 @@ class _Completion:
         async def chunks():
             ended_ok = False
             try:
-                async for delta, finish in _watch(self._events(), self.gone):  # a chunk per token event, its
+                async for delta, finish in self._events():  # a chunk per token event, its
                     # text possibly empty (bytes that end mid-character); the figures ride on the last one
                     yield sse(shaper.chunk(delta, finish, self.extra if finish else None))
                     if finish:
@@ -253,14 +255,3 @@ class _Completion:
                 self.gone.cancel()
 
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=self.headers)
-
-
-async def _watch(gen, gone: asyncio.Future):
-    """``gen``'s items; ClientGone as soon as ``gone`` is done (the client disconnected) meanwhile."""
-    it = gen.__aiter__()
-    while True:
-        try:
-            item = await unless_gone(it.__anext__(), gone)
-        except StopAsyncIteration:
-            return
-        yield item

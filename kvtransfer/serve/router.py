@@ -437,7 +437,7 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
         try:
             lines = resp.aiter_lines()
             while True:
-                line = await unless_gone(_next_line(lines, prefill), gone)
+                line = await _next_line(lines, prefill, gone)
                 if line is None:
                     break
                 if not line.startswith("data: "):
@@ -487,16 +487,21 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
-async def _next_line(lines, prefill: asyncio.Future):
-    """The next line of decode's stream; raises prefill's failure if it comes first."""
+async def _next_line(lines, prefill: asyncio.Future, gone: asyncio.Future):
+    """The next line of decode's stream (None at its end), in one wait that also ends with
+    prefill's failure (raised) or the client's leaving (:class:`ClientGone`), whichever comes
+    first."""
     task = asyncio.ensure_future(lines.__anext__())
-    watch = {task} if prefill.done() else {task, prefill}
+    watch = {task, gone} if prefill.done() else {task, gone, prefill}
     try:
         done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the client left: the read goes too
+    except asyncio.CancelledError:  # the server ended the stream: the read goes too
         task.cancel()
         raise
     if task not in done:
+        if gone.done():
+            task.cancel()
+            raise ClientGone()
         if prefill.exception() is not None:
             task.cancel()
             raise prefill.exception()
