@@ -2,7 +2,8 @@
 
 The node sends commands to rank 0, which hands each batch of them to every rank (all ranks
 apply the same commands at the same step, so their schedules stay equal). Rank 0 answers with
-events; every rank sends :class:`RankReady` once it is up.
+events, sent as a list (those of one half of its loop: before the engine step, and after it);
+every rank sends :class:`RankReady` once it is up.
 """
 
 from __future__ import annotations

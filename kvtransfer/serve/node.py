@@ -273,26 +273,28 @@ class Node:
         # thread that forked them, worker._die_with_parent): they are stopped before it ends.
         self.ranks.stop()
 
-    def _post(self, event) -> None:
+    def _post(self, message) -> None:
+        """Rank 0's message: a list of events (one loop iteration's), or its failure."""
         from kvtransfer._procs import Failed
 
-        if isinstance(event, Failed):
-            self._fatal(f"{self.ranks.children[0].name} failed: {event.error}")
+        if isinstance(message, Failed):
+            self._fatal(f"{self.ranks.children[0].name} failed: {message.error}")
             return
-        self.loop.call_soon_threadsafe(self._dispatch, event)
+        self.loop.call_soon_threadsafe(self._dispatch, message)
 
-    def _dispatch(self, event) -> None:
+    def _dispatch(self, events: list) -> None:
         from kvtransfer.serve.messages import Load
 
-        if isinstance(event, Load):
-            self.metrics.slots_in_use.set(event.slots_in_use)
-            self.metrics.slots_total.set(event.slots_total)
-            self.metrics.running.set(event.running)
-            self.metrics.waiting.set(event.waiting)
-            return
-        q = self.pending.get(event.rid)
-        if q is not None:
-            q.put_nowait(event)
+        for event in events:
+            if isinstance(event, Load):
+                self.metrics.slots_in_use.set(event.slots_in_use)
+                self.metrics.slots_total.set(event.slots_total)
+                self.metrics.running.set(event.running)
+                self.metrics.waiting.set(event.waiting)
+                continue
+            q = self.pending.get(event.rid)
+            if q is not None:
+                q.put_nowait(event)
 
     def _fatal(self, why: str) -> None:
         """A rank is gone: fail everything in flight, say so on /health, and exit."""

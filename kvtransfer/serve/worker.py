@@ -6,8 +6,9 @@ Every rank runs the same loop; rank 0 also talks to the node's HTTP process over
     apply them (new requests, aborts) in order
     transfers = each rank polls its senders / receivers; the ranks agree (one all-reduce) on
                 which ended, and how, and act on them together
+    rank 0 sends the node what they ended (failures, received KV and first tokens), as one message
     one engine step (prefill or decode), when there is work
-    rank 0 reports new tokens and ended transfers
+    rank 0 sends the step's new tokens and its load, as one message
 
 The ranks' schedules must stay equal (they run one model over torch.distributed), so anything
 that changes the pools happens on every rank in the same iteration: that is why transfer
@@ -190,6 +191,7 @@ class RankWorker:
                                      all_up=lambda ok: self.ctl.agree([OK if ok else FAILED])[0] == OK)
         self.stopping = False
         self._load = None
+        self._outbox: list = []  # events for the node, sent together once per loop half (_flush)
         self._commands_by_type = {m.Shutdown: self._stop, m.Generate: self._generate, m.Prefill: self._prefill,
                                   m.Decode: self._decode, m.Abort: lambda cmd: self._abort(cmd.rid, cmd.reason),
                                   m.Connect: self._connect}
@@ -213,11 +215,14 @@ class RankWorker:
                 break
             self._reserve()
             self._progress()
+            self._flush()  # what the commands and transfers ended (first tokens too) before the step
             if self.engine.has_work():
                 for req in self.engine.step():
                     self._finished(req)
                 self._report_tokens()
             self._report_load()
+            self._flush()
+        self._flush()
 
     def _busy(self) -> bool:
         return bool(self.engine.has_work() or self.bootstrapping or self.sending or self.receiving)
@@ -236,8 +241,14 @@ class RankWorker:
         return cmds
 
     def _emit(self, event) -> None:
+        """Queue an event for the node (rank 0); :meth:`_flush` sends what is queued as one message."""
         if self.rank == 0:
-            self.conn.send(event)
+            self._outbox.append(event)
+
+    def _flush(self) -> None:
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            self.conn.send(events)
 
     # -- commands ---------------------------------------------------------------------
     def _apply(self, cmd) -> None:
