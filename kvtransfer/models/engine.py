@@ -34,9 +34,9 @@ On CUDA, a prefill step's chunks (several requests', each after its cached prefi
 forward whose attention reads the pool in place (:mod:`kvtransfer.models.extend_attention`).
 On one CUDA device (TP 1, a Llama or hybrid model) decode steps (and, for Llama, prefill steps
 of up to a chunk's tokens in up to 16 requests) run as CUDA-graph replays
-(:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
-numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
-GPU node.
+(:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same argmax; a seeded draw
+uses the same ``(seed, position)`` key for the GPU sampler's random numbers
+(:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every GPU node.
 
 Decode steps there overlap the host with the GPU: step n+1 is launched, its token ids taken
 from step n's samples on the device, before the engine waits for step n's tokens, so the host
