@@ -139,7 +139,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.model = ""  # the served model, from the first node that answers
         self.model_names: tuple = ()  # its name and aliases, as a request's "model" may give them
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[httpx.AsyncClient] = None  # requests to the nodes
+        self.health_client: Optional[httpx.AsyncClient] = None  # /info and /health (start)
         self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
         self._watch: Optional[asyncio.Task] = None
         self._tasks: set = set()  # background connects
@@ -151,7 +152,7 @@ class Router:
     # -- nodes ---------------------------------------------------------------------------
     async def _probe(self, node: NodeRef) -> None:
         """Read the node's /info; raises on no answer, a wrong role or a node not ready."""
-        resp = await self.client.get(f"{node.url}/info", timeout=5.0)
+        resp = await self.health_client.get(f"{node.url}/info", timeout=5.0)
         resp.raise_for_status()
         info = resp.json()
         if info.get("role") != node.role:
@@ -192,6 +193,11 @@ class Router:
         of the wrong role or nodes of different models."""
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(NODE_TIMEOUT_S, connect=5.0),
                                         limits=client_limits(max_connections=1024, max_keepalive_connections=64))
+        # /info and /health go through a client of their own: one connection per node, kept
+        # alive by the checks, so a check never waits for, takes or opens a request's connection
+        n = len(self.nodes)
+        self.health_client = httpx.AsyncClient(timeout=httpx.Timeout(HEALTH_TIMEOUT_S, connect=5.0),
+                                               limits=client_limits(max_connections=n, max_keepalive_connections=n))
         answers = await asyncio.gather(*(self._probe(n) for n in self.nodes), return_exceptions=True)
         for node, answer in zip(self.nodes, answers):
             if isinstance(answer, RouterError):
@@ -220,7 +226,7 @@ class Router:
     async def _check(self, node: NodeRef) -> None:
         if node.up:
             try:
-                resp = await self.client.get(f"{node.url}/health", timeout=HEALTH_TIMEOUT_S)
+                resp = await self.health_client.get(f"{node.url}/health", timeout=HEALTH_TIMEOUT_S)
                 if resp.status_code == 200:
                     return
                 why = f"/health answered {resp.status_code}: {resp.text[:200]}"
@@ -253,8 +259,9 @@ class Router:
             self._watch.cancel()
         for task in self._tasks:
             task.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+        for client in (self.client, self.health_client):
+            if client is not None:
+                await client.aclose()
 
     # -- one request ---------------------------------------------------------------------
     async def post(self, node: NodeRef, path: str, body: dict) -> dict:
