@@ -274,7 +274,7 @@ class Node:
         self.ranks.stop()
 
     def _post(self, message) -> None:
-        """Rank 0's message: a list of events (one loop iteration's), or its failure."""
+        """Rank 0's message: a list of events (one half of its loop's), or its failure."""
         from kvtransfer._procs import Failed
 
         if isinstance(message, Failed):

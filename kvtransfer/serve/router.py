@@ -226,7 +226,7 @@ class Router:
     async def _check(self, node: NodeRef) -> None:
         if node.up:
             try:
-                resp = await self.health_client.get(f"{node.url}/health", timeout=HEALTH_TIMEOUT_S)
+                resp = await self.health_client.get(f"{node.url}/health")  # the client's HEALTH_TIMEOUT_S
                 if resp.status_code == 200:
                     return
                 why = f"/health answered {resp.status_code}: {resp.text[:200]}"
