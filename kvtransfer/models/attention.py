@@ -2,24 +2,24 @@
 ``req_to_token`` row, so prefill chunks and decode steps read exactly what earlier steps (or a
 prefill node, over the transport) wrote into the pool.
 
-Three paths: :func:`gqa_attention` (any batch of chunks, each after a cached prefix: on CUDA one
+Two paths: :func:`gqa_attention` (any batch of chunks, each after a cached prefix: on CUDA one
 kernel rotates Q/K and writes K/V into the pool, and the Triton kernel of
 :mod:`kvtransfer.models.extend_attention` reads the pool in place for all of them in one launch;
-on the CPU, per request, its K/V gathered from the pool),
-:func:`gqa_decode_attention` (one token per request; the Triton kernel of
-:mod:`kvtransfer.models.decode_attention` reads the pool in place) and
-:func:`gqa_prefill_attention` (one request's first chunk, causal over its own K/V). The last two
-take every index on the device, for the CUDA graphs of :mod:`kvtransfer.models.runner`.
+on the CPU, per request, its K/V gathered from the pool) and :func:`gqa_decode_attention` (one
+token per request; the Triton kernel of :mod:`kvtransfer.models.decode_attention` reads the pool
+in place). On CUDA both take every index on the device (a :class:`ForwardBatch` copies its
+:class:`~kvtransfer.models.batch.ExtendIndex` there once per forward), so the captured steps of
+:mod:`kvtransfer.models.runner` run them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from kvtransfer.models.batch import DecodeInputs, ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ExtendInputs, ForwardBatch
 from kvtransfer.models.decode_attention import decode_attention
 from kvtransfer.models.extend_attention import extend_attention
 from kvtransfer.models.fused import decode_linear, rope_into_pool
@@ -86,9 +86,10 @@ def paged_attention(q: torch.Tensor, gather: Gather, req_to_token: torch.Tensor,
 
 
 def gqa_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
-                  req_to_token: torch.Tensor, batch: ForwardBatch, rotary: Rotary, heads: int,
+                  req_to_token: torch.Tensor, batch: Union[ForwardBatch, ExtendInputs], rotary: Rotary, heads: int,
                   kv_heads: int, head_dim: int, tp: TPGroup) -> torch.Tensor:
     """A Llama-style attention block over an MHA(-like) pool; returns the all-reduced output.
+    ``batch`` is an :class:`ExtendInputs` only on CUDA (a captured prefill step).
 
     ``x`` ``[T, hidden]`` (normed); ``qkv_w`` ``[(heads + 2 * kv_heads) * head_dim, hidden]``
     (this rank's heads); ``o_w`` ``[hidden, heads * head_dim]``. The new tokens' K/V go into
@@ -129,21 +130,3 @@ def gqa_decode_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor
     o = decode_attention(q, k_buf, v_buf, req_to_token, inputs.req_rows, inputs.seq_lens, d ** -0.5,
                          inputs.splits)  # [B, heads, head_dim]
     return tp.all_reduce(decode_linear(o.reshape(b, heads * d), o_w))
-
-
-def gqa_prefill_attention(x: torch.Tensor, qkv_w: torch.Tensor, o_w: torch.Tensor, layer_id: int, kv_pool,
-                          inputs: DecodeInputs, rotary: Rotary, heads: int, kv_heads: int, head_dim: int,
-                          tp: TPGroup) -> torch.Tensor:
-    """:func:`gqa_attention` for ONE request's first chunk, its ``T`` tokens at positions
-    ``0..T-1`` (padding tokens after the real ones, written to the padding slot, see only
-    themselves and tokens before them, so they change nothing the real tokens see): causal
-    attention over the chunk's own K/V, read back from the pool, every index on the device."""
-    t, d = x.shape[0], head_dim
-    k_buf, v_buf = kv_pool.get_kv_buffer(layer_id)  # [rows, kv_heads, head_dim] each
-    q = rope_into_pool(F.linear(x, qkv_w), inputs.positions, inputs.out_cache_loc, rotary.cos, rotary.sin, k_buf,
-                       v_buf, heads, kv_heads, d)  # [T, heads, head_dim]
-    k, v = k_buf[inputs.out_cache_loc], v_buf[inputs.out_cache_loc]  # [T, kv_heads, head_dim] each
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv_heads)
-    o = o[0].transpose(0, 1).reshape(t, heads * d)  # o: [1, heads, T, head_dim]
-    return tp.all_reduce(F.linear(o, o_w))

@@ -84,6 +84,20 @@ class ExtendIndex:
 
 
 @dataclass(frozen=True)
+class ExtendInputs:
+    """A prefill step of several requests' chunks with every index on the device (what a CUDA
+    graph reads): the flat token arrays of a :class:`ForwardBatch` (padding tokens after the real
+    ones write to the padding slot and belong to no request), its :class:`ExtendIndex`, and
+    ``last``, the index of each request's last token, whose logits are returned."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    extend_index: ExtendIndex
+    last: torch.Tensor  # [B] int64
+
+
+@dataclass(frozen=True)
 class DecodeInputs:
     """One decode step with every index on the device (what a CUDA graph reads): request ``i``
     adds token ``input_ids[i]`` at ``positions[i]`` and attends over ``seq_lens[i]`` tokens.

@@ -32,11 +32,11 @@ draws the same token, and a request sampled on one node continues the same way o
 
 On CUDA, a prefill step's chunks (several requests', each after its cached prefix) run in one
 forward whose attention reads the pool in place (:mod:`kvtransfer.models.extend_attention`).
-On one CUDA device (TP 1, a Llama or hybrid model) decode steps (and, for Llama, prompts that
-fit one chunk) run as CUDA-graph replays (:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same
-argmax; a seeded draw uses the same ``(seed, position)`` key for the GPU sampler's random
-numbers (:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every
-GPU node.
+On one CUDA device (TP 1, a Llama or hybrid model) decode steps (and, for Llama, prefill steps
+of up to a chunk's tokens in up to 16 requests) run as CUDA-graph replays
+(:mod:`kvtransfer.models.runner`), sampled on the GPU: greedy is the same argmax; a seeded draw
+uses the same ``(seed, position)`` key for the GPU sampler's random numbers
+(:mod:`kvtransfer.models.sampler`), a different draw than the CPU's, the same on every GPU node.
 
 Decode steps there overlap the host with the GPU: step n+1 is launched, its token ids taken
 from step n's samples on the device, before the engine waits for step n's tokens, so the host
@@ -61,7 +61,7 @@ import torch
 
 from kvtransfer.models.batch import ForwardBatch
 from kvtransfer.models.config import EngineConfig
-from kvtransfer.models.runner import Launched, StepOutput, build_runner
+from kvtransfer.models.runner import Chunk, Launched, StepOutput, build_runner
 from kvtransfer.models.sampler import MAX_TOP_K, top_k_thresholds
 from kvtransfer.models.sampler import draw as gpu_draw
 from pools import HybridReqToTokenPool, PagedTokenToKVPoolAllocator, ReqToTokenPool
@@ -412,11 +412,10 @@ class Engine:
 
     def _forward(self, chunks) -> List[Request]:
         if self.graphs is not None:
-            (req, n), alone = chunks[0], len(chunks) == 1
-            if alone and req.kv_committed_len == 0 and n == len(req.prompt_ids) and self.graphs.takes_first_chunk(n):
-                return self._forward_first_chunk(req)
             if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
+            if self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
+                return self._forward_prefill(chunks)
         device = self.model.device
         ids, positions, locs = [], [], []
         for req, n in chunks:
@@ -500,13 +499,29 @@ class Engine:
                 self._release(req)
                 self._done_early.append(req)
 
-    def _forward_first_chunk(self, req: Request) -> List[Request]:
-        """A request's whole prompt through a captured prefill step, and its first token."""
-        n = len(req.prompt_ids)
-        self._grow(req, n)
-        launched = self.graphs.first_chunk(req.prompt_ids, req.req_pool_idx, req.sampling.key(n),
-                                           float(req.sampling.temperature), req.sampling.top_k)
-        return self._take_sampled([req], self.graphs.collect(launched))
+    def _forward_prefill(self, chunks) -> List[Request]:
+        """A prefill step through a captured graph: every chunk in one forward, and the first
+        token of each request whose prompt it ends."""
+        for req, n in chunks:
+            self._grow(req, req.kv_committed_len + n)
+        launched = self.graphs.prefill([
+            Chunk(req.all_ids[req.kv_committed_len : req.kv_committed_len + n], req.kv_committed_len, req.req_pool_idx,
+                  req.sampling.key(len(req.all_ids)), float(req.sampling.temperature), req.sampling.top_k)
+            for req, n in chunks])
+        out = self.graphs.collect(launched)
+        finished = []
+        for i, (req, n) in enumerate(chunks):
+            req.kv_committed_len += n
+            req.is_chunked = int(req.in_prefill)
+            if req.kv_committed_len < len(req.all_ids):
+                continue  # a prefill chunk that is not the last
+            if req.record_logits:
+                req.logits.append(out.logits[i].cpu())
+            if self._accept(req, out.tokens[i], out.logprobs[i]):
+                finished.append(req)
+        for req in finished:
+            self._release(req)
+        return finished
 
     def _take_sampled(self, reqs: List[Request], out: StepOutput, release: bool = True) -> List[Request]:
         finished = []

@@ -109,13 +109,11 @@ if tl is not None:
 
 
 GEMV_MAX_ROWS = 4  # the most rows small_linear takes
-# Decode batches up to this size go through small_linear in decode_linear. On one H100
+# Decode batches up to this size go through small_linear in decode_linear: on one H100
 # (bench/probes/small_linear.py, bf16, weights read from memory) one row of SmolLM2's four
 # matmuls took 2.8-3.8 us against cuBLAS's 3.3-5.1 us, and Llama-3-8B's 19.0 / 42.6 us against
 # 20.7 / 43.4 us; from two rows on cuBLAS is faster (the kernel reads the weights once per row).
-# 0 keeps cuBLAS for every matmul until the model's GPU tests (tests/kvtransfer/models/
-# test_runner.py) have run with 1.
-DECODE_GEMV_ROWS = 0
+DECODE_GEMV_ROWS = 1
 
 
 def _need_triton() -> None:

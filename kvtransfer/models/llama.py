@@ -20,9 +20,9 @@ from typing import Dict
 
 import torch
 
-from kvtransfer.models.attention import gqa_attention, gqa_decode_attention, gqa_prefill_attention
+from kvtransfer.models.attention import gqa_attention, gqa_decode_attention
 from kvtransfer.models.base import Decoder, layer_weights
-from kvtransfer.models.batch import DecodeInputs, ForwardBatch
+from kvtransfer.models.batch import DecodeInputs, ExtendInputs, ForwardBatch
 from kvtransfer.models.config import EngineConfig, LlamaConfig
 from kvtransfer.models.engine import Pools
 from kvtransfer.models.fused import add_rms_norm, decode_linear, silu_mul
@@ -63,11 +63,7 @@ class LlamaModel(Decoder):
         cfg = self.config
         r2t = pools.req_to_token.req_to_token
         if batch.input_ids.is_cuda:  # the element-wise steps fused, as in the captured steps
-            def attend(i, w, x):
-                return gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
-                                     self.kv_heads, cfg.head_dim, self.tp)
-
-            h, delta = self._fused_layers(batch.input_ids, attend)
+            h, delta = self._fused_layers(batch.input_ids, self._extend_attention(batch, pools))
             if not all_logits:
                 last = batch.last_token_index()
                 h, delta = h[last], delta[last]  # [B, hidden] each
@@ -79,6 +75,14 @@ class LlamaModel(Decoder):
                                   self.kv_heads, cfg.head_dim, self.tp)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)
+
+    @torch.inference_mode()
+    def forward_extend(self, inputs: ExtendInputs, pools: Pools) -> torch.Tensor:
+        """Logits ``[B, vocab]`` at each request's last token (``inputs.last``) of a prefill step
+        of several requests' chunks, with no host synchronisation (the prefill step a CUDA graph
+        captures): :meth:`forward` on CUDA with its indices already on the device."""
+        h, delta = self._fused_layers(inputs.input_ids, self._extend_attention(inputs, pools))
+        return self._fused_logits(h[inputs.last], delta[inputs.last])
 
     @torch.inference_mode()
     def forward_decode(self, inputs: DecodeInputs, pools: Pools) -> torch.Tensor:
@@ -94,17 +98,16 @@ class LlamaModel(Decoder):
         h, delta = self._fused_layers(inputs.input_ids, attend)
         return self._fused_logits(h, delta)
 
-    @torch.inference_mode()
-    def forward_first_chunk(self, inputs: DecodeInputs, last: torch.Tensor, pools: Pools) -> torch.Tensor:
-        """Logits ``[1, vocab]`` at token ``last`` ``[1]`` of one request's first prefill chunk
-        (``inputs`` hold its ``T`` tokens; see :func:`attention.gqa_prefill_attention`), with
-        no host synchronisation."""
-        def attend(i, w, x):
-            return gqa_prefill_attention(x, w["qkv"], w["o"], i, pools.kv, inputs, self.rotary, self.heads,
-                                         self.kv_heads, self.config.head_dim, self.tp)
+    def _extend_attention(self, batch, pools: Pools):
+        """The attention block of a prefill step on CUDA (``batch``: a :class:`ForwardBatch` or
+        :class:`ExtendInputs`) for :meth:`_fused_layers`."""
+        r2t = pools.req_to_token.req_to_token
 
-        h, delta = self._fused_layers(inputs.input_ids, attend)
-        return self._fused_logits(h[last], delta[last])
+        def attend(i, w, x):
+            return gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
+                                 self.kv_heads, self.config.head_dim, self.tp)
+
+        return attend
 
     def _fused_layers(self, input_ids: torch.Tensor, attend):
         """The layers with fused element-wise steps: ``(h, delta)``, the residual stream before

@@ -6,16 +6,20 @@ Two kinds of step are captured at build time:
 - **decode**, one graph per batch size in :func:`capture_sizes` (up to the engine's
   ``max_requests``): one batched forward and GPU sampling for every running request. A step of
   ``n`` requests replays the smallest captured size ``>= n``.
-- **first chunk**, one graph per token count in :func:`prefill_buckets` (powers of two up to
-  the chunk size): the prefill of one request whose whole prompt fits one chunk, the common
-  case of a prompt arriving alone. The prompt is padded to the bucket.
+- **prefill**, one graph per (token count, request count) in :func:`prefill_buckets` x
+  :func:`prefill_request_sizes`: the chunks of several requests, each after its cached prefix
+  (first chunks, later chunks of a long prompt, any mix), in one forward through the paged
+  extend-attention kernel, and the draw of each request's next token. The tokens are padded to
+  the token bucket, the requests to the request bucket (padding requests have no tokens). A
+  step with more tokens or requests than the largest buckets runs eagerly.
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
-request rows, Mamba slots, sampling keys and top-k, the index of the token whose logits are
-sampled); the KV slot of each token and the sequence lengths are derived on the device
-(``req_to_token[row, position]``, ``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64
-copy (token ids are exact in float64).
+request rows, Mamba slots, sampling keys and top-k; for prefill each request's row, prefix
+length, chunk offsets and the index of the token whose logits are sampled); the KV slot of each
+token and the sequence lengths are derived on the device (``req_to_token[row, position]``,
+``position + 1``). Sampled tokens and log-probabilities come back in one ``[B, 2]`` float64 copy
+(token ids are exact in float64).
 
 A step is launched, then collected (:meth:`GraphRunner.launch`, :meth:`GraphRunner.collect`), so
 the engine can launch decode step n+1 before it waits for step n: a *chained* launch takes its
@@ -24,8 +28,8 @@ the host and result buffers alternate between two pinned sets, so the host fills
 inputs while step n's are still being read.
 
 
-The runner needs a model with ``forward_decode`` on one CUDA device (TP 1); first chunks are
-captured for models with ``forward_first_chunk`` too (:class:`~kvtransfer.models.llama.LlamaModel`).
+The runner needs a model with ``forward_decode`` on one CUDA device (TP 1); prefill steps are
+captured for models with ``forward_extend`` too (:class:`~kvtransfer.models.llama.LlamaModel`).
 A hybrid model's decode graph steps the Mamba states of the requests' slots (padding rows use
 the Mamba pool's padding slot 0). :func:`build_runner` returns None otherwise and the engine
 runs every step through the model's general forward.
@@ -38,18 +42,28 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from kvtransfer.models.batch import DecodeInputs
+from kvtransfer.models.batch import DecodeInputs, ExtendIndex, ExtendInputs
 from kvtransfer.models.decode_attention import num_splits
 from kvtransfer.models.sampler import sample
 
 MIN_BUCKET = 16
-IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS, MAMBA = range(7)  # rows of the int64 input buffers
+MAX_PREFILL_REQUESTS = 16  # the most requests a captured prefill step takes
+# rows of the int64 input buffers: per token (ids, positions, request rows), per request (sampling
+# keys, index of the last token, top-k, Mamba slots, request rows, prefix lengths, cumulative
+# chunk lengths)
+IDS, POSITIONS, ROWS, KEYS, LAST, TOP_KS, MAMBA, REQ_ROWS, PREFIX, CU = range(10)
 
 
 def capture_sizes(max_batch: int) -> List[int]:
     """1, 2, 4, 8, then every multiple of 8 up to ``max_batch`` (which is always included)."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
     return sorted(set(sizes))
+
+
+def prefill_request_sizes(max_batch: int) -> List[int]:
+    """Powers of two up to ``max_batch`` (included) and :data:`MAX_PREFILL_REQUESTS`."""
+    top = min(max_batch, MAX_PREFILL_REQUESTS)
+    return sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top})
 
 
 def prefill_buckets(chunk_size: int, max_context_len: int) -> List[int]:
@@ -84,22 +98,38 @@ class StepOutput:
     logits: torch.Tensor  # [>= n, vocab] fp32 on the device; valid until the next step
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One request's part of a prefill step: ``ids`` at positions ``start ..`` (their slots
+    already in ``req_to_token[row, start : start + len(ids)]``), and how its next token is drawn
+    (used when the chunk ends the request's prompt)."""
+
+    ids: Sequence[int]
+    start: int
+    row: int
+    key: int
+    temperature: float
+    top_k: int
+
+
 class GraphRunner:
-    """Captured decode and first-chunk steps over one model and its pools (module docstring)."""
+    """Captured decode and prefill steps over one model and its pools (module docstring)."""
 
     def __init__(self, model, pools, max_batch: int, chunk_size: int):
         self.model, self.pools = model, pools
         self.device = model.device
         self.decode_sizes = capture_sizes(max_batch)
-        first_chunks = hasattr(model, "forward_first_chunk")
-        self.prefill_sizes = prefill_buckets(chunk_size, model.config.max_context_len) if first_chunks else []
-        n = max(self.decode_sizes[-1], self.prefill_sizes[-1] if self.prefill_sizes else 0)
+        prefill = hasattr(model, "forward_extend")
+        self.prefill_tokens = prefill_buckets(chunk_size, model.config.max_context_len) if prefill else []
+        self.prefill_requests = prefill_request_sizes(max_batch) if prefill else []
+        n = max(self.decode_sizes[-1], self.prefill_tokens[-1] if prefill else 0,
+                self.prefill_requests[-1] + 1 if prefill else 0)
         # two host sets, used by alternate launches (module docstring)
-        self._host_ints = torch.zeros(2, 7, n, dtype=torch.int64).pin_memory()
+        self._host_ints = torch.zeros(2, 10, n, dtype=torch.int64).pin_memory()
         self._host_temps = torch.zeros(2, n, dtype=torch.float32).pin_memory()
         self._host_result = torch.zeros(2, n, 2, dtype=torch.float64).pin_memory()
         self._buf = 0
-        self._ints = torch.zeros(7, n, dtype=torch.int64, device=self.device)
+        self._ints = torch.zeros(10, n, dtype=torch.int64, device=self.device)
         self._temps = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._result = torch.zeros(n, 2, dtype=torch.float64, device=self.device)  # [B, (token, logprob)]
         self._sampled = torch.zeros(n, dtype=torch.int64, device=self.device)  # a chained launch's ids
@@ -108,8 +138,10 @@ class GraphRunner:
         self._pool = None
         for size in reversed(self.decode_sizes):  # largest first: the others reuse its memory
             self._capture(("decode", size))
-        for size in reversed(self.prefill_sizes):
-            self._capture(("prefill", size))
+        for tokens in reversed(self.prefill_tokens):
+            for reqs in reversed(self.prefill_requests):
+                if reqs <= tokens:
+                    self._capture(("prefill", tokens, reqs))
 
     # -- capture -------------------------------------------------------------------------
     def _inputs(self, size: int) -> DecodeInputs:
@@ -120,14 +152,22 @@ class GraphRunner:
                             splits=num_splits(size, self.model.kv_heads, self.model.config.max_context_len),
                             mamba_slots=self._ints[MAMBA, :size])
 
+    def _extend_inputs(self, tokens: int, reqs: int) -> ExtendInputs:
+        ids, positions, rows = (self._ints[i, :tokens] for i in (IDS, POSITIONS, ROWS))  # [tokens] each
+        r2t = self.pools.req_to_token.req_to_token
+        index = ExtendIndex(req_rows=self._ints[REQ_ROWS, :reqs], prefix_lens=self._ints[PREFIX, :reqs].to(torch.int32),
+                            cu_seqlens=self._ints[CU, : reqs + 1].to(torch.int32), max_extend=tokens,
+                            max_len=self.model.config.max_context_len)
+        return ExtendInputs(input_ids=ids, positions=positions, out_cache_loc=r2t[rows, positions].to(torch.int64),
+                            extend_index=index, last=self._ints[LAST, :reqs])
+
     def _body(self, key: tuple) -> torch.Tensor:
-        kind, size = key
-        if kind == "decode":
-            logits = self.model.forward_decode(self._inputs(size), self.pools)  # [size, vocab] fp32
-            b = size
+        if key[0] == "decode":
+            b = key[1]
+            logits = self.model.forward_decode(self._inputs(b), self.pools)  # [b, vocab] fp32
         else:
-            logits = self.model.forward_first_chunk(self._inputs(size), self._ints[LAST, :1], self.pools)  # [1, vocab]
-            b = 1
+            b = key[2]
+            logits = self.model.forward_extend(self._extend_inputs(key[1], b), self.pools)  # [b, vocab] fp32
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])
         self._result[:b, 0] = tokens.to(torch.float64)
         self._result[:b, 1] = logprobs.to(torch.float64)
@@ -153,8 +193,10 @@ class GraphRunner:
     def max_batch(self) -> int:
         return self.decode_sizes[-1]
 
-    def takes_first_chunk(self, num_tokens: int) -> bool:
-        return bool(self.prefill_sizes) and num_tokens <= self.prefill_sizes[-1]
+    def takes_prefill(self, num_tokens: int, num_requests: int) -> bool:
+        """Whether a prefill step of these many tokens and requests has a captured graph."""
+        return (bool(self.prefill_tokens) and 1 <= num_tokens <= self.prefill_tokens[-1]
+                and 1 <= num_requests <= self.prefill_requests[-1])
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
                temperatures: Sequence[float], top_ks: Sequence[int], mamba_slots: Sequence[int] = (),
@@ -173,20 +215,33 @@ class GraphRunner:
             ints[IDS] = ids
         return self.launch(("decode", size), n, ints, temperatures, chained)
 
-    def first_chunk(self, ids: Sequence[int], row: int, key: int, temperature: float, top_k: int) -> Launched:
-        """Launch the prefill of one request's whole prompt ``ids`` (its slots already in
-        ``req_to_token[row, :len(ids)]``) and the draw of its first token."""
-        n = len(ids)
-        if not 1 <= n or not self.takes_first_chunk(n):
-            raise ValueError(f"a first chunk takes 1..{self.prefill_sizes[-1] if self.prefill_sizes else 0} "
-                             f"tokens, got {n}")
-        size = next(s for s in self.prefill_sizes if s >= n)
-        return self.launch(("prefill", size), 1, {IDS: ids, POSITIONS: range(n), ROWS: [row] * n, KEYS: [key],
-                                                  LAST: [n - 1], TOP_KS: [top_k]}, [temperature])
+    def prefill(self, chunks: Sequence[Chunk]) -> Launched:
+        """Launch one prefill step of ``chunks`` (several requests' chunks in one forward) and the
+        draw of each request's next token, row ``i`` of the results for ``chunks[i]``."""
+        lengths = [len(c.ids) for c in chunks]
+        if not all(lengths) or not self.takes_prefill(sum(lengths), len(chunks)):
+            top = (self.prefill_tokens or [0])[-1], (self.prefill_requests or [0])[-1]
+            raise ValueError(f"a prefill step takes 1..{top[0]} tokens in 1..{top[1]} requests (none empty), "
+                             f"got chunks of {lengths} tokens")
+        total = sum(lengths)
+        tokens = next(s for s in self.prefill_tokens if s >= total)
+        reqs = next(s for s in self.prefill_requests if s >= len(chunks))
+        ids, positions, rows, cu = [], [], [], [0]
+        for c, n in zip(chunks, lengths):
+            ids.extend(c.ids)
+            positions.extend(range(c.start, c.start + n))
+            rows.extend([c.row] * n)
+            cu.append(cu[-1] + n)
+        cu += [total] * (reqs - len(chunks))  # padding requests: no tokens
+        ints = {IDS: ids, POSITIONS: positions, ROWS: rows, REQ_ROWS: [c.row for c in chunks],
+                PREFIX: [c.start for c in chunks], CU: cu, LAST: [end - 1 for end in cu[1: len(chunks) + 1]],
+                KEYS: [c.key for c in chunks], TOP_KS: [c.top_k for c in chunks]}
+        return self.launch(("prefill", tokens, reqs), len(chunks), ints, [c.temperature for c in chunks])
 
     def launch(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float], chained: bool = False) -> Launched:
         """Copy the inputs in, replay ``key``'s graph and start the copy of its results out; no wait."""
-        size, buf = key[1], self._buf
+        size = key[1] if key[0] == "decode" else max(key[1], key[2] + 1)  # the columns its inputs use
+        buf = self._buf
         self._buf ^= 1
         host, temps = self._host_ints[buf].numpy(), self._host_temps[buf].numpy()
         host[:, :size] = 0

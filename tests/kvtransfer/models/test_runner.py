@@ -9,7 +9,7 @@ from kvtransfer.models import launch, registry
 from kvtransfer.models.config import ModelName
 from kvtransfer.models.engine import Engine, Sampling
 from kvtransfer.models.registry import ModelSpec
-from kvtransfer.models.runner import build_runner, capture_sizes, prefill_buckets
+from kvtransfer.models.runner import build_runner, capture_sizes, prefill_buckets, prefill_request_sizes
 from tests.kvtransfer.models._support import SMALL, engine_config
 
 
@@ -34,6 +34,12 @@ def test_prefill_buckets_reach_the_chunk_size_within_the_context():
     assert prefill_buckets(4096, 256) == [16, 32, 64, 128, 256]
 
 
+def test_prefill_request_sizes_are_powers_of_two_up_to_the_batch_and_sixteen():
+    assert prefill_request_sizes(1) == [1]
+    assert prefill_request_sizes(6) == [1, 2, 4, 6]
+    assert prefill_request_sizes(64) == [1, 2, 4, 8, 16]
+
+
 def _random_smollm2():
     """SmolLM2's shape with its random weights drawn once on the CPU (a device draws other
     numbers from the same seed), so the CPU and GPU runs share them."""
@@ -46,8 +52,8 @@ NEW = (9, 3, 6, 1)  # requests finish at different steps: the batch shrinks 4 ->
 
 
 class _Mixed:
-    """Each prompt alone first (a captured first chunk, then decode at batch 1), then all of
-    them in one continuous batch (an eager prefill of four, then decode at 4, 3, 2, 1)."""
+    """Each prompt alone first (a captured prefill of one request, then decode at batch 1), then
+    all of them in one continuous batch (a captured prefill of four, then decode at 4, 3, 2, 1)."""
 
     def __call__(self, engine):
         alone = []
@@ -59,14 +65,19 @@ class _Mixed:
         return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
 
 
-@pytest.mark.gpu
-def test_graph_decode_tokens_equal_the_cpu_path_across_batch_sizes():
+def _assert_gpu_equals_cpu(scenario, **config) -> None:
+    """Greedy float32 tokens the same on the GPU (graphs) as on the CPU, logits within 1e-3."""
     spec = _random_smollm2()
-    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(max_requests=4), _Mixed())
-    gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(max_requests=4, device="cuda"), _Mixed())
+    cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**config), scenario)
+    gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**config, device="cuda"), scenario)
     assert gpu_ids == cpu_ids
     for a, b in zip(cpu_logits, gpu_logits):
         assert (a - b).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_graph_decode_tokens_equal_the_cpu_path_across_batch_sizes():
+    _assert_gpu_equals_cpu(_Mixed(), max_requests=4)
 
 
 @pytest.mark.gpu
@@ -133,9 +144,24 @@ def test_chunked_prefill_on_the_gpu_equals_the_cpu_path(page_size):
             assert (a - b).abs().max().item() < 1e-3
 
 
+class _Many:
+    """Twenty short prompts at once: one prefill step of more requests than any captured one
+    (it runs eagerly, sampled on the GPU), then decode at 20 down to 1."""
+
+    def __call__(self, engine):
+        reqs = [engine.add((7 + i, 40 + i, 300 + 5 * i), 2 + i % 5, record_logits=True) for i in range(20)]
+        engine.run()
+        return [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+def test_a_prefill_of_more_requests_than_captured_equals_the_cpu_path():
+    _assert_gpu_equals_cpu(_Many(), max_requests=20)
+
+
 class _Seeded:
-    """One seeded request alone (a captured first chunk), then the same request among others
-    (an eager prefill of five): the same tokens."""
+    """One seeded request alone (a captured prefill of one), then the same request among others
+    (a captured prefill of five, padded to six requests): the same tokens."""
 
     def __call__(self, engine):
         s = Sampling(temperature=0.8, seed=7)
