@@ -100,9 +100,13 @@ def workload(tokenizer, n: int, prompt_tokens: tuple, output_tokens: tuple, seed
     for _ in range(n):
         want = rng.randint(*prompt_tokens)
         words: List[str] = []
-        while len(tokenizer.encode(" ".join(words))) < want:
-            words.extend(rng.choice(WORDS) for _ in range(max(1, (want - len(words)) // 2)))
-        text = " ".join(words)
+        while len(tokenizer.encode(" ".join(words))) < want:  # words enough, however many tokens a word is
+            words.extend(rng.choice(WORDS) for _ in range(max(1, len(words))))
+        lo, hi = 1, len(words)  # then the fewest of them that encode to ``want`` tokens or more
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if len(tokenizer.encode(" ".join(words[:mid]))) < want else (lo, mid)
+        text = " ".join(words[:lo])
         out.append(Work(text, len(tokenizer.encode(text)), rng.randint(*output_tokens)))
     return out
 

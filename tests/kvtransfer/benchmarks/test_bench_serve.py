@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_serve_quick(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "serve", "--quick", "--out", str(tmp_path)],
@@ -31,3 +33,21 @@ def test_bench_serve_quick(tmp_path):
     assert all(s["kv"]["kv_bytes"] > 0 and s["kv"]["prefill"]["compute_s"] > 0 for s in doc["samples"]["disaggregated"])
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     assert "disaggregated TTFT, medians of its parts" in out.stdout
+    # the nodes counted the prompt lengths that were drawn: each within --prompt-tokens, up to a word over
+    assert all(16 <= s["prompt_tokens"] <= 96 + 8 for s in doc["samples"]["colocated"])
+
+
+@pytest.mark.parametrize("tokens_per_byte", [1, 3])
+def test_each_prompt_is_the_fewest_words_that_reach_its_drawn_length(tokens_per_byte):
+    """Words of several tokens each (a byte tokenizer, or three tokens a byte) do not overshoot."""
+    from kvtransfer.benchmarks.serve import workload
+
+    class Tokens:
+        def encode(self, text):
+            return list(text.encode()) * tokens_per_byte
+
+    works = workload(Tokens(), 40, (256, 1024), (1, 2), seed=0)
+    for work in works:  # at least the range's least; without its last word, short of the drawn length
+        assert work.prompt_tokens == len(Tokens().encode(work.prompt)) >= 256
+        assert len(Tokens().encode(work.prompt.rsplit(" ", 1)[0])) < 1024
+    assert len({w.prompt_tokens for w in works}) > 30  # drawn, not one length
