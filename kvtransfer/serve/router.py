@@ -354,11 +354,13 @@ def build_app(router: Router) -> FastAPI:
         p_body = {**body, "stream": False, "kvtransfer": {"rid": rid, "verify": verify}}
         d_body = {**body, "kvtransfer": {"rid": rid, "bootstrap": p.bootstrap, "verify": verify}}
         headers = {"x-kvtransfer-rid": rid, "x-kvtransfer-prefill-node": p.url, "x-kvtransfer-decode-node": d.url}
+        # decode's half goes out first: prefill computes nothing before decode has reserved pages
+        ctx = router.client.stream("POST", f"{d.url}{path}", json=d_body) if req.stream else None
+        decode = asyncio.ensure_future(ctx.__aenter__() if ctx is not None else router.post(d, path, d_body))
         prefill = asyncio.ensure_future(router.prefill_part(p, path, p_body))
         prefill.add_done_callback(_retrieve)
         if req.stream:
-            return await _stream(router, request, path, d, d_body, prefill, verify, start, headers)
-        decode = asyncio.ensure_future(router.post(d, path, d_body))
+            return await _stream(router, request, d, ctx, decode, prefill, verify, start, headers)
         decode.add_done_callback(_retrieve)
         gone = asyncio.ensure_future(client_gone(request))
         try:
@@ -410,12 +412,10 @@ async def _both(prefill: asyncio.Future, decode: asyncio.Future) -> dict:
             task.cancel()
 
 
-async def _stream(router: Router, request: Request, path: str, node: NodeRef, body: dict,
+async def _stream(router: Router, request: Request, node: NodeRef, ctx, opening: asyncio.Future,
                   prefill: asyncio.Future, verify: bool, start: float, headers: dict):
-    """Open decode's event stream; answer with its status once its first event (or prefill's
-    failure) is known, then pass the events on."""
-    ctx = router.client.stream("POST", f"{node.url}{path}", json=body)
-    opening = asyncio.ensure_future(ctx.__aenter__())
+    """Decode's event stream (``ctx``, being opened by ``opening``): answer with its status once
+    its first event (or prefill's failure) is known, then pass the events on."""
     gone = asyncio.ensure_future(client_gone(request))
     try:
         done, _ = await asyncio.wait({opening, prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -451,7 +451,10 @@ async def _stream(router: Router, request: Request, path: str, node: NodeRef, bo
                     continue
                 data = line[len("data: "):]
                 if data != "[DONE]":
-                    chunk = json.loads(data)
+                    if '"error"' not in data and '"kvtransfer"' not in data:  # a token event: passed on as it came
+                        yield f"{line}\n\n".encode()
+                        continue
+                    chunk = json.loads(data)  # perhaps a failure, or the last chunk's figures
                     if "error" in chunk:
                         yield sse(chunk)
                         yield sse("[DONE]")
