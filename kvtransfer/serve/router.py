@@ -44,7 +44,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import httpx
 from fastapi import FastAPI, Request
@@ -442,18 +442,29 @@ async def _stream(router: Router, request: Request, node: NodeRef, ctx, opening:
     async def events():
         outcome, extra = "failed", {}
         try:
-            lines = resp.aiter_lines()
+            reads, tail = resp.aiter_text(), ""
             while True:
-                line = await _next_line(lines, prefill, gone)
-                if line is None:
+                text = await _next_read(reads, prefill, gone)
+                if text is None:
                     break
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data != "[DONE]":
-                    if '"error"' not in data and '"kvtransfer"' not in data:  # a token event: passed on as it came
-                        yield f"{line}\n\n".encode()
+                # token events pass on as they came, those of one read in one write: a router
+                # behind its decode node catches up by reads, not by events
+                datas, tail = _whole_events(tail, text)
+                plain = []
+                for data in datas:
+                    if data != "[DONE]" and '"error"' not in data and '"kvtransfer"' not in data:
+                        plain.append(f"data: {data}\n\n")
                         continue
+                    if plain:
+                        yield "".join(plain).encode()
+                        plain = []
+                    if data == "[DONE]":
+                        pre = await prefill  # a prefill failure after decode finished still counts
+                        yield sse("[DONE]")
+                        outcome = "ok"
+                        router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
+                        router.metrics.transfer_seconds.observe(pre.get("transfer_s") or 0.0)
+                        return
                     chunk = json.loads(data)  # perhaps a failure, or the last chunk's figures
                     if "error" in chunk:
                         yield sse(chunk)
@@ -467,13 +478,8 @@ async def _stream(router: Router, request: Request, node: NodeRef, ctx, opening:
                         extra.update(prefill_node=prefill_url, decode_node=node.url, transfer_s=pre.get("transfer_s"),
                                      prefill=_prefill_figures(pre))
                     yield sse(chunk)
-                    continue
-                pre = await prefill  # a prefill failure after decode finished still counts
-                yield sse("[DONE]")
-                outcome = "ok"
-                router.metrics.kv_bytes.inc(extra.get("kv_bytes", 0))
-                router.metrics.transfer_seconds.observe(pre.get("transfer_s") or 0.0)
-                return
+                if plain:
+                    yield "".join(plain).encode()
             raise _NodeFailed(502, "the decode node closed the stream before [DONE]", code="node_failed",
                               node=node.url)
         except _NodeFailed as f:
@@ -497,11 +503,19 @@ async def _stream(router: Router, request: Request, node: NodeRef, ctx, opening:
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
-async def _next_line(lines, prefill: asyncio.Future, gone: asyncio.Future):
-    """The next line of decode's stream (None at its end), in one wait that also ends with
+def _whole_events(tail: str, text: str) -> Tuple[List[str], str]:
+    """The data of the events that ``tail + text`` completes (decode's node writes one ``data:``
+    line per event), and the part of the next one that waits for the rest."""
+    ready, _, tail = (tail + text).rpartition("\n\n")
+    events = ready.split("\n\n") if ready else []
+    return [e[len("data: "):] for e in events if e.startswith("data: ")], tail
+
+
+async def _next_read(reads, prefill: asyncio.Future, gone: asyncio.Future):
+    """The next read of decode's stream (None at its end), in one wait that also ends with
     prefill's failure (raised) or the client's leaving (:class:`ClientGone`), whichever comes
     first."""
-    task = asyncio.ensure_future(lines.__anext__())
+    task = asyncio.ensure_future(reads.__anext__())
     watch = {task, gone} if prefill.done() else {task, gone, prefill}
     try:
         done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
