@@ -78,7 +78,7 @@ class Pools:
     """One rank's pools: request rows, token slots, and the KV (and state) pool."""
 
     req_to_token: ReqToTokenPool  # HybridReqToTokenPool for hybrid models
-    allocator: PagedTokenToKVPoolAllocator
+    allocator: PagedTokenToKVPoolAllocator  # on the host: its slots are written to the (device) table
     kv: Any  # MHATokenToKVPool, MLATokenToKVPool or HybridLinearKVPool
 
     @property
@@ -106,7 +106,7 @@ class Request:
     mamba_pool_idx: Optional[torch.Tensor] = None
     is_chunked: int = 0
     kv_committed_len: int = 0  # tokens whose KV / state is in the pools
-    slots: Optional[torch.Tensor] = None  # [num_pages * page_size] int64 slots held
+    slots: Optional[torch.Tensor] = None  # [num_pages * page_size] int64 slots held, on the host
     admitted_at: Optional[float] = None  # time.monotonic() when it got its row and pages
 
     @property
@@ -257,8 +257,8 @@ class Engine:
                 sampling: Optional[Sampling] = None) -> Optional[Request]:
         """Take a row, the prompt's pages (and a Mamba slot) for a request whose prompt KV
         another node computes; None while the pools cannot admit it (try again later).
-        ``req.slots[:len(prompt)]`` are where the KV must land, ``req.mamba_pool_idx`` the state."""
-        self._take_ahead()
+        ``req.slots[:len(prompt)]`` are where the KV must land, ``req.mamba_pool_idx`` the state.
+        A decode step launched ahead runs on meanwhile: it reads none of what this changes."""
         req = self._new(prompt_ids, max_new_tokens, stop_ids, False, sampling, False)
         if not self._admit(req):
             return None
@@ -269,8 +269,8 @@ class Engine:
 
     def start_decode(self, req: Request, first_token: int, logprob: float = 0.0) -> bool:
         """A reserved request's prompt KV has landed: continue it from ``first_token`` (the
-        token prefill sampled). Returns True when that token already ends it (released then)."""
-        self._take_ahead()
+        token prefill sampled). Returns True when that token already ends it (released then).
+        A decode step launched ahead runs on meanwhile; the next step takes its tokens first."""
         if req not in self.reserved:
             raise ValueError(f"request {req.rid} is not reserved here")
         self.reserved.remove(req)
@@ -407,7 +407,11 @@ class Engine:
                 f"out of KV pages: request {req.rid} needs {length} token slots, "
                 f"{self.pools.allocator.available_size()} free (no preemption here)"
             )
-        self.pools.req_to_token.write((req.req_pool_idx, slice(held, held + new.numel())), new.to(torch.int32))
+        values = new.to(torch.int32)
+        table = self.pools.req_to_token.req_to_token
+        if table.is_cuda:  # from pinned memory, in stream order: no wait for a step in flight
+            values = values.pin_memory().to(table.device, non_blocking=True)
+        self.pools.req_to_token.write((req.req_pool_idx, slice(held, held + new.numel())), values)
         req.slots = new if req.slots is None else torch.cat((req.slots, new))
 
     def _forward(self, chunks) -> List[Request]:

@@ -51,7 +51,7 @@ class LlamaModel(Decoder):
         kv = MHATokenToKVPool(ec.max_tokens, ec.page_size, self.dtype, head_num=self.kv_heads,
                               head_dim=self.config.head_dim, layer_num=self.config.num_layers, device=dev)
         return Pools(ReqToTokenPool(ec.max_requests, self.config.max_context_len, device=dev),
-                     PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
+                     PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size), kv)
 
     def layout_facts(self) -> dict:
         return {"total_kv_heads": self.config.num_kv_heads}

@@ -83,7 +83,7 @@ class TinyHybridModel(Decoder):
             full_attention_layer_ids=cfg.attention_layers, enable_kvcache_transpose=False, device=dev,
             mamba_pool=req.mamba_pool,
         )
-        return Pools(req, PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
+        return Pools(req, PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size), kv)
 
     def layout_facts(self) -> dict:
         cfg = self.config  # the conv row is [x | B | C], cut one by one (Mamba2Mixer)

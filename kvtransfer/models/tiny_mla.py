@@ -82,7 +82,7 @@ class TinyMLAModel(Decoder):
         kv = MLATokenToKVPool(ec.max_tokens, ec.page_size, self.dtype, kv_lora_rank=cfg.kv_lora_rank,
                               qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_layers, device=dev)
         return Pools(ReqToTokenPool(ec.max_requests, cfg.max_context_len, device=dev),
-                     PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size, device=dev), kv)
+                     PagedTokenToKVPoolAllocator(ec.max_tokens, ec.page_size), kv)
 
     def _attention(self, x, w, layer_id: int, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
         cfg, t, n = self.config, x.shape[0], self.heads

@@ -364,7 +364,7 @@ class RankWorker:
             rec.req, rec.manager, rec.asked_at = req, mgr, time.monotonic()
             rec.receiver = mgr.receiver(rid)
             state_slot = int(req.mamba_pool_idx) if self.layout.is_hybrid else None
-            rec.receiver.init(req.slots[:len(req.prompt_ids)].cpu().numpy(), state_slot=state_slot)
+            rec.receiver.init(req.slots[:len(req.prompt_ids)].numpy(), state_slot=state_slot)
 
     # -- transfers --------------------------------------------------------------------
     @staticmethod
@@ -440,7 +440,7 @@ class RankWorker:
         if ok:
             digests = None
             if s.verify:
-                digests = self._digests(req.slots[:len(req.prompt_ids)].cpu().numpy(), self._state_slot(req))
+                digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
             from kvtransfer.control.state import KVPoll
 
             posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
@@ -456,7 +456,7 @@ class RankWorker:
         req = r.req
         digests = None
         if r.cmd.verify:
-            digests = self._digests(req.slots[:len(req.prompt_ids)].cpu().numpy(), self._state_slot(req))
+            digests = self._digests(req.slots[:len(req.prompt_ids)].numpy(), self._state_slot(req))
         token, logprob = r.receiver.first_token()
         r.receiver.close()
         kv_bytes = len(req.prompt_ids) * self.token_bytes + self.state_bytes
@@ -477,7 +477,7 @@ class RankWorker:
             from kvtransfer.control.aux_records import pack_first_token
 
             s.sent_at = time.monotonic()
-            s.sender.send(req.slots[:len(req.prompt_ids)].cpu().numpy(), last=True, state_slot=self._state_slot(req),
+            s.sender.send(req.slots[:len(req.prompt_ids)].numpy(), last=True, state_slot=self._state_slot(req),
                           aux=pack_first_token(req.output_ids[0], req.logprobs[0]))
             return
         self._report(rid, req)

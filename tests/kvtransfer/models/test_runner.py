@@ -121,6 +121,34 @@ def test_decode_launched_ahead_gives_the_tokens_of_waiting_for_each_step():
     assert held == held_each == 0
 
 
+class _Reserved:
+    """Two requests decode, a step launched ahead of each wait, while a third is reserved (as a
+    decode node reserves a request whose KV prefill sends) and, three steps later, started from a
+    given first token; its pages are fresh (zeros) in every run. Then what the pools still hold."""
+
+    def __call__(self, engine):
+        reqs = [engine.add(p, n) for p, n in zip(PROMPTS[:2], (9, 12))]
+        reserved, steps, free = None, 0, engine.pools.allocator.available_size()
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 2:
+                reserved = engine.reserve(PROMPTS[3], 5)
+            if steps == 5:
+                assert not engine.start_decode(reserved, 7)
+        held = free - engine.pools.allocator.available_size()
+        return [r.output_ids for r in reqs + [reserved]], held
+
+
+@pytest.mark.gpu
+def test_reserving_and_starting_a_request_leave_the_step_launched_ahead_running():
+    spec = _random_smollm2()
+    ahead, held = launch.run(spec, 1, engine_config(max_requests=4, device="cuda"), _Reserved())
+    each, held_each = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", overlap=False), _Reserved())
+    assert ahead == each and len(ahead[2]) == 5 and ahead[2][0] == 7
+    assert held == held_each == 0
+
+
 class _Chunked:
     """Every prompt at once through chunks of 8 tokens: prefill steps mix a request's later
     chunks (after a cached prefix) with other requests' first ones, then decode."""
