@@ -7,9 +7,10 @@ process, holds two agents connected to it: kvtransfer's ``NixlTransport`` and a 
 whole source as ``total / block`` blocks to a random permutation of destination blocks, with
 a notification -- runs through both, alternating, ``--iters`` times; the report shows median
 GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one). Then the fixed
-cost per write: ``--fixed-entries`` descriptors of 2 KiB with a notification, call to
-``wait()`` returned, through both, alternated ``--fixed-reps`` times (medians, and kvtransfer's
-difference to bare NIXL).
+cost per write: ``--fixed-entries`` descriptors of 2 KiB with a notification through both,
+alternated ``--fixed-reps`` times: call to ``wait()`` returned on the writer, and call to the
+notification seen by the receiver (which polls every 20 us; both processes read the same
+monotonic clock). Medians, and kvtransfer's difference to bare NIXL.
 
 ``--cuda`` puts the source on cuda:0 and the destination on cuda:1 (UCX cuda_ipc) and adds
 torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
@@ -33,7 +34,7 @@ import numpy as np
 from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer._procs import Child, ChildFailed, report_failure
 from kvtransfer.benchmarks._report import time_once
-from transport.base import WriteBatch
+from transport.base import Transfer, WriteBatch
 from transport.nixl import NixlConfig, NixlTransport
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -62,6 +63,16 @@ class Digest:
 
 
 @dataclass(frozen=True)
+class SeenRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class Seen:
+    times: dict  # notification payload -> time.monotonic() when the receiver saw it
+
+
+@dataclass(frozen=True)
 class Quit:
     pass
 
@@ -83,7 +94,10 @@ def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, st
 
 
 def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1) -> None:
+    from kvtransfer.control.event_loop import precise_sleeps
+
     os.environ.update(env)
+    precise_sleeps()  # its 20 us pauses between polls last 20 us, not 70
     if cuda:
         import torch
 
@@ -100,16 +114,26 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, sta
         else:
             transport.register(dst.ctypes.data, dst.nbytes)
         conn.send(Ready(transport.export()))
+        seen = {}  # the fixed-cost writes' notifications: when each was seen
         while True:
-            if not transport.poll_notifications():
+            notes = transport.poll_notifications()
+            now = time.monotonic()
+            for note in notes:
+                if note.payload.startswith(SEEN_TAG):
+                    seen[note.payload] = now
+            if not notes:
                 time.sleep(2e-5)
             if not conn.poll(0):
                 continue
             msg = conn.recv()
             if isinstance(msg, Quit):
                 break
+            if isinstance(msg, SeenRequest):
+                conn.send(Seen(seen))
+                seen = {}
+                continue
             if not isinstance(msg, DigestRequest):
-                raise TypeError(f"receiver: expected DigestRequest or Quit, got {type(msg).__name__}")
+                raise TypeError(f"receiver: expected DigestRequest, SeenRequest or Quit, got {type(msg).__name__}")
             conn.send(Digest(hashlib.sha256(_host_bytes(dst)).hexdigest()))
     conn.send(Bye())
 
@@ -138,11 +162,14 @@ class _Bare:
         a = self.agent
         h = a.initialize_xfer("WRITE", a.get_xfer_descs(local, self.mem), a.get_xfer_descs(remote, self.mem), self.peer, notify)
         state = a.transfer(h)
-        sleep = 0.0
-        while state == "PROC":  # the same back-off as Transfer.wait: a tight spin here starves
-            if sleep:  # the receiver of a core on a 2-core machine and makes NIXL look slower
-                time.sleep(sleep)
-            sleep = min(1e-3, sleep * 2 or 1e-5)
+        sleep, spin_end = 0.0, time.monotonic() + Transfer.spin_s
+        while state == "PROC":  # the same polling as Transfer.wait: back to back at first, then a
+            if time.monotonic() < spin_end:  # back-off (a long tight spin here starves the
+                os.sched_yield()  # receiver of a core on a 2-core machine and makes NIXL look slower)
+            else:
+                if sleep:
+                    time.sleep(sleep)
+                sleep = min(1e-3, sleep * 2 or 1e-5)
             state = a.check_xfer_state(h)
         h.release()
         if state != "DONE":
@@ -253,7 +280,7 @@ def run(args) -> list[dict]:
                 print(f"fixed cost per write, {entries} x {FIXED_BLOCK // KiB} KiB: skipped (--total holds "
                       f"{total // FIXED_SPACING} rows {FIXED_SPACING // KiB} KiB apart)", flush=True)
                 continue
-            fixed = _fixed_cost(peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps)
+            fixed = _fixed_cost(peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps, receiver)
             print(_format_fixed(fixed), flush=True)
         bare.close()
         ours.close()
@@ -264,15 +291,17 @@ def run(args) -> list[dict]:
 
 FIXED_BLOCK = 2 * KiB  # a token row of the Llama-3-70B preset (8 KV heads x 128 bf16)
 FIXED_SPACING = 16 * KiB  # between the rows of one write: none adjacent, so none merge into one descriptor
+SEEN_TAG = b"seen-"  # the payloads whose arrival the receiver times
 
 
-def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int) -> dict:
+def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int, receiver) -> dict:
     """The fixed cost of a write: ``entries`` descriptors of :data:`FIXED_BLOCK` bytes
-    (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification, call
-    to ``wait()`` returned DONE on the writer, through kvtransfer's transport (``peer``; a
-    ``WriteBatch`` made beforehand) and through bare NIXL (its descriptor arrays made
-    beforehand), alternated ``reps`` times. Medians in microseconds; the bytes themselves take
-    well under a microsecond."""
+    (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification,
+    through kvtransfer's transport (``peer``; a ``WriteBatch`` made beforehand) and through
+    bare NIXL (its descriptor arrays made beforehand), alternated ``reps`` times: call to
+    ``wait()`` returned DONE on the writer, and call to the notification seen by the receiver
+    (its times asked for afterwards). Medians in microseconds; the bytes themselves take well
+    under a microsecond."""
     src_off = np.arange(entries, dtype=np.int64) * FIXED_SPACING  # [entries]
     dst_off = src_off[::-1].copy()
     dev = 0 if device is None else device
@@ -281,24 +310,43 @@ def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries:
 
     batch = WriteBatch.of(np.full(entries, sid), src_off, np.full(entries, dst_region.region_id), dst_off,
                           np.full(entries, FIXED_BLOCK))  # made once, as bare NIXL's descriptor arrays
+    called = {}  # payload -> time.monotonic() of the call
 
-    def ours_write():
-        peer.write(batch, notify=b"fixed").wait(120)
+    def ours_write(tag: bytes = b"warm-up"):
+        called[tag] = time.monotonic()
+        peer.write(batch, notify=tag).wait(120)
+
+    def bare_write(tag: bytes = b"warm-up"):
+        called[tag] = time.monotonic()
+        bare.write(local, remote, tag)
 
     for _ in range(3):  # warm-up: the descriptor lists' first use
-        ours_write(), bare.write(local, remote, b"fixed")
+        ours_write(), bare_write()
     t_ours, t_bare = [], []
-    for _ in range(reps):
-        t_ours.append(time_once(ours_write))
-        t_bare.append(time_once(lambda: bare.write(local, remote, b"fixed")))
+    for i in range(reps):
+        t_ours.append(time_once(lambda: ours_write(SEEN_TAG + b"ours-%d" % i)))
+        t_bare.append(time_once(lambda: bare_write(SEEN_TAG + b"bare-%d" % i)))
+    receiver.send(SeenRequest())
+    seen = receiver.recv(Seen, "when it saw the notifications", READY_TIMEOUT_S).times
+
+    def seen_us(path: bytes) -> float:
+        tags = [SEEN_TAG + path + b"-%d" % i for i in range(reps)]
+        missing = [t for t in tags if t not in seen]
+        if missing:
+            raise RuntimeError(f"the receiver saw no notification {missing[0]!r} ({len(missing)} of {reps} missing)")
+        return statistics.median(seen[t] - called[t] for t in tags) * 1e6
+
     return {"entries": entries, "reps": reps, "ours_us": statistics.median(t_ours) * 1e6,
-            "bare_us": statistics.median(t_bare) * 1e6}
+            "bare_us": statistics.median(t_bare) * 1e6, "ours_seen_us": seen_us(b"ours"),
+            "bare_seen_us": seen_us(b"bare")}
 
 
 def _format_fixed(row: dict) -> str:
-    return (f"fixed cost per write, {row['entries']} x {FIXED_BLOCK // KiB} KiB with a notification (call -> wait() "
-            f"returned, median of {row['reps']}): kvtransfer {row['ours_us']:.1f} us, bare NIXL {row['bare_us']:.1f} us "
-            f"({row['ours_us'] - row['bare_us']:+.1f} us)")
+    return (f"fixed cost per write, {row['entries']} x {FIXED_BLOCK // KiB} KiB with a notification (median of "
+            f"{row['reps']}): call -> wait() returned: kvtransfer {row['ours_us']:.1f} us, bare NIXL "
+            f"{row['bare_us']:.1f} us ({row['ours_us'] - row['bare_us']:+.1f} us); call -> the receiver saw it: "
+            f"kvtransfer {row['ours_seen_us']:.1f} us, bare NIXL {row['bare_seen_us']:.1f} us "
+            f"({row['ours_seen_us'] - row['bare_seen_us']:+.1f} us)")
 
 
 def _metadata(peer_bytes: bytes) -> bytes:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import zmq
 
-__all__ = ["EventLoop"]
+__all__ = ["EventLoop", "precise_sleeps"]
 
 log = logging.getLogger("kvtransfer.control")
 
@@ -29,7 +29,7 @@ STALL_LOG_S = 1.0  # a loop that ran this late, or a turn this long, is logged (
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 
 
-def _precise_sleeps() -> None:
+def precise_sleeps() -> None:
     """This thread's sleeps end when asked (Linux: timer slack of 1 ns instead of 50 us,
     ``prctl(PR_SET_TIMERSLACK)``): a busy loop's 0.2 ms pause would otherwise last 0.25 ms."""
     try:
@@ -148,7 +148,7 @@ class EventLoop:
         self._fds = [self._wake_r, *self._sock_fds.values()]
 
     def _run(self) -> None:
-        _precise_sleeps()
+        precise_sleeps()
         sleep = 0.0
         while not self._stop.is_set():
             woken = True  # without a wait, the pipe is read anyway

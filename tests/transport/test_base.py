@@ -160,3 +160,37 @@ def test_region_ids_are_bounded_at_registration():
         reg.add(8192, 64, None)
     with pytest.raises(ValueError, match="does not fit a 64-bit address space"):
         reg.add(2**64 - 8, 64, None)
+
+
+class _Polled(base.Transfer):
+    """A transfer DONE at its ``done_at``-th poll."""
+
+    def __init__(self, done_at: int):
+        self.polls, self.done_at = 0, done_at
+
+    def status(self):
+        self.polls += 1
+        return base.TransferStatus.DONE if self.polls >= self.done_at else base.TransferStatus.PENDING
+
+    @property
+    def error(self):
+        return None
+
+    def abort(self):
+        pass
+
+
+def test_wait_polls_back_to_back_before_it_sleeps(monkeypatch):
+    """A write done within ``spin_s`` is waited for without a sleep (a Linux sleep, sleep(0)
+    included, lasts at least the timer slack: ~50 us, the whole of a small write); past it,
+    wait() backs off in sleeps of at most ``max_poll_sleep_s``."""
+    sleeps = []
+    monkeypatch.setattr(base.time, "sleep", sleeps.append)
+    quick = _Polled(50)
+    quick.spin_s = 60.0  # every poll within it, however slow this machine
+    quick.wait()
+    assert quick.polls == 50 and sleeps == []
+    slow = _Polled(30)
+    slow.spin_s = 0.0
+    slow.wait()
+    assert slow.polls == 30 and len(sleeps) == 28 and 0 < max(sleeps) <= slow.max_poll_sleep_s
