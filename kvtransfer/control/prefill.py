@@ -20,6 +20,13 @@ before every expected decode rank has asked wait for it. Tokens decode already h
 sent. Every write carries a ``KVArrived`` notification; the last write to each decode rank
 carries the number of writes, so decode knows when it has everything.
 
+Layer by layer: ``sender.send(slots, layers=(first, end))`` sends only the KV of the layers at
+positions ``first .. end - 1`` of the layout's layer order (:meth:`TransferPlan.select` of the
+chunk's plan), so a chunk's KV may leave while its later layers still compute. A chunk sent so
+goes in consecutive groups from position 0 to the last layer, each with the chunk's slots; the
+group that ends at the last layer also carries what a whole chunk does after its KV (the NSA
+index, and for the last chunk the Mamba state and the aux record).
+
 KV on a GPU: ``send()`` may come as soon as the chunk's KV is queued on the caller's current
 CUDA stream (not necessarily computed yet): it records an event there, and the chunk's writes
 are posted once that event has completed (at once when it has already: an engine that
@@ -100,6 +107,34 @@ def _slots(name: str, slots) -> np.ndarray:
     return np.array(arr, dtype=np.int64)
 
 
+def next_layer_group(request_id: str, group: tuple, layers: Optional[tuple], tokens: int, num_layers: int,
+                     last: bool) -> tuple:
+    """Check one ``send()``'s ``layers`` against where the chunk being sent layer by layer
+    stands (``group``: the next layer position and the chunk's tokens; ``(0, 0)`` between
+    chunks); the group after it. ValueError naming what is wrong."""
+    at, chunk_tokens = group
+    if layers is None:
+        if at:
+            raise ValueError(f"request {request_id!r}: layers {at}..{num_layers - 1} of the chunk are not sent yet")
+        return 0, 0
+    if (not isinstance(layers, tuple) or len(layers) != 2
+            or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in layers)):
+        raise ValueError(f"request {request_id!r}: layers must be (first, end) layer positions, got {layers!r}")
+    first, end = int(layers[0]), int(layers[1])
+    if not 0 <= first < end <= num_layers:
+        raise ValueError(f"request {request_id!r}: layers ({first}, {end}) outside the {num_layers} layers")
+    if first != at:
+        raise ValueError(f"request {request_id!r}: layers ({first}, {end}) sent when layer {at} of the chunk "
+                         f"comes next")
+    if at and tokens != chunk_tokens:
+        raise ValueError(f"request {request_id!r}: layers ({first}, {end}) of a chunk of {chunk_tokens} tokens "
+                         f"sent with {tokens} slots")
+    if last and end != num_layers:
+        raise ValueError(f"request {request_id!r}: the last chunk ends with its layer {num_layers - 1}, "
+                         f"not with layers ({first}, {end})")
+    return (0, 0) if end == num_layers else (end, tokens)
+
+
 class KVSender(BaseKVSender):
     """One request on this prefill rank (see the module docstring)."""
 
@@ -109,6 +144,7 @@ class KVSender(BaseKVSender):
         self._mgr = manager
         self._last_sent = False
         self._kicked = False  # the loop was woken since this request was made (making it does not wake it)
+        self._group = (0, 0)  # (next layer position, tokens) of a chunk sent layer by layer; (0, 0) between chunks
 
     def poll(self) -> KVPoll:
         if not self._kicked:  # the manager learns of this request at its next turn: make that now
@@ -121,14 +157,18 @@ class KVSender(BaseKVSender):
         return self.status.reason
 
     def send(self, slots, *, last: bool = False, state_slot: Optional[int] = None,
-             aux: Optional[bytes] = None) -> None:
+             aux: Optional[bytes] = None, layers: Optional[tuple] = None) -> None:
         """Queue one chunk: this rank's token slots of the request's next tokens. The last
         chunk (``last=True``) also sends the Mamba state (``state_slot``, required when the
         model has state) and ``aux`` (at most ``AUX_RECORD_BYTES``). KV on a GPU may still be
-        computing on the caller's current stream: the writes wait for it (module doc)."""
+        computing on the caller's current stream: the writes wait for it (module doc).
+        ``layers=(first, end)``: only those layer positions of the chunk (module doc, "Layer
+        by layer"); ``last`` then goes with the group that ends at the last layer."""
         if self._last_sent:
             raise ValueError(f"request {self.request_id!r}: send() after the last chunk")
         arr = _slots("slots", slots)
+        self._group = next_layer_group(self.request_id, self._group, layers, arr.size,
+                                       len(self._mgr.layout.layer_ids), last)
         if last and self._mgr.layout.state_kind is StateKind.MAMBA:
             if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool) or state_slot <= 0:
                 raise ValueError(f"request {self.request_id!r}: the last chunk of a model with Mamba state needs "
@@ -136,7 +176,7 @@ class KVSender(BaseKVSender):
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
         self._last_sent, self._kicked = last, True
-        chunk = Chunk(arr, last, state_slot, aux, self._mgr._stream_mark())
+        chunk = Chunk(arr, last, state_slot, aux, self._mgr._stream_mark(), layers)
         # inline: posted from this thread when the loop is between turns (no wake-up on the way)
         self._mgr._loop.call(self._mgr._on_send, self, chunk, inline=True)
 

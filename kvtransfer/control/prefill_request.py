@@ -33,6 +33,7 @@ class Chunk:
     state_slot: Optional[int]
     aux: Optional[bytes]
     computed: object = None  # CUDA event recorded after the chunk's KV on the sender's stream (None: host KV)
+    layers: Optional[tuple] = None  # (first, end) layer positions sent (None: every layer)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class PrefillRequest:
     dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
+    chunk_first: int = 0  # the first token of the chunk whose layers are being sent
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
     inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
     last_posted: bool = False
@@ -77,7 +79,10 @@ class PrefillRequest:
         """Post ``chunk``'s writes to each decode rank that reads from this one (``peers``: key
         -> DecodePeer), each with its notification; Transferring. ValueError where the decode
         rank's destination does not fit the tokens sent."""
-        first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size
+        if chunk.layers is None or chunk.layers[0] == 0:  # a new chunk of tokens
+            self.chunk_first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size
+        first, layers = self.chunk_first, len(mine.layer_ids)
+        closes = chunk.layers is None or chunk.layers[1] == layers  # the chunk's last layers go now
         for key in sorted(self.dests):
             req, dst_all = self.dests[key]
             peer = peers[key]
@@ -90,8 +95,12 @@ class PrefillRequest:
             if dst.size != src.size:
                 raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                                  f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            writes = [("kv", peer.batch(plan_kv_transfer(mine, peer.layout, src, dst)))]
-            if mine.state_kind is StateKind.NSA_INDEX:
+            plan = plan_kv_transfer(mine, peer.layout, src, dst)
+            if chunk.layers is not None:  # buffer b holds layer position b % layers (export order)
+                position = plan.src_buf % layers
+                plan = plan.select((position >= chunk.layers[0]) & (position < chunk.layers[1]))
+            writes = [("kv", peer.batch(plan))]
+            if mine.state_kind is StateKind.NSA_INDEX and closes:
                 writes.append(("state", peer.batch(plan_state_transfer(mine, peer.layout, src, dst))))
             if chunk.last:
                 if self.tokens_sent != req.prefix_tokens + dst_all.size:

@@ -49,6 +49,7 @@ class Prefill:
     first_token: int = 0
     hold_last: bool = False  # send every chunk but the last (the test sends it later)
     late_cycles: int = 0  # GPU pools: the KV queued on a side stream behind a busy wait, sent unfinished
+    layer_groups: int = 0  # each chunk sent in this many consecutive layer groups (0: whole)
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,8 @@ class _Rank:
                 self.kit.fill(cmd.request_id, slots, state_slot or 0, late_cycles=cmd.late_cycles)
                 return self._prefill(cmd, slots, state_slot)
         if isinstance(cmd, SendLast):
-            sender, slots, aux, state_slot = self.held
-            sender.send(slots, last=True, aux=aux, state_slot=state_slot)
+            sender, slots, aux, state_slot, group = self.held
+            sender.send(slots, last=True, aux=aux, state_slot=state_slot, layers=group and tuple(group))
             return None
         if isinstance(cmd, Receive):
             self.requests[cmd.request_id] = (cmd.tokens, cmd.prefix)
@@ -262,8 +263,9 @@ class _Rank:
             if cmd.send_last:
                 if not holding.wait(30):
                     raise RuntimeError("the held tick did not run")
-                sender, slots, aux, state_slot = self.held
-                sender.send(slots, last=True, aux=aux, state_slot=state_slot)  # queued: the turn is held
+                sender, slots, aux, state_slot, group = self.held
+                sender.send(slots, last=True, aux=aux, state_slot=state_slot,  # queued: the turn is held
+                            layers=group and tuple(group))
             if not done.wait(cmd.seconds + 30):
                 raise RuntimeError("the held tick did not run")
             return None
@@ -281,15 +283,25 @@ class _Rank:
     def _prefill(self, cmd: Prefill, slots, state_slot) -> None:
         from kvtransfer.control.aux_records import pack_first_token
 
+        import numpy as np
+
         sender = self.handles[cmd.request_id] = self.manager.sender(cmd.request_id)
+        layers = len(self.manager.layout.layer_ids)
+        cuts = np.linspace(0, layers, min(cmd.layer_groups, layers) + 1).round().astype(int).tolist()
+        groups = list(zip(cuts, cuts[1:])) if cmd.layer_groups else [None]
         start = 0
         for i, n in enumerate(cmd.chunks):
             last = i == len(cmd.chunks) - 1
-            if last and cmd.hold_last:
-                self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot)
-                break
-            sender.send(slots[start:start + n], last=last, state_slot=state_slot if last else None,
-                        aux=pack_first_token(cmd.first_token, -0.5) if last else None)
+            for group in groups:
+                closing = group is None or group[1] == layers
+                if last and closing and cmd.hold_last:
+                    self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot,
+                                 group)
+                    break
+                sender.send(slots[start:start + n], last=last and closing,
+                            state_slot=state_slot if last and closing else None,
+                            aux=pack_first_token(cmd.first_token, -0.5) if last and closing else None,
+                            layers=None if group is None else tuple(group))
             start += n
 
     def verify(self, request_id: str):

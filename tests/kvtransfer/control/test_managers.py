@@ -48,21 +48,21 @@ def group(request):
         close_all(prefill, decode)
 
 
-def run_request(prefill, decode, rid, tokens, chunks, prefix=0, first_token=7):
+def run_request(prefill, decode, rid, tokens, chunks, prefix=0, first_token=7, layer_groups=0):
     for d in decode:
         d.call(Receive(rid, tokens, prefix))
     for p in prefill:
-        p.call(Prefill(rid, tokens, chunks, first_token=first_token))
+        p.call(Prefill(rid, tokens, chunks, first_token=first_token, layer_groups=layer_groups))
     for r in prefill + decode:
         assert r.call(Wait(rid)) == ("Success", None), r.name
 
 
-def start_held(prefill, decode, rid, tokens, chunks):
-    """A request whose every chunk but the last is sent."""
+def start_held(prefill, decode, rid, tokens, chunks, layer_groups=0):
+    """A request whose every chunk but the last (with layer groups: but its last group) is sent."""
     for d in decode:
         d.call(Receive(rid, tokens))
     for p in prefill:
-        p.call(Prefill(rid, tokens, chunks, hold_last=True))
+        p.call(Prefill(rid, tokens, chunks, hold_last=True, layer_groups=layer_groups))
 
 
 def test_requests_of_random_lengths_land_byte_for_byte(group):
@@ -78,6 +78,41 @@ def test_requests_of_random_lengths_land_byte_for_byte(group):
         for d in decode:
             bad, token = d.call(Verify(f"req-{i}"))
             assert bad == 0 and token == 100 + i
+    for r in prefill + decode:
+        wait_forgotten(r)
+
+
+@pytest.mark.parametrize("layer_groups", [2, 99], ids=["two-groups", "each-layer"])
+def test_chunks_sent_layer_by_layer_land_byte_for_byte(group, layer_groups):
+    """Each chunk's KV in consecutive layer groups (as a forward computes them), after a prefix
+    decode holds: every byte, the Mamba state and the aux record against the reference."""
+    prefill, decode = group
+    run_request(prefill, decode, f"layers-{layer_groups}", tokens=61, chunks=(16, 20, 25), prefix=8,
+                first_token=40 + layer_groups, layer_groups=layer_groups)
+    for d in decode:
+        bad, token = d.call(Verify(f"layers-{layer_groups}"))
+        assert bad == 0 and token == 40 + layer_groups
+
+
+def test_a_held_last_layer_group_completes_when_it_comes_and_an_abort_stops_the_rest(group):
+    """Every layer group but the last is sent: decode waits for it and succeeds once it comes;
+    aborted instead, both sides fail, the later group is never posted and the pages go back."""
+    prefill, decode = group
+    start_held(prefill, decode, "late-layers", 33, (16, 17), layer_groups=3)
+    assert decode[0].call(Wait("late-layers", timeout_s=0.5))[0] in ("Transferring", "WaitingForInput")
+    for p in prefill:
+        p.call(SendLast("late-layers"))
+    for d in decode:
+        assert d.call(Wait("late-layers")) == ("Success", None)
+        assert d.call(Verify("late-layers"))[0] == 0
+    start_held(prefill, decode, "cut-layers", 40, (40,), layer_groups=3)
+    decode[0].call(Abort("cut-layers", "client went away"))
+    for r in prefill + decode:
+        assert r.call(Wait("cut-layers"))[0] == "Failed", r.name
+    for p in prefill:
+        p.call(SendLast("cut-layers"))  # the failed request's last group: nothing is posted
+    for d in decode:
+        d.call(Released("cut-layers"))
     for r in prefill + decode:
         wait_forgotten(r)
 
