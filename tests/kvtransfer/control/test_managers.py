@@ -89,9 +89,14 @@ def test_chunks_sent_layer_by_layer_land_byte_for_byte(group, layer_groups):
     prefill, decode = group
     run_request(prefill, decode, f"layers-{layer_groups}", tokens=61, chunks=(16, 20, 25), prefix=8,
                 first_token=40 + layer_groups, layer_groups=layer_groups)
-    for d in decode:
-        bad, token = d.call(Verify(f"layers-{layer_groups}"))
-        assert bad == 0 and token == 40 + layer_groups
+    # the last chunk empty: the KV went with the chunks before, the first token (sampled after the
+    # last layer) and the state come after it, as an engine streaming its forward sends them
+    run_request(prefill, decode, f"tail-{layer_groups}", tokens=45, chunks=(30, 15, 0), first_token=50 + layer_groups,
+                layer_groups=layer_groups)
+    for rid, first in ((f"layers-{layer_groups}", 40), (f"tail-{layer_groups}", 50)):
+        for d in decode:
+            bad, token = d.call(Verify(rid))
+            assert bad == 0 and token == first + layer_groups
 
 
 def test_a_held_last_layer_group_completes_when_it_comes_and_an_abort_stops_the_rest(group):
