@@ -179,7 +179,8 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
-                                "--bootstrap-port", str(ports["bootstrap"]), "--gpu", prefill_gpu],
+                                "--bootstrap-port", str(ports["bootstrap"]), "--gpu", prefill_gpu,
+                                "--layerwise", str(getattr(args, "layerwise", 0))],
                                 logdir, ports["prefill"])
     servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
                                "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),

@@ -271,6 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
     ap.add_argument("--pool-tokens", type=positive_int, default=None,
                     help="KV pool size of every node started, in token slots (default: the nodes' default)")
+    ap.add_argument("--layerwise", type=int, default=0, metavar="LAYERS",
+                    help="the prefill node sends each chunk's KV every LAYERS layers of its forward (0: after the prompt)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="the tiny MLA model, a dozen short requests")
@@ -322,7 +324,8 @@ async def _main(args, argv) -> int:
           f"decode TP {args.decode_tp} (page {args.decode_page_size}) vs colocated TP 1, {args.dtype} on {args.device}; "
           f"{args.requests} requests, {load}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, "
           f"outputs {args.output_tokens[0]}-{args.output_tokens[1]}, seed {args.seed}, "
-          f"pools {args.pool_tokens or 'default'}; {machine_line()}")
+          f"pools {args.pool_tokens or 'default'}"
+          f"{f', KV sent every {args.layerwise} layers' if args.layerwise else ''}; {machine_line()}")
     print(report(results, split))
     config = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     doc = document("serve", argv, config, [{"mode": m, **r} for m, r in results.items()], ttft_split=split,

@@ -7,9 +7,9 @@ new tokens of all requests are concatenated in batch order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,9 @@ class ForwardBatch:
     prefix_lens: Tuple[int, ...]  # [B] tokens already in the pools
     extend_lens: Tuple[int, ...]  # [B] new tokens this step
     mamba_slots: Optional[Tuple[int, ...]] = None  # [B] Mamba pool slots (hybrid models), host ints
+    # called with ``i + 1`` once layer i's K/V are in the pools (queued on the device's stream on
+    # a GPU): the layers before it may leave for decode (models whose every layer holds KV)
+    after_layer: Optional[Callable[[int], None]] = field(default=None, compare=False)
 
     def __post_init__(self):
         b = len(self.req_pool_indices)

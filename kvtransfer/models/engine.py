@@ -51,11 +51,12 @@ record their logits, and ``EngineConfig.overlap=False``, wait for every step bef
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Callable, Deque, List, Optional, Sequence
 
 import torch
 
@@ -236,6 +237,10 @@ class Engine:
         self._ahead: Optional[_Ahead] = None  # a decode step launched ahead (module docstring)
         self._done_early: List[Request] = []  # finished while the step ahead was taken in
         self._finished_tokens = 0  # output tokens of requests no longer running (decode rate)
+        # Layer-wise sending: a prefill step calls ``on_layers(chunks, end)`` once the K/V of its
+        # layers before ``end`` are in the pools (``chunks``: [(request, tokens)], each from its
+        # ``kv_committed_len``). Such steps run eagerly: a captured step cannot call back.
+        self.on_layers: Optional[Callable[[list, int], None]] = None
 
     # -- requests ----------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
@@ -418,7 +423,7 @@ class Engine:
         if self.graphs is not None:
             if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
-            if self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
+            if self.on_layers is None and self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
                 return self._forward_prefill(chunks)
         device = self.model.device
         ids, positions, locs = [], [], []
@@ -439,6 +444,8 @@ class Engine:
             prefix_lens=tuple(r.kv_committed_len for r, _ in chunks),
             extend_lens=tuple(n for _, n in chunks),
             mamba_slots=mamba,
+            after_layer=(functools.partial(self.on_layers, chunks)
+                         if self.on_layers is not None and any(r.in_prefill for r, _ in chunks) else None),
         )
         logits = self.model.forward(batch, self.pools)  # [B, vocab] fp32
         finished = []

@@ -63,7 +63,7 @@ class LlamaModel(Decoder):
         cfg = self.config
         r2t = pools.req_to_token.req_to_token
         if batch.input_ids.is_cuda:  # the element-wise steps fused, as in the captured steps
-            h, delta = self._fused_layers(batch.input_ids, self._extend_attention(batch, pools))
+            h, delta = self._fused_layers(batch.input_ids, self._extend_attention(batch, pools), batch.after_layer)
             if not all_logits:
                 last = batch.last_token_index()
                 h, delta = h[last], delta[last]  # [B, hidden] each
@@ -73,6 +73,8 @@ class LlamaModel(Decoder):
             x = rms_norm(h, w["attn_norm"], cfg.rms_eps)
             h = h + gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
                                   self.kv_heads, cfg.head_dim, self.tp)
+            if batch.after_layer is not None:
+                batch.after_layer(i + 1)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)
 
@@ -109,14 +111,17 @@ class LlamaModel(Decoder):
 
         return attend
 
-    def _fused_layers(self, input_ids: torch.Tensor, attend):
+    def _fused_layers(self, input_ids: torch.Tensor, attend, after_layer=None):
         """The layers with fused element-wise steps: ``(h, delta)``, the residual stream before
-        its last add (``attend(layer, weights, normed) -> delta`` is the attention block)."""
+        its last add (``attend(layer, weights, normed) -> delta`` is the attention block, which
+        stores the layer's K/V; then ``after_layer(i + 1)`` if given)."""
         eps = self.config.rms_eps
         h, delta = self.embed[input_ids], None  # [T, hidden]
         for i, w in enumerate(self.layers):
             h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
             delta = attend(i, w, x)
+            if after_layer is not None:
+                after_layer(i + 1)
             h, x = add_rms_norm(h, delta, w["ffn_norm"], eps)
             delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"]))
         return h, delta

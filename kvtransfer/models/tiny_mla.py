@@ -116,5 +116,7 @@ class TinyMLAModel(Decoder):
         h = self.embed[batch.input_ids]  # [T, hidden]
         for i, w in enumerate(self.layers):
             h = h + self._attention(rms_norm(h, w["attn_norm"], self.config.rms_eps), w, i, batch, pools)
+            if batch.after_layer is not None:
+                batch.after_layer(i + 1)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)

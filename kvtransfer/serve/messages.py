@@ -36,6 +36,7 @@ class NodeSpec:
     instance: str  # the node's name in the control plane (decode: every rank of the node shares it)
     control: Dict[str, float] = field(default_factory=dict)  # ControlConfig timeouts
     max_queue: int = 128  # requests that may wait for pages at once; past it new ones are refused (busy)
+    layerwise: int = 0  # prefill: a chunk's KV leaves every this many layers of its forward (0: after the prompt)
 
 
 # -- commands (node -> ranks) ------------------------------------------------------------------

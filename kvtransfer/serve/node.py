@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"requests in the engine at once {_default_help('max_running')}")
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help=f"prompt tokens per prefill step {_default_help('chunk_size')}")
+    ap.add_argument("--layerwise", type=int, default=0, metavar="LAYERS",
+                    help="prefill: send each chunk's KV every LAYERS layers while its forward computes the rest "
+                         "(0: once the prompt is computed; models whose every layer holds KV)")
     ap.add_argument("--max-queue", type=positive_int, default=128,
                     help="requests that may wait for KV pages at once; past it a new one gets 503 + Retry-After")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
@@ -117,7 +120,7 @@ def resolve(args) -> tuple:
     import torch
 
     from kvtransfer.models import registry
-    from kvtransfer.models.config import DType, EngineConfig
+    from kvtransfer.models.config import DType, EngineConfig, HybridConfig
     from kvtransfer.serve.messages import NodeSpec
 
     try:
@@ -132,6 +135,10 @@ def resolve(args) -> tuple:
         dtype = DType.parse(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
         if args.transport == "nvlink" and device != "cuda":
             raise ValueError("--transport nvlink needs --device cuda")
+        if args.layerwise < 0:
+            raise ValueError(f"--layerwise must be 0 (off) or a number of layers, got {args.layerwise}")
+        if args.layerwise and isinstance(config, HybridConfig):
+            raise ValueError(f"--layerwise needs a model whose every layer holds KV; {name.value} has Mamba layers")
         for field in dataclasses.fields(EngineDefaults):
             if getattr(args, field.name) is None:
                 setattr(args, field.name, getattr(DEFAULTS[device], field.name))
@@ -153,7 +160,7 @@ def resolve(args) -> tuple:
                     chunk_size=args.chunk_size, transport=args.transport, host=args.host,
                     bootstrap=f"tcp://{args.host}:{bootstrap_port}", dist_port=0,
                     threads=threads, instance=f"{args.role}-{uuid.uuid4().hex[:12]}", control=control,
-                    max_queue=args.max_queue)
+                    max_queue=args.max_queue, layerwise=args.layerwise if args.role == "prefill" else 0)
     return spec, config, ec, bootstrap_port
 
 

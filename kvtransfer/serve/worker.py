@@ -197,6 +197,8 @@ class RankWorker:
                                   m.Connect: self._connect}
         if spec.role == "prefill":
             self.managers.start_prefill()
+            if spec.layerwise:
+                self.engine.on_layers = self._layers_computed
 
     # -- set-up -----------------------------------------------------------------------
     def describe(self) -> str:
@@ -473,15 +475,30 @@ class RankWorker:
         if rid is None:
             return
         s = self.sending.get(rid)
-        if s is not None:  # prefill: the first token is sampled; send KV, state and the token
+        if s is not None:  # prefill: the first token is sampled; send KV (unless its layers went), state, token
             from kvtransfer.control.aux_records import pack_first_token
 
             s.sent_at = time.monotonic()
-            s.sender.send(req.slots[:len(req.prompt_ids)].numpy(), last=True, state_slot=self._state_slot(req),
+            slots = req.slots[:0 if self.spec.layerwise else len(req.prompt_ids)].numpy()
+            s.sender.send(slots, last=True, state_slot=self._state_slot(req),
                           aux=pack_first_token(req.output_ids[0], req.logprobs[0]))
             return
         self._report(rid, req)
         self._forget(rid)
+
+    def _layers_computed(self, chunks, end: int) -> None:
+        """Prefill, ``--layerwise``: the K/V of layers before ``end`` of this step's chunks are in
+        the pools (on a GPU: queued on the stream, which the send's event waits for). Every
+        ``spec.layerwise`` layers, and at the last, each chunk's new group of layers leaves."""
+        layers, group = len(self.layout.layer_ids), self.spec.layerwise
+        if end % group and end != layers:
+            return
+        first = (end - 1) // group * group
+        for req, n in chunks:
+            s = self.sending.get(self.rids.get(req.rid, ""))
+            if s is not None:
+                start = req.kv_committed_len
+                s.sender.send(req.slots[start:start + n].numpy(), layers=(first, end))
 
     def _report(self, rid: str, req) -> None:
         done = self.reported.get(rid, 0)
