@@ -187,12 +187,14 @@ def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layer_groups", [0, 2], ids=["whole", "layer-groups"])
 @pytest.mark.parametrize("backends", [("nixl",), ("nixl", "nvlink")])
-def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(backends, monkeypatch):
-    """An engine may call send() as soon as a chunk's KV is queued on its (non-default) stream:
-    here the rows are written there behind ~0.1 s of GPU busy wait, and send() follows at once.
-    The writes must read the rows as computed (NIXL reads GPU memory with no stream order of its
-    own; before, the chunk was posted at once). One GPU: both ranks on it, two processes."""
+def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(backends, layer_groups, monkeypatch):
+    """An engine may call send() as soon as a chunk's KV (or a group of its layers) is queued on
+    its (non-default) stream: here the rows are written there behind ~0.1 s of GPU busy wait,
+    and send() follows at once. The writes must read the rows as computed (NIXL reads GPU memory
+    with no stream order of its own; before, the chunk was posted at once). One GPU: both ranks
+    on it, two processes."""
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
     with BootstrapService() as svc:
         ranks = gpu_ranks(svc, backends, 0, "late")
@@ -201,7 +203,8 @@ def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(ba
             for i, (tokens, chunks) in enumerate(((37, (16, 21)), (200, (200,)))):
                 rid = f"late-{i}"
                 decode.call(Receive(rid, tokens, 0))
-                prefill.call(Prefill(rid, tokens, chunks, first_token=7, late_cycles=200_000_000))
+                prefill.call(Prefill(rid, tokens, chunks, first_token=7, late_cycles=200_000_000,
+                                     layer_groups=layer_groups))
                 for r in (prefill, decode):
                     assert r.call(Wait(rid)) == ("Success", None), r.name
                 assert decode.call(Verify(rid)) == (0, 7)
