@@ -110,6 +110,27 @@ def test_a_killed_decode_rank_fails_only_its_own_requests(bootstrap, ranks):
     wait_forgotten(prefill)
 
 
+def test_a_decode_rank_killed_while_a_chunk_goes_layer_by_layer_fails_it_and_stops_the_rest(bootstrap, ranks):
+    """The first layer groups went; the decode rank dies: the request fails on prefill, the
+    groups sent after that post nothing (the held last one included), and the rank serves on."""
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    doomed = ranks(decode_spec(bootstrap, instance="decode-a"))
+    other = ranks(decode_spec(bootstrap, instance="decode-b"))
+    doomed.call(Receive("mid-a", 40))
+    prefill.call(Prefill("mid-a", 40, (16, 24), hold_last=True, layer_groups=3))
+    until_state(prefill, "mid-a", "Transferring")
+    doomed.kill()
+    state, reason = prefill.call(Wait("mid-a", timeout_s=20))
+    assert state == "Failed" and "decode rank ('decode-a', 0)" in reason
+    prefill.call(SendLast("mid-a"))  # the last group of a failed request: refused by nothing, posted nowhere
+    assert prefill.call(Wait("mid-a")) == ("Failed", reason)
+    other.call(Receive("mid-b", 40))
+    prefill.call(Prefill("mid-b", 40, (16, 24), layer_groups=3))
+    assert other.call(Wait("mid-b")) == ("Success", None)
+    assert other.call(Verify("mid-b"))[0] == 0
+    wait_forgotten(prefill)
+
+
 def test_abort_from_prefill_fails_decode_and_releases(bootstrap, ranks):
     prefill = ranks(prefill_spec(bootstrap, 0, 1))
     decode = ranks(decode_spec(bootstrap))
