@@ -64,7 +64,7 @@ class Digest:
 
 @dataclass(frozen=True)
 class SeenRequest:
-    pass
+    payloads: tuple  # the notifications asked about (a notification comes after its write is DONE)
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,16 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, sta
             transport.register(dst.ctypes.data, dst.nbytes)
         conn.send(Ready(transport.export()))
         seen = {}  # the fixed-cost writes' notifications: when each was seen
+        asked, answer_by = None, 0.0  # a SeenRequest waiting for its notifications, until then
         while True:
             notes = transport.poll_notifications()
             now = time.monotonic()
             for note in notes:
                 if note.payload.startswith(SEEN_TAG):
                     seen[note.payload] = now
+            if asked is not None and (asked.issubset(seen) or now > answer_by):
+                conn.send(Seen(seen))
+                seen, asked = {}, None
             if not notes:
                 time.sleep(2e-5)
             if not conn.poll(0):
@@ -129,8 +133,7 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, sta
             if isinstance(msg, Quit):
                 break
             if isinstance(msg, SeenRequest):
-                conn.send(Seen(seen))
-                seen = {}
+                asked, answer_by = set(msg.payloads), time.monotonic() + SEEN_WAIT_S
                 continue
             if not isinstance(msg, DigestRequest):
                 raise TypeError(f"receiver: expected DigestRequest, SeenRequest or Quit, got {type(msg).__name__}")
@@ -292,6 +295,7 @@ def run(args) -> list[dict]:
 FIXED_BLOCK = 2 * KiB  # a token row of the Llama-3-70B preset (8 KV heads x 128 bf16)
 FIXED_SPACING = 16 * KiB  # between the rows of one write: none adjacent, so none merge into one descriptor
 SEEN_TAG = b"seen-"  # the payloads whose arrival the receiver times
+SEEN_WAIT_S = 30.0  # how long the receiver waits for the notifications asked about before it answers
 
 
 def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int, receiver) -> dict:
@@ -326,15 +330,15 @@ def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries:
     for i in range(reps):
         t_ours.append(time_once(lambda: ours_write(SEEN_TAG + b"ours-%d" % i)))
         t_bare.append(time_once(lambda: bare_write(SEEN_TAG + b"bare-%d" % i)))
-    receiver.send(SeenRequest())
-    seen = receiver.recv(Seen, "when it saw the notifications", READY_TIMEOUT_S).times
+    tags = {path: [SEEN_TAG + path + b"-%d" % i for i in range(reps)] for path in (b"ours", b"bare")}
+    receiver.send(SeenRequest(tuple(tags[b"ours"] + tags[b"bare"])))
+    seen = receiver.recv(Seen, "when it saw the notifications", SEEN_WAIT_S + READY_TIMEOUT_S).times
 
     def seen_us(path: bytes) -> float:
-        tags = [SEEN_TAG + path + b"-%d" % i for i in range(reps)]
-        missing = [t for t in tags if t not in seen]
+        missing = [t for t in tags[path] if t not in seen]
         if missing:
             raise RuntimeError(f"the receiver saw no notification {missing[0]!r} ({len(missing)} of {reps} missing)")
-        return statistics.median(seen[t] - called[t] for t in tags) * 1e6
+        return statistics.median(seen[t] - called[t] for t in tags[path]) * 1e6
 
     return {"entries": entries, "reps": reps, "ours_us": statistics.median(t_ours) * 1e6,
             "bare_us": statistics.median(t_bare) * 1e6, "ours_seen_us": seen_us(b"ours"),
