@@ -60,6 +60,12 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer", *self.args], stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
+    def answered(self, health_status: int, info: dict) -> bool:
+        """Whether ``/health`` and ``/info`` at this server's URL say it is up, and are its own:
+        a port picked for it may be another process's before it binds (another server of the
+        same kind answers on it until this one exits 2 and moves), so ``/info`` must name its pid."""
+        return health_status == 200 and info.get("pid") == self.proc.pid
+
     def flag(self, name: str) -> Optional[str]:
         """The value this server was started with for the flag ``name`` (None if not given)."""
         return self.args[self.args.index(name) + 1] if name in self.args else None
@@ -135,7 +141,8 @@ async def _wait_ready(client, servers: List[Server], timeout_s: float, start: fl
             if not s.starting():
                 raise DemoFailed(f"the {s.name} exited with status {s.proc.returncode}: {s.tail()}")
             try:
-                if (await client.get(f"{s.url}/health", timeout=2.0)).status_code == 200:
+                health = await client.get(f"{s.url}/health", timeout=2.0)
+                if s.answered(health.status_code, (await client.get(f"{s.url}/info", timeout=2.0)).json()):
                     pending.remove(s)
                     print(f"  {s.name:<15} ready at {s.url} ({time.monotonic() - start:.1f} s)", flush=True)
             except Exception:  # noqa: BLE001 - not up yet

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import uuid
@@ -59,7 +60,8 @@ def build_app(node):
     @app.get("/info")
     async def info():
         spec = node.spec
-        return {"role": spec.role, "model": spec.model, "model_names": node.model_names, "tp": spec.tp_size,
+        return {"role": spec.role, "pid": os.getpid(), "model": spec.model, "model_names": node.model_names,
+                "tp": spec.tp_size,
                 "page_size": spec.page_size, "dtype": spec.dtype, "device": spec.device, "state": node.state,
                 "bootstrap": node.role.bootstrap_address(spec), "ranks": [r.layout for r in node.ranks.ready]}
 

@@ -315,7 +315,7 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/info")
     async def info():
-        return {"role": "router", "model": router.model, "model_names": router.model_names,
+        return {"role": "router", "pid": os.getpid(), "model": router.model, "model_names": router.model_names,
                 "verify_kv": router.verify, "max_body_bytes": router.max_body_bytes,
                 "nodes": [{"url": n.url, "role": n.role, "up": n.up, "why_down": n.why_down,
                            **{k: n.info.get(k) for k in ("tp", "page_size", "dtype", "device")}}

@@ -23,7 +23,8 @@ def wait_ready(servers: List[Server], timeout_s: float = READY_TIMEOUT_S) -> Non
         for s in list(pending):
             assert s.starting(), f"{s.name} exited with {s.proc.returncode}: {s.tail(8)}"
             try:
-                if httpx.get(f"{s.url}/health", timeout=2.0).status_code == 200:
+                health = httpx.get(f"{s.url}/health", timeout=2.0)
+                if s.answered(health.status_code, httpx.get(f"{s.url}/info", timeout=2.0).json()):
                     pending.remove(s)
             except httpx.HTTPError:
                 pass

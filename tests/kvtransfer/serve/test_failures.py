@@ -117,6 +117,38 @@ def test_bad_command_lines_are_one_line(args, words, capsys):
     assert len(lines) == 1 and words in lines[0], lines
 
 
+def test_a_server_is_ready_only_when_its_own_process_answers(tmp_path):
+    """Another process answers on the port picked for a node (as another test's server may): the
+    node exits 2, moves to a fresh port, and only its own answer there counts as ready."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ready", "role": "colocated", "pid": 1}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    impostor = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    taken = impostor.server_address[1]
+    node = Server("colocated node", ["serve", "--role", "colocated", "--model", "mla-tiny", "--device", "cpu",
+                                     "--threads", "1", "--port", str(taken)], str(tmp_path), taken)
+    try:
+        wait_ready([node])
+        assert node.port != taken and node.retries >= 1
+        info = httpx.get(f"{node.url}/info", timeout=10).json()
+        assert info["role"] == "colocated" and info["pid"] == node.proc.pid
+    finally:
+        node.stop()
+        impostor.shutdown()
+
+
 def test_a_port_in_use_is_one_line():
     import socket
 
