@@ -49,7 +49,7 @@ class PrefillRequest:
     dests: dict = field(default_factory=dict)  # decode key -> (TransferRequest, dst slots [m])
     chunks: list = field(default_factory=list)  # queued until every decode rank has asked
     tokens_sent: int = 0
-    chunk_first: int = 0  # the first token of the chunk whose layers are being sent
+    chunk_plans: dict = field(default_factory=dict)  # decode key -> (src, dst, plan) of the chunk being sent
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
     inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
     last_posted: bool = False
@@ -79,23 +79,20 @@ class PrefillRequest:
         """Post ``chunk``'s writes to each decode rank that reads from this one (``peers``: key
         -> DecodePeer), each with its notification; Transferring. ValueError where the decode
         rank's destination does not fit the tokens sent."""
-        if chunk.layers is None or chunk.layers[0] == 0:  # a new chunk of tokens
-            self.chunk_first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size
-        first, layers = self.chunk_first, len(mine.layer_ids)
+        new = chunk.layers is None or chunk.layers[0] == 0  # a new chunk of tokens: planned once, whatever its groups
+        if new:
+            first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size
+            self.chunk_plans = {}
+        layers = len(mine.layer_ids)
         closes = chunk.layers is None or chunk.layers[1] == layers  # the chunk's last layers go now
         for key in sorted(self.dests):
             req, dst_all = self.dests[key]
             peer = peers[key]
             if not peer.reads_from_me:  # it asked so that this rank does not wait; nothing to write
                 continue
-            skip = min(chunk.slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
-            src = chunk.slots[skip:]
-            start = first + skip - req.prefix_tokens
-            dst = dst_all[start:start + src.size]
-            if dst.size != src.size:
-                raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
-                                 f"{req.prefix_tokens}, prefill sends token {first + chunk.slots.size}")
-            plan = plan_kv_transfer(mine, peer.layout, src, dst)
+            if new:
+                self.chunk_plans[key] = self._plan(key, peer, chunk.slots, first, mine)
+            src, dst, plan = self.chunk_plans[key]
             if chunk.layers is not None:  # buffer b holds layer position b % layers (export order)
                 position = plan.src_buf % layers
                 plan = plan.select((position >= chunk.layers[0]) & (position < chunk.layers[1]))
@@ -117,6 +114,20 @@ class PrefillRequest:
                 self.inflight.append((write_batch(peer.peer, batch, note), key))
         self.last_posted |= chunk.last
         self.status.advance(KVPoll.Transferring)
+
+    def _plan(self, key: tuple, peer, slots: np.ndarray, first: int, mine: RankLayout) -> tuple:
+        """``(src, dst, plan)`` of a chunk of ``slots`` from token ``first`` to decode rank ``key``;
+        tokens decode already holds are skipped. ValueError where its destination does not fit
+        the tokens sent."""
+        req, dst_all = self.dests[key]
+        skip = min(slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
+        src = slots[skip:]
+        start = first + skip - req.prefix_tokens
+        dst = dst_all[start:start + src.size]
+        if dst.size != src.size:
+            raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
+                             f"{req.prefix_tokens}, prefill sends token {first + slots.size}")
+        return src, dst, plan_kv_transfer(mine, peer.layout, src, dst)
 
     def poll_writes(self, failed: Callable[[tuple, str], None]) -> bool:
         """Poll the writes; ``failed(key, error)`` for each that failed; Success once the last

@@ -90,6 +90,25 @@ def test_graph_decode_equals_the_eager_gpu_path_in_bfloat16():
         assert torch.nn.functional.cosine_similarity(a[0], b[0], dim=0) > 0.99
 
 
+def _step_through(engine, at: dict) -> int:
+    """Step the engine until it has no work, calling ``at[k]()`` after step k; the pages its
+    requests still hold then."""
+    steps, free = 0, engine.pools.allocator.available_size()
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps in at:
+            at[steps]()
+    return free - engine.pools.allocator.available_size()
+
+
+def _ahead_and_each(scenario, max_requests: int) -> tuple:
+    """``scenario``'s results with decode launched ahead of each wait, and waiting for each step."""
+    spec = _random_smollm2()
+    return tuple(launch.run(spec, 1, engine_config(max_requests=max_requests, device="cuda", overlap=overlap),
+                            scenario) for overlap in (True, False))
+
+
 class _Interleaved:
     """Steps driven one by one: four requests finishing at different steps, a fifth added while
     they decode (its prefill takes in the step launched ahead), the third aborted mid-way; then
@@ -97,24 +116,15 @@ class _Interleaved:
 
     def __call__(self, engine):
         reqs = [engine.add(p, n) for p, n in zip(PROMPTS, (12, 5, 8, 3))]
-        late, steps, free = None, 0, engine.pools.allocator.available_size()
-        while engine.has_work():
-            engine.step()
-            steps += 1
-            if steps == 3:
-                late = engine.add(PROMPTS[1], 6)
-            if steps == 5:
-                engine.abort(reqs[2])
-        held = free - engine.pools.allocator.available_size()
-        return [r.output_ids for r in reqs + [late]], held
+        late = []
+        held = _step_through(engine, {3: lambda: late.append(engine.add(PROMPTS[1], 6)),
+                                      5: lambda: engine.abort(reqs[2])})
+        return [r.output_ids for r in reqs + late], held
 
 
 @pytest.mark.gpu
 def test_decode_launched_ahead_gives_the_tokens_of_waiting_for_each_step():
-    spec = _random_smollm2()
-    ahead, held = launch.run(spec, 1, engine_config(max_requests=5, device="cuda"), _Interleaved())
-    each, held_each = launch.run(spec, 1, engine_config(max_requests=5, device="cuda", overlap=False),
-                               _Interleaved())
+    (ahead, held), (each, held_each) = _ahead_and_each(_Interleaved(), max_requests=5)
     # the aborted request may have taken one more token ahead; everything else is the same
     assert ahead[:2] + ahead[3:] == each[:2] + each[3:]
     assert ahead[2] == each[2][: len(ahead[2])] or each[2] == ahead[2][: len(each[2])]
@@ -128,23 +138,18 @@ class _Reserved:
 
     def __call__(self, engine):
         reqs = [engine.add(p, n) for p, n in zip(PROMPTS[:2], (9, 12))]
-        reserved, steps, free = None, 0, engine.pools.allocator.available_size()
-        while engine.has_work():
-            engine.step()
-            steps += 1
-            if steps == 2:
-                reserved = engine.reserve(PROMPTS[3], 5)
-            if steps == 5:
-                assert not engine.start_decode(reserved, 7)
-        held = free - engine.pools.allocator.available_size()
-        return [r.output_ids for r in reqs + [reserved]], held
+        reserved = []
+
+        def start():
+            assert not engine.start_decode(reserved[0], 7)
+
+        held = _step_through(engine, {2: lambda: reserved.append(engine.reserve(PROMPTS[3], 5)), 5: start})
+        return [r.output_ids for r in reqs + reserved], held
 
 
 @pytest.mark.gpu
 def test_reserving_and_starting_a_request_leave_the_step_launched_ahead_running():
-    spec = _random_smollm2()
-    ahead, held = launch.run(spec, 1, engine_config(max_requests=4, device="cuda"), _Reserved())
-    each, held_each = launch.run(spec, 1, engine_config(max_requests=4, device="cuda", overlap=False), _Reserved())
+    (ahead, held), (each, held_each) = _ahead_and_each(_Reserved(), max_requests=4)
     assert ahead == each and len(ahead[2]) == 5 and ahead[2][0] == 7
     assert held == held_each == 0
 
