@@ -175,7 +175,8 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
     start the router in front of them and wait for it (filling ``servers`` as each starts, so a
     caller can stop what started if this fails); every rank gets an equal share of this
     machine's cores (:func:`threads_per_rank`). ``args`` holds the demo's flags; ``transport``,
-    ``prefill_gpu``, ``decode_gpu`` and ``heartbeat_timeout`` may be absent (their defaults)."""
+    ``prefill_gpu``, ``decode_gpu``, ``heartbeat_timeout`` and ``layerwise_layers`` (the prefill
+    node's ``--layerwise``) may be absent (their defaults)."""
     ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
               "--threads", str(threads_per_rank(args.prefill_tp + args.decode_tp + 1)),
@@ -187,7 +188,7 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),
                                 "--bootstrap-port", str(ports["bootstrap"]), "--gpu", prefill_gpu,
-                                "--layerwise", str(getattr(args, "layerwise", 0))],
+                                "--layerwise", str(getattr(args, "layerwise_layers", 0))],
                                 logdir, ports["prefill"])
     servers["decode"] = Server("decode node", ["serve", "--role", "decode", *common, "--tp", str(args.decode_tp),
                                "--page-size", str(args.decode_page_size), "--port", str(ports["decode"]),

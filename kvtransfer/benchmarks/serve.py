@@ -9,6 +9,8 @@ machine, with the same requests.
     kvtransfer bench serve --quick                       # the tiny MLA model, under a minute here
     kvtransfer bench serve --pool-tokens 2048 --requests 64 --concurrency 16 --prompt-tokens 1000:1800
                                                          # load: each request fits a pool alone, few together
+    kvtransfer bench serve --layerwise on,off --prompt-tokens 4096 --concurrency 1
+                                                         # KV sent layer by layer, and after the prompt, alternated
 
 The load generator is the one users know from vLLM's ``benchmark_serving`` and SGLang's
 ``bench_serving``: streaming ``/v1/completions`` requests (``ignore_eos``, so each produces its
@@ -18,11 +20,21 @@ requests per second. Per mode: TTFT (request sent -> first token), ITL (gaps bet
 end-to-end latency (median, p90, p99), output tokens/s and requests/s. For the disaggregated
 mode TTFT is split by what the nodes report: prefill queueing, prefill compute, KV transfer
 (prefill had the KV -> every write landed on decode, including waiting for decode to ask), and
-the rest (HTTP, routing, control messages, the first token's way back). Queue: the mean time a
+the rest (HTTP, routing, control messages, the first token's way back), and, on the clock the
+nodes share, from the first token sampled on prefill (after its last layer) to decode counting
+every write landed (decode starts the request then). Queue: the mean time a
 request waited for pages before its prompt was computed (disaggregated: prefill's queue, which
 holds the wait for decode's reservation; colocated: the node's ``kvtransfer_queue_seconds``).
 ``--pool-tokens`` sizes every node's KV pool (token slots): with long prompts and small pools,
 requests wait for pages on every node, and all of them must still complete.
+
+``--layerwise on`` starts the prefill node with ``--layerwise LAYERS`` (``--layer-group``): each
+chunk's KV leaves every LAYERS layers while the forward computes the later ones (mode
+``disaggregated layer-wise``). ``--layerwise on,off`` runs both through that one node (the
+``off`` requests ask for ``"layerwise": false``: KV after the prompt, prefill steps from the
+captured graphs), alternated with the colocated node in ``--rounds`` rounds of the workload
+(default 2 when there are several disaggregated modes), so that drift in the machine's speed
+falls on every mode alike.
 
 Output: the table (stdout), ``serve.json`` (every request's figures, the machine) and
 ``serve.png`` (TTFT and ITL percentiles, disaggregated against colocated) under ``--out``.
@@ -93,6 +105,19 @@ class Sample:
     kv: dict = field(default_factory=dict)  # the router's kvtransfer figures (disaggregated)
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One way of serving the workload: a server, and the ``kvtransfer`` object its requests carry."""
+
+    name: str
+    url: str
+    extension: Optional[dict] = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.name.startswith("disaggregated")
+
+
 def workload(tokenizer, n: int, prompt_tokens: tuple, output_tokens: tuple, seed: int) -> List[Work]:
     """``n`` requests of random words; each prompt encodes to its drawn token count or just over."""
     rng = random.Random(seed)
@@ -111,9 +136,11 @@ def workload(tokenizer, n: int, prompt_tokens: tuple, output_tokens: tuple, seed
     return out
 
 
-async def _one(client, url: str, work: Work, sample: Sample) -> None:
+async def _one(client, url: str, work: Work, sample: Sample, extension: Optional[dict] = None) -> None:
     body = {"prompt": work.prompt, "max_tokens": work.output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if extension:
+        body["kvtransfer"] = extension
     start = time.perf_counter()
     last: Optional[float] = None
     try:
@@ -148,8 +175,9 @@ async def _one(client, url: str, work: Work, sample: Sample) -> None:
 
 
 async def run_load(url: str, works: List[Work], concurrency: Optional[int], rate: Optional[float], seed: int,
-                   progress: Optional[Progress] = None) -> tuple:
-    """Every request of ``works`` against ``url``; (samples, wall seconds)."""
+                   progress: Optional[Progress] = None, extension: Optional[dict] = None) -> tuple:
+    """Every request of ``works`` against ``url`` (with ``extension`` as their ``kvtransfer``
+    object); (samples, wall seconds)."""
     import httpx
 
     from kvtransfer.serve.http import client_limits
@@ -161,7 +189,7 @@ async def run_load(url: str, works: List[Work], concurrency: Optional[int], rate
     async with httpx.AsyncClient(limits=limits) as client:
         async def go(i: int) -> None:
             async with gate:
-                await _one(client, url, works[i], samples[i])
+                await _one(client, url, works[i], samples[i], extension)
             if progress is not None:
                 progress.step(f"{url} request {i + 1}")
 
@@ -211,9 +239,14 @@ async def queue_totals(client, url: str) -> tuple:
     return values.get("kvtransfer_queue_seconds_sum", 0.0), values.get("kvtransfer_queue_seconds_count", 0.0)
 
 
+LANDED = "first token sampled -> KV landed on decode"
+
+
 def ttft_split(samples: List[Sample]) -> Optional[dict]:
-    """Medians of the disaggregated TTFT's parts, from the nodes' figures."""
-    rows = []
+    """Medians of the disaggregated TTFT's parts, from the nodes' figures; with them, when the
+    nodes stamped it on one clock, from prefill's first token sampled to decode's last write
+    counted (``LANDED``: the KV's tail, which layer-wise sending shortens)."""
+    rows, landed = [], []
     for s in samples:
         pre = s.kv.get("prefill") or {}
         if not s.ok or pre.get("compute_s") is None:
@@ -222,17 +255,21 @@ def ttft_split(samples: List[Sample]) -> Optional[dict]:
         parts = {"prefill queue": pre["queue_s"], "prefill compute": pre["compute_s"], "KV transfer": transfer}
         parts["HTTP, routing, control"] = s.ttft - sum(parts.values())
         rows.append(parts)
+        if pre.get("sampled_at") is not None and s.kv.get("landed_at") is not None:
+            landed.append(s.kv["landed_at"] - pre["sampled_at"])
     if not rows:
         return None
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {
-        "kv_bytes_median": statistics.median(s.kv.get("kv_bytes", 0) for s in samples if s.ok)}
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    if landed:
+        out[LANDED] = statistics.median(landed)
+    return out | {"kv_bytes_median": statistics.median(s.kv.get("kv_bytes", 0) for s in samples if s.ok)}
 
 
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def report(results: dict, split: Optional[dict]) -> str:
+def report(results: dict, splits: dict) -> str:
     header = ["mode", "ok", "queue mean", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99", "E2E p50", "p99",
               "out tok/s", "req/s"]
     rows = []
@@ -243,13 +280,34 @@ def report(results: dict, split: Optional[dict]) -> str:
                      _ms(i.get("p50")), _ms(i.get("p90")), _ms(i.get("p99")), _ms(lat.get("p50")), _ms(lat.get("p99")),
                      f"{r.get('output_tokens_per_s', 0):.1f}", f"{r.get('requests_per_s', 0):.2f}"])
     text = format_table(header, rows) + "\n(times in ms)"
-    if split:
-        parts = ", ".join(f"{k} {_ms(v)} ms" for k, v in split.items() if k != "kv_bytes_median")
-        text += f"\ndisaggregated TTFT, medians of its parts: {parts}; KV per request {split['kv_bytes_median'] / 2**20:.2f} MiB"
+    for mode, split in splits.items():
+        parts = ", ".join(f"{k} {_ms(v)} ms" for k, v in split.items() if k not in ("kv_bytes_median", LANDED))
+        text += (f"\n{mode} TTFT, medians of its parts: {parts}; KV per request "
+                 f"{split['kv_bytes_median'] / 2**20:.2f} MiB")
+        if LANDED in split:
+            text += f"; {LANDED} {_ms(split[LANDED])} ms"
     for mode, r in results.items():
         for e in r.get("errors", []):
             text += f"\n{mode} error: {e}"
     return text
+
+
+def _switches(text: str) -> tuple:
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
+    if not values or set(values) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
+    return values
+
+
+def modes(args, router: str, colocated: str) -> List[Mode]:
+    """The modes of this run, in the order each round runs them."""
+    out = []
+    for switch in args.layerwise:
+        if switch == "on":
+            out.append(Mode("disaggregated layer-wise", router))
+        else:  # through a --layerwise node (both switches), the request asks for its KV after the prompt
+            out.append(Mode("disaggregated", router, {"layerwise": False} if "on" in args.layerwise else None))
+    return out + [Mode("colocated", colocated)]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -271,8 +329,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
     ap.add_argument("--pool-tokens", type=positive_int, default=None,
                     help="KV pool size of every node started, in token slots (default: the nodes' default)")
-    ap.add_argument("--layerwise", type=int, default=0, metavar="LAYERS",
-                    help="the prefill node sends each chunk's KV every LAYERS layers of its forward (0: after the prompt)")
+    ap.add_argument("--layerwise", type=_switches, default="off", metavar="on|off|on,off",
+                    help="disaggregated: KV sent layer by layer as prefill computes it (on), after the prompt (off), "
+                         "or both alternated (on,off)")
+    ap.add_argument("--layer-group", type=positive_int, default=1, metavar="LAYERS",
+                    help="--layerwise on: the prefill node sends every LAYERS layers")
+    ap.add_argument("--rounds", type=positive_int, default=None,
+                    help="the workload in this many parts, each run by every mode in turn (default: 2 with "
+                         "several disaggregated modes, else 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--quick", action="store_true", help="the tiny MLA model, a dozen short requests")
@@ -298,37 +362,49 @@ async def _main(args, argv) -> int:
                 await launch(client, args, logdir, servers, False, time.monotonic())
             router, colocated = servers["router"].url, servers["colocated"].url
         works = workload(tokenizer, args.requests, args.prompt_tokens, args.output_tokens, args.seed)
-        await run_load(router, works[:2], 2, None, args.seed)  # warm-up: first connections, first plans
-        await run_load(colocated, works[:2], 2, None, args.seed)
-        progress = Progress(2 * len(works))
-        results, samples = {}, {}
-        for mode, url in (("disaggregated", router), ("colocated", colocated)):
-            async with httpx.AsyncClient() as client:
-                queued = await queue_totals(client, colocated)
-                samples[mode], wall = await run_load(url, works, None if args.rate else args.concurrency,
-                                                     args.rate, args.seed, progress)
-                results[mode] = summarize(samples[mode], wall)
-                if mode == "colocated":
-                    total, count = (b - a for a, b in zip(queued, await queue_totals(client, colocated)))
-                    results[mode]["queue_mean_s"] = total / count if count else None
-                else:
-                    results[mode]["queue_mean_s"] = queue_mean(samples[mode])
+        run = modes(args, router, colocated)
+        for mode in run:  # warm-up: first connections, first plans
+            await run_load(mode.url, works[:2], 2, None, args.seed, extension=mode.extension)
+        rounds = args.rounds or (2 if sum(m.disaggregated for m in run) > 1 else 1)
+        parts = [works[i::rounds] for i in range(rounds)]
+        progress = Progress(len(run) * len(works))
+        samples = {m.name: [] for m in run}
+        walls = dict.fromkeys(samples, 0.0)
+        queued = dict.fromkeys(("sum", "count"), 0.0)
+        for part in (p for p in parts if p):
+            for mode in run:
+                async with httpx.AsyncClient() as client:
+                    before = await queue_totals(client, colocated)
+                    got, wall = await run_load(mode.url, part, None if args.rate else args.concurrency, args.rate,
+                                               args.seed, progress, mode.extension)
+                    if mode.name == "colocated":
+                        after = await queue_totals(client, colocated)
+                        queued["sum"] += after[0] - before[0]
+                        queued["count"] += after[1] - before[1]
+                samples[mode.name] += got
+                walls[mode.name] += wall
+        results = {name: summarize(ss, walls[name]) for name, ss in samples.items()}
+        for mode in run:
+            results[mode.name]["queue_mean_s"] = (queue_mean(samples[mode.name]) if mode.disaggregated else
+                                                  queued["sum"] / queued["count"] if queued["count"] else None)
     except DemoFailed as exc:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
     finally:
         stop_all(servers.values())
-    split = ttft_split(samples["disaggregated"])
+    splits = {mode: split for mode, split in ((m, ttft_split(ss)) for m, ss in samples.items()
+                                              if m.startswith("disaggregated")) if split}
     load = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "
           f"decode TP {args.decode_tp} (page {args.decode_page_size}) vs colocated TP 1, {args.dtype} on {args.device}; "
           f"{args.requests} requests, {load}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, "
           f"outputs {args.output_tokens[0]}-{args.output_tokens[1]}, seed {args.seed}, "
           f"pools {args.pool_tokens or 'default'}"
-          f"{f', KV sent every {args.layerwise} layers' if args.layerwise else ''}; {machine_line()}")
-    print(report(results, split))
+          f"{f', layer-wise: KV sent every {args.layer_group} layers' if 'on' in args.layerwise else ''}"
+          f"{f', {rounds} rounds alternating the modes' if rounds > 1 else ''}; {machine_line()}")
+    print(report(results, splits))
     config = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc = document("serve", argv, config, [{"mode": m, **r} for m, r in results.items()], ttft_split=split,
+    doc = document("serve", argv, config, [{"mode": m, **r} for m, r in results.items()], ttft_split=splits,
                    samples={m: [asdict(s) for s in ss] for m, ss in samples.items()})
     path = write_json(args.out / "serve.json", doc)
     if plots_available():
@@ -352,6 +428,7 @@ def main(argv=None) -> int:
         for k, v in QUICK.items():
             setattr(args, k, v)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.layerwise_layers = args.layer_group if "on" in args.layerwise else 0  # the prefill node's --layerwise
     if (args.router is None) != (args.colocated is None):
         print("kvtransfer bench serve: error: --router and --colocated go together", file=sys.stderr)
         return 2

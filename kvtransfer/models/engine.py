@@ -99,6 +99,7 @@ class Request:
     record_logits: bool = False
     sampling: "Sampling" = None  # None: greedy
     hold: bool = False  # keep the pages after finishing, until Engine.release
+    layers_out: bool = False  # its prefill steps call Engine.on_layers (layer-wise sending)
     output_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)  # of each sampled token
     logits: List[torch.Tensor] = field(default_factory=list)  # [vocab] fp32 per sampled token
@@ -237,16 +238,19 @@ class Engine:
         self._ahead: Optional[_Ahead] = None  # a decode step launched ahead (module docstring)
         self._done_early: List[Request] = []  # finished while the step ahead was taken in
         self._finished_tokens = 0  # output tokens of requests no longer running (decode rate)
-        # Layer-wise sending: a prefill step calls ``on_layers(chunks, end)`` once the K/V of its
-        # layers before ``end`` are in the pools (``chunks``: [(request, tokens)], each from its
-        # ``kv_committed_len``). Such steps run eagerly: a captured step cannot call back.
+        # Layer-wise sending: a prefill step of requests added with ``layers_out`` calls
+        # ``on_layers(chunks, end)`` once the K/V of its layers before ``end`` are in the pools
+        # (``chunks``: [(request, tokens)] of those requests, each from its ``kv_committed_len``).
+        # Such steps run eagerly: a captured step cannot call back.
         self.on_layers: Optional[Callable[[list, int], None]] = None
 
     # -- requests ----------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids=(), record_logits=False,
-            sampling: Optional[Sampling] = None, hold: bool = False) -> Request:
-        """Queue a request; ValueError when it cannot fit the pool even alone."""
+            sampling: Optional[Sampling] = None, hold: bool = False, layers_out: bool = False) -> Request:
+        """Queue a request; ValueError when it cannot fit the pool even alone. ``layers_out``:
+        its prefill steps call :attr:`on_layers` layer by layer."""
         req = self._new(prompt_ids, max_new_tokens, stop_ids, record_logits, sampling, hold)
+        req.layers_out = layers_out
         self.waiting.append(req)
         return req
 
@@ -420,10 +424,11 @@ class Engine:
         req.slots = new if req.slots is None else torch.cat((req.slots, new))
 
     def _forward(self, chunks) -> List[Request]:
+        layered = [(r, n) for r, n in chunks if r.layers_out and r.in_prefill] if self.on_layers is not None else []
         if self.graphs is not None:
             if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
-            if self.on_layers is None and self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
+            if not layered and self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
                 return self._forward_prefill(chunks)
         device = self.model.device
         ids, positions, locs = [], [], []
@@ -444,8 +449,7 @@ class Engine:
             prefix_lens=tuple(r.kv_committed_len for r, _ in chunks),
             extend_lens=tuple(n for _, n in chunks),
             mamba_slots=mamba,
-            after_layer=(functools.partial(self.on_layers, chunks)
-                         if self.on_layers is not None and any(r.in_prefill for r, _ in chunks) else None),
+            after_layer=functools.partial(self.on_layers, layered) if layered else None,
         )
         logits = self.model.forward(batch, self.pools)  # [B, vocab] fp32
         finished = []

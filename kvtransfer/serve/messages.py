@@ -60,6 +60,7 @@ class Prefill:
     prompt_ids: Tuple[int, ...]
     sampling: Sampling
     verify: bool = False  # report per-layer KV digests
+    layerwise: bool = True  # on a node with --layerwise: send the KV layer by layer (False: after the prompt)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class KVSent:
     wait_s: float  # the KV handed to the KV manager -> the first write posted (decode had not asked yet)
     queue_s: float  # the command arrived -> the engine admitted the request
     compute_s: float  # admitted -> its first token sampled (the prompt's forward passes)
+    sampled_at: float  # time.monotonic() when its first token was sampled (after the last layer)
     digests: Optional[Dict[str, str]] = None
 
 
@@ -139,6 +141,7 @@ class KVReceived:
     kv_bytes: int  # bytes that landed on this node's ranks
     transfer_s: float  # the receiver asked -> every write counted
     wait_s: float  # the command arrived -> pages reserved
+    landed_at: float  # time.monotonic() when every write was counted (decode starts it then)
     digests: Optional[Dict[str, str]] = None
 
 

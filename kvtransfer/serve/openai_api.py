@@ -142,6 +142,7 @@ class Pairing(BaseModel):
     rid: str = Field(min_length=1, max_length=128)
     bootstrap: Optional[str] = None  # decode: the prefill node's bootstrap service
     verify: bool = False  # report per-layer KV digests
+    layerwise: Optional[bool] = None  # prefill: False sends the KV after the prompt on a --layerwise node
 
 
 class StreamOptions(BaseModel):

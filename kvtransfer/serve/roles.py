@@ -64,7 +64,7 @@ class PrefillRole(NodeRole):
     def command(self, rid, ids, new_tokens, stop_ids, sampling, pairing):
         from kvtransfer.serve import messages as m
 
-        return m.Prefill(rid, ids, sampling, pairing.verify)
+        return m.Prefill(rid, ids, sampling, pairing.verify, pairing.layerwise is not False)
 
     def first_answer(self, node, rid, event):
         node.metrics.transfer_seconds.observe(event.transfer_s)
@@ -72,7 +72,7 @@ class PrefillRole(NodeRole):
         node.finish(rid, True, "ok")
         return {"kvtransfer": {"rid": rid, "prompt_tokens": event.prompt_tokens, "first_token": event.first_token,
                                "transfer_s": event.transfer_s, "decode_wait_s": event.wait_s,
-                               "queue_s": event.queue_s, "compute_s": event.compute_s,
+                               "queue_s": event.queue_s, "compute_s": event.compute_s, "sampled_at": event.sampled_at,
                                "digests": event.digests}}, None, None
 
 
@@ -93,7 +93,7 @@ class DecodeRole(NodeRole):
         node.metrics.queue_seconds.observe(event.wait_s)
         node.metrics.kv_bytes.inc(event.kv_bytes)
         return None, None, {"rid": rid, "kv_bytes": event.kv_bytes, "kv_wait_s": event.transfer_s,
-                            "queue_s": event.wait_s, "digests": event.digests}
+                            "queue_s": event.wait_s, "landed_at": event.landed_at, "digests": event.digests}
 
     async def connect(self, node, bootstrap: str):
         """Connect the ranks to a prefill node's ranks now, so that its first request does not

@@ -6,7 +6,9 @@ Each request is paired with a prefill node and a decode node (round robin over t
 answer; ``--prefill`` and ``--decode`` may be given several times) and sent to both with the
 same ``kvtransfer`` pairing: a request id, the prefill node's bootstrap address, and, with
 ``--verify-kv`` or ``"kvtransfer": {"verify": true}`` in the request, a check that the KV the
-decode node received equals, layer by layer, what prefill computed. Prefill computes the prompt
+decode node received equals, layer by layer, what prefill computed; ``"layerwise": false`` has
+a prefill node started with ``--layerwise`` send this request's KV after the prompt instead of
+layer by layer. Prefill computes the prompt
 and sends its KV to decode through the control plane; decode streams the completion, which the
 router passes on (``stream``: server-sent events) with the transfer's figures in a
 ``kvtransfer`` object.
@@ -60,6 +62,7 @@ from kvtransfer.serve.openai_api import ApiError, check_model, load_body, sse, v
 log = logging.getLogger("kvtransfer.serve.router")
 
 NODE_TIMEOUT_S = 600.0  # one request's longest answer from a node
+CLIENT_EXTENSION = ("verify", "layerwise")  # what a client may set in a request's "kvtransfer" object
 HEALTH_TIMEOUT_S = 10.0  # a node whose /health takes longer is taken for down (a starved machine is slow)
 
 
@@ -279,8 +282,9 @@ class Router:
 
 
 def _prefill_figures(pre: dict) -> dict:
-    """Where prefill's share of the time to first token went (seconds)."""
-    return {k: pre.get(k) for k in ("queue_s", "compute_s", "decode_wait_s", "transfer_s")}
+    """Where prefill's share of the time to first token went (seconds), and when (its host's
+    monotonic clock) the first token was sampled."""
+    return {k: pre.get(k) for k in ("queue_s", "compute_s", "decode_wait_s", "transfer_s", "sampled_at")}
 
 
 def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:
@@ -333,8 +337,10 @@ def build_app(router: Router) -> FastAPI:
         try:  # the request is checked here, once, before either node sees it
             body = load_body(await read_body(request, router.max_body_bytes))
             ext = body.pop("kvtransfer", None)
-            if ext is not None and (not isinstance(ext, dict) or set(ext) - {"verify"}):
-                raise ApiError(400, 'kvtransfer: only {"verify": bool} may be given to the router', "kvtransfer")
+            if ext is not None and (not isinstance(ext, dict) or set(ext) - set(CLIENT_EXTENSION)
+                                    or not all(isinstance(v, bool) for v in ext.values())):
+                raise ApiError(400, 'kvtransfer: only {"verify": bool, "layerwise": bool} may be given to the router',
+                               "kvtransfer")
             req = validate("chat" if path.endswith("chat/completions") else "completion", body)
             if router.model_names:
                 check_model(req, router.model_names)
@@ -351,7 +357,8 @@ def build_app(router: Router) -> FastAPI:
         rid = uuid.uuid4().hex
         router.metrics.routed.labels(p.url).inc()
         router.metrics.routed.labels(d.url).inc()
-        p_body = {**body, "stream": False, "kvtransfer": {"rid": rid, "verify": verify}}
+        layerwise = {"layerwise": ext["layerwise"]} if ext and "layerwise" in ext else {}
+        p_body = {**body, "stream": False, "kvtransfer": {"rid": rid, "verify": verify, **layerwise}}
         d_body = {**body, "kvtransfer": {"rid": rid, "bootstrap": p.bootstrap, "verify": verify}}
         headers = {"x-kvtransfer-rid": rid, "x-kvtransfer-prefill-node": p.url, "x-kvtransfer-decode-node": d.url}
         # decode's half goes out first: prefill computes nothing before decode has reserved pages

@@ -91,7 +91,8 @@ class _Sending:
     sender: object
     verify: bool
     arrived: float
-    sent_at: float = 0.0
+    layerwise: bool  # its KV leaves layer group by layer group as the forward computes it
+    sent_at: float = 0.0  # its first token was sampled and the last send went
 
 
 @dataclass
@@ -298,9 +299,9 @@ class RankWorker:
                                         f"(--max-queue {self.spec.max_queue}); try again later", busy=True))
         return True
 
-    def _add(self, rid, prompt, max_new, stop_ids, sampling, hold: bool):
+    def _add(self, rid, prompt, max_new, stop_ids, sampling, hold: bool, layers_out: bool = False):
         try:
-            req = self.engine.add(prompt, max_new, stop_ids, sampling=sampling, hold=hold)
+            req = self.engine.add(prompt, max_new, stop_ids, sampling=sampling, hold=hold, layers_out=layers_out)
         except ValueError as exc:
             self._emit(m.RequestFailed(rid, str(exc), client_error=True))
             return None
@@ -430,11 +431,12 @@ class RankWorker:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {b.sender.failure or 'on another rank'}"))
             return
         cmd = b.cmd
-        req = self._add(rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True)
+        layerwise = bool(self.spec.layerwise) and cmd.layerwise
+        req = self._add(rid, cmd.prompt_ids, 1, frozenset(), cmd.sampling, hold=True, layers_out=layerwise)
         if req is None:  # refused (and answered): decode's pages go back once prefill says Quiesced
             b.sender.abort("the prefill node refused the request")
             return
-        self.sending[rid] = _Sending(req, b.sender, cmd.verify, b.arrived)
+        self.sending[rid] = _Sending(req, b.sender, cmd.verify, b.arrived, layerwise)
 
     def _sent(self, rid: str, s: _Sending, ok: bool) -> None:
         del self.sending[rid]
@@ -448,7 +450,7 @@ class RankWorker:
             posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
             admitted = req.admitted_at or s.arrived
             self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - posted,
-                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, digests))
+                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, s.sent_at, digests))
         else:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
         self.engine.release(req)
@@ -462,8 +464,9 @@ class RankWorker:
         token, logprob = r.receiver.first_token()
         r.receiver.close()
         kv_bytes = len(req.prompt_ids) * self.token_bytes + self.state_bytes
-        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, _ended(r.receiver) - r.asked_at,
-                                r.asked_at - r.arrived, digests))
+        landed = _ended(r.receiver)
+        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, landed - r.asked_at, r.asked_at - r.arrived,
+                                landed, digests))
         self._track(rid, req)
         if self.engine.start_decode(req, token, logprob):
             self._finished(req)
@@ -479,7 +482,7 @@ class RankWorker:
             from kvtransfer.control.aux_records import pack_first_token
 
             s.sent_at = time.monotonic()
-            slots = req.slots[:0 if self.spec.layerwise else len(req.prompt_ids)].numpy()
+            slots = req.slots[:0 if s.layerwise else len(req.prompt_ids)].numpy()
             s.sender.send(slots, last=True, state_slot=self._state_slot(req),
                           aux=pack_first_token(req.output_ids[0], req.logprobs[0]))
             return
@@ -487,9 +490,10 @@ class RankWorker:
         self._forget(rid)
 
     def _layers_computed(self, chunks, end: int) -> None:
-        """Prefill, ``--layerwise``: the K/V of layers before ``end`` of this step's chunks are in
-        the pools (on a GPU: queued on the stream, which the send's event waits for). Every
-        ``spec.layerwise`` layers, and at the last, each chunk's new group of layers leaves."""
+        """Prefill, ``--layerwise``: the K/V of layers before ``end`` of this step's chunks (of
+        requests sent layer-wise) are in the pools (on a GPU: queued on the stream, which the
+        send's event waits for). Every ``spec.layerwise`` layers, and at the last, each chunk's
+        new group of layers leaves."""
         layers, group = len(self.layout.layer_ids), self.spec.layerwise
         if end % group and end != layers:
             return

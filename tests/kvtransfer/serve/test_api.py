@@ -101,7 +101,8 @@ def test_stop_strings_cut_the_text(cluster):
     (b'{"prompt": "x", "temperature": 5}', "temperature", "invalid_value", "less than or equal to 2"),
     (b'{"prompt": "x", "max_tokens": 100000}', "max_tokens", "context_length_exceeded", "does not fit"),
     (b'{"max_tokens": 3}', "prompt", "missing_required_parameter", "prompt"),
-    (b'{"prompt": "x", "kvtransfer": {"rid": "mine"}}', "kvtransfer", "invalid_request", 'only {"verify": bool}'),
+    (b'{"prompt": "x", "kvtransfer": {"rid": "mine"}}', "kvtransfer", "invalid_request", 'only {"verify": bool, "layerwise": bool}'),
+    (b'{"prompt": "x", "kvtransfer": {"layerwise": "yes"}}', "kvtransfer", "invalid_request", '"layerwise": bool'),
 ])
 def test_bad_requests_are_json_errors(cluster, body, param, code, words):
     r = httpx.post(f"{cluster.url('router')}/v1/completions", content=body, timeout=60)

@@ -1,7 +1,10 @@
 """``kvtransfer serve --role prefill --layerwise N``: each prefill chunk's KV leaves every N layers
-of its forward, and decode gets what it would have got whole: real nodes, NIXL over loopback."""
+of its forward, and decode gets what it would have got whole: real nodes, NIXL over loopback. A
+request may ask for its KV after the prompt instead (``"kvtransfer": {"layerwise": false}``)."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -21,9 +24,11 @@ def cluster():
     c.stop()
 
 
+@pytest.mark.parametrize("layerwise", [True, False])
 @pytest.mark.parametrize("prompt", ["Hi", LONG])
-def test_completions_equal_the_colocated_node_with_verified_kv(cluster, prompt):
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "kvtransfer": {"verify": True}}
+def test_completions_equal_the_colocated_node_with_verified_kv(cluster, prompt, layerwise):
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "kvtransfer": {"verify": True, "layerwise": layerwise}}
     a = httpx.post(f"{cluster.url('router')}/v1/completions", json=body, timeout=120)
     assert a.status_code == 200, a.text
     b = httpx.post(f"{cluster.url('colocated')}/v1/completions", json={**body, "kvtransfer": None}, timeout=120)
@@ -31,6 +36,9 @@ def test_completions_equal_the_colocated_node_with_verified_kv(cluster, prompt):
     assert out["kvtransfer"]["verified"] is True and out["kvtransfer"]["layers"] == 3
     assert out["choices"][0]["text"] == b.json()["choices"][0]["text"]
     assert out["usage"]["prompt_tokens"] > (16 if prompt == LONG else 0)
+    # the nodes stamp, on the clock of this host, the first token sampled and the KV landed on decode
+    kv = out["kvtransfer"]
+    assert kv["prefill"]["sampled_at"] < kv["landed_at"] < time.monotonic()
 
 
 def test_streamed_chat_through_the_router(cluster):
