@@ -21,7 +21,7 @@ class ModelName(enum.Enum):
     TINY_MLA = "mla-tiny"  # seeded DeepSeek-style MLA model
     TINY_HYBRID = "hybrid-tiny"  # seeded full-attention + Mamba2 hybrid
     SMOLLM2_RANDOM = "smollm2-135m-random"  # SmolLM2-135M's shape, seeded random weights
-    LLAMA3_8B = "llama3-8b"  # Llama-3-8B's shape, seeded random weights
+    LLAMA3_8B = "llama3-8b"  # Llama-3-8B's shape, seeded random weights, context 32,768 (long-prompt benchmarks)
     DEEPSEEK_V2_LITE_MLA = "deepseek-v2-lite-mla"  # DeepSeek-V2-Lite's attention, dense MLP, random weights
 
     @property
@@ -129,7 +129,7 @@ SMOLLM2_135M_SHAPE = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate
                                  max_context_len=8192, tie_embeddings=True)
 LLAMA3_8B_SHAPE = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_eps=1e-5,
-                              max_context_len=8192, tie_embeddings=False)
+                              max_context_len=32768, tie_embeddings=False)
 
 
 @dataclass(frozen=True)

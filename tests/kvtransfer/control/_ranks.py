@@ -4,7 +4,8 @@ Each rank (``multiprocessing`` "spawn") owns its pools on the CPU (:mod:`._pools
 hybrid Mamba), a NIXL transport over loopback and its KV manager; the test drives it with
 typed commands over a pipe and gets a :class:`Reply` for each. The KV and state a prefill rank
 "computes" for a request are seeded reference rows, so a decode rank checks every landed
-byte on its own.
+byte on its own. A prefill rank counts the writes it posts through its NIXL peers and can
+make one of them fail in NIXL (:class:`WriteFaults`).
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ class Prefill:
     tokens: int
     chunks: tuple  # token counts per chunk, summing to ``tokens``
     first_token: int = 0
-    hold_last: bool = False  # send every chunk but the last (the test sends it later)
+    hold_last: int = 0  # hold the last this many sends (True: the last one; layer groups count): SendLast sends them
     late_cycles: int = 0  # GPU pools: the KV queued on a side stream behind a busy wait, sent unfinished
     layer_groups: int = 0  # each chunk sent in this many consecutive layer groups (0: whole)
+    fail_write: int = 0  # the fail_write-th write this rank posts from now on fails in NIXL (WriteFaults; 0: none)
 
 
 @dataclass(frozen=True)
 class SendLast:
+    """Prefill: send what ``Prefill.hold_last`` held, in order."""
+
     request_id: str
 
 
@@ -117,8 +121,18 @@ class HoldLoop:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Either side: ``{layer position: [tokens, row bytes] uint8}``, the request's KV token rows
+    in its slots now (host pools), the buffers of a layer side by side (MHA: K | V)."""
+
+    request_id: str
+    layers: tuple
+
+
+@dataclass(frozen=True)
 class Stats:
-    """Reply ``{"free_pages", "requests", "threads"}``."""
+    """Reply ``{"free_pages", "requests", "threads"}``, and on prefill ``"writes"``: the writes
+    posted through its NIXL peers so far (:class:`WriteFaults`)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,69 @@ class Reply:
     ok: bool
     value: object = None
     error: str = ""
+
+
+class WriteFaults:
+    """The writes a prefill rank posts through its NIXL peers, counted (``posted``), and the one
+    made to fail (:meth:`fail`) the way a UCX error surfaces when a write is posted: NIXL's
+    ``transfer`` raises its ``nixlBackendError``; the transport itself then releases the request
+    and reports the write FAILED ("could not post"), nothing of it sent. A transport is used from
+    one thread at a time, so one flag says which post is that write's."""
+
+    def __init__(self):
+        self.posted = 0
+        self._fail_at = 0  # the value of ``posted`` whose write fails (0: none)
+        self._failing = False  # that write is in the transport now
+        self._hooked = False  # NIXL's post goes through _hook's check (from the first fail() on)
+
+    def fail(self, nth: int) -> None:
+        """The ``nth`` write posted from now on fails (0: none)."""
+        if nth and not self._hooked:
+            self._hook()
+        self._fail_at = self.posted + nth if nth else 0
+
+    def _hook(self) -> None:
+        """NIXL's post raises while the failing write is in the transport (this process's
+        agents: the rank's one NIXL transport)."""
+        from transport._nixl_import import load_nixl_api
+
+        api = load_nixl_api()
+        transfer, error = api.nixl_agent.transfer, api.nixlBind.nixlBackendError
+
+        def post(agent, handle, notif_msg=b""):
+            if self._failing:
+                raise error("NIXL_ERR_BACKEND")
+            return transfer(agent, handle, notif_msg)
+        api.nixl_agent.transfer = post
+        self._hooked = True
+
+    def counted(self, connect):
+        """``connect`` of a NIXL transport whose peers' writes are counted here."""
+        return lambda export: _CountedPeer(connect(export), self)
+
+    def write(self, write, batch, notify):
+        self.posted += 1
+        self._failing = self.posted == self._fail_at
+        try:
+            return write(batch, notify)
+        finally:
+            self._failing = False
+
+
+class _CountedPeer:
+    """A NIXL peer whose writes go through :class:`WriteFaults`; the rest is the peer's own."""
+
+    def __init__(self, peer, faults: WriteFaults):
+        self._peer, self._faults = peer, faults
+
+    def write(self, batch, notify=None):
+        return self._faults.write(self._peer.write, batch, notify)
+
+    def write_strided(self, batch, notify=None):
+        return self._faults.write(self._peer.write_strided, batch, notify)
+
+    def __getattr__(self, name):
+        return getattr(self._peer, name)
 
 
 class _Rank:
@@ -150,9 +227,13 @@ class _Rank:
         self.state_slot: dict = {}  # request id -> state slot (hybrid)
         self.slots: dict = {}  # request id -> [tokens] slots
         self.transports = []
+        self.faults = WriteFaults() if spec.role == "prefill" else None
         for backend in spec.backends:
             if backend == "nixl":
-                self.transports.append(NixlTransport())
+                transport = NixlTransport()
+                if self.faults is not None:
+                    transport.connect = self.faults.counted(transport.connect)
+                self.transports.append(transport)
             else:
                 from transport.nvlink import NvlinkTransport
 
@@ -199,6 +280,7 @@ class _Rank:
         from kvtransfer.control.state import KVPoll
 
         if isinstance(cmd, Prefill):
+            self.faults.fail(cmd.fail_write)
             slots = self.take(cmd.request_id, cmd.tokens)
             state_slot = self.state_slot.get(cmd.request_id)
             if not cmd.late_cycles:
@@ -210,8 +292,7 @@ class _Rank:
                 self.kit.fill(cmd.request_id, slots, state_slot or 0, late_cycles=cmd.late_cycles)
                 return self._prefill(cmd, slots, state_slot)
         if isinstance(cmd, SendLast):
-            sender, slots, aux, state_slot, group = self.held
-            sender.send(slots, last=True, aux=aux, state_slot=state_slot, layers=group and tuple(group))
+            self._send_held()
             return None
         if isinstance(cmd, Receive):
             self.requests[cmd.request_id] = (cmd.tokens, cmd.prefix)
@@ -263,12 +344,12 @@ class _Rank:
             if cmd.send_last:
                 if not holding.wait(30):
                     raise RuntimeError("the held tick did not run")
-                sender, slots, aux, state_slot, group = self.held
-                sender.send(slots, last=True, aux=aux, state_slot=state_slot,  # queued: the turn is held
-                            layers=group and tuple(group))
+                self._send_held()  # queued: the turn is held
             if not done.wait(cmd.seconds + 30):
                 raise RuntimeError("the held tick did not run")
             return None
+        if isinstance(cmd, Rows):
+            return self.rows(cmd.request_id, cmd.layers)
         if isinstance(cmd, Stats):
             stats = {"free_pages": len(self.free_pages), "requests": self.manager.num_requests,
                      "threads": threading.active_count()}
@@ -277,6 +358,7 @@ class _Rank:
             else:
                 stats["decode_peers"] = self.manager.decode_peers()
                 stats["backends"] = self.manager.decode_backends()
+                stats["writes"] = self.faults.posted
             return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
@@ -289,20 +371,47 @@ class _Rank:
         layers = len(self.manager.layout.layer_ids)
         cuts = np.linspace(0, layers, min(cmd.layer_groups, layers) + 1).round().astype(int).tolist()
         groups = list(zip(cuts, cuts[1:])) if cmd.layer_groups else [None]
+        sends = []  # send()'s arguments, in order: (slots, last, state_slot, aux, layers)
         start = 0
         for i, n in enumerate(cmd.chunks):
-            last = i == len(cmd.chunks) - 1
             for group in groups:
-                closing = group is None or group[1] == layers
-                if last and closing and cmd.hold_last:
-                    self.held = (sender, slots[start:start + n], pack_first_token(cmd.first_token, -0.5), state_slot,
-                                 group)
-                    break
-                sender.send(slots[start:start + n], last=last and closing,
-                            state_slot=state_slot if last and closing else None,
-                            aux=pack_first_token(cmd.first_token, -0.5) if last and closing else None,
-                            layers=None if group is None else tuple(group))
+                final = i == len(cmd.chunks) - 1 and (group is None or group[1] == layers)
+                sends.append((slots[start:start + n], final, state_slot if final else None,
+                              pack_first_token(cmd.first_token, -0.5) if final else None,
+                              None if group is None else tuple(group)))
             start += n
+        cut = len(sends) - int(cmd.hold_last)
+        self.held = (sender, sends[cut:])
+        for send in sends[:cut]:
+            self._send(sender, send)
+
+    @staticmethod
+    def _send(sender, send) -> None:
+        slots, last, state_slot, aux, layers = send
+        sender.send(slots, last=last, state_slot=state_slot, aux=aux, layers=layers)
+
+    def _send_held(self) -> None:
+        sender, sends = self.held
+        for send in sends:
+            self._send(sender, send)
+
+    def rows(self, request_id: str, layers: tuple) -> dict:
+        """:class:`Rows`: read from the pools' exported buffers (buffer b holds layer position
+        b % layers, as they are exported)."""
+        import ctypes
+
+        import numpy as np
+
+        if self.kit.device is not None:
+            raise ValueError(f"Rows reads host pools, this rank's are on CUDA device {self.kit.device}")
+        slots = self.slots[request_id]
+        count = len(self.layout.layer_ids)
+        picked = {position: [] for position in layers}
+        for b, (ptr, length, item) in enumerate(zip(*self.kit.kv_infos)):
+            if b % count in picked:
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(ptr))  # [length]
+                picked[b % count].append(view.reshape(-1, item // self.spec.page_size)[slots])  # [tokens, row bytes]
+        return {position: np.concatenate(rows, axis=1) for position, rows in picked.items()}
 
     def verify(self, request_id: str):
         receiver = self.handles.pop(request_id)

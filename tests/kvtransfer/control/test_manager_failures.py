@@ -1,6 +1,7 @@
 """KV managers when things go wrong, with real rank processes: a prefill rank killed and
-restarted, a decode rank killed (its prefill peer keeps serving another), aborts from prefill,
-layouts that cannot exchange data, and hundreds of requests in flight at once."""
+restarted, a decode rank killed (its prefill peer keeps serving another), a write that fails in
+the transport, aborts from prefill, layouts that cannot exchange data, and hundreds of requests
+in flight at once."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 
 from kvtransfer.control.bootstrap import BootstrapService
+from kvtransfer.layout import RankLayout
 from tests.kvtransfer.control._ranks import (Abort, HoldLoop, IsReleased, Prefill, RankProcess, RankSpec, Receive,
-                                             Released, SendLast, Stats, Verify, Wait, until_state,
+                                             Released, Rows, SendLast, Stats, Verify, Wait, until_state,
                                              wait_forgotten)
 from tests._stop import stop
 
@@ -431,3 +433,61 @@ def test_a_request_on_a_prefill_rank_no_decode_rank_is_connected_to_fails_after_
     prefill.call(Prefill("lonely", 20, (20,)))
     state, reason = prefill.call(Wait("lonely", timeout_s=20))
     assert state == "Failed" and "no decode node is connected to this prefill node" in reason
+
+
+def wait_released(rank, rid, timeout_s=10.0):
+    """Poll until the request's pages may be reused (nothing is freed), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not rank.call(IsReleased(rid)):
+        assert time.monotonic() < deadline, f"{rank.name}: request {rid} not released after {timeout_s} s"
+        time.sleep(0.01)
+
+
+def test_a_write_that_fails_in_the_transport_mid_chunk_fails_the_request_and_stops_the_rest(bootstrap, ranks):
+    """A chunk goes layer by layer, one layer a group: the first groups land, the next group's
+    write fails in NIXL's post (as a UCX error surfaces there). The request fails on both sides,
+    naming the write; the groups sent after that post nothing; decode's rows of every layer from
+    the failed group on keep what they held; the pages go back, and the rank serves on."""
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap))
+    layers = len(RankLayout.from_msgpack(prefill.layout).layer_ids)
+    assert layers >= 2, layers
+    landed = layers // 2  # groups of the first chunk that land; the next one's write fails
+    sends = 2 * layers  # two chunks of one group per layer, one write each (MHA, one decode rank)
+    free = decode.call(Stats())["free_pages"]
+    decode.call(Receive("broken", 40))
+    positions = tuple(range(layers))
+    before = decode.call(Rows("broken", positions))  # what decode's pages held before any write
+    # the sends after the failing one are held: sent once the request failed
+    prefill.call(Prefill("broken", 40, (16, 24), layer_groups=layers, fail_write=landed + 1,
+                         hold_last=sends - landed - 1))
+    state, reason = prefill.call(Wait("broken", timeout_s=20))
+    assert state == "Failed" and reason.startswith("write to decode rank ('decode-a', 0) failed: "), reason
+    assert "could not post: nixlBackendError: NIXL_ERR_BACKEND" in reason, reason
+    state, told = decode.call(Wait("broken", timeout_s=20))
+    assert state == "Failed" and f"prefill rank 0: {reason}" in told, told
+    assert prefill.call(Stats())["writes"] == landed + 1  # the groups that landed and the failed one
+    prefill.call(SendLast("broken"))  # the rest of the first chunk and all of the second: posted nowhere
+    assert prefill.call(Wait("broken")) == ("Failed", reason)
+    assert prefill.call(Stats())["writes"] == landed + 1
+    wait_released(decode, "broken")  # prefill said nothing of it is in flight
+    after = decode.call(Rows("broken", positions))
+    source = prefill.call(Rows("broken", positions))  # the KV the prefill rank computed
+    for p in positions:
+        if p < landed:  # the first chunk's tokens of this layer landed, and changed the pages
+            assert np.array_equal(after[p][:16], source[p][:16]), p
+            assert not np.array_equal(after[p][:16], before[p][:16]), p
+        else:  # the failed group and those after it: nothing written
+            assert np.array_equal(after[p][:16], before[p][:16]), p
+        assert np.array_equal(after[p][16:], before[p][16:]), p  # the second chunk: nothing written
+    decode.call(Released("broken"))
+    assert decode.call(Stats())["free_pages"] == free
+    wait_forgotten(prefill)
+    wait_forgotten(decode)
+    decode.call(Receive("after", 40))
+    prefill.call(Prefill("after", 40, (16, 24), layer_groups=layers))
+    assert decode.call(Wait("after")) == ("Success", None)
+    assert prefill.call(Wait("after")) == ("Success", None)
+    assert decode.call(Verify("after"))[0] == 0
+    assert prefill.call(Stats())["writes"] == landed + 1 + sends
+    wait_forgotten(prefill)
