@@ -138,7 +138,8 @@ class Rig:
                 out += checksums({int(rid): want}, np.array([rid]), np.array([0]), np.array([want.numel()]))
         return out
 
-    def _landed(self, expect: list) -> bool:
+    def landed(self, expect: list) -> bool:
+        """Whether every destination buffer matches ``expect`` (:meth:`expected_checksums`)."""
         if self.src_device is None:
             return self.remote.digest(self.dst_ids) == expect
         return self.remote.checksum(self.dst_ids, np.zeros_like(self.dst_ids), self.dst_sizes) == expect
@@ -168,7 +169,7 @@ class Rig:
         sender = self._end_wait("the verified write's notification")
         if sender is None:
             return False, None, "its notification never arrived"
-        if not self._landed(expect):
+        if not self.landed(expect):
             return False, None, "the destination differs from the expected bytes"
         if first >= budget_s:  # a slow path on a long prompt: its verified write is its one sample
             return True, Timing((first,)), ""

@@ -25,6 +25,11 @@ A path that cannot run here is skipped with the reason (host memory: no nvlink; 
 staged engine, and the link is a copy within the GPU; no staged mode in this NIXL). Per case: bytes, entries, time, GB/s, the ratio to the link and to the peers' way, and
 the host time before the write (planning, or building the peers' descriptors) beside it.
 
+``--layerwise on|off|on,off`` (host memory, NIXL) adds to each case the request streamed layer by
+layer while this process computes, against one write after the last layer, alternated round by
+round (:mod:`kvtransfer.benchmarks._layerwise`): the tail after the last layer's compute, the
+compute's stretch, and one layer's write alone.
+
 Output: the table (stdout), ``transfer.json`` (every figure, the machine's description) and
 ``transfer-<model>.png`` (GB/s against prompt length per path, the link dashed) under ``--out``.
 ``--quick`` is a small run of every model kind (CI runs it).
@@ -44,6 +49,7 @@ import numpy as np
 
 from kvtransfer._args import HelpFormatter, description, positive_int
 from kvtransfer.benchmarks._cases import Case, Pools
+from kvtransfer.benchmarks._layerwise import MODES, LayerCompute, run_layerwise
 from kvtransfer.benchmarks._models import PRESETS
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
 from kvtransfer.benchmarks._report import Progress, document, format_table, machine_line, time_wall, write_json
@@ -67,6 +73,14 @@ def _ints(text: str) -> list:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected positive integers, got {value}")
         out.append(value)
+    return out
+
+
+def _switches(text: str) -> tuple:
+    """``on``, ``off`` or both, comma separated, in the order given."""
+    out = tuple(dict.fromkeys(t.strip() for t in text.split(",")))
+    if not out or any(t not in MODES for t in out):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
     return out
 
 
@@ -108,6 +122,11 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory of the JSON and PNGs")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="run nothing: print the table of this transfer.json and draw its PNGs (beside it, or in --out)")
+    ap.add_argument("--layerwise", type=_switches, default=None, metavar="on|off|on,off",
+                    help="also stream each case's request layer by layer while computing (on), write it after the "
+                         "last layer (off), or both alternated (NIXL, host memory)")
+    ap.add_argument("--layer-ms", type=float, default=2.0, help="--layerwise: CPU compute per layer")
+    ap.add_argument("--layerwise-reps", type=positive_int, default=9, help="--layerwise: timed rounds per mode")
     ap.add_argument("--quick", action="store_true", help="a small run of every model kind (under a minute on a CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -131,6 +150,9 @@ def _parse(argv) -> argparse.Namespace:
         ap.error(str(exc))
     if args.pool_factor < 1.0:
         ap.error(f"--pool-factor must be >= 1, got {args.pool_factor}")
+    if not args.layer_ms > 0:
+        ap.error(f"--layer-ms must be positive, got {args.layer_ms}")
+    args.compute = None  # --layerwise: the per-layer compute, calibrated at the first case
     return args
 
 
@@ -261,7 +283,24 @@ def _run_case(rig: Rig, case: Case, where: Where, args, progress: Progress) -> d
                 res = PathResult(path, "failed", f"{type(exc).__name__}: {exc}")
         results.append(res)
         progress.step(f"{case.name}: {path} {_short(res)} in {time.monotonic() - t0:.1f} s")
-    return _record(case, plans, plan_bytes, plan_t, results)
+    record = _record(case, plans, plan_bytes, plan_t, results)
+    if args.layerwise:
+        record["layerwise"] = _run_layerwise(rig, case, where, args)
+    return record
+
+
+def _run_layerwise(rig: Rig, case: Case, where: Where, args) -> dict:
+    """``--layerwise``'s figures on ``case``, or ``{"skipped": why}``."""
+    if where.gpu:
+        return {"skipped": "layer-wise streaming is measured in host memory (GPUs: kvtransfer bench nvlink)"}
+    if "nixl" not in where.backends:
+        return {"skipped": where.skipped["nixl direct"]}
+    if args.compute is None:
+        args.compute = LayerCompute(args.layer_ms)
+    try:
+        return run_layerwise(rig, case, args.layerwise, args.compute, 1, args.layerwise_reps)
+    except Exception as exc:  # reported beside the other figures
+        return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def _run_write_path(rig, path, planned, peer_batch, plan_t, peer_t, expect, args) -> PathResult:
@@ -344,6 +383,32 @@ def _table(records: list) -> str:
     return format_table(header, rows, left=6)
 
 
+def _layerwise_table(records: list) -> str:
+    """``--layerwise``: per case and mode, the compute and the tail after it (ms)."""
+    header = ["model", "tokens", "page", "TP", "slots", "layers", "KiB/layer", "layer write", "mode", "compute",
+              "stretch", "tail", "tail - layer write"]
+    rows = []
+    for rec in records:
+        lw = rec.get("layerwise")
+        head = [rec["model"], str(rec["tokens"]), str(rec["page_size"]), f"{rec['prefill_tp']}->{rec['decode_tp']}",
+                rec["slots"]]
+        if lw is None:
+            continue
+        if "layers" not in lw:
+            rows.append(head + ["-"] * 7 + [lw.get("skipped") or f"FAILED: {lw.get('failed')}"])
+            continue
+        off = lw.get("off")
+        for mode in (m for m in MODES if m in lw):
+            fig = lw[mode]
+            stretch = "-" if off is None or mode == "off" else f"{fig['compute_s'] / off['compute_s'] - 1:+.1%}"
+            rows.append(head + [str(lw["layers"]), f"{lw['layer_bytes'] / 1024:.0f}", f"{lw['layer_s'] * 1e3:.2f}",
+                                mode, f"{fig['compute_s'] * 1e3:.2f}", stretch, f"{fig['tail_s'] * 1e3:.2f}",
+                                f"{(fig['tail_s'] - lw['layer_s']) * 1e3:+.2f}"])
+    return ("layer-wise (ms; medians): compute = first layer's start -> last layer's end, stretch against off; "
+            "tail = last layer's end -> the last notification seen by the receiver; layer write = one layer's "
+            "writes alone\n" + format_table(header, rows, left=6))
+
+
 def _panels(records: list, model: str) -> list:
     """One panel per (TP pair, page size, slot order) of ``model``: GB/s against prompt length."""
     groups = {}
@@ -375,6 +440,8 @@ def _write_outputs(args, argv, where: Where, records: list, too_big: list) -> li
               "tokens": args.token_list, "page_sizes": args.page_size_list, "tp_pairs": args.tp_pairs,
               "slots": args.slots, "paths": args.path_list, "repeats": args.repeats, "budget_s": args.budget_s,
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
+              "layerwise": args.layerwise and list(args.layerwise), "layer_ms": args.layer_ms,
+              "layer_reps": args.layerwise_reps,
               "memory": "gpu" if where.gpu else "host", "src_device": where.src_device,
               "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped,
               "skipped_lengths": [{"model": m, "tp": tp, "tokens": t, "reason": why} for m, tp, t, why in too_big]}
@@ -467,6 +534,8 @@ def main(argv=None) -> int:
     finally:
         rig.close()
     print(_table(records))
+    if args.layerwise:
+        print(_layerwise_table(records))
     print("ms: median of the repeats, batch to every byte landed (nixl: the plan's coalescing into descriptors "
           "included); spread: (max - min) / median; vs link / vs peers: their median time over this path's; "
           "prep ms: host work before the write (kvtransfer: plan_kv_transfer + plan_batch; the peers' way: "

@@ -1,5 +1,7 @@
 """``kvtransfer bench transfer``: its cases against a byte-level reference, and ``--quick`` end to end
-(the JSON's figures consistent with each other and with the plans, every path verified, the PNGs)."""
+(the JSON's figures consistent with each other and with the plans, every path verified, the PNGs);
+``--layerwise``: a request's layers written one by one land the request's bytes, and a run
+streams, verifies and times them against one write."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from kvtransfer.batches import BufferRegions
 from kvtransfer.benchmarks import transfer
 from kvtransfer.benchmarks._cases import Case, Pools
+from kvtransfer.benchmarks._layerwise import layer_batches
 from kvtransfer.benchmarks._models import PRESETS
 
 
@@ -46,6 +49,57 @@ def test_planner_and_peers_way_write_the_expected_bytes(model, tp, page, slots):
         _apply(batches, src, dst)
         for i, (got, want) in enumerate(zip(dst, expected)):
             assert np.array_equal(got, want), f"destination buffer {i} differs"
+
+
+@pytest.mark.parametrize("model", sorted(PRESETS))
+@pytest.mark.parametrize("tp", [(1, 1), (2, 1)])
+def test_a_request_written_layer_by_layer_lands_its_bytes_and_each_layer_only_its_own(model, tp):
+    import torch
+
+    shape = PRESETS[model].overridden(layers=3)
+    pools = Pools.for_tokens(shape, *tp, max_tokens=64, pool_factor=2.0)
+    case = Case.make(pools, 48, 16, "random", np.random.default_rng(3))
+    kv, state = pools.sizes("src")
+    dkv, dstate = pools.sizes("dst")
+    rng = np.random.default_rng(2)
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in kv + state]
+    src_ids = BufferRegions.of(range(len(kv)), range(len(kv), len(kv) + len(state)))
+    dst_ids = BufferRegions.of(range(len(dkv)), range(len(dkv), len(dkv) + len(dstate)))
+    layers = layer_batches(case, src_ids, dst_ids)
+    assert len(layers) == 3
+    dst = [np.full(n, 0x5A, dtype=np.uint8) for n in dkv + dstate]
+    for i, group in enumerate(layers):
+        touched = {int(r) for b in group for r in (b.expand() if hasattr(b, "expand") else b).dst_region}
+        kv_touched = {r for r in touched if r < len(dkv)}
+        assert kv_touched and all(r % 3 == i for r in kv_touched), (i, touched)  # KV buffer = export * layers + layer
+        assert i == 2 or touched == kv_touched  # state goes with the last layer
+        _apply(group, src, dst)
+    for i, got in enumerate(dst):
+        want = case.expected([torch.from_numpy(s) for s in src], 0x5A, i).numpy()
+        assert np.array_equal(got, want), f"destination buffer {i} differs"
+
+
+def test_layerwise_run_streams_verifies_and_times_both_modes(tmp_path, capsys):
+    argv = ["--models", "llama3-8b", "--layers", "4", "--tokens", "64,256", "--page-sizes", "16", "--tp", "1:1",
+            "--paths", "nixl direct", "--layerwise", "on,off", "--layer-ms", "1", "--layerwise-reps", "2",
+            "--out", str(tmp_path), "--no-progress"]
+    assert transfer.main(argv) == 0
+    table = capsys.readouterr().out
+    doc = json.loads((tmp_path / "transfer.json").read_text())
+    assert doc["config"]["layerwise"] == ["on", "off"]
+    assert transfer._layerwise_table(doc["results"]) in table
+    for rec in doc["results"]:
+        lw = rec["layerwise"]
+        assert lw["layers"] == 4 and lw["layer_bytes"] * 4 == rec["plan"]["bytes"], lw
+        assert lw["layer_s"] > 0
+        for mode in ("on", "off"):
+            assert lw[mode]["compute_s"] > 0 and lw[mode]["tail_s"] > 0, lw
+
+
+def test_layerwise_switches_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        transfer.main(["--layerwise", "sideways"])
+    assert "expected on, off or on,off, got 'sideways'" in capsys.readouterr().err
 
 
 def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
