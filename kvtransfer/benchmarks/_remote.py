@@ -304,7 +304,11 @@ class _Child:
             t.close()
 
 
-def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> None:
+def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str, host=None) -> None:
+    if host is not None:  # a kvtransfer.netns.Host: UCX over its veth
+        from kvtransfer.netns import enter
+
+        enter(host)
     child = _Child(device, backends, ipc_api)
     try:
         while True:
@@ -325,16 +329,17 @@ def _child_main(conn, device: Optional[int], backends: tuple, ipc_api: str) -> N
 
 class RemoteBuffers:
     """A receiver process on GPU ``device`` (None: host memory) holding buffers registered with
-    ``backends`` (names of :func:`make_transport`)."""
+    ``backends`` (names of :func:`make_transport`); in the network namespace of ``host`` (a
+    :class:`kvtransfer.netns.Host`) when one is given."""
 
     def __init__(self, device: Optional[int], backends: tuple = ("nvlink",), ipc_api: str = "auto",
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, host=None):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._timeout = timeout_s
-        self.proc = ctx.Process(target=_child_main, args=(child, device, tuple(backends), ipc_api), daemon=True)
+        self.proc = ctx.Process(target=_child_main, args=(child, device, tuple(backends), ipc_api, host), daemon=True)
         self.proc.start()
         child.close()
 

@@ -2,7 +2,8 @@
 
 A :class:`Rig` is this process (prefill rank 0: the source buffers, one transport per backend)
 and a receiver process (decode rank 0: the destination buffers, registered with the same
-backends; :class:`~kvtransfer.benchmarks._remote.RemoteBuffers`), loaded with the buffers of one
+backends; :class:`~kvtransfer.benchmarks._remote.RemoteBuffers`; in another network namespace
+with ``receiver_host``), loaded with the buffers of one
 :class:`~._cases.Pools` at a time. Memory
 is on GPUs (``src_device`` -> ``dst_device``, the same GPU when there is only one) or in host
 memory (both None; nixl backends only).
@@ -69,7 +70,7 @@ class Rig:
     the whole run; :meth:`load` gives both sides the buffers of one :class:`Pools` (replacing
     the previous ones)."""
 
-    def __init__(self, backends: tuple, src_device: Optional[int], dst_device: Optional[int]):
+    def __init__(self, backends: tuple, src_device: Optional[int], dst_device: Optional[int], receiver_host=None):
         import torch
 
         self.torch, self.backends = torch, backends
@@ -78,7 +79,7 @@ class Rig:
         ucx_env(gpu=src_device is not None)
         if src_device is not None:
             torch.cuda.set_device(self.device)
-        self.remote = RemoteBuffers(dst_device, backends)
+        self.remote = RemoteBuffers(dst_device, backends, host=receiver_host)
         self.transports, self.peers, self.pools = {}, {}, None
         self._awaiting = False  # a notification wait of the receiver is outstanding
         try:

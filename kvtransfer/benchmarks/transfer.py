@@ -113,6 +113,9 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--paths", default=",".join(PATHS), help="comma list of: " + ", ".join(PATHS))
     ap.add_argument("--memory", choices=("auto", "host", "gpu"), default="auto",
                     help="where the buffers live (auto: GPUs when torch sees CUDA)")
+    ap.add_argument("--two-hosts", action="store_true",
+                    help="host memory: the writer and the receiver in two network namespaces, NIXL over tcp on a "
+                         "veth pair between them (root; kvtransfer.netns)")
     ap.add_argument("--src-device", type=int, default=0)
     ap.add_argument("--dst-device", type=int, default=None, help="default: 1 with two GPUs, else 0 (same GPU)")
     ap.add_argument("--repeats", type=positive_int, default=5)
@@ -150,6 +153,10 @@ def _parse(argv) -> argparse.Namespace:
         ap.error(str(exc))
     if args.pool_factor < 1.0:
         ap.error(f"--pool-factor must be >= 1, got {args.pool_factor}")
+    if args.two_hosts:
+        if args.memory == "gpu":
+            ap.error("--two-hosts moves host memory (not --memory gpu)")
+        args.memory = "host"
     if not args.layer_ms > 0:
         ap.error(f"--layer-ms must be positive, got {args.layer_ms}")
     args.compute = None  # --layerwise: the per-layer compute, calibrated at the first case
@@ -442,7 +449,7 @@ def _write_outputs(args, argv, where: Where, records: list, too_big: list) -> li
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
               "layerwise": args.layerwise and list(args.layerwise), "layer_ms": args.layer_ms,
               "layer_reps": args.layerwise_reps,
-              "memory": "gpu" if where.gpu else "host", "src_device": where.src_device,
+              "memory": "gpu" if where.gpu else "host", "two_hosts": args.two_hosts, "src_device": where.src_device,
               "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped,
               "skipped_lengths": [{"model": m, "tp": tp, "tokens": t, "reason": why} for m, tp, t, why in too_big]}
     doc = document("transfer", argv, config, records)
@@ -495,6 +502,43 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if args.from_json is not None:
         return _from_json(args.from_json, None if args.out == DEFAULT_OUT else args.out)
+    if args.two_hosts:
+        return _on_two_hosts(argv)
+    return _run(args, argv)
+
+
+def _on_two_hosts(argv: list) -> int:
+    """The run in a writer process on one network namespace "host" and the receiver on another,
+    NIXL over tcp on the veth pair between them; the namespaces go when it ends."""
+    from kvtransfer._procs import Child
+    from kvtransfer.netns import TwoHosts, netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        print(f"kvtransfer bench transfer: --two-hosts needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    with TwoHosts() as hosts:
+        writer = Child.spawn(_run_on, (hosts.a, hosts.b, argv), name=f"writer ({hosts.a.netns})", daemon=False)
+        try:
+            return writer.recv(int, "its exit status", 24 * 3600.0)
+        finally:
+            writer.stop()
+
+
+def _run_on(conn, host, receiver_host, argv: list) -> None:
+    from kvtransfer._procs import report_failure
+    from kvtransfer.netns import enter
+
+    try:
+        enter(host)
+        conn.send(_run(_parse(argv), argv, receiver_host))
+    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
+        report_failure(conn, exc)
+        raise SystemExit(1) from None
+
+
+def _run(args, argv: list, receiver_host=None) -> int:
+    """The run (this process the writer; the receiver on ``receiver_host`` if given)."""
     where = _where(args)
     if args.token_list is None:
         args.token_list = [1024, 4096, 16384, 65536, 131072] if where.gpu else [1024, 2048, 4096]
@@ -508,12 +552,13 @@ def main(argv=None) -> int:
     runnable = [p for p in args.path_list if p not in where.skipped]
     progress = Progress(n_cases * len(runnable), enabled=not args.no_progress)
     per_length = len(args.page_size_list) * len(slot_orders) * len(runnable)  # progress steps per prompt length
+    hosts = ", two network namespaces (tcp over veth)" if receiver_host is not None else ""
     print(f"transfer bench: {', '.join(s.name for s in shapes)}; pair prefill rank 0 -> decode rank 0; "
-          f"{'GPU' if where.gpu else 'host memory'}, link = {where.link_name}; median of up to {args.repeats} "
+          f"{'GPU' if where.gpu else 'host memory'}{hosts}, link = {where.link_name}; median of up to {args.repeats} "
           f"(budget {args.budget_s:g} s per path)", flush=True)
     records = []
     rng = np.random.default_rng(args.seed)
-    rig = Rig(where.backends, where.src_device, where.dst_device)
+    rig = Rig(where.backends, where.src_device, where.dst_device, receiver_host)
     too_big = []  # (model, TP pair, tokens, why)
     try:
         for shape in shapes:

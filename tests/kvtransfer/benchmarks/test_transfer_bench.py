@@ -139,3 +139,28 @@ def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
         for where in (tmp_path, again):
             png = where / f"transfer-{model.lower().replace(' ', '-')}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_hosts_run_writes_and_streams_across_network_namespaces(tmp_path, capfd):
+    from kvtransfer.netns import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    argv = ["--two-hosts", "--models", "llama3-8b", "--layers", "2", "--tokens", "64", "--page-sizes", "16",
+            "--tp", "1:1", "--paths", "nixl direct", "--layerwise", "on", "--layer-ms", "1", "--layerwise-reps", "1",
+            "--out", str(tmp_path), "--no-progress"]
+    assert transfer.main(argv) == 0
+    assert "host memory, two network namespaces (tcp over veth)" in capfd.readouterr().out  # the writer process's
+    doc = json.loads((tmp_path / "transfer.json").read_text())
+    assert doc["config"]["two_hosts"] is True and doc["config"]["memory"] == "host"
+    (rec,) = doc["results"]
+    (path,) = rec["paths"]
+    assert path["path"] == "nixl direct" and path["status"] == "ok" and path["verified"] is True, path
+    assert set(rec["layerwise"]) == {"layers", "layer_bytes", "layer_s", "on"}, rec["layerwise"]
+
+
+def test_two_hosts_refuses_gpu_memory(capsys):
+    with pytest.raises(SystemExit):
+        transfer.main(["--two-hosts", "--memory", "gpu"])
+    assert "--two-hosts moves host memory (not --memory gpu)" in capsys.readouterr().err
