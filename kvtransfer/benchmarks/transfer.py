@@ -486,12 +486,14 @@ def _from_json(path: Path, out: Optional[Path]) -> int:
 
 
 def record_variant(argv) -> str:
-    """The kind of a ``--record`` run in bench/RESULTS.md: host-memory and GPU runs keep a record each."""
+    """The kind of a ``--record`` run in bench/RESULTS.md: host-memory, GPU and two-hosts runs keep
+    a record each, and a ``--layerwise`` run of each another."""
     import torch
 
-    memory = _parse(argv).memory
-    gpu = memory == "gpu" or (memory == "auto" and torch.cuda.is_available())
-    return "GPU" if gpu else "host memory"
+    args = _parse(argv)
+    gpu = args.memory == "gpu" or (args.memory == "auto" and torch.cuda.is_available())
+    kind = "two hosts" if args.two_hosts else "GPU" if gpu else "host memory"
+    return f"{kind}, layer-wise" if args.layerwise else kind
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -97,6 +97,16 @@ def test_the_kinds_of_run_of_nvlink_and_transport():
     assert transport.record_variant(["--kv", "--two-hosts", "--iters", "7"]) == "KV request, two hosts"
 
 
+def test_the_kinds_of_run_of_transfer():
+    from kvtransfer.benchmarks import transfer
+
+    assert transfer.record_variant(["--memory", "host"]) == "host memory"
+    assert transfer.record_variant(["--memory", "gpu"]) == "GPU"
+    assert transfer.record_variant(["--two-hosts", "--tokens", "1024"]) == "two hosts"
+    assert transfer.record_variant(["--memory", "host", "--layerwise", "on,off"]) == "host memory, layer-wise"
+    assert transfer.record_variant(["--two-hosts", "--layerwise", "on"]) == "two hosts, layer-wise"
+
+
 def test_a_heading_inside_the_output_does_not_end_the_record(tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text(DOC)
