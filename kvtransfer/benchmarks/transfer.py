@@ -522,18 +522,27 @@ def _on_two_hosts(argv: list) -> int:
     with TwoHosts() as hosts:
         writer = Child.spawn(_run_on, (hosts.a, hosts.b, argv), name=f"writer ({hosts.a.netns})", daemon=False)
         try:
-            return writer.recv(int, "its exit status", 24 * 3600.0)
+            status, printed = writer.recv(tuple, "its results", 24 * 3600.0)
         finally:
             writer.stop()
+    print(printed, end="")  # here, where --record reads it
+    return status
 
 
 def _run_on(conn, host, receiver_host, argv: list) -> None:
+    """The writer's process: its exit status and what it printed, sent back."""
+    import contextlib
+    import io
+
     from kvtransfer._procs import report_failure
     from kvtransfer.netns import enter
 
     try:
         enter(host)
-        conn.send(_run(_parse(argv), argv, receiver_host))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            status = _run(_parse(argv), argv, receiver_host)
+        conn.send((status, out.getvalue()))
     except Exception as exc:  # the parent names it instead of waiting on a dead pipe
         report_failure(conn, exc)
         raise SystemExit(1) from None

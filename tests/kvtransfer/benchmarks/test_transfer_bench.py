@@ -141,7 +141,7 @@ def test_quick_run_writes_consistent_json_and_plots(tmp_path, capsys):
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_two_hosts_run_writes_and_streams_across_network_namespaces(tmp_path, capfd):
+def test_two_hosts_run_writes_and_streams_across_network_namespaces(tmp_path, capsys):
     from kvtransfer.netns import netns_unavailable
 
     why = netns_unavailable()
@@ -151,7 +151,7 @@ def test_two_hosts_run_writes_and_streams_across_network_namespaces(tmp_path, ca
             "--tp", "1:1", "--paths", "nixl direct", "--layerwise", "on", "--layer-ms", "1", "--layerwise-reps", "1",
             "--out", str(tmp_path), "--no-progress"]
     assert transfer.main(argv) == 0
-    assert "host memory, two network namespaces (tcp over veth)" in capfd.readouterr().out  # the writer process's
+    assert "host memory, two network namespaces (tcp over veth)" in capsys.readouterr().out  # printed here
     doc = json.loads((tmp_path / "transfer.json").read_text())
     assert doc["config"]["two_hosts"] is True and doc["config"]["memory"] == "host"
     (rec,) = doc["results"]
