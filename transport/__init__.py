@@ -6,6 +6,7 @@ Knows nothing of KV, layers or heads; imports neither ``pools`` nor ``kvtransfer
 from transport.base import (
     Notification,
     PeerDescriptorError,
+    PeerDraining,
     Region,
     RegionRevoked,
     RevokeTimeout,
@@ -24,6 +25,7 @@ from transport.registry import RegionRegistry
 __all__ = [
     "Notification",
     "PeerDescriptorError",
+    "PeerDraining",
     "Region",
     "RegionRegistry",
     "RegionRevoked",

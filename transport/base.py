@@ -76,6 +76,9 @@ Errors
   its owner has since deregistered (revoked from this peer); nothing was written.
 - :class:`RevokeTimeout` (a ``TransportError``): ``deregister`` could not revoke the region
   from a peer in time; the region stays registered.
+- :class:`PeerDraining` (a ``TransportError``): ``connect`` refused for now: writes of this
+  transport to that peer still run in the backend (a lost peer's failed requests, or writes
+  that loading its new export would cancel); nothing changed, connect again later.
 
 Nothing here hangs: a dead peer surfaces as ``FAILED`` within the backend's bounded
 peer-loss timeout.
@@ -96,8 +99,10 @@ write to them can still land:
 - ``FAILED`` at the deadline (or from a backend error): the bytes already posted may still
   land (over tcp they sit in socket buffers until the peer reads them). The transport then
   treats that remote transport as lost: writes to it fail at once ("lost earlier") until a
-  new ``connect`` to it, which refuses (``TransportError``) while the failed requests are
+  new ``connect`` to it, which refuses (:class:`PeerDraining`) while the failed requests are
   still running in the backend, so no later write of this transport is overtaken by them.
+  ``Peer.lost`` says why a peer is lost so (None while writes to it may go), for a caller
+  that connects again instead of failing every later write.
   The *receiver* must still treat the destination of a failed transfer as written-to until
   the writer says otherwise or is known dead (the control plane's job).
 
@@ -166,8 +171,8 @@ from transport.batch import (ADDRESS_END, MAX_DEVICE, MAX_OFFSET, MAX_REGION_ID,
                              Region, RegionSizes, StridedBatch, WriteBatch, check_ranges, check_region_args,
                              check_strided_side)
 from transport.envelope import DESCRIPTOR_VERSION, pack_descriptor, unpack_descriptor  # noqa: F401
-from transport.errors import (PeerDescriptorError, RegionRevoked, RevokeTimeout, TransferFailed,  # noqa: F401
-                              TransferTimeout, TransportClosed, TransportError)
+from transport.errors import (PeerDescriptorError, PeerDraining, RegionRevoked, RevokeTimeout,  # noqa: F401
+                              TransferFailed, TransferTimeout, TransportClosed, TransportError)
 
 __all__ = [
     "Notification",
@@ -182,6 +187,7 @@ __all__ = [
     "TransportError",
     "TransportClosed",
     "PeerDescriptorError",
+    "PeerDraining",
     "TransferFailed",
     "TransferTimeout",
     "RegionRevoked",
@@ -299,6 +305,14 @@ class Peer(abc.ABC):
 
     name: str
     regions: Mapping[int, Region]
+
+    @property
+    def lost(self) -> Optional[str]:
+        """Why the transport refuses every write to this peer until a new ``connect`` to the
+        peer's export (a write to it failed in the backend or stalled past its deadline, or its
+        connection ended: see "What FAILED and abort() guarantee"), else None. Read without
+        blocking. Here: None, never lost."""
+        return None
 
     def takes_strided(self, entries: int) -> bool:
         """Whether :meth:`write_strided` of a factored batch of ``entries`` ranges (``P * S``)

@@ -1,7 +1,7 @@
 """The transport contract's exceptions (what each means: :mod:`transport.base`, "Errors")."""
 
-__all__ = ["PeerDescriptorError", "RegionRevoked", "RevokeTimeout", "TransferFailed", "TransferTimeout",
-           "TransportClosed", "TransportError"]
+__all__ = ["PeerDescriptorError", "PeerDraining", "RegionRevoked", "RevokeTimeout", "TransferFailed",
+           "TransferTimeout", "TransportClosed", "TransportError"]
 
 
 class TransportError(RuntimeError):
@@ -14,6 +14,12 @@ class TransportClosed(TransportError):
 
 class PeerDescriptorError(ValueError):
     """The peer's export bytes cannot be used (malformed, truncated, wrong backend/version)."""
+
+
+class PeerDraining(TransportError):
+    """``connect`` cannot connect to that peer yet: writes of this transport to it are still
+    running in the backend (the failed requests of a peer it lost, or writes that loading the
+    new export would cancel). Nothing changed; connect again once they end."""
 
 
 class TransferFailed(TransportError):

@@ -262,9 +262,10 @@ class DecodeKVManager(BaseKVManager):
 
     def _on_not_connected(self, peer: PrefillPeer, msg: NotConnected) -> bool:
         """The prefill rank dropped this rank (it was silent past the heartbeat timeout: a
-        pause, not a death). Fail what waits for it and say hello again; True if the socket
-        was replaced. A new incarnation (a restart at the same address) is left to the
-        bootstrap lookup, which knows its new endpoints."""
+        pause, not a death; or a failed write lost the prefill rank's transport peer of it).
+        Fail what waits for it and say hello again (the prefill rank connects anew); True if
+        the socket was replaced. A new incarnation (a restart at the same address) is left to
+        the bootstrap lookup, which knows its new endpoints."""
         rank, session = peer.rank, peer.session
         if self._closing or session.state not in (PeerState.READY, PeerState.LOST):
             return False  # closing, or a hello of this socket is on its way, or refused / gone

@@ -47,9 +47,13 @@ keeps it, unless no decode rank is connected here at all: then it fails after
 A decode rank that sends no heartbeat for ``heartbeat_timeout_s`` is dropped (its requests
 fail; what came on the socket meanwhile is read first); so is one silent for two heartbeat
 intervals whose process has ended (on one host: named in its hello,
-:mod:`kvtransfer.control.liveness`). If it was only paused, its next message
-is answered ``NotConnected`` and it says hello again; a hello from a known rank replaces the old
-entry (its requests fail, its transport peer is closed with drain) before it is acknowledged.
+:mod:`kvtransfer.control.liveness`), and one a write to which failed in a way that lost its
+transport peer (``Peer.lost``: NIXL's status check failed or the write passed its deadline; the
+transport then refuses every write to it until a new connect). If it was only paused, or is
+alive after all, its next message is answered ``NotConnected`` and it says hello again; a hello
+from a known rank replaces the old entry (its requests fail, its transport peer is closed with
+drain) before it is acknowledged, and a hello whose transport cannot connect yet (the failed
+writes still run in the backend) is answered once it can.
 
 Threads: every transport call and socket operation happens in a turn of the manager's event
 loop, one at a time: on its thread, or, for ``send()`` while the loop is between turns, on the
@@ -434,20 +438,29 @@ class PrefillKVManager(BaseKVManager):
         for rid in list(self._computing):  # chunks waiting for the engine's stream
             self._flush(self._outgoing[rid])
         busy = bool(self._computing)
+        failed_to: set = set()  # decode ranks a write to failed in this turn
         for rid in list(self._moving):  # the others wait for an ask or a chunk: nothing to poll
             out = self._outgoing[rid]
-            busy |= out.poll_writes(lambda key, error: self._fail(rid, f"write to decode rank {key} failed: {error}"))
+            busy |= out.poll_writes(lambda key, error: self._write_failed(rid, key, error, failed_to))
             state = out.status.state
             if state is KVPoll.Success or (state is KVPoll.Failed and not out.inflight):
                 self._finish(rid, out)
             elif not out.inflight:
                 self._moving.discard(rid)
+        if failed_to:  # those whose transport peer is lost are dropped, to be connected anew
+            self._ranks.drop_lost(failed_to)
         if now >= self._next_sweep:  # timeouts are seconds long: every request looked at every SWEEP_INTERVAL_S
             self._next_sweep = now + SWEEP_INTERVAL_S
             self._sweep(now)
         self._ranks.answer_departed({k for rid in self._moving for _, k in self._outgoing[rid].inflight})
         self._ranks.drop_silent(now, self._on_router)
         return self.config.loop_pause(busy)
+
+    def _write_failed(self, rid: str, key: tuple, error: str, failed_to: set) -> None:
+        """A write of request ``rid`` to decode rank ``key`` failed: the request fails, and the
+        rank is noted in ``failed_to`` (the turn then drops it if its transport peer is lost)."""
+        failed_to.add(key)
+        self._fail(rid, f"write to decode rank {key} failed: {error}")
 
     def _sweep(self, now: float) -> None:
         """Fail the requests past their deadline; forget the ids nobody claimed in time; drop the

@@ -23,7 +23,7 @@ from kvtransfer.control.session import PeerSession, PeerState, confirm_silent
 from kvtransfer.control.wire import DecodeHello, Goodbye, Heartbeat, HelloAck, NotConnected, endpoints_of, process_of
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, StridedBatch, TransportError
+from transport.base import PeerDescriptorError, PeerDraining, StridedBatch, TransportError
 
 __all__ = ["DecodePeer", "DecodeRanks"]
 
@@ -89,11 +89,16 @@ class DecodeRanks:
     """The decode ranks a prefill rank knows, and its ROUTER socket to them (loop thread only).
 
     A hello is checked (layouts, a transport in common) and answered here; a rank is known by
-    its key ``(instance, tp_rank)`` and by its socket's routing id. A rank is *dropped* when it
-    is lost (silent past the heartbeat timeout, or its process ended) or says hello again: its
-    transport peer is closed with drain, and ``on_drop(key, reason)`` fails its requests. A
-    socket dropped so is answered ``NotConnected`` (it says hello again if it lives). A rank
-    that says goodbye *leaves*: it is answered once no write to it is in flight."""
+    its key ``(instance, tp_rank)`` and by its socket's routing id. A hello whose transport
+    cannot connect yet (``PeerDraining``: this rank's failed writes to it still run) *waits*,
+    unanswered, and is tried again at each :meth:`sweep` until it connects, a newer hello of the
+    rank replaces it, or the handshake timeout passes (the decode rank then says hello again on
+    its own). A rank is *dropped* when it is lost (silent past the heartbeat timeout, its process
+    ended, or its transport peer lost: :meth:`drop_lost`) or says hello again: its transport
+    peer is closed with drain, and ``on_drop(key, reason)`` fails its requests. A socket dropped
+    so is answered ``NotConnected`` (it says hello again if it lives, and the new hello connects
+    the transport anew). A rank that says goodbye *leaves*: it is answered once no write to it
+    is in flight."""
 
     def __init__(self, router, owner, on_drop):
         self._router = router
@@ -103,6 +108,7 @@ class DecodeRanks:
         self._by_identity: dict = {}  # routing id -> key
         self._dropped: dict = {}  # routing id -> (time, reason, logged): sockets without a hello (NotConnected)
         self._leaving: dict = {}  # key -> DecodePeer that said goodbye, until no write to it is in flight
+        self._waiting: dict = {}  # key -> (routing id, DecodeHello, since): hellos whose transport cannot connect yet
 
     @property
     def _rank(self) -> int:
@@ -129,7 +135,13 @@ class DecodeRanks:
     def hello(self, identity: bytes, hello: DecodeHello) -> None:
         """Check the decode rank's layout and connect to it over the best shared transport; a
         known rank's old entry is dropped first (its requests fail, its transport peer closes
-        with drain). Answered with HelloAck (an error says why it was refused)."""
+        with drain). Answered with HelloAck (an error says why it was refused), or, while the
+        transport cannot connect yet, not yet: the hello waits (class docstring)."""
+        self._waiting.pop(hello.key, None)  # a newer hello replaces one still waiting
+        self._answer(identity, hello, time.monotonic())
+
+    def _answer(self, identity: bytes, hello: DecodeHello, since: float) -> None:
+        """:meth:`hello`, for a hello that came at ``since``."""
         mine = self._owner.layout
         error = ""
         try:
@@ -144,7 +156,14 @@ class DecodeRanks:
             old = self.peers.pop(hello.key, None)
             if old is not None:  # it restarted, or lost this rank and reconnects: its old requests cannot finish
                 self.drop(old, f"decode rank {hello.key} said hello again (restarted or reconnecting)")
-            connected = self._connect(hello, theirs)
+            try:
+                connected = self._connect(hello, theirs)
+            except PeerDraining as exc:
+                if hello.key not in self._waiting:
+                    log.info("prefill rank %d: the hello of decode rank %s waits: %s", mine.tp_rank, hello.key, exc)
+                self._waiting[hello.key] = (identity, hello, since)
+                return
+            self._waiting.pop(hello.key, None)
             if isinstance(connected, str):
                 error = connected
             else:
@@ -169,19 +188,24 @@ class DecodeRanks:
 
     def _connect(self, hello: DecodeHello, theirs: dict):
         """``(backend, transport Peer, the decode rank's BufferRegions)`` over the best shared
-        transport that connects, else why none did (a str)."""
+        transport that connects, else why none did (a str). ``PeerDraining`` when none
+        connects and one of them only cannot yet."""
         mine = self._owner.endpoints.transports
         candidates = pick_backend(mine, theirs, same_host=hello.host == self._owner.host)
         if not candidates:
             return f"no transport in common: this side {sorted(mine)}, peer {sorted(theirs)}"
-        failures = []
+        failures, draining = [], None
         for backend in candidates:
             try:
                 regions = BufferRegions.from_wire(theirs[backend].regions)
                 return backend, mine[backend].connect(theirs[backend].export), regions
+            except PeerDraining as exc:
+                draining = draining or PeerDraining(f"{backend}: {exc}")
             except (PeerDescriptorError, TransportError, ValueError) as exc:
                 failures.append(f"{backend}: {exc}")
                 log.info("prefill rank %d: %s to decode rank %s unusable: %s", self._rank, backend, hello.key, exc)
+        if draining is not None:
+            raise draining
         return "cannot connect to the decode rank's transport (" + "; ".join(failures) + ")"
 
     def not_connected(self, identity: bytes, msg) -> None:
@@ -233,15 +257,34 @@ class DecodeRanks:
 
     def sweep(self, now: float, horizon: float) -> None:
         """Drop the ranks silent for two heartbeat intervals whose process has ended (no need to
-        wait for the heartbeat timeout: :mod:`kvtransfer.control.liveness`); forget the sockets
-        dropped before ``horizon``."""
+        wait for the heartbeat timeout: :mod:`kvtransfer.control.liveness`); try the waiting
+        hellos again; forget the sockets dropped before ``horizon``."""
         for key, peer in list(self.peers.items()):
             ended = peer.session.process_ended(self._owner.process) if peer.session.suspect(now) else None
             if ended is not None:
                 del self.peers[key]
                 self.drop(peer, f"decode rank {key} lost: {ended}")
+        for key, (identity, hello, since) in list(self._waiting.items()):
+            if now - since > self._owner.config.handshake_timeout_s:  # it has given up on this hello by now
+                del self._waiting[key]
+                log.warning("prefill rank %d: the hello of decode rank %s waited %g s for its transport; "
+                            "left unanswered", self._rank, key, self._owner.config.handshake_timeout_s)
+            else:
+                self._answer(identity, hello, since)
         for identity in [i for i, (when, _, _) in self._dropped.items() if when < horizon]:
             del self._dropped[identity]  # a later message from it is answered all the same
+
+    def drop_lost(self, keys) -> None:
+        """Drop the ranks among ``keys`` (those a write failed to) whose transport peer is lost
+        (``Peer.lost``: the transport refuses every later write to it until a new connect, which
+        the rank's next hello makes). A write that failed without losing the peer (its post was
+        refused) fails its request alone."""
+        for key in keys:
+            peer = self.peers.get(key)
+            lost = None if peer is None else peer.peer.lost
+            if lost is not None:
+                del self.peers[key]
+                self.drop(peer, f"decode rank {key} lost by its {peer.backend} transport: {lost}")
 
     def drop(self, peer: DecodePeer, reason: str) -> None:
         """Drop a rank already taken out of :attr:`peers`: its requests fail, its transport peer

@@ -79,7 +79,7 @@ The entries of an agent are what its exports named and what the metadata of its 
 Welcome registered (its regions then and its lanes' staging memory, listed in the message:
 ``wire.registered_entries``). Such an export is loaded afresh instead
 (:func:`~transport.nixl.regions.stale_overlap`): the agent's metadata, its staged lane and its
-endpoint are dropped first -- refused with a TransportError while a write of this transport to
+endpoint are dropped first -- refused with ``PeerDraining`` while a write of this transport to
 it is in flight -- and one more endpoint is opened (see Connections).
 
 Revocation (:mod:`transport.nixl.revoke`): ``connect`` tells the owner of the export that this
@@ -105,9 +105,9 @@ The contract's "late bytes": releasing an active NIXL request does not stop byte
 has (over tcp, megabytes of an aborted write can land after the release returned, once a
 stopped receiver runs again). So ``abort()`` polls the request until NIXL no longer reports it
 in progress, then releases it; a request that fails at its deadline is kept (not released) in
-a per-agent drain list and the agent is marked lost: writes to it fail at once, and ``connect``
-to it refuses until the drain list is empty, then tears the old endpoint down and loads the
-agent afresh.
+a per-agent drain list and the agent is marked lost (``NixlPeer.lost`` says why): writes to it
+fail at once, and ``connect`` to it refuses (``PeerDraining``) until the drain list is empty,
+then tears the old endpoint down and loads the agent afresh.
 
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check. A peer that is alive but stalled (SIGSTOP) leaves the request pending forever, so

@@ -44,6 +44,12 @@ class NixlPeer(Peer):
         self.hold_seq = 0  # the Hold sent for this snapshot (transport.nixl.revoke): direct writes wait for its ack
         self.lists = PreparedLists(core.agent, name, self._live_regions)  # its regions' prepared lists
 
+    @property
+    def lost(self) -> Optional[str]:
+        """Why the remote agent is lost (a write to it failed in NIXL or passed its deadline):
+        writes fail at once until a new ``connect``; None while writes may go."""
+        return self._core.remotes.lost.get(self.name)
+
     def takes_strided(self, entries: int) -> bool:
         """With the staged mode on, a batch of at least its ``min_rows`` ranges: :meth:`write_strided`
         stages it with O(P + S) host work (or writes its coalesced form, which has as many entries

@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 from transport.base import Notification, TransferStatus, Transport
 from transport.batch import Region
 from transport.envelope import pack_descriptor, unpack_descriptor
-from transport.errors import PeerDescriptorError, TransportError
+from transport.errors import PeerDescriptorError, PeerDraining, TransportError
 from transport.nixl.config import NixlConfig
 from transport.nixl.core import Core
 from transport.nixl.peer import NixlPeer
@@ -111,8 +111,8 @@ class NixlTransport(Transport):
         if name in remotes.lost:  # a new connect after a loss: its failed requests are done, then a fresh endpoint
             left = remotes.drain(name)
             if left:
-                raise TransportError(f"peer {name!r} still has {left} failed request(s) in flight (it stalled); "
-                                     "connect again once it progresses or dies")
+                raise PeerDraining(f"peer {name!r} still has {left} failed request(s) in flight (it stalled); "
+                                   "connect again once it progresses or dies")
             del remotes.lost[name]
             if name not in remotes.current:
                 remotes.idle.discard(name)
@@ -155,7 +155,7 @@ class NixlTransport(Transport):
         lane = core.lanes.get(name)
         staged = lane is not None and lane.busy
         if direct or staged:
-            raise TransportError(
+            raise PeerDraining(
                 f"peer {name!r} deregistered regions that overlap ones its new export names, so NIXL must load "
                 f"that export afresh, which would cancel this transport's writes in flight to it ({direct} direct"
                 f"{', and staged ones' if staged else ''}): connect again once they end")

@@ -270,6 +270,13 @@ class NvlinkPeer(Peer):
         owner._mailbox.add(self._hold)  # its thread reads the peer's answer to the Hello, and revokes
 
     @property
+    def lost(self) -> Optional[str]:
+        """Why writes to the peer fail at once until a new ``connect``: its mailbox connection
+        ended (the peer closed it, or a notification could not be sent); None while it holds."""
+        outbox = self._queue.outbox
+        return None if outbox is None or outbox.alive() else f"peer {self.name!r} lost (its socket closed)"
+
+    @property
     def device(self) -> int:
         """The local GPU that runs this peer's copies."""
         return self._copy.device

@@ -4,8 +4,9 @@ Each rank (``multiprocessing`` "spawn") owns its pools on the CPU (:mod:`._pools
 hybrid Mamba), a NIXL transport over loopback and its KV manager; the test drives it with
 typed commands over a pipe and gets a :class:`Reply` for each. The KV and state a prefill rank
 "computes" for a request are seeded reference rows, so a decode rank checks every landed
-byte on its own. A prefill rank counts the writes it posts through its NIXL peers and can
-make one of them fail in NIXL (:class:`WriteFaults`).
+byte on its own. A prefill rank counts the writes it posts through its NIXL peers and its
+connects, and can make one of those writes fail in NIXL, in its post or after it
+(:class:`WriteFaults`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class Prefill:
     hold_last: int = 0  # hold the last this many sends (True: the last one; layer groups count): SendLast sends them
     late_cycles: int = 0  # GPU pools: the KV queued on a side stream behind a busy wait, sent unfinished
     layer_groups: int = 0  # each chunk sent in this many consecutive layer groups (0: whole)
-    fail_write: int = 0  # the fail_write-th write this rank posts from now on fails in NIXL (WriteFaults; 0: none)
+    fail_write: int = 0  # the fail_write-th write this rank posts from now on fails in NIXL's post (WriteFaults)
+    lose_write: int = 0  # the lose_write-th write posted from now on fails after its post (WriteFaults.lose; 0: none)
+    stall_s: float = 0.0  # with lose_write: NIXL still runs the failed write this long after it failed
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,9 @@ class Rows:
 
 @dataclass(frozen=True)
 class Stats:
-    """Reply ``{"free_pages", "requests", "threads"}``, and on prefill ``"writes"``: the writes
-    posted through its NIXL peers so far (:class:`WriteFaults`)."""
+    """Reply ``{"free_pages", "requests", "threads"}``, and on prefill ``"writes"`` and
+    ``"connects"``: the writes posted through its NIXL peers and the connects of its NIXL
+    transport so far (:class:`WriteFaults`)."""
 
 
 @dataclass(frozen=True)
@@ -148,50 +152,96 @@ class Reply:
 
 
 class WriteFaults:
-    """The writes a prefill rank posts through its NIXL peers, counted (``posted``), and the one
-    made to fail (:meth:`fail`) the way a UCX error surfaces when a write is posted: NIXL's
-    ``transfer`` raises its ``nixlBackendError``; the transport itself then releases the request
-    and reports the write FAILED ("could not post"), nothing of it sent. A transport is used from
-    one thread at a time, so one flag says which post is that write's."""
+    """The writes a prefill rank posts through its NIXL peers, counted (``posted``), its NIXL
+    transport's connects, counted (``connects``), and the write made to fail in one of two ways
+    a UCX error surfaces:
+
+    - in its post (:meth:`fail`): NIXL's ``transfer`` raises its ``nixlBackendError``; the
+      transport itself then releases the request and reports the write FAILED ("could not
+      post"), nothing of it sent;
+    - after its post (:meth:`lose`), as when the connection to the peer broke under it: NIXL's
+      ``transfer`` takes the write ("PROC") but nothing of it goes out, and ``check_xfer_state``
+      of it raises ``nixlRemoteDisconnectError``; the transport then reports it FAILED and
+      counts the peer lost until a new connect, which waits until NIXL no longer runs the failed
+      write (``stall_s``: the check says it is in progress that long, then raises again).
+
+    A transport is used from one thread at a time, so one flag says which post is that write's."""
 
     def __init__(self):
         self.posted = 0
-        self._fail_at = 0  # the value of ``posted`` whose write fails (0: none)
-        self._failing = False  # that write is in the transport now
-        self._hooked = False  # NIXL's post goes through _hook's check (from the first fail() on)
+        self.connects = 0
+        self._fail_at = 0  # the value of ``posted`` whose write fails in its post (0: none)
+        self._lose_at = 0  # the value of ``posted`` whose write fails after its post (0: none)
+        self._stall_s = 0.0
+        self._failing = False  # the write failing in its post is in the transport now
+        self._losing = False  # the write failing after its post is in the transport now
+        self._lost: dict = {}  # id(handle) -> [handle, when its state check first failed (None: not yet)]
+        self._hooked = False  # NIXL's post and state check go through _hook's (from the first fault on)
 
     def fail(self, nth: int) -> None:
-        """The ``nth`` write posted from now on fails (0: none)."""
+        """The ``nth`` write posted from now on fails in its post (0: none)."""
         if nth and not self._hooked:
             self._hook()
         self._fail_at = self.posted + nth if nth else 0
 
+    def lose(self, nth: int, stall_s: float = 0.0) -> None:
+        """The ``nth`` write posted from now on fails after its post (0: none); NIXL reports it
+        in progress for ``stall_s`` after its first failed check."""
+        if nth and not self._hooked:
+            self._hook()
+        self._lose_at = self.posted + nth if nth else 0
+        self._stall_s = stall_s
+
     def _hook(self) -> None:
-        """NIXL's post raises while the failing write is in the transport (this process's
+        """NIXL's post raises while the write failing there is in the transport; its state
+        check raises for the request of the write failing after its post (this process's
         agents: the rank's one NIXL transport)."""
         from transport._nixl_import import load_nixl_api
 
         api = load_nixl_api()
-        transfer, error = api.nixl_agent.transfer, api.nixlBind.nixlBackendError
+        transfer, check = api.nixl_agent.transfer, api.nixl_agent.check_xfer_state
+        refused, disconnected = api.nixlBind.nixlBackendError, api.nixlBind.nixlRemoteDisconnectError
 
         def post(agent, handle, notif_msg=b""):
             if self._failing:
-                raise error("NIXL_ERR_BACKEND")
+                raise refused("NIXL_ERR_BACKEND")
+            if self._losing:  # the handle is kept: its id names no other request while it lives
+                self._lost[id(handle)] = [handle, None]
+                return "PROC"
             return transfer(agent, handle, notif_msg)
+
+        def state(agent, handle):
+            lost = self._lost.get(id(handle))
+            if lost is None:
+                return check(agent, handle)
+            now = time.monotonic()
+            if lost[1] is None:
+                lost[1] = now
+            elif now - lost[1] < self._stall_s:
+                return "PROC"
+            else:  # the transport releases it now
+                del self._lost[id(handle)]
+            raise disconnected("NIXL_ERR_REMOTE_DISCONNECT")
         api.nixl_agent.transfer = post
+        api.nixl_agent.check_xfer_state = state
         self._hooked = True
 
     def counted(self, connect):
-        """``connect`` of a NIXL transport whose peers' writes are counted here."""
-        return lambda export: _CountedPeer(connect(export), self)
+        """``connect`` of a NIXL transport whose connects and peers' writes are counted here."""
+        def counted_connect(export):
+            peer = _CountedPeer(connect(export), self)
+            self.connects += 1
+            return peer
+        return counted_connect
 
     def write(self, write, batch, notify):
         self.posted += 1
         self._failing = self.posted == self._fail_at
+        self._losing = self.posted == self._lose_at
         try:
             return write(batch, notify)
         finally:
-            self._failing = False
+            self._failing = self._losing = False
 
 
 class _CountedPeer:
@@ -281,6 +331,7 @@ class _Rank:
 
         if isinstance(cmd, Prefill):
             self.faults.fail(cmd.fail_write)
+            self.faults.lose(cmd.lose_write, cmd.stall_s)
             slots = self.take(cmd.request_id, cmd.tokens)
             state_slot = self.state_slot.get(cmd.request_id)
             if not cmd.late_cycles:
@@ -359,6 +410,7 @@ class _Rank:
                 stats["decode_peers"] = self.manager.decode_peers()
                 stats["backends"] = self.manager.decode_backends()
                 stats["writes"] = self.faults.posted
+                stats["connects"] = self.faults.connects
             return stats
         raise TypeError(f"unknown command {type(cmd).__name__}")
 

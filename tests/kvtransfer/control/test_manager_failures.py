@@ -1,7 +1,7 @@
 """KV managers when things go wrong, with real rank processes: a prefill rank killed and
 restarted, a decode rank killed (its prefill peer keeps serving another), a write that fails in
-the transport, aborts from prefill, layouts that cannot exchange data, and hundreds of requests
-in flight at once."""
+the transport (in its post, or after it: the transport peer lost and connected anew), aborts
+from prefill, layouts that cannot exchange data, and hundreds of requests in flight at once."""
 
 from __future__ import annotations
 
@@ -490,4 +490,43 @@ def test_a_write_that_fails_in_the_transport_mid_chunk_fails_the_request_and_sto
     assert prefill.call(Wait("after")) == ("Success", None)
     assert decode.call(Verify("after"))[0] == 0
     assert prefill.call(Stats())["writes"] == landed + 1 + sends
+    assert prefill.call(Stats())["connects"] == 1  # a refused post loses no peer: the decode rank was not dropped
     wait_forgotten(prefill)
+
+
+def wait_connects(prefill, connects, timeout_s=20.0):
+    """Poll until the prefill rank's NIXL transport has connected ``connects`` times, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while (got := prefill.call(Stats())["connects"]) != connects:
+        assert got < connects and time.monotonic() < deadline, \
+            f"{prefill.name}: {got} connects, not {connects}, after {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stall_s", [0.0, 1.0])
+def test_a_write_that_fails_after_its_post_loses_the_peer_and_the_decode_rank_is_connected_anew(bootstrap, ranks,
+                                                                                                  stall_s):
+    """A write is posted, then NIXL's state check of it fails (as when the connection to the
+    decode rank broke): the transport counts that peer lost and refuses every later write to it
+    until a new connect. The request fails on both sides, naming the write; the prefill rank
+    drops the decode rank, whose next heartbeat is answered NotConnected, so it says hello again
+    and the prefill rank connects anew -- once NIXL no longer runs the failed write (with
+    ``stall_s``, it still does for that long after it failed: the hello waits for its answer
+    meanwhile). The next request to that decode rank lands byte for byte."""
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    decode = ranks(decode_spec(bootstrap))
+    assert prefill.call(Stats())["connects"] == 1
+    decode.call(Receive("lost", 40))
+    prefill.call(Prefill("lost", 40, (16, 24), lose_write=1, stall_s=stall_s))
+    state, reason = prefill.call(Wait("lost", timeout_s=20))
+    assert state == "Failed" and reason.startswith("write to decode rank ('decode-a', 0) failed: "), reason
+    assert "nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT" in reason, reason
+    state, told = decode.call(Wait("lost", timeout_s=20))
+    assert state == "Failed" and f"prefill rank 0: {reason}" in told, told
+    wait_connects(prefill, 2)  # dropped, said hello again, connected anew
+    wait_ready(decode, [0])
+    assert prefill.call(Stats())["decode_peers"] == [("decode-a", 0)]
+    decode.call(Released("lost"))
+    wait_forgotten(decode)
+    assert_lands(prefill, decode, "after")
+    assert prefill.call(Stats())["connects"] == 2

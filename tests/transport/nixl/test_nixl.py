@@ -29,6 +29,7 @@ from tests.transport._support import assert_same, connect_once_drained, split_de
 from tests.transport.nixl._support import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
 from transport.base import (  # noqa: E402
     PeerDescriptorError,
+    PeerDraining,
     TransferFailed,
     TransferStatus,
     TransportClosed,
@@ -344,7 +345,7 @@ def test_a_newer_export_whose_regions_overlap_deregistered_ones_is_loaded_afresh
     stop(rx.proc.pid)
     inflight = peer.write(wb(sid, 0, 1, 0, 8 * MiB))  # region 1 is untouched throughout
     assert inflight.status() is TransferStatus.PENDING, inflight.error
-    with pytest.raises(TransportError, match="deregistered regions that overlap .* connect again once they end"):
+    with pytest.raises(PeerDraining, match="deregistered regions that overlap .* connect again once they end"):
         t.connect(export)
     os.kill(rx.proc.pid, signal.SIGCONT)
     inflight.wait(30)
@@ -577,18 +578,21 @@ def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(w
 def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, receiver):
     """FAILED at the deadline: bytes of the request may still land, so this transport refuses
     further writes to that agent (a later write must not be overtaken by them) until a new
-    connect to it, which tears the old endpoint down first."""
+    connect to it, which tears the old endpoint down first. ``Peer.lost`` says so meanwhile."""
     rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, 8 * MiB, 5, peer_loss_timeout_s=0.5)
+    assert peer.lost is None
     tr = stalled_write(rx, peer, sid, 8 * MiB, rng)
     with pytest.raises(TransferFailed, match="not done after"):
         tr.wait(20)
+    assert peer.lost == tr.error
     later = peer.write(wb(sid, 0, 0, 0, 4096))
     assert later.status() is TransferStatus.FAILED
     assert re.search(r"was lost earlier \(connect to a new export first\): .*not done after", later.error)
-    with pytest.raises(TransportError, match=r"still has 1 failed request\(s\) in flight \(it stalled\)"):
+    with pytest.raises(PeerDraining, match=r"still has 1 failed request\(s\) in flight \(it stalled\)"):
         t.connect(rx.export)
     os.kill(rx.proc.pid, signal.SIGCONT)
     again = connect_once_drained(t, rx.export)
+    assert again.lost is None
     again.write(wb(sid, 0, 0, 0, 4096)).wait(30)
     time.sleep(0.3)  # room for a late byte of the failed write
     assert_same(rx.dump(0)[:4096], src[:4096], "first page after reconnecting")
