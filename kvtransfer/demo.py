@@ -175,8 +175,9 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
     start the router in front of them and wait for it (filling ``servers`` as each starts, so a
     caller can stop what started if this fails); every rank gets an equal share of this
     machine's cores (:func:`threads_per_rank`). ``args`` holds the demo's flags; ``transport``,
-    ``prefill_gpu``, ``decode_gpu``, ``heartbeat_timeout`` and ``layerwise_layers`` (the prefill
-    node's ``--layerwise``) may be absent (their defaults)."""
+    ``prefill_gpu``, ``decode_gpu``, ``heartbeat_timeout``, ``layerwise_layers`` (the prefill
+    node's ``--layerwise``), ``pool_tokens`` and ``max_running`` (every node's) may be absent
+    (their defaults)."""
     ports = {k: free_port() for k in ("router", "prefill", "decode", "colocated", "bootstrap")}
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
               "--threads", str(threads_per_rank(args.prefill_tp + args.decode_tp + 1)),
@@ -184,6 +185,8 @@ async def launch(client, args, logdir: str, servers: dict, verify_kv: bool, star
               "--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", None) or heartbeat_timeout(args.device))]
     if getattr(args, "pool_tokens", None):  # the nodes' pool size (bench serve's --pool-tokens)
         common += ["--pool-tokens", str(args.pool_tokens)]
+    if getattr(args, "max_running", None):  # requests in each engine at once (bench serve's --max-running)
+        common += ["--max-running", str(args.max_running)]
     prefill_gpu, decode_gpu = str(getattr(args, "prefill_gpu", 0)), str(getattr(args, "decode_gpu", 1))
     servers["prefill"] = Server("prefill node", ["serve", "--role", "prefill", *common, "--tp", str(args.prefill_tp),
                                 "--page-size", str(args.prefill_page_size), "--port", str(ports["prefill"]),

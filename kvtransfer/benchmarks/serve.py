@@ -11,6 +11,9 @@ machine, with the same requests.
                                                          # load: each request fits a pool alone, few together
     kvtransfer bench serve --layerwise on,off --prompt-tokens 4096 --concurrency 1
                                                          # KV sent layer by layer, and after the prompt, alternated
+    kvtransfer bench serve --model llama3-8b --device cuda --layerwise on,off --concurrency 1 \\
+        --prompt-tokens 1024,4096,16384,32000 --output-tokens 8 --pool-tokens 33500 --max-running 4
+                                                         # one set of nodes, four prompt lengths in turn
 
 The load generator is the one users know from vLLM's ``benchmark_serving`` and SGLang's
 ``bench_serving``: streaming ``/v1/completions`` requests (``ignore_eos``, so each produces its
@@ -37,7 +40,9 @@ captured graphs), alternated with the colocated node in ``--rounds`` rounds of t
 falls on every mode alike.
 
 Output: the table (stdout), ``serve.json`` (every request's figures, the machine) and
-``serve.png`` (TTFT and ITL percentiles, disaggregated against colocated) under ``--out``.
+``serve.png`` (TTFT and ITL percentiles, disaggregated against colocated) under ``--out``;
+with several ``--prompt-tokens`` spans, a table, ``serve-<span>.json`` and ``serve-<span>.png``
+per span, each as soon as its span has run.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from kvtransfer.benchmarks._report import Progress, Timing, document, format_tab
 
 DEFAULT_OUT = Path("bench/out/serve")
 PERCENTILES = (50, 90, 99)
-QUICK = dict(model="mla-tiny", requests=12, concurrency=3, prompt_tokens=(16, 96), output_tokens=(4, 12),
+QUICK = dict(model="mla-tiny", requests=12, concurrency=3, prompt_tokens=((16, 96),), output_tokens=(4, 12),
              prefill_tp=2)
 WORDS = ("the of and to in is that for it as with was on be by this are from at or an have not which but "
          "all were when we there can more if will one about time been has would so what out up into its them "
@@ -69,6 +74,11 @@ WORDS = ("the of and to in is that for it as with was on be by this are from at 
          "each just those people how too little state good very make world still own see men work long get "
          "here between both life being under never day same another know while last might us great old year "
          "off come since against go came right used take three").split()
+
+
+def _spans(text: str) -> tuple:
+    """``N|LO:HI[,...]``: the prompt-length spans, in order."""
+    return tuple(_range(part.strip()) for part in text.split(","))
 
 
 def _range(text: str) -> tuple:
@@ -325,10 +335,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=positive_int, default=32)
     ap.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (unless --rate)")
     ap.add_argument("--rate", type=float, default=None, help="requests per second, Poisson arrivals")
-    ap.add_argument("--prompt-tokens", type=_range, default=(64, 256), help="N or LO:HI, drawn uniformly")
+    ap.add_argument("--prompt-tokens", type=_spans, default=((64, 256),), metavar="N|LO:HI[,...]",
+                    help="N or LO:HI, drawn uniformly; several, comma separated: each in turn against the same "
+                         "nodes (serve-N.json and serve-N.png each)")
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
     ap.add_argument("--pool-tokens", type=positive_int, default=None,
                     help="KV pool size of every node started, in token slots (default: the nodes' default)")
+    ap.add_argument("--max-running", type=positive_int, default=None,
+                    help="requests in the engine at once on every node started (default: the nodes' default; "
+                         "fewer on a GPU: fewer captured graphs, less memory per node)")
     ap.add_argument("--layerwise", type=_switches, default="off", metavar="on|off|on,off",
                     help="disaggregated: KV sent layer by layer as prefill computes it (on), after the prompt (off), "
                          "or both alternated (on,off)")
@@ -339,9 +354,53 @@ def _parser() -> argparse.ArgumentParser:
                          "several disaggregated modes, else 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--quick", action="store_true", help="the tiny MLA model, a dozen short requests")
+    ap.add_argument("--quick", action="store_true", help="the tiny MLA model, a dozen short requests (flags given "
+                                                              "beside it win)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     return ap
+
+
+@dataclass
+class Measured:
+    """One prompt-length span's run: per mode, its summary and its samples."""
+
+    span: tuple
+    rounds: int
+    results: dict
+    samples: dict
+
+
+async def _measure(args, span: tuple, tokenizer, router: str, colocated: str) -> Measured:
+    """The workload of prompts drawn from ``span`` through every mode, alternated in rounds."""
+    import httpx
+
+    works = workload(tokenizer, args.requests, span, args.output_tokens, args.seed)
+    run = modes(args, router, colocated)
+    for mode in run:  # warm-up: first connections, first plans
+        await run_load(mode.url, works[:2], 2, None, args.seed, extension=mode.extension)
+    rounds = args.rounds or (2 if sum(m.disaggregated for m in run) > 1 else 1)
+    parts = [works[i::rounds] for i in range(rounds)]
+    progress = Progress(len(run) * len(works))
+    samples = {m.name: [] for m in run}
+    walls = dict.fromkeys(samples, 0.0)
+    queued = dict.fromkeys(("sum", "count"), 0.0)
+    for part in (p for p in parts if p):
+        for mode in run:
+            async with httpx.AsyncClient() as client:
+                before = await queue_totals(client, colocated)
+                got, wall = await run_load(mode.url, part, None if args.rate else args.concurrency, args.rate,
+                                           args.seed, progress, mode.extension)
+                if mode.name == "colocated":
+                    after = await queue_totals(client, colocated)
+                    queued["sum"] += after[0] - before[0]
+                    queued["count"] += after[1] - before[1]
+            samples[mode.name] += got
+            walls[mode.name] += wall
+    results = {name: summarize(ss, walls[name]) for name, ss in samples.items()}
+    for mode in run:
+        results[mode.name]["queue_mean_s"] = (queue_mean(samples[mode.name]) if mode.disaggregated else
+                                              queued["sum"] / queued["count"] if queued["count"] else None)
+    return Measured(span, rounds, results, samples)
 
 
 async def _main(args, argv) -> int:
@@ -352,6 +411,7 @@ async def _main(args, argv) -> int:
     from kvtransfer.serve.http import client_limits
 
     servers: dict = {}
+    measured = []
     try:
         _, tokenizer = registry.load(registry.parse_name(args.model))
         router, colocated = args.router, args.colocated
@@ -361,72 +421,67 @@ async def _main(args, argv) -> int:
             async with httpx.AsyncClient(limits=client_limits()) as client:
                 await launch(client, args, logdir, servers, False, time.monotonic())
             router, colocated = servers["router"].url, servers["colocated"].url
-        works = workload(tokenizer, args.requests, args.prompt_tokens, args.output_tokens, args.seed)
-        run = modes(args, router, colocated)
-        for mode in run:  # warm-up: first connections, first plans
-            await run_load(mode.url, works[:2], 2, None, args.seed, extension=mode.extension)
-        rounds = args.rounds or (2 if sum(m.disaggregated for m in run) > 1 else 1)
-        parts = [works[i::rounds] for i in range(rounds)]
-        progress = Progress(len(run) * len(works))
-        samples = {m.name: [] for m in run}
-        walls = dict.fromkeys(samples, 0.0)
-        queued = dict.fromkeys(("sum", "count"), 0.0)
-        for part in (p for p in parts if p):
-            for mode in run:
-                async with httpx.AsyncClient() as client:
-                    before = await queue_totals(client, colocated)
-                    got, wall = await run_load(mode.url, part, None if args.rate else args.concurrency, args.rate,
-                                               args.seed, progress, mode.extension)
-                    if mode.name == "colocated":
-                        after = await queue_totals(client, colocated)
-                        queued["sum"] += after[0] - before[0]
-                        queued["count"] += after[1] - before[1]
-                samples[mode.name] += got
-                walls[mode.name] += wall
-        results = {name: summarize(ss, walls[name]) for name, ss in samples.items()}
-        for mode in run:
-            results[mode.name]["queue_mean_s"] = (queue_mean(samples[mode.name]) if mode.disaggregated else
-                                                  queued["sum"] / queued["count"] if queued["count"] else None)
+        for span in args.prompt_tokens:
+            if len(args.prompt_tokens) > 1:
+                print(f"prompts of {_span_text(span)} tokens", file=sys.stderr, flush=True)
+            measured.append(await _measure(args, span, tokenizer, router, colocated))
+            if len(args.prompt_tokens) > 1:  # each span's figures as soon as they are in
+                _write(args, argv, measured[-1], f"serve-{_span_text(span)}")
     except DemoFailed as exc:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
     finally:
         stop_all(servers.values())
-    splits = {mode: split for mode, split in ((m, ttft_split(ss)) for m, ss in samples.items()
-                                              if m.startswith("disaggregated")) if split}
+    if len(args.prompt_tokens) == 1:
+        _write(args, argv, measured[0], "serve")
+    failed = sum(r["requests"] - r["succeeded"] for m in measured for r in m.results.values())
+    return 1 if failed else 0
+
+
+def _span_text(span: tuple) -> str:
+    lo, hi = span
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _write(args, argv, m: Measured, stem: str) -> None:
+    """Print ``m``'s header and table; write ``{stem}.json`` and ``{stem}.png`` under ``--out``."""
+    splits = {mode: split for mode, split in ((name, ttft_split(ss)) for name, ss in m.samples.items()
+                                              if name.startswith("disaggregated")) if split}
     load = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "
           f"decode TP {args.decode_tp} (page {args.decode_page_size}) vs colocated TP 1, {args.dtype} on {args.device}; "
-          f"{args.requests} requests, {load}, prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, "
+          f"{args.requests} requests, {load}, prompts {m.span[0]}-{m.span[1]} tokens, "
           f"outputs {args.output_tokens[0]}-{args.output_tokens[1]}, seed {args.seed}, "
           f"pools {args.pool_tokens or 'default'}"
           f"{f', layer-wise: KV sent every {args.layer_group} layers' if 'on' in args.layerwise else ''}"
-          f"{f', {rounds} rounds alternating the modes' if rounds > 1 else ''}; {machine_line()}")
-    print(report(results, splits))
-    config = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc = document("serve", argv, config, [{"mode": m, **r} for m, r in results.items()], ttft_split=splits,
-                   samples={m: [asdict(s) for s in ss] for m, ss in samples.items()})
-    path = write_json(args.out / "serve.json", doc)
+          f"{f', {m.rounds} rounds alternating the modes' if m.rounds > 1 else ''}; {machine_line()}")
+    print(report(m.results, splits), flush=True)
+    config = {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+              for k, v in vars(args).items()}
+    config["prompt_tokens"] = list(m.span)
+    doc = document("serve", argv, config, [{"mode": name, **r} for name, r in m.results.items()], ttft_split=splits,
+                   samples={name: [asdict(s) for s in ss] for name, ss in m.samples.items()})
+    path = write_json(args.out / f"{stem}.json", doc)
     if plots_available():
-        panels = [Panel(f"{name} (ms)", {m: (list(PERCENTILES), [results[m][key][f"p{q}"] * 1e3 for q in PERCENTILES])
-                                          for m in results if key in results[m]})
+        panels = [Panel(f"{name} (ms)", {mode: (list(PERCENTILES), [r[key][f"p{q}"] * 1e3 for q in PERCENTILES])
+                                          for mode, r in m.results.items() if key in r})
                   for name, key in (("time to first token", "ttft"), ("inter-token latency", "itl"),
                                     ("end-to-end latency", "latency"))]
-        png = line_grid(args.out / "serve.png", f"kvtransfer bench serve: {args.model}, {load}", panels,
-                        "percentile", "ms", ncols=3, logx=False)
+        png = line_grid(args.out / f"{stem}.png", f"kvtransfer bench serve: {args.model}, {load}, prompts "
+                        f"{_span_text(m.span)} tokens", panels, "percentile", "ms", ncols=3, logx=False)
         print(f"wrote {path} and {png}")
     else:
         print(f"wrote {path} (no matplotlib: no plot)")
-    failed = sum(r["requests"] - r["succeeded"] for r in results.values())
-    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
-            setattr(args, k, v)
+            if getattr(args, k) == ap.get_default(k):  # flags given beside --quick win
+                setattr(args, k, v)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.layerwise_layers = args.layer_group if "on" in args.layerwise else 0  # the prefill node's --layerwise
     if (args.router is None) != (args.colocated is None):

@@ -43,6 +43,29 @@ def test_bench_serve_quick(tmp_path):
     assert all(16 <= s["prompt_tokens"] <= 96 + 8 for s in doc["samples"]["colocated"])
 
 
+def test_bench_serve_runs_each_prompt_span_against_the_same_nodes(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "serve", "--quick", "--requests", "4",
+                          "--prompt-tokens", "16:40,64", "--max-running", "4", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stderr.count("starting the nodes") == 1
+    for stem, (lo, hi) in (("serve-16-40", (16, 40)), ("serve-64", (64, 64))):
+        doc = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert doc["config"]["prompt_tokens"] == [lo, hi] and doc["config"]["max_running"] == 4
+        assert f"prompts {lo}-{hi} tokens" in out.stdout
+        for r in doc["results"]:
+            assert r["succeeded"] == r["requests"] == 4, r
+        assert all(lo <= s["prompt_tokens"] <= hi + 8 for s in doc["samples"]["colocated"])
+        assert (tmp_path / f"{stem}.png").stat().st_size > 10_000
+    assert not (tmp_path / "serve.json").exists()
+
+
+def test_prompt_spans_are_checked():
+    out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "serve", "--prompt-tokens", "64,9:3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "expected 0 < LO <= HI, got '9:3'" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("tokens_per_byte", [1, 3])
 def test_each_prompt_is_the_fewest_words_that_reach_its_drawn_length(tokens_per_byte):
     """Words of several tokens each (a byte tokenizer, or three tokens a byte) do not overshoot."""
