@@ -9,6 +9,10 @@
 #                                # TP 1:1 and 1:2, 1k-16k tokens, every path): JSON + PNGs in
 #                                # $OUT/transfer, RESULTS.md copied to $OUT (one GPU or two)
 #   bench/gpu_check.sh examples  # examples/*.py: SmolLM2 over NVLink, the hybrid model TP 2 -> 1
+#   bench/gpu_check.sh serve     # bench serve, llama3-8b, KV layer by layer / after the prompt /
+#                                # colocated alternated, prompts of KVT_SERVE_TOKENS (default
+#                                # 1024,4096,16384,32000) against one set of nodes (one GPU: three
+#                                # 8B nodes fit 80 GB with --max-running 4)
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
 # opentelemetry_api, which newer fastapi imports) are installed to /tmp/site first. SmolLM2's
 # GGUF file travels in parts (a call carries 64 MB): earlier calls copy .gguf-parts/partNN to
@@ -45,11 +49,15 @@ for what in "${steps[@]}"; do
             for ex in examples/*.py; do
                 python3 "$ex" 2>&1 | tee "$OUT/example_$(basename "$ex" .py).log" || rc=1
             done ;;
+        serve)
+            python3 -m kvtransfer bench serve --model llama3-8b --device cuda --layerwise on,off --concurrency 1 \
+                --requests 6 --output-tokens 8 --prompt-tokens ${KVT_SERVE_TOKENS:-1024,4096,16384,32000} \
+                --pool-tokens 33500 --max-running 4 --out /tmp/serve 2>&1 | tee "$OUT/bench_serve.log" || rc=1 ;;
         transfer)
             python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
                 --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --budget-s 5 --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1
             cp bench/RESULTS.md "$OUT/RESULTS.md" ;;
-        *) echo "unknown step $what (tests | bench | examples | transfer)" >&2; exit 2 ;;
+        *) echo "unknown step $what (tests | bench | examples | serve | transfer)" >&2; exit 2 ;;
     esac
 done
 exit $rc
