@@ -9,9 +9,11 @@ serving path). Streamed (``on``), layer i's part of the request's plan (a select
 cached plan, ``plan.select``; the state plans go with the last layer) is posted as soon as
 layer i's compute ends, while layer i+1 computes; whole (``off``), one write of the plan follows
 the last layer. Every write carries a notification and the receiver stamps each one's arrival
-on this host's monotonic clock. The streamed writes are verified first: the destination reset to
-the fill byte, one streamed round, every destination buffer against the expected bytes. The modes alternate, round by round (after ``--warmup`` rounds
-of each); per mode, medians:
+on this host's monotonic clock. With ``--layer-group G`` the streamed mode also runs as
+``on/G``: one write per G consecutive layers (their pairs selected together from the plan),
+posted after the last of them. The streamed writes are verified first: the destination reset
+to the fill byte, one streamed round, every destination buffer against the expected bytes. The
+modes alternate, round by round (after one warm-up round of each); per mode, medians:
 
     compute   first layer's start -> last layer's end (streamed: stretched by the writes sharing
               the CPU with it)
@@ -72,16 +74,25 @@ class LayerCompute:
             self._torch.set_num_threads(threads)
 
 
-def layer_batches(case, src, dst) -> List[list]:
-    """The batches of each layer of ``case``'s request, in layer order: its KV plan restricted
-    to that layer's buffer pairs (buffer = export * layers + layer position), the state plans
-    with the last layer."""
+def layer_batches(case, src, dst, group: int = 1) -> List[list]:
+    """The batches of each group of ``group`` consecutive layers of ``case``'s request, in layer
+    order: its KV plan restricted to those layers' buffer pairs (buffer = export * layers +
+    layer position), one batch per group; the state plans with the last group."""
     kv, *state = case.plans()
     layers = len(case.pools.layouts(case.page_size)[0].layer_ids)
     position = kv.src_buf % layers  # [B]
-    out = [[plan_batch(kv.select(position == i), src, dst)] for i in range(layers)]
+    out = [[plan_batch(kv.select((position >= first) & (position < first + group)), src, dst)]
+           for first in range(0, layers, group)]
     out[-1] += [plan_batch(p, src, dst) for p in state]
-    return [[b for b in group if b.nbytes] for group in out]
+    return [[b for b in batches if b.nbytes] for batches in out]
+
+
+def mode_names(modes: tuple, groups: tuple) -> list:
+    """The measured modes: ``on`` per layer group size (``on`` for 1, ``on/G`` for G), ``off``."""
+    out = []
+    for mode in modes:
+        out += [f"on/{g}" if g > 1 else "on" for g in groups] if mode == "on" else [mode]
+    return out
 
 
 class _Manager:
@@ -161,12 +172,15 @@ def _stamped(rig, tags: list, run: Callable[[], float]) -> float:
     return max(stamps[t][1] for t in tags) - t0
 
 
-def run_layerwise(rig, case, modes: tuple, compute: LayerCompute, warmup: int, reps: int) -> dict:
-    """The figures of ``modes`` (of :data:`MODES`) on ``case`` (module docstring), alternated
-    round by round: ``{"layers", "layer_bytes", "layer_s", mode: {"compute_s", "tail_s"}}``;
+def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute, warmup: int, reps: int) -> dict:
+    """The figures of ``modes`` (of :data:`MODES`; ``on`` once per size in ``groups``,
+    :func:`mode_names`) on ``case`` (module docstring), alternated round by round:
+    ``{"layers", "layer_bytes", "layer_s", mode name: {"compute_s", "tail_s"}}``;
     ``{"failed": why}`` when the streamed bytes are not the expected ones."""
     layers = layer_batches(case, rig.src, rig.dst)
-    whole = [b for group in layers for b in group]
+    grouped = {name: (g, layer_batches(case, rig.src, rig.dst, g)) for name, g in
+               zip(mode_names(("on",), groups), groups)}  # streamed mode -> (layers per write, batches per write)
+    whole = [b for b in case.planned(rig.src, rig.dst) if b.nbytes]  # off: the plan as kvtransfer writes it whole
     manager = _Manager(rig.peers["nixl"])
     rounds = [0]
 
@@ -175,18 +189,20 @@ def run_layerwise(rig, case, modes: tuple, compute: LayerCompute, warmup: int, r
         return [f"layerwise {label} {rounds[0]} {i}".encode() for i in range(count)]
 
     def one_round(mode: str) -> tuple:
-        count = sum(len(g) for g in layers) if mode == "on" else len(whole)
+        per, streamed = grouped.get(mode, (0, None))  # off: None
+        count = sum(len(g) for g in streamed) if streamed else len(whole)
         tags, spans = tags_for(mode, count), []
 
         def run() -> float:
             start, given = time.monotonic(), 0
-            for group in layers:
+            for i in range(len(layers)):
                 compute()
-                if mode == "on":
+                if streamed and ((i + 1) % per == 0 or i == len(layers) - 1):
+                    group = streamed[i // per]
                     manager.post(group, tags[given:given + len(group)])
                     given += len(group)
             end = time.monotonic()
-            if mode == "off":
+            if not streamed:
                 manager.post(whole, tags)
             manager.drain()
             spans.append(end - start)
@@ -208,14 +224,17 @@ def run_layerwise(rig, case, modes: tuple, compute: LayerCompute, warmup: int, r
         return _stamped(rig, tags, run)
 
     try:
-        rig.remote.fill(rig.dst_ids, FILL)
-        one_round("on")
-        if not rig.landed(rig.expected_checksums(case)):
-            return {"failed": "the destination differs from the expected bytes after a streamed write"}
-        samples = {m: [] for m in modes}
+        expect = rig.expected_checksums(case)
+        for name in grouped:
+            rig.remote.fill(rig.dst_ids, FILL)
+            one_round(name)
+            if not rig.landed(expect):
+                return {"failed": f"the destination differs from the expected bytes after a streamed write ({name})"}
+        names = mode_names(modes, groups)
+        samples = {m: [] for m in names}
         alone = []
         for i in range(warmup + reps):
-            for mode in modes:
+            for mode in names:
                 figures = one_round(mode)
                 if i >= warmup:
                     samples[mode].append(figures)

@@ -129,6 +129,8 @@ def _parse(argv) -> argparse.Namespace:
                     help="also stream each case's request layer by layer while computing (on), write it after the "
                          "last layer (off), or both alternated (NIXL, host memory)")
     ap.add_argument("--layer-ms", type=float, default=2.0, help="--layerwise: CPU compute per layer")
+    ap.add_argument("--layer-group", type=_ints, default=[1], metavar="G[,G...]",
+                    help="--layerwise on: layers per write (each size a mode of its own: on, on/G)")
     ap.add_argument("--layerwise-reps", type=positive_int, default=9, help="--layerwise: timed rounds per mode")
     ap.add_argument("--quick", action="store_true", help="a small run of every model kind (under a minute on a CPU)")
     ap.add_argument("--no-progress", action="store_true")
@@ -305,7 +307,7 @@ def _run_layerwise(rig: Rig, case: Case, where: Where, args) -> dict:
     if args.compute is None:
         args.compute = LayerCompute(args.layer_ms)
     try:
-        return run_layerwise(rig, case, args.layerwise, args.compute, 1, args.layerwise_reps)
+        return run_layerwise(rig, case, args.layerwise, tuple(args.layer_group), args.compute, 1, args.layerwise_reps)
     except Exception as exc:  # reported beside the other figures
         return {"failed": f"{type(exc).__name__}: {exc}"}
 
@@ -405,7 +407,7 @@ def _layerwise_table(records: list) -> str:
             rows.append(head + ["-"] * 7 + [lw.get("skipped") or f"FAILED: {lw.get('failed')}"])
             continue
         off = lw.get("off")
-        for mode in (m for m in MODES if m in lw):
+        for mode in (m for m in lw if isinstance(lw[m], dict)):
             fig = lw[mode]
             stretch = "-" if off is None or mode == "off" else f"{fig['compute_s'] / off['compute_s'] - 1:+.1%}"
             rows.append(head + [str(lw["layers"]), f"{lw['layer_bytes'] / 1024:.0f}", f"{lw['layer_s'] * 1e3:.2f}",
@@ -448,7 +450,7 @@ def _write_outputs(args, argv, where: Where, records: list, too_big: list) -> li
               "slots": args.slots, "paths": args.path_list, "repeats": args.repeats, "budget_s": args.budget_s,
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
               "layerwise": args.layerwise and list(args.layerwise), "layer_ms": args.layer_ms,
-              "layer_reps": args.layerwise_reps,
+              "layer_reps": args.layerwise_reps, "layer_group": args.layer_group,
               "memory": "gpu" if where.gpu else "host", "two_hosts": args.two_hosts, "src_device": where.src_device,
               "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped,
               "skipped_lengths": [{"model": m, "tp": tp, "tokens": t, "reason": why} for m, tp, t, why in too_big]}

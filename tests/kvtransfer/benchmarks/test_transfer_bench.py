@@ -53,7 +53,8 @@ def test_planner_and_peers_way_write_the_expected_bytes(model, tp, page, slots):
 
 @pytest.mark.parametrize("model", sorted(PRESETS))
 @pytest.mark.parametrize("tp", [(1, 1), (2, 1)])
-def test_a_request_written_layer_by_layer_lands_its_bytes_and_each_layer_only_its_own(model, tp):
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_request_written_layer_by_layer_lands_its_bytes_and_each_layer_only_its_own(model, tp, group):
     import torch
 
     shape = PRESETS[model].overridden(layers=3)
@@ -65,15 +66,18 @@ def test_a_request_written_layer_by_layer_lands_its_bytes_and_each_layer_only_it
     src = [rng.integers(0, 256, n, dtype=np.uint8) for n in kv + state]
     src_ids = BufferRegions.of(range(len(kv)), range(len(kv), len(kv) + len(state)))
     dst_ids = BufferRegions.of(range(len(dkv)), range(len(dkv), len(dkv) + len(dstate)))
-    layers = layer_batches(case, src_ids, dst_ids)
-    assert len(layers) == 3
+    layers = layer_batches(case, src_ids, dst_ids, group)
+    assert len(layers) == -(-3 // group)
     dst = [np.full(n, 0x5A, dtype=np.uint8) for n in dkv + dstate]
-    for i, group in enumerate(layers):
-        touched = {int(r) for b in group for r in (b.expand() if hasattr(b, "expand") else b).dst_region}
+    for i, batches in enumerate(layers):
+        with_state = bool(dstate) and i == len(layers) - 1  # the state's write goes with the last group
+        assert len(batches) == 1 + with_state  # one write of the group's KV
+        touched = {int(r) for b in batches for r in (b.expand() if hasattr(b, "expand") else b).dst_region}
         kv_touched = {r for r in touched if r < len(dkv)}
-        assert kv_touched and all(r % 3 == i for r in kv_touched), (i, touched)  # KV buffer = export * layers + layer
-        assert i == 2 or touched == kv_touched  # state goes with the last layer
-        _apply(group, src, dst)
+        mine = set(range(i * group, min(3, (i + 1) * group)))
+        assert kv_touched and {r % 3 for r in kv_touched} == mine, (i, touched)  # KV buffer = export * layers + layer
+        assert i == len(layers) - 1 or touched == kv_touched  # state goes with the last group
+        _apply(batches, src, dst)
     for i, got in enumerate(dst):
         want = case.expected([torch.from_numpy(s) for s in src], 0x5A, i).numpy()
         assert np.array_equal(got, want), f"destination buffer {i} differs"
@@ -81,7 +85,8 @@ def test_a_request_written_layer_by_layer_lands_its_bytes_and_each_layer_only_it
 
 def test_layerwise_run_streams_verifies_and_times_both_modes(tmp_path, capsys):
     argv = ["--models", "llama3-8b", "--layers", "4", "--tokens", "64,256", "--page-sizes", "16", "--tp", "1:1",
-            "--paths", "nixl direct", "--layerwise", "on,off", "--layer-ms", "1", "--layerwise-reps", "2",
+            "--paths", "nixl direct", "--layerwise", "on,off", "--layer-group", "1,3", "--layer-ms", "1",
+            "--layerwise-reps", "2",
             "--out", str(tmp_path), "--no-progress"]
     assert transfer.main(argv) == 0
     table = capsys.readouterr().out
@@ -92,7 +97,7 @@ def test_layerwise_run_streams_verifies_and_times_both_modes(tmp_path, capsys):
         lw = rec["layerwise"]
         assert lw["layers"] == 4 and lw["layer_bytes"] * 4 == rec["plan"]["bytes"], lw
         assert lw["layer_s"] > 0
-        for mode in ("on", "off"):
+        for mode in ("on", "on/3", "off"):
             assert lw[mode]["compute_s"] > 0 and lw[mode]["tail_s"] > 0, lw
 
 
