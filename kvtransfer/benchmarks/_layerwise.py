@@ -3,9 +3,9 @@ writer still computes, against one write after the last layer, through NIXL in h
 
 This process plays a prefill rank: its main thread runs each layer's compute (``--layer-ms`` of
 float32 matrix products on one torch thread, the count calibrated once per run: the other cores
-are the writes' and the receiver's) and hands the layer over; a second thread plays the rank's KV manager loop: it posts what it was handed and
-polls the writes in flight every ``BUSY_POLL_S`` (UCX progresses inside those polls, as in the
-serving path). Streamed (``on``), layer i's part of the request's plan (a selection of the one
+are the writes' and the receiver's) and hands the layer over; a second thread plays the rank's
+KV manager loop: it posts what it was handed and polls the writes in flight every
+``BUSY_POLL_S`` (UCX progresses inside those polls, as in the serving path). Streamed (``on``), layer i's part of the request's plan (a selection of the one
 cached plan, ``plan.select``; the state plans go with the last layer) is posted as soon as
 layer i's compute ends, while layer i+1 computes; whole (``off``), one write of the plan follows
 the last layer. Every write carries a notification and the receiver stamps each one's arrival
@@ -19,7 +19,7 @@ modes alternate, round by round (after one warm-up round of each); per mode, med
               the CPU with it)
     tail      last layer's end -> the last notification seen by the receiver
     layer     one layer's writes alone, nothing computing: post -> its notifications seen
-              (the issue's bound for the streamed tail: one layer's transfer + 1 ms)
+              (what a streamed tail compares with: at best within one layer's write)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvtransfer.benchmarks._rig import FILL
 from kvtransfer.control.config import BUSY_POLL_S
 from transport.base import TransferStatus
 
-__all__ = ["MODES", "LayerCompute", "layer_batches", "run_layerwise"]
+__all__ = ["MODES", "LayerCompute", "layer_batches", "mode_names", "run_layerwise"]
 
 MODES = ("on", "off")
 WAIT_S = 120.0  # one round's notifications

@@ -26,9 +26,11 @@ staged engine, and the link is a copy within the GPU; no staged mode in this NIX
 the host time before the write (planning, or building the peers' descriptors) beside it.
 
 ``--layerwise on|off|on,off`` (host memory, NIXL) adds to each case the request streamed layer by
-layer while this process computes, against one write after the last layer, alternated round by
-round (:mod:`kvtransfer.benchmarks._layerwise`): the tail after the last layer's compute, the
-compute's stretch, and one layer's write alone.
+layer (and, with ``--layer-group``, one write per group of layers) while this process computes,
+against one write after the last layer, alternated round by round
+(:mod:`kvtransfer.benchmarks._layerwise`): the tail after the last layer's compute, the
+compute's stretch, and one layer's write alone. ``--two-hosts`` runs the writer and the receiver
+in two network namespaces joined by a veth pair (root), NIXL over tcp between them.
 
 Output: the table (stdout), ``transfer.json`` (every figure, the machine's description) and
 ``transfer-<model>.png`` (GB/s against prompt length per path, the link dashed) under ``--out``.
@@ -606,6 +608,7 @@ def _run(args, argv: list, receiver_host=None) -> int:
     for out in _write_outputs(args, argv, where, records, too_big):
         print(f"wrote {out}", file=sys.stderr)
     failed = [(r["tokens"], p["path"]) for r in records for p in r["paths"] if p["status"] == "failed"]
+    failed += [(r["tokens"], "layer-wise") for r in records if "failed" in r.get("layerwise", {})]
     if failed:
         print(f"FAILED paths: {failed}", file=sys.stderr)
     return 1 if failed else 0
