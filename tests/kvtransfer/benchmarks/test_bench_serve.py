@@ -1,6 +1,6 @@
 """``kvtransfer bench serve --quick --layerwise on,off``: real nodes and a router on this machine,
-KV sent layer by layer and after the prompt alternated, the JSON's figures consistent with each
-other, the plot written."""
+KV sent layer by layer and after the prompt alternated, two prompt spans against the same nodes,
+each span's JSON figures consistent with each other, its plot written."""
 
 from __future__ import annotations
 
@@ -11,53 +11,45 @@ import sys
 import pytest
 
 
-def test_bench_serve_quick(tmp_path):
+def test_bench_serve_quick_over_two_prompt_spans(tmp_path):
+    spans = (("serve-16-96", (16, 96)), ("serve-64", (64, 64)))
     out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "serve", "--quick", "--layerwise", "on,off",
+                          "--requests", "8", "--prompt-tokens", "16:96,64", "--max-running", "4",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    doc = json.loads((tmp_path / "serve.json").read_text())
-    assert doc["benchmark"] == "serve" and doc["machine"]["cpu_count"] >= 1
-    modes = {r["mode"]: r for r in doc["results"]}
-    assert set(modes) == {"disaggregated layer-wise", "disaggregated", "colocated"}
-    assert doc["config"]["rounds"] is None and "2 rounds alternating the modes" in out.stdout
-    for mode, r in modes.items():
-        samples = doc["samples"][mode]
-        assert r["succeeded"] == r["requests"] == len(samples) == 12
-        assert r["output_tokens"] == sum(s["output_tokens"] for s in samples)
-        assert all(s["ok"] and s["ttft"] > 0 and s["latency"] >= s["ttft"] for s in samples)
-        assert all(len(s["itl"]) == s["output_tokens"] - 1 for s in samples)  # ignore_eos: every drawn token
-        assert r["ttft"]["p50"] <= r["ttft"]["p90"] <= r["ttft"]["p99"]
-    # the same requests in every mode: the same prompt and output token counts
-    for mode in ("disaggregated", "disaggregated layer-wise"):
-        assert [s["prompt_tokens"] for s in doc["samples"]["colocated"]] == [
-            s["prompt_tokens"] for s in doc["samples"][mode]]
-        split = doc["ttft_split"][mode]
-        assert split["prefill compute"] > 0 and split["KV transfer"] > 0 and split["kv_bytes_median"] > 0
-        assert split["first token sampled -> KV landed on decode"] > 0  # one host: the nodes' clocks are one
-        for s in doc["samples"][mode]:
-            assert s["kv"]["kv_bytes"] > 0 and s["kv"]["prefill"]["compute_s"] > 0
-            assert s["kv"]["landed_at"] > s["kv"]["prefill"]["sampled_at"]
-        assert f"{mode} TTFT, medians of its parts" in out.stdout
-    assert (tmp_path / "serve.png").stat().st_size > 10_000
-    # the nodes counted the prompt lengths that were drawn: each within --prompt-tokens, up to a word over
-    assert all(16 <= s["prompt_tokens"] <= 96 + 8 for s in doc["samples"]["colocated"])
-
-
-def test_bench_serve_runs_each_prompt_span_against_the_same_nodes(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvtransfer", "bench", "serve", "--quick", "--requests", "4",
-                          "--prompt-tokens", "16:40,64", "--max-running", "4", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stderr.count("starting the nodes") == 1
-    for stem, (lo, hi) in (("serve-16-40", (16, 40)), ("serve-64", (64, 64))):
+    assert out.stderr.count("starting the nodes") == 1  # one set of nodes for both spans
+    assert not (tmp_path / "serve.json").exists()
+    for stem, (lo, hi) in spans:
         doc = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert doc["benchmark"] == "serve" and doc["machine"]["cpu_count"] >= 1
         assert doc["config"]["prompt_tokens"] == [lo, hi] and doc["config"]["max_running"] == 4
         assert f"prompts {lo}-{hi} tokens" in out.stdout
-        for r in doc["results"]:
-            assert r["succeeded"] == r["requests"] == 4, r
-        assert all(lo <= s["prompt_tokens"] <= hi + 8 for s in doc["samples"]["colocated"])
+        modes = {r["mode"]: r for r in doc["results"]}
+        assert set(modes) == {"disaggregated layer-wise", "disaggregated", "colocated"}
+        assert doc["config"]["rounds"] is None
+        for mode, r in modes.items():
+            samples = doc["samples"][mode]
+            assert r["succeeded"] == r["requests"] == len(samples) == 8
+            assert r["output_tokens"] == sum(s["output_tokens"] for s in samples)
+            assert all(s["ok"] and s["ttft"] > 0 and s["latency"] >= s["ttft"] for s in samples)
+            assert all(len(s["itl"]) == s["output_tokens"] - 1 for s in samples)  # ignore_eos: every drawn token
+            assert r["ttft"]["p50"] <= r["ttft"]["p90"] <= r["ttft"]["p99"]
+        # the same requests in every mode: the same prompt and output token counts
+        for mode in ("disaggregated", "disaggregated layer-wise"):
+            assert [s["prompt_tokens"] for s in doc["samples"]["colocated"]] == [
+                s["prompt_tokens"] for s in doc["samples"][mode]]
+            split = doc["ttft_split"][mode]
+            assert split["prefill compute"] > 0 and split["KV transfer"] > 0 and split["kv_bytes_median"] > 0
+            assert split["first token sampled -> KV landed on decode"] > 0  # one host: the nodes' clocks are one
+            for s in doc["samples"][mode]:
+                assert s["kv"]["kv_bytes"] > 0 and s["kv"]["prefill"]["compute_s"] > 0
+                assert s["kv"]["landed_at"] > s["kv"]["prefill"]["sampled_at"]
         assert (tmp_path / f"{stem}.png").stat().st_size > 10_000
-    assert not (tmp_path / "serve.json").exists()
+        # the nodes counted the prompt lengths that were drawn: each within the span, up to a word over
+        assert all(lo <= s["prompt_tokens"] <= hi + 8 for s in doc["samples"]["colocated"])
+    assert out.stdout.count("2 rounds alternating the modes") == 2
+    for mode in ("disaggregated", "disaggregated layer-wise"):
+        assert out.stdout.count(f"{mode} TTFT, medians of its parts") == 2
 
 
 def test_prompt_spans_are_checked():
