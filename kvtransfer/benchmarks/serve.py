@@ -337,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, default=None, help="requests per second, Poisson arrivals")
     ap.add_argument("--prompt-tokens", type=_spans, default=((64, 256),), metavar="N|LO:HI[,...]",
                     help="N or LO:HI, drawn uniformly; several, comma separated: each in turn against the same "
-                         "nodes (serve-N.json and serve-N.png each)")
+                         "nodes (serve-<span>.json and serve-<span>.png each)")
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
     ap.add_argument("--pool-tokens", type=positive_int, default=None,
                     help="KV pool size of every node started, in token slots (default: the nodes' default)")
