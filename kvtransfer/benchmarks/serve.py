@@ -335,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=positive_int, default=32)
     ap.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (unless --rate)")
     ap.add_argument("--rate", type=float, default=None, help="requests per second, Poisson arrivals")
-    ap.add_argument("--prompt-tokens", type=_spans, default=((64, 256),), metavar="N|LO:HI[,...]",
+    ap.add_argument("--prompt-tokens", type=_spans, default="64:256", metavar="N|LO:HI[,...]",
                     help="N or LO:HI, drawn uniformly; several, comma separated: each in turn against the same "
                          "nodes (serve-<span>.json and serve-<span>.png each)")
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="N or LO:HI, drawn uniformly")
@@ -479,8 +479,9 @@ def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.quick:
+        defaults = ap.parse_args([])
         for k, v in QUICK.items():
-            if getattr(args, k) == ap.get_default(k):  # flags given beside --quick win
+            if getattr(args, k) == getattr(defaults, k):  # flags given beside --quick win
                 setattr(args, k, v)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.layerwise_layers = args.layer_group if "on" in args.layerwise else 0  # the prefill node's --layerwise
