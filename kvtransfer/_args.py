@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import copy
 
-__all__ = ["HelpFormatter", "deprecated_alias", "description", "non_negative_int", "positive_float", "positive_int"]
+__all__ = ["HelpFormatter", "deprecated_alias", "description", "non_negative_int", "on_off", "positive_float",
+           "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -37,6 +38,14 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def on_off(text: str) -> tuple:
+    """``on``, ``off`` or both, comma separated, in the order given (``--layerwise``)."""
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
+    if not values or set(values) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
+    return values
 
 
 def description(doc: str) -> str:

@@ -6,7 +6,11 @@ only inside those namespaces, and brings the links up; :meth:`TwoHosts.link` set
 or up (a cut cable); :meth:`TwoHosts.close` deletes both namespaces (and so the pair), also
 after a failure. :func:`netns_unavailable` says why this machine cannot (not root, no ``ip``,
 no namespaces), for a skip or an error. The two-host tests (``tests/kvtransfer/test_two_hosts.py``)
-and ``kvtransfer bench transport --kv --two-hosts`` build their hosts with it.
+and ``kvtransfer bench transport --kv --two-hosts`` / ``bench transfer --two-hosts`` build
+their hosts with it.
+
+:func:`writer_on_two_hosts` runs a benchmark's writer in a process on host A, its receiver
+to be started on host B, and returns what the writer returned.
 
 A process joins a host by :func:`enter` before anything opens a socket, as ``ip netns exec``
 does: ``setns`` into the namespace (``/run/netns/NAME``), then a private mount namespace with
@@ -122,3 +126,29 @@ def enter(host: Host) -> None:
     check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
     check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
     os.environ.update(host.env)
+
+
+def writer_on_two_hosts(target, args: tuple, kind: type, timeout_s: float):
+    """``target(receiver_host, *args)`` in a writer process that entered host A, ``receiver_host``
+    being host B (where the writer starts its receiver); what it returned (a ``kind``). The
+    namespaces go when it returns. ``target`` is a module-level function (the process is spawned)."""
+    from kvtransfer._procs import Child
+
+    with TwoHosts() as hosts:
+        writer = Child.spawn(_writer_on, (hosts.a, hosts.b, target, args), name=f"writer ({hosts.a.netns})",
+                             daemon=False)  # it starts the receiver
+        try:
+            return writer.recv(kind, "its results", timeout_s)
+        finally:
+            writer.stop()
+
+
+def _writer_on(conn, host: Host, receiver_host: Host, target, args: tuple) -> None:
+    from kvtransfer._procs import report_failure
+
+    try:
+        enter(host)
+        conn.send(target(receiver_host, *args))
+    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
+        report_failure(conn, exc)
+        raise SystemExit(1) from None

@@ -5,10 +5,10 @@ This process plays a prefill rank: its main thread runs each layer's compute (``
 float32 matrix products on one torch thread, the count calibrated once per run: the other cores
 are the writes' and the receiver's) and hands the layer over; a second thread plays the rank's
 KV manager loop: it posts what it was handed and polls the writes in flight every
-``BUSY_POLL_S`` (UCX progresses inside those polls, as in the serving path). Streamed (``on``), layer i's part of the request's plan (a selection of the one
-cached plan, ``plan.select``; the state plans go with the last layer) is posted as soon as
-layer i's compute ends, while layer i+1 computes; whole (``off``), one write of the plan follows
-the last layer. Every write carries a notification and the receiver stamps each one's arrival
+``BUSY_POLL_S`` (UCX progresses inside those polls, as in the serving path). Streamed (``on``),
+layer i's part of the request's plan (a selection of the one cached plan, ``plan.select``; the
+state plans go with the last layer) is posted as soon as layer i's compute ends, while layer
+i+1 computes; whole (``off``), one write of the plan follows the last layer. Every write carries a notification and the receiver stamps each one's arrival
 on this host's monotonic clock. With ``--layer-group G`` the streamed mode also runs as
 ``on/G``: one write per G consecutive layers (their pairs selected together from the plan),
 posted after the last of them. The streamed writes are verified first: the destination reset
@@ -24,11 +24,12 @@ modes alternate, round by round (after one warm-up round of each); per mode, med
 
 from __future__ import annotations
 
+import itertools
 import queue
 import statistics
 import threading
 import time
-from typing import Callable, List
+from typing import List
 
 import numpy as np
 
@@ -37,9 +38,8 @@ from kvtransfer.benchmarks._rig import FILL
 from kvtransfer.control.config import BUSY_POLL_S
 from transport.base import TransferStatus
 
-__all__ = ["MODES", "LayerCompute", "layer_batches", "mode_names", "run_layerwise"]
+__all__ = ["LayerCompute", "layer_batches", "mode_names", "run_layerwise"]
 
-MODES = ("on", "off")
 WAIT_S = 120.0  # one round's notifications
 
 
@@ -157,43 +157,34 @@ class _Manager:
                 waiters = []
 
 
-def _stamped(rig, tags: list, run: Callable[[], float]) -> float:
-    """``run()`` (which posts writes carrying ``tags`` and returns the host time to count from)
-    while the receiver stamps their notifications; seconds from that time to the last arrival."""
-    rig.remote.start_stamp_notify(tags, WAIT_S, ("nixl",))
-    time.sleep(0.02)  # the receiver is polling before the first write
-    try:
-        t0 = run()
-    finally:
-        stamps = rig.remote.result("stamp_notify")
-    missing = [t for t in tags if t not in stamps]
-    if missing:
-        raise RuntimeError(f"{len(missing)} of {len(tags)} notifications did not reach the receiver")
-    return max(stamps[t][1] for t in tags) - t0
-
-
 def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute, warmup: int, reps: int) -> dict:
-    """The figures of ``modes`` (of :data:`MODES`; ``on`` once per size in ``groups``,
+    """The figures of ``modes`` (``on``, ``off`` or both; ``on`` once per size in ``groups``,
     :func:`mode_names`) on ``case`` (module docstring), alternated round by round:
     ``{"layers", "layer_bytes", "layer_s", mode name: {"compute_s", "tail_s"}}``;
     ``{"failed": why}`` when the streamed bytes are not the expected ones."""
-    layers = layer_batches(case, rig.src, rig.dst)
-    grouped = {name: (g, layer_batches(case, rig.src, rig.dst, g)) for name, g in
+    by_size = {g: layer_batches(case, rig.src, rig.dst, g) for g in {1, *groups}}
+    layers = by_size[1]
+    grouped = {name: (g, by_size[g]) for name, g in
                zip(mode_names(("on",), groups), groups)}  # streamed mode -> (layers per write, batches per write)
     whole = [b for b in case.planned(rig.src, rig.dst) if b.nbytes]  # off: the plan as kvtransfer writes it whole
     manager = _Manager(rig.peers["nixl"])
-    rounds = [0]
+    rounds = itertools.count()
 
     def tags_for(label: str, count: int) -> list:
-        rounds[0] += 1
-        return [f"layerwise {label} {rounds[0]} {i}".encode() for i in range(count)]
+        n = next(rounds)
+        return [f"layerwise {label} {n} {i}".encode() for i in range(count)]
+
+    def last_arrival(tags: list, run):
+        """``run()``'s result and the receiver's time of the last of ``tags`` to arrive."""
+        out, arrivals = rig.remote.stamped(tags, run, ("nixl",), WAIT_S)
+        return out, max(arrivals.values())
 
     def one_round(mode: str) -> tuple:
+        """``(compute, tail)`` seconds of one round of ``mode``."""
         per, streamed = grouped.get(mode, (0, None))  # off: None
-        count = sum(len(g) for g in streamed) if streamed else len(whole)
-        tags, spans = tags_for(mode, count), []
+        tags = tags_for(mode, sum(len(g) for g in streamed) if streamed else len(whole))
 
-        def run() -> float:
+        def run() -> tuple:
             start, given = time.monotonic(), 0
             for i in range(len(layers)):
                 compute()
@@ -205,11 +196,10 @@ def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute,
             if not streamed:
                 manager.post(whole, tags)
             manager.drain()
-            spans.append(end - start)
-            return end
+            return start, end
 
-        tail = _stamped(rig, tags, run)
-        return spans[0], tail
+        (start, end), arrival = last_arrival(tags, run)
+        return end - start, arrival - end
 
     def one_layer() -> float:
         group = layers[len(layers) // 2]
@@ -221,7 +211,8 @@ def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute,
             manager.drain()
             return t0
 
-        return _stamped(rig, tags, run)
+        t0, arrival = last_arrival(tags, run)
+        return arrival - t0
 
     try:
         expect = rig.expected_checksums(case)

@@ -15,7 +15,7 @@ import dataclasses
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -379,6 +379,21 @@ class RemoteBuffers:
         ``{payload: (sender, arrival)}``, ``arrival`` a ``time.monotonic()`` of the receiver
         (one clock for the processes of a host)."""
         self._conn.send(_StampNotify(tuple(bytes(p) for p in payloads), timeout_s, tuple(backends)))
+
+    def stamped(self, payloads, run: Callable[[], Any], backends=(), timeout_s: float = 120.0) -> tuple:
+        """``run()`` (which writes the notifications carrying ``payloads``) while the receiver
+        stamps them (:meth:`start_stamp_notify`): ``(run's result, {payload: arrival})``;
+        ``RuntimeError`` when a notification did not come."""
+        self.start_stamp_notify(payloads, timeout_s, backends)
+        time.sleep(0.05)  # the receiver is polling before the first write
+        try:
+            out = run()
+        finally:
+            stamps = self.result("stamp_notify")
+        missing = [p for p in payloads if p not in stamps]
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(payloads)} notifications did not reach the receiver")
+        return out, {p: stamps[p][1] for p in payloads}
 
     def start_wait_notify(self, payload: bytes, timeout_s: float) -> None:
         """:meth:`wait_notify` without waiting for the answer (collect it with :meth:`result`)."""

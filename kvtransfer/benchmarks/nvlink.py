@@ -346,18 +346,8 @@ class _Bench:
         notification did not come."""
         self._stamps = getattr(self, "_stamps", 0) + 1
         tags = [f"{label} {self._stamps} {i}".encode() for i in range(count)]
-        self.remote.start_stamp_notify(tags, 120.0, (backend,))
-        time.sleep(0.05)  # the receiver is polling before the first write
-        starts = []
-        try:
-            for tag in tags:
-                starts.append(run(tag))
-        finally:
-            stamps = self.remote.result("stamp_notify")
-        missing = [t for t in tags if t not in stamps]
-        if missing:
-            raise RuntimeError(f"{len(missing)} of {len(tags)} notifications did not reach the receiver")
-        return [stamps[t][1] - t0 for t, t0 in zip(tags, starts)]
+        starts, arrivals = self.remote.stamped(tags, lambda: [run(tag) for tag in tags], (backend,))
+        return [arrivals[t] - t0 for t, t0 in zip(tags, starts)]
 
     def _host_time_of(self, event, wait) -> float:
         """The host's monotonic time at which ``event`` (recorded on the writer's GPU, still to

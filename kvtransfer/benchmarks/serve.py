@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvtransfer._args import HelpFormatter, description, positive_int
+from kvtransfer._args import HelpFormatter, description, on_off, positive_int
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
 from kvtransfer.benchmarks._report import Progress, Timing, document, format_table, machine_line, write_json
 
@@ -302,13 +302,6 @@ def report(results: dict, splits: dict) -> str:
     return text
 
 
-def _switches(text: str) -> tuple:
-    values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
-    if not values or set(values) - {"on", "off"}:
-        raise argparse.ArgumentTypeError(f"expected on, off or on,off; got {text!r}")
-    return values
-
-
 def modes(args, router: str, colocated: str) -> List[Mode]:
     """The modes of this run, in the order each round runs them."""
     out = []
@@ -344,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running", type=positive_int, default=None,
                     help="requests in the engine at once on every node started (default: the nodes' default; "
                          "fewer on a GPU: fewer captured graphs, less memory per node)")
-    ap.add_argument("--layerwise", type=_switches, default="off", metavar="on|off|on,off",
+    ap.add_argument("--layerwise", type=on_off, default="off", metavar="on|off|on,off",
                     help="disaggregated: KV sent layer by layer as prefill computes it (on), after the prompt (off), "
                          "or both alternated (on,off)")
     ap.add_argument("--layer-group", type=positive_int, default=1, metavar="LAYERS",
@@ -421,19 +414,17 @@ async def _main(args, argv) -> int:
             async with httpx.AsyncClient(limits=client_limits()) as client:
                 await launch(client, args, logdir, servers, False, time.monotonic())
             router, colocated = servers["router"].url, servers["colocated"].url
+        several = len(args.prompt_tokens) > 1
         for span in args.prompt_tokens:
-            if len(args.prompt_tokens) > 1:
+            if several:
                 print(f"prompts of {_span_text(span)} tokens", file=sys.stderr, flush=True)
             measured.append(await _measure(args, span, tokenizer, router, colocated))
-            if len(args.prompt_tokens) > 1:  # each span's figures as soon as they are in
-                _write(args, argv, measured[-1], f"serve-{_span_text(span)}")
+            _write(args, argv, measured[-1], f"serve-{_span_text(span)}" if several else "serve")  # as it comes
     except DemoFailed as exc:
         print(f"kvtransfer bench serve: failed: {exc}", file=sys.stderr)
         return 1
     finally:
         stop_all(servers.values())
-    if len(args.prompt_tokens) == 1:
-        _write(args, argv, measured[0], "serve")
     failed = sum(r["requests"] - r["succeeded"] for m in measured for r in m.results.values())
     return 1 if failed else 0
 

@@ -49,9 +49,9 @@ from typing import Optional
 
 import numpy as np
 
-from kvtransfer._args import HelpFormatter, description, positive_int
+from kvtransfer._args import HelpFormatter, description, on_off, positive_int
 from kvtransfer.benchmarks._cases import Case, Pools
-from kvtransfer.benchmarks._layerwise import MODES, LayerCompute, run_layerwise
+from kvtransfer.benchmarks._layerwise import LayerCompute, run_layerwise
 from kvtransfer.benchmarks._models import PRESETS
 from kvtransfer.benchmarks._plots import Panel, line_grid, plots_available
 from kvtransfer.benchmarks._report import Progress, document, format_table, machine_line, time_wall, write_json
@@ -75,14 +75,6 @@ def _ints(text: str) -> list:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected positive integers, got {value}")
         out.append(value)
-    return out
-
-
-def _switches(text: str) -> tuple:
-    """``on``, ``off`` or both, comma separated, in the order given."""
-    out = tuple(dict.fromkeys(t.strip() for t in text.split(",")))
-    if not out or any(t not in MODES for t in out):
-        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
     return out
 
 
@@ -127,7 +119,7 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory of the JSON and PNGs")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="run nothing: print the table of this transfer.json and draw its PNGs (beside it, or in --out)")
-    ap.add_argument("--layerwise", type=_switches, default=None, metavar="on|off|on,off",
+    ap.add_argument("--layerwise", type=on_off, default=None, metavar="on|off|on,off",
                     help="also stream each case's request layer by layer while computing (on), write it after the "
                          "last layer (off), or both alternated (NIXL, host memory)")
     ap.add_argument("--layer-ms", type=float, default=2.0, help="--layerwise: CPU compute per layer")
@@ -516,40 +508,26 @@ def main(argv=None) -> int:
 def _on_two_hosts(argv: list) -> int:
     """The run in a writer process on one network namespace "host" and the receiver on another,
     NIXL over tcp on the veth pair between them; the namespaces go when it ends."""
-    from kvtransfer._procs import Child
-    from kvtransfer.netns import TwoHosts, netns_unavailable
+    from kvtransfer.netns import netns_unavailable, writer_on_two_hosts
 
     why = netns_unavailable()
     if why:
         print(f"kvtransfer bench transfer: --two-hosts needs network namespaces: {why}", file=sys.stderr)
         return 2
-    with TwoHosts() as hosts:
-        writer = Child.spawn(_run_on, (hosts.a, hosts.b, argv), name=f"writer ({hosts.a.netns})", daemon=False)
-        try:
-            status, printed = writer.recv(tuple, "its results", 24 * 3600.0)
-        finally:
-            writer.stop()
+    status, printed = writer_on_two_hosts(_writer, (argv,), tuple, 24 * 3600.0)
     print(printed, end="")  # here, where --record reads it
     return status
 
 
-def _run_on(conn, host, receiver_host, argv: list) -> None:
-    """The writer's process: its exit status and what it printed, sent back."""
+def _writer(receiver_host, argv: list) -> tuple:
+    """The writer's process: its exit status and what it printed."""
     import contextlib
     import io
 
-    from kvtransfer._procs import report_failure
-    from kvtransfer.netns import enter
-
-    try:
-        enter(host)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            status = _run(_parse(argv), argv, receiver_host)
-        conn.send((status, out.getvalue()))
-    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
-        report_failure(conn, exc)
-        raise SystemExit(1) from None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = _run(_parse(argv), argv, receiver_host)
+    return status, out.getvalue()
 
 
 def _run(args, argv: list, receiver_host=None) -> int:

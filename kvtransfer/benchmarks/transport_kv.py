@@ -238,28 +238,15 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
 def run_kv_two_hosts(args, tools) -> list[dict]:
     """:func:`run_kv` with its paths in a writer process on one "host" and the receiver on
     another (module doc); the namespaces go when it returns."""
-    from kvtransfer.netns import TwoHosts
+    from kvtransfer.netns import writer_on_two_hosts
 
-    with TwoHosts() as hosts:
-        writer = Child.spawn(_writer_on, (hosts.a, hosts.b, args), name=f"writer ({hosts.a.netns})",
-                             daemon=False)  # it starts the receiver
-        try:
-            return writer.recv(list, "its results", 3600.0)
-        finally:
-            writer.stop()
+    return writer_on_two_hosts(_kv_writer, (args,), list, 3600.0)
 
 
-def _writer_on(conn, host, receiver_host, args) -> None:
-    from kvtransfer._procs import report_failure
+def _kv_writer(receiver_host, args) -> list[dict]:
     from kvtransfer.benchmarks import transport as tools
-    from kvtransfer.netns import enter
 
-    try:
-        enter(host)
-        conn.send(run_kv(args, tools, receiver_host))
-    except Exception as exc:  # the parent names it instead of waiting on a dead pipe
-        report_failure(conn, exc)
-        raise SystemExit(1) from None
+    return run_kv(args, tools, receiver_host)
 
 
 def _receiver_on(conn, host, total: int, progress_thread: bool, staged) -> None:

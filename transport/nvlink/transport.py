@@ -479,7 +479,8 @@ class NvlinkPeer(Peer):
         return transfer
 
     def _lost(self) -> NvlinkTransfer:
-        return NvlinkTransfer(self._queue, None, None, error=f"peer {self.name!r} lost (its socket closed)")
+        """A write refused at once: the mailbox connection ended (:attr:`lost`)."""
+        return NvlinkTransfer(self._queue, None, None, error=self.lost)
 
     def _check_open(self) -> None:
         if self._closed:
