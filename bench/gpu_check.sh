@@ -52,7 +52,7 @@ for what in "${steps[@]}"; do
         serve)
             python3 -m kvtransfer bench serve --model llama3-8b --device cuda --layerwise on,off --concurrency 1 \
                 --requests 6 --output-tokens 8 --prompt-tokens ${KVT_SERVE_TOKENS:-1024,4096,16384,32000} \
-                --pool-tokens 33500 --max-running 4 --out /tmp/serve 2>&1 | tee "$OUT/bench_serve.log" || rc=1 ;;
+                --pool-tokens 33500 --max-running 4 --out "$OUT/serve" 2>&1 | tee "$OUT/bench_serve.log" || rc=1 ;;
         transfer)
             python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
                 --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --budget-s 5 --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1

@@ -12,7 +12,11 @@ region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer b
 - *direct*: the plan's flat batch through a transport with the staged mode off (one NIXL
   request of all ranges);
 - *blocks*: the batch's byte count as ``--block`` blocks (default 256 KiB; 64 MiB with
-  ``--cuda``) to a permutation of destination blocks: NIXL's rate for large ranges.
+  ``--cuda``) to a permutation of destination blocks: NIXL's rate for large ranges;
+- host memory: *staged with the sender's gather skipped*: the staged write through a lane of its
+  own whose sender copies nothing into its slots (their bytes go out as they are, unchecked):
+  the rate the slot writes, the receiver's scatter and the chunks' round trips allow by
+  themselves, a ceiling for the staged rate on this machine (docs/notes/nixl.md).
 
 Requests: the CPU default is the demo's (16 layers, 8 x 128 bf16, 2,048 tokens, TP 2 -> 1,
 pages 16 -> 64: 1 KiB head-slice rows, 64 MiB from prefill rank 0). ``--cuda`` runs the
@@ -211,6 +215,12 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
             if staged_batch is not None:
                 writes["staged"] = lambda: _timed_call(staged_peer, staged_batch, calls).wait(600)
             _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
+            if staged_batch is not None and not args.cuda:  # after the check: its bytes are not the request's
+                bound_t = NixlTransport(NixlConfig(progress_thread=args.progress_thread, staged=staged))
+                bound_peer = bound_t.connect(peer_bytes)
+                paths["nogather"] = (bound_t, bound_peer, None)
+                writes["nogather"] = _without_gather(bound_t, bound_peer, kv.strided_batch(
+                    bound_t.register(src_ptr, kv.src_bytes), dst.region_id))
             lane = staged_t._core.lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
                 raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
@@ -277,6 +287,17 @@ def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dic
             raise RuntimeError(f"{name}: destination bytes differ from the reference")
 
 
+def _without_gather(transport, peer, batch):
+    """The staged write of ``batch`` through ``transport``'s own lane with the sender's gather
+    skipped (its slots go out as they are, so the bytes are not checked): the rate the rest of
+    the pipeline allows -- the slot writes, the receiver's scatter and the per-chunk
+    notifications and Credits -- when the sender's copy into its slots costs nothing."""
+    peer.write_strided(batch, notify=b"kv").wait(600)  # opens the lane and its staging
+    staging = transport._core.lanes.get(peer.name).staging
+    staging.gather_strided = lambda *args: None  # this staging instance only
+    return lambda: peer.write_strided(batch, notify=b"kv").wait(600)
+
+
 def _timed_call(peer, batch, calls: list):
     """``peer.write_strided(batch)``, its call time appended to ``calls``; the transfer."""
     start = time.perf_counter()
@@ -316,4 +337,8 @@ def _format(row: dict, block: int) -> str:
         line += f"   staged write_strided() call {row['staged_call_ms']:.1f} ms"
     if "nvlink_gbps" in row:
         line += f"   NVLink engine {row['nvlink_gbps']:7.2f} GB/s"
+    if "nogather_gbps" in row:
+        line += (f"\n  staged with the sender's gather skipped (bytes not checked) {row['nogather_gbps']:7.2f} GB/s = "
+                 f"{100 * row['nogather_gbps'] / row['blocks_gbps']:5.1f} % of blocks: the slot writes, the receiver's "
+                 "scatter and the chunks' round trips alone")
     return line

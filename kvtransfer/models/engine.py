@@ -425,10 +425,10 @@ class Engine:
 
     def _forward(self, chunks) -> List[Request]:
         layered = [(r, n) for r, n in chunks if r.layers_out and r.in_prefill] if self.on_layers is not None else []
-        if self.graphs is not None:
+        if self.graphs is not None and not layered:  # a layer-wise prefill step calls on_layers: eager
             if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
-            if not layered and self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
+            if self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
                 return self._forward_prefill(chunks)
         device = self.model.device
         ids, positions, locs = [], [], []

@@ -167,10 +167,11 @@ class NixlPeer(Peer):
             why = why or core.holds.check(self.name, batch.dst_region)  # revoked (also while queued)
             if why is not None:
                 return NixlTransfer.finished(core, self.name, TransferStatus.FAILED, why)
+        shape = shape_of(batch) if len(batch) else (0, 0, None)  # (granule, bytes, rows), read once
         try:
             if len(batch) == 0:  # notification only: one scratch byte carries it
                 handle, state = core.agent.post_byte(self.name, self.scratch_ptr, notif)
-            elif (prepped := self._prepped(batch)) is not None:  # indices into lists prepared once
+            elif (prepped := self._prepped(batch, shape)) is not None:  # indices into lists prepared once
                 handle, state = core.agent.post_prepped(*prepped, notif)
             else:
                 local, local_mem = core.table().descs(batch.src_region, batch.src_offset, batch.length, "source")
@@ -180,7 +181,7 @@ class NixlPeer(Peer):
         except TransportError as exc:  # the peer is gone or NIXL refused the request
             return NixlTransfer.finished(core, self.name, TransferStatus.FAILED,
                                          f"peer {self.name!r}: could not post: {exc}")
-        nbytes = batch.nbytes
+        nbytes = shape[1]
         t = NixlTransfer(core, self.name, handle, nbytes, core.config.deadline_s(nbytes), batch.src_region,
                          batch.dst_region if len(batch) else None)
         if state == "DONE":
@@ -191,15 +192,16 @@ class NixlPeer(Peer):
             self._pending.add(t)
         return t
 
-    def _prepped(self, batch: WriteBatch) -> Optional[tuple]:
+    def _prepped(self, batch: WriteBatch, shape: tuple) -> Optional[tuple]:
         """``(local list, local indices, remote list, remote indices)`` of a checked, non-empty
-        batch through prepared lists (:mod:`transport.nixl.prepped`), or None: descriptors."""
+        batch (``shape``: its :func:`~transport.nixl.prepped.shape_of`) through prepared lists
+        (:mod:`transport.nixl.prepped`), or None: descriptors."""
         if self._closed:  # a write queued before this snapshot closed: no list is prepared for it any more
             return None
         core = self._core
         local_mem = core.table().mem_of(int(batch.src_region[0]))
         remote_mem = self._table.mem_of(int(batch.dst_region[0]))
-        granule, nbytes, rows = shape_of(batch)
+        granule, nbytes, rows = shape
         finest = self.lists.finest(remote_mem)  # a list that exists serves a multiple of its granule
         if finest is not None and finest <= granule and nbytes // finest <= MAX_INDICES:
             granule = finest

@@ -240,3 +240,31 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     assert (freq - torch.softmax(row / temp, -1)).abs().max().item() < 0.015
     again, _ = sample(row.expand(n, -1).contiguous(), torch.full((n,), temp, device="cuda"), keys, no_limit)
     assert torch.equal(tokens, again)
+
+
+class _Layered:
+    """Layer-wise prompts alone, each ending in a chunk of one token (a chunk of 8, then 1; two
+    of 8, then 1): what ``on_layers`` saw per request, as (tokens, end layer) calls, and the
+    sampled tokens."""
+
+    def __call__(self, engine):
+        calls = {}
+        engine.on_layers = lambda chunks, end: [calls.setdefault(r.rid, []).append((n, end)) for r, n in chunks]
+        reqs = []
+        for prompt in (tuple(range(40, 49)), tuple(range(300, 317))):
+            reqs.append(engine.add(prompt, 3, layers_out=True))
+            engine.run()
+        return [calls[r.rid] for r in reqs], [r.output_ids for r in reqs]
+
+
+@pytest.mark.gpu
+def test_a_layer_wise_prompt_s_last_chunk_of_one_token_streams_its_layers_under_graphs():
+    spec = _random_smollm2()
+    cfg = dict(max_requests=4, chunk_size=8)
+    cpu_calls, cpu_ids = launch.run(spec, 1, engine_config(**cfg), _Layered())
+    gpu_calls, gpu_ids = launch.run(spec, 1, engine_config(**cfg, device="cuda"), _Layered())
+    layers = spec.config.num_layers
+    for calls, prompt_len in zip(gpu_calls, (9, 17)):
+        # every prompt token's K/V is announced once its last layer is in the pools
+        assert sum(n for n, end in calls if end == layers) == prompt_len
+    assert gpu_calls == cpu_calls and gpu_ids == cpu_ids
