@@ -196,12 +196,19 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
                                    name=f"receiver ({receiver_host.netns})")
         try:
             peer_bytes = receiver.recv(tools.Ready, "its export", tools.READY_TIMEOUT_S).export
-            paths, sids = {}, {}
-            for name, cfg in (("staged", staged), ("direct", StagedNixlConfig(enabled=False))):
+
+            def connected(cfg: StagedNixlConfig) -> tuple:
+                """``(transport, source region id, peer, destination region)``: a transport of
+                its own with ``cfg``, the source registered, connected to the receiver."""
                 t = NixlTransport(NixlConfig(progress_thread=args.progress_thread, staged=cfg))
                 sid = t.register(src_ptr, kv.src_bytes, device)
                 peer = t.connect(peer_bytes)
                 (dst,) = peer.regions.values()
+                return t, sid, peer, dst
+
+            paths, sids = {}, {}
+            for name, cfg in (("staged", staged), ("direct", StagedNixlConfig(enabled=False))):
+                t, sid, peer, dst = connected(cfg)
                 paths[name], sids[name] = (t, peer, kv.batch(sid, dst.region_id)), sid
             n_blocks = kv.nbytes // args.block
             blocks = np.arange(n_blocks, dtype=np.int64) * args.block  # [n_blocks]
@@ -216,11 +223,10 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
                 writes["staged"] = lambda: _timed_call(staged_peer, staged_batch, calls).wait(600)
             _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
             if staged_batch is not None and not args.cuda:  # after the check: its bytes are not the request's
-                bound_t = NixlTransport(NixlConfig(progress_thread=args.progress_thread, staged=staged))
-                bound_peer = bound_t.connect(peer_bytes)
+                bound_t, bound_sid, bound_peer, _ = connected(staged)
                 paths["nogather"] = (bound_t, bound_peer, None)
-                writes["nogather"] = _without_gather(bound_t, bound_peer, kv.strided_batch(
-                    bound_t.register(src_ptr, kv.src_bytes), dst.region_id))
+                writes["nogather"] = _without_gather(bound_t, bound_peer,
+                                                     kv.strided_batch(bound_sid, dst.region_id))
             lane = staged_t._core.lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
                 raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
