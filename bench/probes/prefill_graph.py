@@ -1,14 +1,15 @@
 """One prompt's prefill on one GPU, the Llama-3-8B-shaped preset (random weights, bf16): a
-captured prefill step (its tokens padded to the power-of-two bucket), an eager step, and an eager
-step with a layer-wise hook recording a CUDA event after each layer (what a ``--layerwise``
-prefill node's steps cost before any write):
+captured prefill step (its tokens padded to the power-of-two bucket), the same step replayed in
+parts of one layer with a layer-wise hook recording a CUDA event after each, an eager step, and
+an eager step with the hook after each layer (what a ``--layerwise 1`` prefill node's steps cost
+before any write):
 
     PYTHONPATH=. python3 bench/probes/prefill_graph.py [TOKENS,TOKENS,...]
 
 Each prompt (default 256 ... 4,096 tokens, around the buckets' edges) goes through two engines
-sharing the weights (graphs on and off, 4,096-token chunks), one prompt of one token out, timed
-between two synchronisations; the three ways alternate, five rounds, the first dropped; medians
-in ms.
+sharing the weights (graphs on, also captured in parts of one layer, and off; 4,096-token
+chunks), one prompt of one token out, timed between two synchronisations; the four ways
+alternate, five rounds, the first dropped; medians in ms.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main() -> None:
     spec = registry.load(ModelName.LLAMA3_8B)[0]
     model = spec.build(launch.TPGroup(), torch.bfloat16, "cuda")
     engines = {graphs: Engine(model, EngineConfig(max_tokens=20000, page_size=16, max_requests=4, chunk_size=4096,
-                                                  dtype=torch.bfloat16, device="cuda", cuda_graphs=graphs))
+                                                  dtype=torch.bfloat16, device="cuda", cuda_graphs=graphs,
+                                                  layer_group=1 if graphs else 0))
                for graphs in (True, False)}
     events = []
 
@@ -51,8 +53,9 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
-    ways = {"graph": (True, False), "eager": (False, False), "eager+layers": (False, True)}
-    print(f"tokens  {'  '.join(f'{w:>12}' for w in ways)}   graph / eager  (ms, medians of {ROUNDS - 1})")
+    ways = {"graph": (True, False), "graph parts": (True, True), "eager": (False, False),
+            "eager+layers": (False, True)}
+    print(f"tokens  {'  '.join(f'{w:>12}' for w in ways)}   parts / graph  (ms, medians of {ROUNDS - 1})")
     for n in counts:
         times = {w: [] for w in ways}
         for round_ in range(ROUNDS):
@@ -62,7 +65,8 @@ def main() -> None:
                     times[way].append(ms)
         events.clear()
         med = {w: statistics.median(t) for w, t in times.items()}
-        print(f"{n:6d}  {'  '.join(f'{med[w]:12.2f}' for w in ways)}   {med['graph'] / med['eager']:.3f}", flush=True)
+        print(f"{n:6d}  {'  '.join(f'{med[w]:12.2f}' for w in ways)}   {med['graph parts'] / med['graph']:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -249,6 +249,9 @@ class EngineConfig:
     model supports it (:mod:`kvtransfer.models.runner`); False runs every step through the
     model's general forward. ``overlap``: with graphs, the next decode step is launched before
     the wait for the current one (:mod:`kvtransfer.models.engine`); False waits for each step.
+    ``layer_group``: with graphs, prefill steps are captured a second time in parts of this many
+    layers, which a layer-wise prefill step replays with its layer callbacks between them
+    (:mod:`kvtransfer.models.runner`); 0: layer-wise steps run eagerly.
     """
 
     max_tokens: int = 2048
@@ -259,6 +262,7 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True
     overlap: bool = True
+    layer_group: int = 0
 
     def __post_init__(self):
         _positive(self, "max_tokens", "page_size", "max_requests", "chunk_size")
@@ -266,6 +270,8 @@ class EngineConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must hold at least one page of {self.page_size}")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if isinstance(self.layer_group, bool) or not isinstance(self.layer_group, int) or self.layer_group < 0:
+            raise ValueError(f"layer_group must be 0 (no parts) or a number of layers, got {self.layer_group!r}")
         for name in ("cuda_graphs", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

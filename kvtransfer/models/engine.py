@@ -234,14 +234,17 @@ class Engine:
         self.held: List[Request] = []  # finished with hold=True: pages kept until release()
         self._next_rid = 0
         self.stats = EngineStats()
-        self.graphs = build_runner(model, self.pools, config.max_requests, config.chunk_size) if config.cuda_graphs else None
+        self.graphs = (build_runner(model, self.pools, config.max_requests, config.chunk_size, config.layer_group)
+                       if config.cuda_graphs else None)
         self._ahead: Optional[_Ahead] = None  # a decode step launched ahead (module docstring)
         self._done_early: List[Request] = []  # finished while the step ahead was taken in
         self._finished_tokens = 0  # output tokens of requests no longer running (decode rate)
         # Layer-wise sending: a prefill step of requests added with ``layers_out`` calls
         # ``on_layers(chunks, end)`` once the K/V of its layers before ``end`` are in the pools
         # (``chunks``: [(request, tokens)] of those requests, each from its ``kv_committed_len``).
-        # Such steps run eagerly: a captured step cannot call back.
+        # With ``EngineConfig.layer_group`` such a step replays its prefill graph in parts of that
+        # many layers and calls back between them; otherwise it runs eagerly, calling back after
+        # every layer.
         self.on_layers: Optional[Callable[[list, int], None]] = None
 
     # -- requests ----------------------------------------------------------------------
@@ -425,11 +428,13 @@ class Engine:
 
     def _forward(self, chunks) -> List[Request]:
         layered = [(r, n) for r, n in chunks if r.layers_out and r.in_prefill] if self.on_layers is not None else []
-        if self.graphs is not None and not layered:  # a layer-wise prefill step calls on_layers: eager
-            if all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
+        after_layers = functools.partial(self.on_layers, layered) if layered else None
+        if self.graphs is not None:
+            # a layer-wise step calls on_layers, even a last prompt chunk of one token: never the decode step
+            if not layered and all(n == 1 and r.kv_committed_len == len(r.all_ids) - 1 for r, n in chunks):
                 return self._forward_decode([r for r, _ in chunks])
-            if self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks)):
-                return self._forward_prefill(chunks)
+            if self.graphs.takes_prefill(sum(n for _, n in chunks), len(chunks), in_parts=bool(layered)):
+                return self._forward_prefill(chunks, after_layers)
         device = self.model.device
         ids, positions, locs = [], [], []
         for req, n in chunks:
@@ -449,7 +454,7 @@ class Engine:
             prefix_lens=tuple(r.kv_committed_len for r, _ in chunks),
             extend_lens=tuple(n for _, n in chunks),
             mamba_slots=mamba,
-            after_layer=functools.partial(self.on_layers, layered) if layered else None,
+            after_layer=after_layers,
         )
         logits = self.model.forward(batch, self.pools)  # [B, vocab] fp32
         finished = []
@@ -514,15 +519,16 @@ class Engine:
                 self._release(req)
                 self._done_early.append(req)
 
-    def _forward_prefill(self, chunks) -> List[Request]:
+    def _forward_prefill(self, chunks, after_layers=None) -> List[Request]:
         """A prefill step through a captured graph: every chunk in one forward, and the first
-        token of each request whose prompt it ends."""
+        token of each request whose prompt it ends (``after_layers``: the graph in parts, calling
+        back between them)."""
         for req, n in chunks:
             self._grow(req, req.kv_committed_len + n)
         launched = self.graphs.prefill([
             Chunk(req.all_ids[req.kv_committed_len : req.kv_committed_len + n], req.kv_committed_len, req.req_pool_idx,
                   req.sampling.key(len(req.all_ids)), float(req.sampling.temperature), req.sampling.top_k)
-            for req, n in chunks])
+            for req, n in chunks], after_layers)
         out = self.graphs.collect(launched)
         finished = []
         for i, (req, n) in enumerate(chunks):

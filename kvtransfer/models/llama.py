@@ -16,7 +16,7 @@ pool holds exactly those heads), FFN columns ``r*ffn/t ..`` and vocabulary rows 
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -63,7 +63,8 @@ class LlamaModel(Decoder):
         cfg = self.config
         r2t = pools.req_to_token.req_to_token
         if batch.input_ids.is_cuda:  # the element-wise steps fused, as in the captured steps
-            h, delta = self._fused_layers(batch.input_ids, self._extend_attention(batch, pools), batch.after_layer)
+            h, delta = self._fused_layers(self.embed[batch.input_ids], self._extend_attention(batch, pools),
+                                          batch.after_layer)
             if not all_logits:
                 last = batch.last_token_index()
                 h, delta = h[last], delta[last]  # [B, hidden] each
@@ -83,7 +84,18 @@ class LlamaModel(Decoder):
         """Logits ``[B, vocab]`` at each request's last token (``inputs.last``) of a prefill step
         of several requests' chunks, with no host synchronisation (the prefill step a CUDA graph
         captures): :meth:`forward` on CUDA with its indices already on the device."""
-        h, delta = self._fused_layers(inputs.input_ids, self._extend_attention(inputs, pools))
+        return self.extend_logits(inputs, *self.extend_layers(inputs, pools, None, range(len(self.layers))))
+
+    def extend_layers(self, inputs: ExtendInputs, pools: Pools, stream: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                      layers: range) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``layers`` of :meth:`forward_extend` (a captured graph may hold a part of the
+        step): the residual stream ``(h, delta)`` after the last of them, from ``stream``, the one
+        that the layer before the first returned (None: from the embeddings)."""
+        h, delta = stream if stream is not None else (self.embed[inputs.input_ids], None)  # [T, hidden] each
+        return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
+
+    def extend_logits(self, inputs: ExtendInputs, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_extend`'s logits from :meth:`extend_layers`' output after the last layer."""
         return self._fused_logits(h[inputs.last], delta[inputs.last])
 
     @torch.inference_mode()
@@ -97,7 +109,7 @@ class LlamaModel(Decoder):
             return gqa_decode_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, inputs, self.rotary, self.heads,
                                         self.kv_heads, self.config.head_dim, self.tp)
 
-        h, delta = self._fused_layers(inputs.input_ids, attend)
+        h, delta = self._fused_layers(self.embed[inputs.input_ids], attend)
         return self._fused_logits(h, delta)
 
     def _extend_attention(self, batch, pools: Pools):
@@ -111,13 +123,15 @@ class LlamaModel(Decoder):
 
         return attend
 
-    def _fused_layers(self, input_ids: torch.Tensor, attend, after_layer=None):
-        """The layers with fused element-wise steps: ``(h, delta)``, the residual stream before
-        its last add (``attend(layer, weights, normed) -> delta`` is the attention block, which
-        stores the layer's K/V; then ``after_layer(i + 1)`` if given)."""
+    def _fused_layers(self, h: torch.Tensor, attend, after_layer=None, layers: Optional[range] = None,
+                      delta: Optional[torch.Tensor] = None):
+        """The layers (all, or ``layers``) with fused element-wise steps, from the residual
+        stream ``h + delta`` (``[T, hidden]`` each; ``delta`` None: ``h``): ``(h, delta)``, the
+        residual stream before its last add (``attend(layer, weights, normed) -> delta`` is the
+        attention block, which stores the layer's K/V; then ``after_layer(i + 1)`` if given)."""
         eps = self.config.rms_eps
-        h, delta = self.embed[input_ids], None  # [T, hidden]
-        for i, w in enumerate(self.layers):
+        for i in layers if layers is not None else range(len(self.layers)):
+            w = self.layers[i]
             h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
             delta = attend(i, w, x)
             if after_layer is not None:

@@ -12,6 +12,12 @@ Two kinds of step are captured at build time:
   extend-attention kernel, and the draw of each request's next token. The tokens are padded to
   the token bucket, the requests to the request bucket (padding requests have no tokens). A
   step with more tokens or requests than the largest buckets runs eagerly.
+- **prefill in parts**, with a ``layer_group``, for layer-wise sending: each prefill graph is
+  captured a second time as one graph per group of that many layers (:func:`layer_parts`; the
+  first part embeds the tokens, the last computes the logits and the draw). Between the parts'
+  replays the host calls back with the layers done, so their K/V can leave while the later parts
+  compute; the residual stream ``(h, delta)`` passes from part to part through static buffers,
+  so the next part's first fused add computes what the one-graph step computes.
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
@@ -38,7 +44,7 @@ runs every step through the model's general forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -66,6 +72,12 @@ def prefill_request_sizes(max_batch: int) -> List[int]:
     return sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top})
 
 
+def layer_parts(num_layers: int, group: int) -> List[range]:
+    """The layers of each part of a prefill step captured in parts: ``group`` at a time, the last
+    part the rest."""
+    return [range(a, min(a + group, num_layers)) for a in range(0, num_layers, group)]
+
+
 def prefill_buckets(chunk_size: int, max_context_len: int) -> List[int]:
     """Powers of two from ``MIN_BUCKET`` up to the first one ``>= chunk_size``, none past the
     context length."""
@@ -81,7 +93,7 @@ def prefill_buckets(chunk_size: int, max_context_len: int) -> List[int]:
 @dataclass(frozen=True)
 class Launched:
     """A replay in flight: its first ``n`` rows' results land in host set ``buf`` once ``done``
-    has fired."""
+    has fired (the logits: those of graph ``key``)."""
 
     key: tuple
     n: int
@@ -115,13 +127,18 @@ class Chunk:
 class GraphRunner:
     """Captured decode and prefill steps over one model and its pools (module docstring)."""
 
-    def __init__(self, model, pools, max_batch: int, chunk_size: int):
+    def __init__(self, model, pools, max_batch: int, chunk_size: int, layer_group: int = 0):
         self.model, self.pools = model, pools
         self.device = model.device
         self.decode_sizes = capture_sizes(max_batch)
         prefill = hasattr(model, "forward_extend")
         self.prefill_tokens = prefill_buckets(chunk_size, model.config.max_context_len) if prefill else []
         self.prefill_requests = prefill_request_sizes(max_batch) if prefill else []
+        in_parts = layer_group > 0 and hasattr(model, "extend_layers")
+        self.parts = layer_parts(model.config.num_layers, layer_group) if in_parts else []
+        # the residual stream (h, delta) between parts: [2, tokens, hidden] of the largest prefill bucket
+        self._stream = (torch.zeros(2, self.prefill_tokens[-1], model.config.hidden_size, dtype=model.dtype,
+                                    device=self.device) if self.parts else None)
         n = max(self.decode_sizes[-1], self.prefill_tokens[-1] if prefill else 0,
                 self.prefill_requests[-1] + 1 if prefill else 0)
         # two host sets, used by alternate launches (module docstring)
@@ -142,6 +159,8 @@ class GraphRunner:
             for reqs in reversed(self.prefill_requests):
                 if reqs <= tokens:
                     self._capture(("prefill", tokens, reqs))
+                    for part in range(len(self.parts)):
+                        self._capture(("prefill", tokens, reqs, part))
 
     # -- capture -------------------------------------------------------------------------
     def _inputs(self, size: int) -> DecodeInputs:
@@ -161,13 +180,25 @@ class GraphRunner:
         return ExtendInputs(input_ids=ids, positions=positions, out_cache_loc=r2t[rows, positions].to(torch.int64),
                             extend_index=index, last=self._ints[LAST, :reqs])
 
-    def _body(self, key: tuple) -> torch.Tensor:
+    def _body(self, key: tuple) -> Optional[torch.Tensor]:
+        """What graph ``key`` runs: a decode step, a prefill step, or part ``key[3]`` of one
+        (None: a part before the last, which leaves the residual stream in ``_stream``)."""
         if key[0] == "decode":
             b = key[1]
             logits = self.model.forward_decode(self._inputs(b), self.pools)  # [b, vocab] fp32
-        else:
+        elif len(key) == 3:
             b = key[2]
             logits = self.model.forward_extend(self._extend_inputs(key[1], b), self.pools)  # [b, vocab] fp32
+        else:
+            (_, tokens, b, part), stream = key, self._stream[:, : key[1]]
+            inputs = self._extend_inputs(tokens, b)
+            h, delta = self.model.extend_layers(inputs, self.pools, (stream[0], stream[1]) if part else None,
+                                                self.parts[part])
+            if part < len(self.parts) - 1:
+                stream[0].copy_(h)
+                stream[1].copy_(delta)
+                return None
+            logits = self.model.extend_logits(inputs, h, delta)  # [b, vocab] fp32
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])
         self._result[:b, 0] = tokens.to(torch.float64)
         self._result[:b, 1] = logprobs.to(torch.float64)
@@ -193,10 +224,11 @@ class GraphRunner:
     def max_batch(self) -> int:
         return self.decode_sizes[-1]
 
-    def takes_prefill(self, num_tokens: int, num_requests: int) -> bool:
-        """Whether a prefill step of these many tokens and requests has a captured graph."""
+    def takes_prefill(self, num_tokens: int, num_requests: int, in_parts: bool = False) -> bool:
+        """Whether a prefill step of these many tokens and requests has a captured graph (with
+        ``in_parts``: captured in parts)."""
         return (bool(self.prefill_tokens) and 1 <= num_tokens <= self.prefill_tokens[-1]
-                and 1 <= num_requests <= self.prefill_requests[-1])
+                and 1 <= num_requests <= self.prefill_requests[-1] and (bool(self.parts) or not in_parts))
 
     def decode(self, ids: Sequence[int], positions: Sequence[int], rows: Sequence[int], keys: Sequence[int],
                temperatures: Sequence[float], top_ks: Sequence[int], mamba_slots: Sequence[int] = (),
@@ -215,11 +247,14 @@ class GraphRunner:
             ints[IDS] = ids
         return self.launch(("decode", size), n, ints, temperatures, chained)
 
-    def prefill(self, chunks: Sequence[Chunk]) -> Launched:
+    def prefill(self, chunks: Sequence[Chunk], after_layers: Optional[Callable[[int], None]] = None) -> Launched:
         """Launch one prefill step of ``chunks`` (several requests' chunks in one forward) and the
-        draw of each request's next token, row ``i`` of the results for ``chunks[i]``."""
+        draw of each request's next token, row ``i`` of the results for ``chunks[i]``. With
+        ``after_layers`` the step replays in parts, each followed by ``after_layers(end)``: the
+        K/V of the layers before ``end`` are queued on the current stream (the runner needs a
+        ``layer_group``)."""
         lengths = [len(c.ids) for c in chunks]
-        if not all(lengths) or not self.takes_prefill(sum(lengths), len(chunks)):
+        if not all(lengths) or not self.takes_prefill(sum(lengths), len(chunks), after_layers is not None):
             top = (self.prefill_tokens or [0])[-1], (self.prefill_requests or [0])[-1]
             raise ValueError(f"a prefill step takes 1..{top[0]} tokens in 1..{top[1]} requests (none empty), "
                              f"got chunks of {lengths} tokens")
@@ -236,10 +271,13 @@ class GraphRunner:
         ints = {IDS: ids, POSITIONS: positions, ROWS: rows, REQ_ROWS: [c.row for c in chunks],
                 PREFIX: [c.start for c in chunks], CU: cu, LAST: [end - 1 for end in cu[1: len(chunks) + 1]],
                 KEYS: [c.key for c in chunks], TOP_KS: [c.top_k for c in chunks]}
-        return self.launch(("prefill", tokens, reqs), len(chunks), ints, [c.temperature for c in chunks])
+        return self.launch(("prefill", tokens, reqs), len(chunks), ints, [c.temperature for c in chunks],
+                           after_layers=after_layers)
 
-    def launch(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float], chained: bool = False) -> Launched:
-        """Copy the inputs in, replay ``key``'s graph and start the copy of its results out; no wait."""
+    def launch(self, key: tuple, n: int, ints: dict, temperatures: Sequence[float], chained: bool = False,
+               after_layers: Optional[Callable[[int], None]] = None) -> Launched:
+        """Copy the inputs in, replay ``key``'s graph (with ``after_layers``: its parts, calling
+        back after each) and start the copy of its results out; no wait."""
         size = key[1] if key[0] == "decode" else max(key[1], key[2] + 1)  # the columns its inputs use
         buf = self._buf
         self._buf ^= 1
@@ -253,7 +291,13 @@ class GraphRunner:
         if chained:
             self._ints[IDS, :n].copy_(self._sampled[:n])
         self._temps[:size].copy_(self._host_temps[buf, :size], non_blocking=True)
-        self._graphs[key].replay()
+        if after_layers is None:
+            self._graphs[key].replay()
+        else:
+            for part, layers in enumerate(self.parts):
+                self._graphs[key + (part,)].replay()
+                after_layers(layers.stop)
+            key += (len(self.parts) - 1,)  # whose logits the step returns
         self._host_result[buf, :n].copy_(self._result[:n], non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
@@ -267,8 +311,8 @@ class GraphRunner:
         return StepOutput(result[:, 0].astype(int).tolist(), result[:, 1].tolist(), self._logits[launched.key])
 
 
-def build_runner(model, pools, max_batch: int, chunk_size: int) -> Optional[GraphRunner]:
+def build_runner(model, pools, max_batch: int, chunk_size: int, layer_group: int = 0) -> Optional[GraphRunner]:
     """A runner when the model and device support one (module docstring), else None."""
     if model.device.type != "cuda" or not hasattr(model, "forward_decode") or model.tp.size != 1:
         return None
-    return GraphRunner(model, pools, max_batch, chunk_size)
+    return GraphRunner(model, pools, max_batch, chunk_size, layer_group)

@@ -172,7 +172,8 @@ class RankWorker:
         model_spec, _ = registry.load(registry.parse_name(spec.model))
         model = model_spec.build(tp, DType.parse(spec.dtype).torch, rank_device(spec.device, tp, self.gpu))
         ec = EngineConfig(max_tokens=spec.max_tokens, page_size=spec.page_size, max_requests=spec.max_requests,
-                          chunk_size=spec.chunk_size, dtype=DType.parse(spec.dtype).torch, device=spec.device)
+                          chunk_size=spec.chunk_size, dtype=DType.parse(spec.dtype).torch, device=spec.device,
+                          layer_group=spec.layerwise if spec.role == "prefill" else 0)
         self.engine = Engine(model, ec)
         pools = self.engine.pools
         self.layout = model.rank_layout(pools)

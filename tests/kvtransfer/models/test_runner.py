@@ -9,7 +9,7 @@ from kvtransfer.models import launch, registry
 from kvtransfer.models.config import ModelName
 from kvtransfer.models.engine import Engine, Sampling
 from kvtransfer.models.registry import ModelSpec
-from kvtransfer.models.runner import build_runner, capture_sizes, prefill_buckets, prefill_request_sizes
+from kvtransfer.models.runner import build_runner, capture_sizes, layer_parts, prefill_buckets, prefill_request_sizes
 from tests.kvtransfer.models._support import SMALL, engine_config
 
 
@@ -244,27 +244,83 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
 
 class _Layered:
     """Layer-wise prompts alone, each ending in a chunk of one token (a chunk of 8, then 1; two
-    of 8, then 1): what ``on_layers`` saw per request, as (tokens, end layer) calls, and the
-    sampled tokens."""
+    of 8, then 1), then both in one step: what ``on_layers`` saw per request, as (tokens, end
+    layer) calls, the sampled tokens and the logits."""
 
     def __call__(self, engine):
         calls = {}
         engine.on_layers = lambda chunks, end: [calls.setdefault(r.rid, []).append((n, end)) for r, n in chunks]
+        prompts = (tuple(range(40, 49)), tuple(range(300, 317)))
         reqs = []
-        for prompt in (tuple(range(40, 49)), tuple(range(300, 317))):
-            reqs.append(engine.add(prompt, 3, layers_out=True))
+        for prompt in prompts:
+            reqs.append(engine.add(prompt, 3, layers_out=True, record_logits=True))
             engine.run()
-        return [calls[r.rid] for r in reqs], [r.output_ids for r in reqs]
+        reqs += [engine.add(p, 3, layers_out=True, record_logits=True) for p in prompts]
+        engine.run()
+        return [calls[r.rid] for r in reqs], [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+
+
+def test_layer_parts_cover_every_layer_once_in_groups():
+    assert layer_parts(30, 1) == [range(i, i + 1) for i in range(30)]
+    assert layer_parts(30, 7) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28), range(28, 30)]
+    assert layer_parts(3, 8) == [range(0, 3)]
+
+
+@pytest.mark.parametrize("group", [-1, True, 1.5])
+def test_a_layer_group_is_a_count_of_layers(group):
+    with pytest.raises(ValueError, match="layer_group"):
+        engine_config(layer_group=group)
 
 
 @pytest.mark.gpu
-def test_a_layer_wise_prompt_s_last_chunk_of_one_token_streams_its_layers_under_graphs():
+@pytest.mark.parametrize("group", [0, 1, 7])
+def test_a_layer_wise_prompt_streams_its_layers_under_graphs(group):
+    """Eagerly (group 0: a callback after every layer, as on the CPU) or through prefill graphs
+    replayed in parts of ``group`` layers (a callback after each part), a last chunk of one token
+    included: every prompt token is announced at the last layer, and the tokens and logits are
+    the CPU path's."""
     spec = _random_smollm2()
     cfg = dict(max_requests=4, chunk_size=8)
-    cpu_calls, cpu_ids = launch.run(spec, 1, engine_config(**cfg), _Layered())
-    gpu_calls, gpu_ids = launch.run(spec, 1, engine_config(**cfg, device="cuda"), _Layered())
+    cpu_calls, cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**cfg), _Layered())
+    gpu_calls, gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**cfg, device="cuda", layer_group=group),
+                                                _Layered())
     layers = spec.config.num_layers
-    for calls, prompt_len in zip(gpu_calls, (9, 17)):
+    ends = [r.stop for r in layer_parts(layers, group)] if group else list(range(1, layers + 1))
+    for calls, prompt_len in zip(gpu_calls, (9, 17, 9, 17)):
+        assert sorted({end for _, end in calls}) == ends
         # every prompt token's K/V is announced once its last layer is in the pools
         assert sum(n for n, end in calls if end == layers) == prompt_len
-    assert gpu_calls == cpu_calls and gpu_ids == cpu_ids
+    assert [[c for c in calls if c[1] in ends] for calls in cpu_calls] == gpu_calls
+    assert gpu_ids == cpu_ids
+    for a, b in zip(cpu_logits, gpu_logits):
+        assert (a - b).abs().max().item() < 1e-3
+
+
+class _Prompts:
+    """Two prompts alone (layer-wise or not), then together: their logits."""
+
+    def __init__(self, layers_out: bool):
+        self.layers_out = layers_out
+
+    def __call__(self, engine):
+        engine.on_layers = lambda chunks, end: None
+        prompts = (tuple(range(40, 49)), tuple(range(300, 330)))
+        reqs = []
+        for prompt in prompts:
+            reqs.append(engine.add(prompt, 2, layers_out=self.layers_out, record_logits=True))
+            engine.run()
+        reqs += [engine.add(p, 2, layers_out=self.layers_out, record_logits=True) for p in prompts]
+        engine.run()
+        return [torch.stack(r.logits) for r in reqs]
+
+
+@pytest.mark.gpu
+def test_a_prefill_graph_in_parts_computes_what_the_whole_graph_computes_in_bfloat16():
+    """The residual stream crosses from part to part as it is: the same bits as the one-graph
+    step."""
+    spec = _random_smollm2()
+    cfg = dict(max_requests=4, chunk_size=16, device="cuda", dtype=torch.bfloat16, layer_group=4)
+    whole = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=False))
+    parts = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=True))
+    for a, b in zip(whole, parts):
+        assert torch.equal(a, b), (a - b).abs().max().item()
