@@ -16,7 +16,7 @@ pool holds exactly those heads), FFN columns ``r*ffn/t ..`` and vocabulary rows 
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -86,11 +86,13 @@ class LlamaModel(Decoder):
         captures): :meth:`forward` on CUDA with its indices already on the device."""
         return self.extend_logits(inputs, *self.extend_layers(inputs, pools, None, range(len(self.layers))))
 
-    def extend_layers(self, inputs: ExtendInputs, pools: Pools, stream: Optional[Tuple[torch.Tensor, torch.Tensor]],
-                      layers: range) -> Tuple[torch.Tensor, torch.Tensor]:
+    def extend_layers(self, inputs: Union[ExtendInputs, ForwardBatch], pools: Pools,
+                      stream: Optional[Tuple[torch.Tensor, torch.Tensor]], layers: range
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layers ``layers`` of :meth:`forward_extend` (a captured graph may hold a part of the
-        step): the residual stream ``(h, delta)`` after the last of them, from ``stream``, the one
-        that the layer before the first returned (None: from the embeddings)."""
+        step; on the CPU ``inputs`` is a :class:`ForwardBatch`): the residual stream ``(h, delta)``
+        after the last of them, from ``stream``, the one that the layer before the first returned
+        (None: from the embeddings)."""
         h, delta = stream if stream is not None else (self.embed[inputs.input_ids], None)  # [T, hidden] each
         return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
 

@@ -10,7 +10,7 @@ from kvtransfer.models.config import ModelName
 from kvtransfer.models.engine import Engine, Sampling
 from kvtransfer.models.registry import ModelSpec
 from kvtransfer.models.runner import build_runner, capture_sizes, layer_parts, prefill_buckets, prefill_request_sizes
-from tests.kvtransfer.models._support import SMALL, engine_config
+from tests.kvtransfer.models._support import SMALL, engine_config, run_interpreted
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_maximum():
@@ -264,6 +264,42 @@ def test_layer_parts_cover_every_layer_once_in_groups():
     assert layer_parts(30, 1) == [range(i, i + 1) for i in range(30)]
     assert layer_parts(30, 7) == [range(0, 7), range(7, 14), range(14, 21), range(21, 28), range(28, 30)]
     assert layer_parts(3, 8) == [range(0, 3)]
+
+
+def print_layers_in_parts() -> None:
+    """Under the interpreter: a small Llama's prefill through ``extend_layers`` in parts of
+    layers, the residual stream carried as the runner carries it, against all layers at once:
+    ``dtype equal`` per dtype."""
+    from kvtransfer.models.batch import ForwardBatch
+    from kvtransfer.models.config import LlamaConfig
+    from kvtransfer.models.llama import LlamaModel
+    from kvtransfer.models.parallel import TPGroup
+    from kvtransfer.models.seeded import RandomWeights, llama_shapes
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=5, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_eps=1e-5, max_context_len=64)
+    t = 12
+    for dtype in (torch.float32, torch.bfloat16):
+        model = LlamaModel(cfg, RandomWeights(llama_shapes(cfg), 3), TPGroup(), dtype, "cpu")
+        pools = model.make_pools(engine_config(max_tokens=64, page_size=1, max_requests=2, dtype=dtype))
+        pools.req_to_token.req_to_token[1, :t] = torch.arange(1, t + 1)
+        batch = ForwardBatch(input_ids=torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(0)),
+                             positions=torch.arange(t), out_cache_loc=torch.arange(1, t + 1), req_pool_indices=(1,),
+                             prefix_lens=(0,), extend_lens=(t,))
+        whole = model.extend_layers(batch, pools, None, range(cfg.num_layers))
+        stream = torch.zeros(2, t, cfg.hidden_size, dtype=dtype)
+        parts = layer_parts(cfg.num_layers, 2)
+        for i, layers in enumerate(parts):
+            h, delta = model.extend_layers(batch, pools, (stream[0], stream[1]) if i else None, layers)
+            if i < len(parts) - 1:
+                stream[0].copy_(h)
+                stream[1].copy_(delta)
+        print(str(dtype).split(".")[-1], torch.equal(whole[0], h) and torch.equal(whole[1], delta))
+
+
+def test_a_prefill_in_parts_of_layers_computes_what_all_layers_at_once_compute():
+    assert run_interpreted("tests.kvtransfer.models.test_runner", "print_layers_in_parts") == [
+        ["float32", "True"], ["bfloat16", "True"]]
 
 
 @pytest.mark.parametrize("group", [-1, True, 1.5])
