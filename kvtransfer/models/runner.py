@@ -43,6 +43,7 @@ runs every step through the model's general forward.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -153,6 +154,7 @@ class GraphRunner:
         self._logits: Dict[tuple, torch.Tensor] = {}
         self._graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        start = time.perf_counter()
         for size in reversed(self.decode_sizes):  # largest first: the others reuse its memory
             self._capture(("decode", size))
         for tokens in reversed(self.prefill_tokens):
@@ -161,6 +163,7 @@ class GraphRunner:
                     self._capture(("prefill", tokens, reqs))
                     for part in range(len(self.parts)):
                         self._capture(("prefill", tokens, reqs, part))
+        self.capture_s = time.perf_counter() - start
 
     # -- capture -------------------------------------------------------------------------
     def _inputs(self, size: int) -> DecodeInputs:
@@ -218,6 +221,13 @@ class GraphRunner:
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[key] = graph
+
+    def describe(self) -> str:
+        """What was captured, for a node's start-up line."""
+        prefill = sum(1 for k in self._graphs if k[0] == "prefill" and len(k) == 3)
+        parts = f" (and in {len(self.parts)} parts of <= {len(self.parts[0])} layers)" if self.parts else ""
+        return (f"CUDA graphs: {len(self.decode_sizes)} decode, {prefill} prefill{parts}, "
+                f"captured in {self.capture_s:.1f} s")
 
     # -- steps -----------------------------------------------------------------------------
     @property

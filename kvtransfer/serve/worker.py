@@ -207,8 +207,9 @@ class RankWorker:
         lay = self.layout
         state = f", state {lay.state_kind.value} x {len(lay.state_layer_ids)} layers" if lay.is_hybrid else ""
         where = f"cuda:{self.gpu}" if self.gpu is not None else "cpu"
+        graphs = f", {self.engine.graphs.describe()}" if self.engine.graphs is not None else ""
         return (f"{lay.kind.value} {len(lay.layer_ids)} layers, {lay.num_slots} slots, page {lay.page_size}, "
-                f"{lay.dtype}{state}, on {where}")
+                f"{lay.dtype}{state}, on {where}{graphs}")
 
     # -- the loop ---------------------------------------------------------------------
     def run(self) -> None:

@@ -347,7 +347,7 @@ class _Prompts:
             engine.run()
         reqs += [engine.add(p, 2, layers_out=self.layers_out, record_logits=True) for p in prompts]
         engine.run()
-        return [torch.stack(r.logits) for r in reqs]
+        return engine.graphs.describe(), [torch.stack(r.logits) for r in reqs]
 
 
 @pytest.mark.gpu
@@ -356,7 +356,8 @@ def test_a_prefill_graph_in_parts_computes_what_the_whole_graph_computes_in_bflo
     step."""
     spec = _random_smollm2()
     cfg = dict(max_requests=4, chunk_size=16, device="cuda", dtype=torch.bfloat16, layer_group=4)
-    whole = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=False))
-    parts = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=True))
+    _, whole = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=False))
+    captured, parts = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=True))
+    assert "prefill (and in 8 parts of <= 4 layers)" in captured  # SmolLM2's 30 layers
     for a, b in zip(whole, parts):
         assert torch.equal(a, b), (a - b).abs().max().item()
