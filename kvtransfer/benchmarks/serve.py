@@ -25,7 +25,9 @@ mode TTFT is split by what the nodes report: prefill queueing, prefill compute, 
 (prefill had the KV -> every write landed on decode, including waiting for decode to ask), and
 the rest (HTTP, routing, control messages, the first token's way back), and, on the clock the
 nodes share, from the first token sampled on prefill (after its last layer) to decode counting
-every write landed (decode starts the request then). Queue: the mean time a
+every write landed (decode starts the request then); when the run started the nodes (on this
+host, one clock with the client's), the rest's way in (request sent -> in prefill's queue) and
+way out (KV landed -> first token at the client) too. Queue: the mean time a
 request waited for pages before its prompt was computed (disaggregated: prefill's queue, which
 holds the wait for decode's reservation; colocated: the node's ``kvtransfer_queue_seconds``).
 ``--pool-tokens`` sizes every node's KV pool (token slots): with long prompts and small pools,
@@ -113,6 +115,8 @@ class Sample:
     prompt_tokens: int = 0
     output_tokens: int = 0
     kv: dict = field(default_factory=dict)  # the router's kvtransfer figures (disaggregated)
+    sent_at: float = 0.0  # time.monotonic() when it was sent, and when its first token came
+    first_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ async def _one(client, url: str, work: Work, sample: Sample, extension: Optional
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     if extension:
         body["kvtransfer"] = extension
-    start = time.perf_counter()
+    start, sample.sent_at = time.perf_counter(), time.monotonic()
     last: Optional[float] = None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600.0) as resp:
@@ -172,7 +176,7 @@ async def _one(client, url: str, work: Work, sample: Sample, extension: Optional
                 if chunk["choices"]:  # a chunk per token event (its text may be empty: a partial character)
                     now = time.perf_counter() - start
                     if last is None:
-                        sample.ttft = now
+                        sample.ttft, sample.first_at = now, time.monotonic()
                     else:
                         sample.itl.append(now - last)
                     last = now
@@ -250,13 +254,19 @@ async def queue_totals(client, url: str) -> tuple:
 
 
 LANDED = "first token sampled -> KV landed on decode"
+# the parts of "HTTP, routing, control" that stamps on one clock (this host's) show
+HEAD = "request sent -> in prefill's queue"
+TAIL = "KV landed -> first token at the client"
 
 
-def ttft_split(samples: List[Sample]) -> Optional[dict]:
+def ttft_split(samples: List[Sample], one_clock: bool = False) -> Optional[dict]:
     """Medians of the disaggregated TTFT's parts, from the nodes' figures; with them, when the
     nodes stamped it on one clock, from prefill's first token sampled to decode's last write
-    counted (``LANDED``: the KV's tail, which layer-wise sending shortens)."""
-    rows, landed = [], []
+    counted (``LANDED``: the KV's tail, which layer-wise sending shortens). ``one_clock``: the
+    client's clock is the nodes' too (they run on this host), so the way in (``HEAD``: sent ->
+    prefill's queue) and the way out (``TAIL``: decode's last write counted -> first token here)
+    are split out of "HTTP, routing, control"."""
+    rows, landed, ends = [], [], []
     for s in samples:
         pre = s.kv.get("prefill") or {}
         if not s.ok or pre.get("compute_s") is None:
@@ -267,11 +277,16 @@ def ttft_split(samples: List[Sample]) -> Optional[dict]:
         rows.append(parts)
         if pre.get("sampled_at") is not None and s.kv.get("landed_at") is not None:
             landed.append(s.kv["landed_at"] - pre["sampled_at"])
+            if one_clock:
+                queued_at = pre["sampled_at"] - pre["compute_s"] - pre["queue_s"]
+                ends.append({HEAD: queued_at - s.sent_at, TAIL: s.first_at - s.kv["landed_at"]})
     if not rows:
         return None
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     if landed:
         out[LANDED] = statistics.median(landed)
+    if ends:
+        out |= {k: statistics.median(e[k] for e in ends) for k in (HEAD, TAIL)}
     return out | {"kv_bytes_median": statistics.median(s.kv.get("kv_bytes", 0) for s in samples if s.ok)}
 
 
@@ -291,11 +306,13 @@ def report(results: dict, splits: dict) -> str:
                      f"{r.get('output_tokens_per_s', 0):.1f}", f"{r.get('requests_per_s', 0):.2f}"])
     text = format_table(header, rows) + "\n(times in ms)"
     for mode, split in splits.items():
-        parts = ", ".join(f"{k} {_ms(v)} ms" for k, v in split.items() if k not in ("kv_bytes_median", LANDED))
+        parts = ", ".join(f"{k} {_ms(v)} ms" for k, v in split.items()
+                          if k not in ("kv_bytes_median", LANDED, HEAD, TAIL))
         text += (f"\n{mode} TTFT, medians of its parts: {parts}; KV per request "
                  f"{split['kv_bytes_median'] / 2**20:.2f} MiB")
-        if LANDED in split:
-            text += f"; {LANDED} {_ms(split[LANDED])} ms"
+        for key in (LANDED, HEAD, TAIL):
+            if key in split:
+                text += f"; {key} {_ms(split[key])} ms"
     for mode, r in results.items():
         for e in r.get("errors", []):
             text += f"\n{mode} error: {e}"
@@ -436,7 +453,8 @@ def _span_text(span: tuple) -> str:
 
 def _write(args, argv, m: Measured, stem: str) -> None:
     """Print ``m``'s header and table; write ``{stem}.json`` and ``{stem}.png`` under ``--out``."""
-    splits = {mode: split for mode, split in ((name, ttft_split(ss)) for name, ss in m.samples.items()
+    one_clock = args.router is None  # the nodes this run started, on this host
+    splits = {mode: split for mode, split in ((name, ttft_split(ss, one_clock)) for name, ss in m.samples.items()
                                               if name.startswith("disaggregated")) if split}
     load = f"rate {args.rate}/s" if args.rate else f"concurrency {args.concurrency}"
     print(f"kvtransfer bench serve: {args.model}, prefill TP {args.prefill_tp} (page {args.prefill_page_size}) -> "

@@ -41,6 +41,9 @@ def test_bench_serve_quick_over_two_prompt_spans(tmp_path):
             split = doc["ttft_split"][mode]
             assert split["prefill compute"] > 0 and split["KV transfer"] > 0 and split["kv_bytes_median"] > 0
             assert split["first token sampled -> KV landed on decode"] > 0  # one host: the nodes' clocks are one
+            # the client runs there too: the way in and the way out, stamped on its clock
+            way_in, way_out = split["request sent -> in prefill's queue"], split["KV landed -> first token at the client"]
+            assert 0 < way_in < modes[mode]["ttft"]["p50"] and 0 < way_out < modes[mode]["ttft"]["p50"]
             for s in doc["samples"][mode]:
                 assert s["kv"]["kv_bytes"] > 0 and s["kv"]["prefill"]["compute_s"] > 0
                 assert s["kv"]["landed_at"] > s["kv"]["prefill"]["sampled_at"]
