@@ -16,8 +16,8 @@ Two kinds of step are captured at build time:
   captured a second time as one graph per group of that many layers (:func:`layer_parts`; the
   first part embeds the tokens, the last computes the logits and the draw). Between the parts'
   replays the host calls back with the layers done, so their K/V can leave while the later parts
-  compute; the residual stream ``(h, delta)`` passes from part to part through static buffers,
-  so the next part's first fused add computes what the one-graph step computes.
+  compute; a part's last layer writes the residual stream ``(h, delta)`` into static buffers,
+  where the next part's first fused add reads it: the one-graph step's arithmetic, no copy.
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
@@ -154,6 +154,7 @@ class GraphRunner:
         self._logits: Dict[tuple, torch.Tensor] = {}
         self._graphs: Dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._capture_stream = torch.cuda.Stream(self.device)
         start = time.perf_counter()
         for size in reversed(self.decode_sizes):  # largest first: the others reuse its memory
             self._capture(("decode", size))
@@ -194,12 +195,10 @@ class GraphRunner:
             logits = self.model.forward_extend(self._extend_inputs(key[1], b), self.pools)  # [b, vocab] fp32
         else:
             (_, tokens, b, part), stream = key, self._stream[:, : key[1]]
-            inputs = self._extend_inputs(tokens, b)
+            inputs, last = self._extend_inputs(tokens, b), part == len(self.parts) - 1
             h, delta = self.model.extend_layers(inputs, self.pools, (stream[0], stream[1]) if part else None,
-                                                self.parts[part])
-            if part < len(self.parts) - 1:
-                stream[0].copy_(h)
-                stream[1].copy_(delta)
+                                                self.parts[part], out=None if last else (stream[0], stream[1]))
+            if not last:  # the stream is in the static buffers, where the next part reads it
                 return None
             logits = self.model.extend_logits(inputs, h, delta)  # [b, vocab] fp32
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])
@@ -210,7 +209,7 @@ class GraphRunner:
 
     @torch.inference_mode()
     def _capture(self, key: tuple) -> None:
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream  # one for every capture: cuBLAS keeps a workspace per stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._body(key)  # compiles the kernels and warms the allocator outside capture
