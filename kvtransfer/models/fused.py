@@ -122,23 +122,15 @@ def _need_triton() -> None:
 
 
 def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float, h_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(h + delta, rms_norm(h + delta) * weight)`` (``h`` itself when ``delta`` is None); the
-    sum written into ``h_out`` when given (contiguous, ``h``'s shape and dtype)."""
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta) * weight)`` (``h`` itself when ``delta`` is None)."""
     _need_triton()
     t, n = h.shape
     check_tensor("weight", weight, shape=[n], device=h.device)
     if delta is not None:
         check_tensor("delta", delta, shape=[t, n], dtype=h.dtype, device=h.device)
     h = h.contiguous()
-    if h_out is not None:
-        check_tensor("h_out", h_out, shape=[t, n], dtype=h.dtype, device=h.device)
-        if not h_out.is_contiguous() or delta is None:
-            raise ValueError("h_out must be contiguous, and takes a sum: delta must be given")
-    elif delta is not None:
-        h_out = torch.empty_like(h)
-    else:
-        h_out = h
+    h_out = torch.empty_like(h) if delta is not None else h
     x = torch.empty_like(h)
     if t:
         _add_rms_norm_kernel[(t,)](h, h if delta is None else delta.contiguous(), weight, h_out, x, n, float(eps),
@@ -189,10 +181,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 512,
-                 num_warps: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 num_warps: int = 1) -> torch.Tensor:
     """``x @ w.T`` ``[M, N]`` for ``x`` ``[M, K]`` (``M <= GEMV_MAX_ROWS``), ``w`` ``[N, K]``
     contiguous: one program per ``block_n`` output columns, fp32 accumulation (the default
-    tiling is the probe's fastest for one row); into ``out`` (contiguous ``[M, N]``) if given."""
+    tiling is the probe's fastest for one row)."""
     _need_triton()
     m, k = x.shape
     if not 1 <= m <= GEMV_MAX_ROWS:
@@ -201,19 +193,14 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: in
     if not w.is_contiguous():
         raise ValueError("w must be contiguous")
     x = x.contiguous()
-    if out is not None:
-        check_tensor("out", out, shape=[m, w.shape[0]], dtype=x.dtype, device=x.device)
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-    y = out if out is not None else x.new_empty(m, w.shape[0])
+    y = x.new_empty(m, w.shape[0])
     _gemv_kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, y, w.shape[0], k, M=m, BLOCK_N=block_n,
                                                       BLOCK_K=block_k, num_warps=num_warps)
     return y
 
 
-def decode_linear(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch;
-    into ``out`` if given (contiguous)."""
+def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch."""
     if x.is_cuda and x.shape[0] <= DECODE_GEMV_ROWS and w.is_contiguous():
-        return small_linear(x, w, out=out)
-    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
+        return small_linear(x, w)
+    return F.linear(x, w)

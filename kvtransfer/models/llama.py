@@ -87,14 +87,14 @@ class LlamaModel(Decoder):
         return self.extend_logits(inputs, *self.extend_layers(inputs, pools, None, range(len(self.layers))))
 
     def extend_layers(self, inputs: Union[ExtendInputs, ForwardBatch], pools: Pools,
-                      stream: Optional[Tuple[torch.Tensor, torch.Tensor]], layers: range,
-                      out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      stream: Optional[Tuple[torch.Tensor, torch.Tensor]], layers: range
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layers ``layers`` of :meth:`forward_extend` (a captured graph may hold a part of the
         step; on the CPU ``inputs`` is a :class:`ForwardBatch`): the residual stream ``(h, delta)``
-        after the last of them (written into ``out`` if given), from ``stream``, the one that the
-        layer before the first returned (None: from the embeddings)."""
+        after the last of them, from ``stream``, the one that the layer before the first returned
+        (None: from the embeddings)."""
         h, delta = stream if stream is not None else (self.embed[inputs.input_ids], None)  # [T, hidden] each
-        return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta, out=out)
+        return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
 
     def extend_logits(self, inputs: ExtendInputs, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """:meth:`forward_extend`'s logits from :meth:`extend_layers`' output after the last layer."""
@@ -126,22 +126,20 @@ class LlamaModel(Decoder):
         return attend
 
     def _fused_layers(self, h: torch.Tensor, attend, after_layer=None, layers: Optional[range] = None,
-                      delta: Optional[torch.Tensor] = None, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                      delta: Optional[torch.Tensor] = None):
         """The layers (all, or ``layers``) with fused element-wise steps, from the residual
         stream ``h + delta`` (``[T, hidden]`` each; ``delta`` None: ``h``): ``(h, delta)``, the
-        residual stream before its last add, which the last layer writes into ``out`` if given
-        (``attend(layer, weights, normed) -> delta`` is the attention block, which stores the
-        layer's K/V; then ``after_layer(i + 1)`` if given)."""
+        residual stream before its last add (``attend(layer, weights, normed) -> delta`` is the
+        attention block, which stores the layer's K/V; then ``after_layer(i + 1)`` if given)."""
         eps = self.config.rms_eps
-        layers = layers if layers is not None else range(len(self.layers))
-        for i in layers:
-            w, into = self.layers[i], out if out is not None and i == layers[-1] else (None, None)
+        for i in layers if layers is not None else range(len(self.layers)):
+            w = self.layers[i]
             h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
             delta = attend(i, w, x)
             if after_layer is not None:
                 after_layer(i + 1)
-            h, x = add_rms_norm(h, delta, w["ffn_norm"], eps, h_out=into[0])
-            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"], out=into[1]))
+            h, x = add_rms_norm(h, delta, w["ffn_norm"], eps)
+            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"]))
         return h, delta
 
     def _fused_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

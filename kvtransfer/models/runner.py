@@ -16,8 +16,8 @@ Two kinds of step are captured at build time:
   captured a second time as one graph per group of that many layers (:func:`layer_parts`; the
   first part embeds the tokens, the last computes the logits and the draw). Between the parts'
   replays the host calls back with the layers done, so their K/V can leave while the later parts
-  compute; a part's last layer writes the residual stream ``(h, delta)`` into static buffers,
-  where the next part's first fused add reads it: the one-graph step's arithmetic, no copy.
+  compute; the residual stream ``(h, delta)`` passes from part to part through static buffers,
+  so the next part's first fused add computes what the one-graph step computes.
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
@@ -195,10 +195,12 @@ class GraphRunner:
             logits = self.model.forward_extend(self._extend_inputs(key[1], b), self.pools)  # [b, vocab] fp32
         else:
             (_, tokens, b, part), stream = key, self._stream[:, : key[1]]
-            inputs, last = self._extend_inputs(tokens, b), part == len(self.parts) - 1
+            inputs = self._extend_inputs(tokens, b)
             h, delta = self.model.extend_layers(inputs, self.pools, (stream[0], stream[1]) if part else None,
-                                                self.parts[part], out=None if last else (stream[0], stream[1]))
-            if not last:  # the stream is in the static buffers, where the next part reads it
+                                                self.parts[part])
+            if part < len(self.parts) - 1:
+                stream[0].copy_(h)
+                stream[1].copy_(delta)
                 return None
             logits = self.model.extend_logits(inputs, h, delta)  # [b, vocab] fp32
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])

@@ -268,8 +268,8 @@ def test_layer_parts_cover_every_layer_once_in_groups():
 
 def print_layers_in_parts() -> None:
     """Under the interpreter: a small Llama's prefill through ``extend_layers`` in parts of
-    layers, each part's last layer writing the residual stream into the buffers the next one
-    reads (as the runner's parts do), against all layers at once: ``dtype equal`` per dtype."""
+    layers, the residual stream carried as the runner carries it, against all layers at once:
+    ``dtype equal`` per dtype."""
     from kvtransfer.models.batch import ForwardBatch
     from kvtransfer.models.config import LlamaConfig
     from kvtransfer.models.llama import LlamaModel
@@ -290,8 +290,10 @@ def print_layers_in_parts() -> None:
         stream = torch.zeros(2, t, cfg.hidden_size, dtype=dtype)
         parts = layer_parts(cfg.num_layers, 2)
         for i, layers in enumerate(parts):
-            into = (stream[0], stream[1]) if i < len(parts) - 1 else None
-            h, delta = model.extend_layers(batch, pools, (stream[0], stream[1]) if i else None, layers, out=into)
+            h, delta = model.extend_layers(batch, pools, (stream[0], stream[1]) if i else None, layers)
+            if i < len(parts) - 1:
+                stream[0].copy_(h)
+                stream[1].copy_(delta)
         print(str(dtype).split(".")[-1], torch.equal(whole[0], h) and torch.equal(whole[1], delta))
 
 
