@@ -84,17 +84,24 @@ class LlamaModel(Decoder):
         """Logits ``[B, vocab]`` at each request's last token (``inputs.last``) of a prefill step
         of several requests' chunks, with no host synchronisation (the prefill step a CUDA graph
         captures): :meth:`forward` on CUDA with its indices already on the device."""
-        return self.extend_logits(inputs, *self.extend_layers(inputs, pools, None, range(len(self.layers))))
+        return self.extend_logits(inputs, *self.extend_layers(inputs, pools, range(len(self.layers))))
 
-    def extend_layers(self, inputs: Union[ExtendInputs, ForwardBatch], pools: Pools,
-                      stream: Optional[Tuple[torch.Tensor, torch.Tensor]], layers: range
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def extend_layers(self, inputs: Union[ExtendInputs, ForwardBatch], pools: Pools, layers: range,
+                      stream: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layers ``layers`` of :meth:`forward_extend` (a captured graph may hold a part of the
         step; on the CPU ``inputs`` is a :class:`ForwardBatch`): the residual stream ``(h, delta)``
-        after the last of them, from ``stream``, the one that the layer before the first returned
-        (None: from the embeddings)."""
-        h, delta = stream if stream is not None else (self.embed[inputs.input_ids], None)  # [T, hidden] each
-        return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
+        after the last of them. ``stream`` ``[2, T, hidden]`` carries it between parts: read from
+        it unless ``layers`` starts at layer 0 (the embeddings), copied into it unless ``layers``
+        ends at the last layer."""
+        if layers.start == 0 or stream is None:
+            h, delta = self.embed[inputs.input_ids], None  # [T, hidden]
+        else:
+            h, delta = stream[0], stream[1]
+        h, delta = self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
+        if stream is not None and layers.stop < len(self.layers):
+            stream[0].copy_(h)
+            stream[1].copy_(delta)
+        return h, delta
 
     def extend_logits(self, inputs: ExtendInputs, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """:meth:`forward_extend`'s logits from :meth:`extend_layers`' output after the last layer."""

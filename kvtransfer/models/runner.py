@@ -186,7 +186,8 @@ class GraphRunner:
 
     def _body(self, key: tuple) -> Optional[torch.Tensor]:
         """What graph ``key`` runs: a decode step, a prefill step, or part ``key[3]`` of one
-        (None: a part before the last, which leaves the residual stream in ``_stream``)."""
+        (None: a part before the last, which leaves the residual stream in ``_stream``, where
+        the next part reads it)."""
         if key[0] == "decode":
             b = key[1]
             logits = self.model.forward_decode(self._inputs(b), self.pools)  # [b, vocab] fp32
@@ -194,13 +195,10 @@ class GraphRunner:
             b = key[2]
             logits = self.model.forward_extend(self._extend_inputs(key[1], b), self.pools)  # [b, vocab] fp32
         else:
-            (_, tokens, b, part), stream = key, self._stream[:, : key[1]]
+            _, tokens, b, part = key
             inputs = self._extend_inputs(tokens, b)
-            h, delta = self.model.extend_layers(inputs, self.pools, (stream[0], stream[1]) if part else None,
-                                                self.parts[part])
+            h, delta = self.model.extend_layers(inputs, self.pools, self.parts[part], self._stream[:, :tokens])
             if part < len(self.parts) - 1:
-                stream[0].copy_(h)
-                stream[1].copy_(delta)
                 return None
             logits = self.model.extend_logits(inputs, h, delta)  # [b, vocab] fp32
         tokens, logprobs = sample(logits, self._temps[:b], self._ints[KEYS, :b], self._ints[TOP_KS, :b])

@@ -268,8 +268,8 @@ def test_layer_parts_cover_every_layer_once_in_groups():
 
 def print_layers_in_parts() -> None:
     """Under the interpreter: a small Llama's prefill through ``extend_layers`` in parts of
-    layers, the residual stream carried as the runner carries it, against all layers at once:
-    ``dtype equal`` per dtype."""
+    layers, the residual stream carried between them in one buffer as the runner's parts carry
+    it, against all layers at once: ``dtype equal`` per dtype."""
     from kvtransfer.models.batch import ForwardBatch
     from kvtransfer.models.config import LlamaConfig
     from kvtransfer.models.llama import LlamaModel
@@ -286,14 +286,10 @@ def print_layers_in_parts() -> None:
         batch = ForwardBatch(input_ids=torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(0)),
                              positions=torch.arange(t), out_cache_loc=torch.arange(1, t + 1), req_pool_indices=(1,),
                              prefix_lens=(0,), extend_lens=(t,))
-        whole = model.extend_layers(batch, pools, None, range(cfg.num_layers))
+        whole = model.extend_layers(batch, pools, range(cfg.num_layers))
         stream = torch.zeros(2, t, cfg.hidden_size, dtype=dtype)
-        parts = layer_parts(cfg.num_layers, 2)
-        for i, layers in enumerate(parts):
-            h, delta = model.extend_layers(batch, pools, (stream[0], stream[1]) if i else None, layers)
-            if i < len(parts) - 1:
-                stream[0].copy_(h)
-                stream[1].copy_(delta)
+        for layers in layer_parts(cfg.num_layers, 2):
+            h, delta = model.extend_layers(batch, pools, layers, stream)
         print(str(dtype).split(".")[-1], torch.equal(whole[0], h) and torch.equal(whole[1], delta))
 
 
