@@ -121,16 +121,24 @@ def _need_triton() -> None:
         raise RuntimeError("the fused decode kernels need the triton package, which is not installed")
 
 
-def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(h + delta, rms_norm(h + delta) * weight)`` (``h`` itself when ``delta`` is None)."""
+def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                 h_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta) * weight)`` (``h`` itself when ``delta`` is None);
+    the sum is written into ``h_out`` when given (contiguous, ``h``'s shape; not ``h`` or
+    ``delta``)."""
     _need_triton()
     t, n = h.shape
     check_tensor("weight", weight, shape=[n], device=h.device)
     if delta is not None:
         check_tensor("delta", delta, shape=[t, n], dtype=h.dtype, device=h.device)
     h = h.contiguous()
-    h_out = torch.empty_like(h) if delta is not None else h
+    if h_out is not None:
+        _check_out("h_out", h_out, [t, n], h)
+        if delta is None:
+            h_out.copy_(h)
+            h = h_out
+    else:
+        h_out = torch.empty_like(h) if delta is not None else h
     x = torch.empty_like(h)
     if t:
         _add_rms_norm_kernel[(t,)](h, h if delta is None else delta.contiguous(), weight, h_out, x, n, float(eps),
@@ -181,7 +189,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 512,
-                 num_warps: int = 1) -> torch.Tensor:
+                 num_warps: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ w.T`` ``[M, N]`` for ``x`` ``[M, K]`` (``M <= GEMV_MAX_ROWS``), ``w`` ``[N, K]``
     contiguous: one program per ``block_n`` output columns, fp32 accumulation (the default
     tiling is the probe's fastest for one row)."""
@@ -193,14 +201,27 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: in
     if not w.is_contiguous():
         raise ValueError("w must be contiguous")
     x = x.contiguous()
-    y = x.new_empty(m, w.shape[0])
+    if out is not None:
+        _check_out("out", out, [m, w.shape[0]], x)
+    y = x.new_empty(m, w.shape[0]) if out is None else out
     _gemv_kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, y, w.shape[0], k, M=m, BLOCK_N=block_n,
                                                       BLOCK_K=block_k, num_warps=num_warps)
     return y
 
 
-def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch."""
+def decode_linear(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, w)``, through :func:`small_linear` for the few rows of a small decode batch;
+    into ``out`` when given (contiguous ``[M, N]``, not ``x``)."""
     if x.is_cuda and x.shape[0] <= DECODE_GEMV_ROWS and w.is_contiguous():
-        return small_linear(x, w)
-    return F.linear(x, w)
+        return small_linear(x, w, out=out)
+    if out is None:
+        return F.linear(x, w)
+    _check_out("out", out, [x.shape[0], w.shape[0]], x)
+    return torch.mm(x, w.t(), out=out)  # the product F.linear computes without a bias
+
+
+def _check_out(name: str, out: torch.Tensor, shape: list, like: torch.Tensor) -> None:
+    """``out`` must be a contiguous ``shape`` tensor of ``like``'s dtype and device."""
+    check_tensor(name, out, shape=shape, dtype=like.dtype, device=like.device)
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")

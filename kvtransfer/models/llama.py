@@ -97,11 +97,8 @@ class LlamaModel(Decoder):
             h, delta = self.embed[inputs.input_ids], None  # [T, hidden]
         else:
             h, delta = stream[0], stream[1]
-        h, delta = self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta)
-        if stream is not None and layers.stop < len(self.layers):
-            stream[0].copy_(h)
-            stream[1].copy_(delta)
-        return h, delta
+        out = stream if stream is not None and layers.stop < len(self.layers) else None
+        return self._fused_layers(h, self._extend_attention(inputs, pools), layers=layers, delta=delta, out=out)
 
     def extend_logits(self, inputs: ExtendInputs, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """:meth:`forward_extend`'s logits from :meth:`extend_layers`' output after the last layer."""
@@ -133,20 +130,26 @@ class LlamaModel(Decoder):
         return attend
 
     def _fused_layers(self, h: torch.Tensor, attend, after_layer=None, layers: Optional[range] = None,
-                      delta: Optional[torch.Tensor] = None):
+                      delta: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None):
         """The layers (all, or ``layers``) with fused element-wise steps, from the residual
         stream ``h + delta`` (``[T, hidden]`` each; ``delta`` None: ``h``): ``(h, delta)``, the
         residual stream before its last add (``attend(layer, weights, normed) -> delta`` is the
-        attention block, which stores the layer's K/V; then ``after_layer(i + 1)`` if given)."""
+        attention block, which stores the layer's K/V; then ``after_layer(i + 1)`` if given).
+        With ``out`` ``[2, T, hidden]`` the last layer writes ``(h, delta)`` there itself."""
         eps = self.config.rms_eps
-        for i in layers if layers is not None else range(len(self.layers)):
+        layers = layers if layers is not None else range(len(self.layers))
+        for i in layers:
             w = self.layers[i]
             h, x = add_rms_norm(h, delta, w["attn_norm"], eps)
             delta = attend(i, w, x)
             if after_layer is not None:
                 after_layer(i + 1)
-            h, x = add_rms_norm(h, delta, w["ffn_norm"], eps)
-            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"]))
+            h_out, delta_out = (out[0], out[1]) if out is not None and i == layers[-1] else (None, None)
+            h, x = add_rms_norm(h, delta, w["ffn_norm"], eps, h_out=h_out)
+            delta = self.tp.all_reduce(decode_linear(silu_mul(decode_linear(x, w["gate_up"])), w["down"],
+                                                     out=delta_out))
+            if delta_out is not None and delta.data_ptr() != delta_out.data_ptr():
+                delta = delta_out.copy_(delta)  # a reduction that could not work in place
         return h, delta
 
     def _fused_logits(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

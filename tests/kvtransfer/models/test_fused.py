@@ -84,6 +84,57 @@ def test_bad_arguments_are_refused():
         fused.silu_mul(torch.zeros(2, 7))
 
 
+def _outputs_given(device, dtype):
+    """Whether each op writes into the output buffer it is given the bits it returns without one
+    (add_rms_norm with and without a delta, small_linear, decode_linear through F.linear)."""
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    h, delta, w = rand(5, 40), rand(5, 40), rand(40)
+    same = []
+    for d in (delta, None):
+        buf = torch.full_like(h, float("nan"))
+        h_new, x = fused.add_rms_norm(h, d, w, 1e-5, h_out=buf)
+        ref_h, ref_x = fused.add_rms_norm(h, d, w, 1e-5)
+        same.append(h_new.data_ptr() == buf.data_ptr() and torch.equal(buf, ref_h) and torch.equal(x, ref_x))
+    for rows in (3, 70):  # small_linear's rows, then F.linear's
+        x, w = rand(rows, 24), rand(17, 24)
+        buf = torch.full((rows, 17), float("nan"), dtype=dtype, device=device)
+        y = fused.small_linear(x, w, out=buf) if rows <= 4 else fused.decode_linear(x, w, out=buf)
+        ref = fused.small_linear(x, w) if rows <= 4 else fused.decode_linear(x, w)
+        same.append(y.data_ptr() == buf.data_ptr() and torch.equal(buf, ref))
+    return same
+
+
+def print_interpreted_outputs_given() -> None:
+    print(*_outputs_given("cpu", torch.float32), flush=True)
+
+
+def test_interpreted_ops_write_into_the_outputs_they_are_given():
+    (same,) = run_interpreted("tests.kvtransfer.models.test_fused", "print_interpreted_outputs_given")
+    assert same == ["True"] * 4, same
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_ops_write_into_the_outputs_they_are_given(dtype):
+    assert all(_outputs_given("cuda", dtype))
+
+
+def test_bad_outputs_are_refused():
+    h, w = torch.zeros(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="h_out must have shape"):
+        fused.add_rms_norm(h, h, w, 1e-5, h_out=torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="h_out must be contiguous"):
+        fused.add_rms_norm(h, h, w, 1e-5, h_out=torch.zeros(8, 4).T)
+    with pytest.raises(TypeError, match="out must have dtype"):
+        fused.decode_linear(h, torch.zeros(3, 8), out=torch.zeros(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        fused.small_linear(h[:2], torch.zeros(3, 8), out=torch.zeros(3, 2).T)
+
+
 def _gemv_errors(device, dtype):
     out = []
     for m, n, k in ((1, 40, 24), (3, 17, 300), (4, 64, 512)):
