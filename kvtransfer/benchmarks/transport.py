@@ -10,7 +10,9 @@ GB/s and kvtransfer's overhead (its median time over bare NIXL's, minus one). Th
 cost per write: ``--fixed-entries`` descriptors of 2 KiB with a notification through both,
 alternated ``--fixed-reps`` times: call to ``wait()`` returned on the writer, and call to the
 notification seen by the receiver (which polls every 20 us; both processes read the same
-monotonic clock). Medians, and kvtransfer's difference to bare NIXL.
+monotonic clock). Medians, and kvtransfer's difference to bare NIXL. ``--mooncake`` adds
+Mooncake's Transfer Engine (tcp) as a third path of the fixed cost, alternated with the other
+two (:mod:`kvtransfer.benchmarks._mooncake`; ``bench/mooncake.sh`` sets it up and runs it).
 
 ``--cuda`` puts the source on cuda:0 and the destination on cuda:1 (UCX cuda_ipc) and adds
 torch's peer copy of the same total (one ``copy_`` from cuda:0 to cuda:1) as a reference.
@@ -50,6 +52,7 @@ DIGEST_TIMEOUT_S = 300.0  # a digest of up to --total bytes (a GPU buffer copied
 @dataclass(frozen=True)
 class Ready:
     export: bytes  # the receiver's transport export
+    mooncake: str = ""  # with --mooncake: the receiver's Transfer Engine session (host:port)
 
 
 @dataclass(frozen=True)
@@ -82,18 +85,21 @@ class Bye:
     pass
 
 
-def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1) -> None:
+def _receiver(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1,
+              mooncake: bool = False) -> None:
     """Own the destination buffer (on GPU ``gpu`` with ``cuda``); poll notifications until told
     to quit. ``staged``: the receiver's ``StagedNixlConfig`` (the staging lanes it grants), None:
-    the default."""
+    the default. ``mooncake``: the buffer is also registered with a Mooncake Transfer Engine,
+    whose notifications are polled too."""
     try:
-        _receive(conn, total, cuda, env, progress_thread, staged, gpu)
+        _receive(conn, total, cuda, env, progress_thread, staged, gpu, mooncake)
     except Exception as exc:  # the parent names it instead of waiting on a dead pipe
         report_failure(conn, exc)
         raise SystemExit(1) from None
 
 
-def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1) -> None:
+def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, staged=None, gpu: int = 1,
+             mooncake: bool = False) -> None:
     from kvtransfer.control.event_loop import precise_sleeps
 
     os.environ.update(env)
@@ -113,15 +119,23 @@ def _receive(conn, total: int, cuda: bool, env: dict, progress_thread: bool, sta
             transport.register_tensor(dst)
         else:
             transport.register(dst.ctypes.data, dst.nbytes)
-        conn.send(Ready(transport.export()))
+        engine = None
+        if mooncake:
+            from kvtransfer.benchmarks._mooncake import MooncakeEngine
+
+            engine = MooncakeEngine()
+            engine.register(dst.ctypes.data, dst.nbytes)
+        conn.send(Ready(transport.export(), engine.session if engine else ""))
         seen = {}  # the fixed-cost writes' notifications: when each was seen
         asked, answer_by = None, 0.0  # a SeenRequest waiting for its notifications, until then
         while True:
-            notes = transport.poll_notifications()
+            notes = [note.payload for note in transport.poll_notifications()]
+            if engine is not None:
+                notes += engine.notifications()
             now = time.monotonic()
-            for note in notes:
-                if note.payload.startswith(SEEN_TAG):
-                    seen[note.payload] = now
+            for payload in notes:
+                if payload.startswith(SEEN_TAG):
+                    seen[payload] = now
             if asked is not None and (asked.issubset(seen) or now > answer_by):
                 conn.send(Seen(seen))
                 seen, asked = {}, None
@@ -214,10 +228,18 @@ def run(args) -> list[dict]:
     else:
         src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)  # [total] bytes
         src_ptr, device = src.ctypes.data, None
-    receiver = Child.spawn(_receiver, (total, args.cuda, dict(os.environ), args.progress_thread), name="receiver")
+    receiver = Child.spawn(_receiver, (total, args.cuda, dict(os.environ), args.progress_thread, None, 1,
+                                       args.mooncake), name="receiver")
     rows = []
     try:
-        peer_bytes = receiver.recv(Ready, "its export", READY_TIMEOUT_S).export
+        ready = receiver.recv(Ready, "its export", READY_TIMEOUT_S)
+        peer_bytes = ready.export
+        mooncake = None  # (this side's Transfer Engine, the receiver's session)
+        if args.mooncake:
+            from kvtransfer.benchmarks._mooncake import MooncakeEngine
+
+            mooncake = (MooncakeEngine(), ready.mooncake)
+            mooncake[0].register(src_ptr, total)
         ours = NixlTransport(NixlConfig(progress_thread=args.progress_thread))
         sid = ours.register(src_ptr, total, device)
         peer = ours.connect(peer_bytes)
@@ -283,7 +305,8 @@ def run(args) -> list[dict]:
                 print(f"fixed cost per write, {entries} x {FIXED_BLOCK // KiB} KiB: skipped (--total holds "
                       f"{total // FIXED_SPACING} rows {FIXED_SPACING // KiB} KiB apart)", flush=True)
                 continue
-            fixed = _fixed_cost(peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps, receiver)
+            fixed = _fixed_cost(peer, sid, dst_region, bare, src_ptr, device, entries, args.fixed_reps, receiver,
+                                mooncake)
             print(_format_fixed(fixed), flush=True)
         bare.close()
         ours.close()
@@ -298,14 +321,16 @@ SEEN_TAG = b"seen-"  # the payloads whose arrival the receiver times
 SEEN_WAIT_S = 30.0  # how long the receiver waits for the notifications asked about before it answers
 
 
-def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int, receiver) -> dict:
+def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries: int, reps: int, receiver,
+                mooncake=None) -> dict:
     """The fixed cost of a write: ``entries`` descriptors of :data:`FIXED_BLOCK` bytes
     (:data:`FIXED_SPACING` apart, the destination in reverse order) with a notification,
-    through kvtransfer's transport (``peer``; a ``WriteBatch`` made beforehand) and through
-    bare NIXL (its descriptor arrays made beforehand), alternated ``reps`` times: call to
-    ``wait()`` returned DONE on the writer, and call to the notification seen by the receiver
-    (its times asked for afterwards). Medians in microseconds; the bytes themselves take well
-    under a microsecond."""
+    through kvtransfer's transport (``peer``; a ``WriteBatch`` made beforehand), through bare
+    NIXL (its descriptor arrays made beforehand) and, with ``mooncake`` (an engine and the
+    receiver's session), through Mooncake's Transfer Engine, alternated ``reps`` times: call to
+    ``wait()`` (Mooncake: its synchronous batch) returned on the writer, and call to the
+    notification seen by the receiver (its times asked for afterwards). Medians in
+    microseconds; the bytes themselves take well under a microsecond."""
     src_off = np.arange(entries, dtype=np.int64) * FIXED_SPACING  # [entries]
     dst_off = src_off[::-1].copy()
     dev = 0 if device is None else device
@@ -324,14 +349,27 @@ def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries:
         called[tag] = time.monotonic()
         bare.write(local, remote, tag)
 
-    for _ in range(3):  # warm-up: the descriptor lists' first use
-        ours_write(), bare_write()
-    t_ours, t_bare = [], []
+    writes = {b"ours": ours_write, b"bare": bare_write}
+    if mooncake is not None:
+        engine, session = mooncake
+        mc_src = [int(a) for a in local[:, 0]]
+        mc_dst = [int(a) for a in remote[:, 0]]
+        mc_len = [FIXED_BLOCK] * entries
+
+        def mooncake_write(tag: bytes = b"warm-up"):
+            called[tag] = time.monotonic()
+            engine.write(session, mc_src, mc_dst, mc_len, tag)
+
+        writes[b"mooncake"] = mooncake_write
+    for _ in range(3):  # warm-up: the descriptor lists' first use, Mooncake's handshake
+        for write in writes.values():
+            write()
+    times = {path: [] for path in writes}
     for i in range(reps):
-        t_ours.append(time_once(lambda: ours_write(SEEN_TAG + b"ours-%d" % i)))
-        t_bare.append(time_once(lambda: bare_write(SEEN_TAG + b"bare-%d" % i)))
-    tags = {path: [SEEN_TAG + path + b"-%d" % i for i in range(reps)] for path in (b"ours", b"bare")}
-    receiver.send(SeenRequest(tuple(tags[b"ours"] + tags[b"bare"])))
+        for path, write in writes.items():
+            times[path].append(time_once(lambda: write(SEEN_TAG + path + b"-%d" % i)))
+    tags = {path: [SEEN_TAG + path + b"-%d" % i for i in range(reps)] for path in writes}
+    receiver.send(SeenRequest(tuple(t for path in writes for t in tags[path])))
     seen = receiver.recv(Seen, "when it saw the notifications", SEEN_WAIT_S + READY_TIMEOUT_S).times
 
     def seen_us(path: bytes) -> float:
@@ -340,9 +378,12 @@ def _fixed_cost(peer, sid: int, dst_region, bare, src_ptr: int, device, entries:
             raise RuntimeError(f"the receiver saw no notification {missing[0]!r} ({len(missing)} of {reps} missing)")
         return statistics.median(seen[t] - called[t] for t in tags[path]) * 1e6
 
-    return {"entries": entries, "reps": reps, "ours_us": statistics.median(t_ours) * 1e6,
-            "bare_us": statistics.median(t_bare) * 1e6, "ours_seen_us": seen_us(b"ours"),
-            "bare_seen_us": seen_us(b"bare")}
+    row = {"entries": entries, "reps": reps}
+    for path in writes:
+        name = path.decode()
+        row[f"{name}_us"] = statistics.median(times[path]) * 1e6
+        row[f"{name}_seen_us"] = seen_us(path)
+    return row
 
 
 def _format_fixed(row: dict) -> str:
@@ -350,7 +391,9 @@ def _format_fixed(row: dict) -> str:
             f"{row['reps']}): call -> wait() returned: kvtransfer {row['ours_us']:.1f} us, bare NIXL "
             f"{row['bare_us']:.1f} us ({row['ours_us'] - row['bare_us']:+.1f} us); call -> the receiver saw it: "
             f"kvtransfer {row['ours_seen_us']:.1f} us, bare NIXL {row['bare_seen_us']:.1f} us "
-            f"({row['ours_seen_us'] - row['bare_seen_us']:+.1f} us)")
+            f"({row['ours_seen_us'] - row['bare_seen_us']:+.1f} us)"
+            + (f"; Mooncake TE (tcp): returned {row['mooncake_us']:.1f} us, the receiver saw it "
+               f"{row['mooncake_seen_us']:.1f} us" if "mooncake_us" in row else ""))
 
 
 def _metadata(peer_bytes: bytes) -> bytes:
@@ -402,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="descriptors of 2 KiB per write for the fixed cost per write (default 1,160: one row, "
                              "one token's row in each of 160 buffers)")
     parser.add_argument("--fixed-reps", type=positive_int, default=51, help="writes per path for the fixed cost")
+    parser.add_argument("--mooncake", action="store_true",
+                        help="host memory: Mooncake's Transfer Engine (tcp) as a third path of the fixed cost per "
+                             "write (the mooncake-transfer-engine wheel; bench/mooncake.sh sets it up)")
     parser.add_argument("--kv", action="store_true",
                         help="a planned KV request: staged vs direct NIXL vs --block blocks (transport_kv)")
     parser.add_argument("--block", type=_size, default=None,
@@ -420,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.two_hosts and (args.cuda or not args.kv):
         parser.error("--two-hosts goes with --kv on host memory (not --cuda)")
+    if args.mooncake and (args.cuda or args.kv):
+        parser.error("--mooncake times the fixed cost per write on host memory (not with --cuda or --kv)")
     if args.kv:
         return _main_kv(args)
     if args.blocks is None:
@@ -431,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"block sizes must divide --total ({args.total}); got blocks {bad}")
     if any(n <= 0 for n in args.fixed_entries):
         parser.error(f"--fixed-entries must be counts > 0, got {args.fixed_entries}")
+    if args.mooncake:
+        from kvtransfer.benchmarks._mooncake import unavailable
+
+        why = unavailable()
+        if why:
+            print(f"kvtransfer bench transport: {why}", file=sys.stderr)
+            return 2
     where = "cuda:0 -> cuda:1" if args.cuda else "host -> host (loopback)"
     print(f"NIXL transport, {where}, {args.total / GiB:.2f} GiB per write, median of {args.iters}, "
           f"progress thread {'on' if args.progress_thread else 'off'}", flush=True)

@@ -34,6 +34,36 @@ def test_bench_transport_small():
         in small.stdout, small.stdout + small.stderr
 
 
+def _mooncake_loads() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _mooncake_loads(), reason="needs mooncake-transfer-engine (bench/mooncake.sh installs it)")
+def test_bench_transport_times_mooncake_beside_nixl():
+    out = _kvt("bench", "transport", "--mooncake", "--total", "4M", "--blocks", "256K", "--iters", "1",
+               "--fixed-reps", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for entries in (1, 160):
+        assert re.search(rf"fixed cost per write, {entries} x 2 KiB .*; Mooncake TE \(tcp\): returned \d+\.\d us, "
+                         r"the receiver saw it \d+\.\d us", out.stdout), out.stdout
+
+
+def test_bench_transport_mooncake_says_what_it_needs():
+    """Mooncake's Transfer Engine is an optional baseline: without its wheel (CI installs none),
+    --mooncake stops before any process starts and names the script that sets it up."""
+    if _mooncake_loads():
+        pytest.skip("mooncake-transfer-engine loads here")
+    out = _kvt("bench", "transport", "--mooncake", "--total", "1M", "--blocks", "256K")
+    assert out.returncode == 2 and "--mooncake needs mooncake-transfer-engine" in out.stderr \
+        and "bench/mooncake.sh" in out.stderr, out.stderr
+    bad = _kvt("bench", "transport", "--mooncake", "--kv")
+    assert bad.returncode == 2 and "--mooncake times the fixed cost per write on host memory" in bad.stderr, bad.stderr
+
+
 def test_bench_move_kv_cpu():
     out = _kvt("bench", "move_kv", "--cpu", "--iters", "2", "--warmup", "1")
     assert out.returncode == 0, out.stdout + out.stderr
