@@ -242,22 +242,33 @@ def test_sampler_greedy_is_argmax_and_draws_follow_softmax():
     assert torch.equal(tokens, again)
 
 
-class _Layered:
-    """Layer-wise prompts alone, each ending in a chunk of one token (a chunk of 8, then 1; two
-    of 8, then 1), then both in one step: what ``on_layers`` saw per request, as (tokens, end
-    layer) calls, the sampled tokens and the logits."""
+class _Prompts:
+    """``prompts`` each alone, then all in one step, ``max_new`` tokens each (layer-wise when
+    ``layers_out``): per request the ``on_layers`` calls it had as (tokens, end layer), its
+    sampled tokens and its logits; and the runner's graphs (None without)."""
+
+    def __init__(self, prompts: tuple, max_new: int, layers_out: bool = True):
+        self.prompts, self.max_new, self.layers_out = prompts, max_new, layers_out
 
     def __call__(self, engine):
         calls = {}
         engine.on_layers = lambda chunks, end: [calls.setdefault(r.rid, []).append((n, end)) for r, n in chunks]
-        prompts = (tuple(range(40, 49)), tuple(range(300, 317)))
+
+        def add(prompt):
+            return engine.add(prompt, self.max_new, layers_out=self.layers_out, record_logits=True)
+
         reqs = []
-        for prompt in prompts:
-            reqs.append(engine.add(prompt, 3, layers_out=True, record_logits=True))
+        for prompt in self.prompts:
+            reqs.append(add(prompt))
             engine.run()
-        reqs += [engine.add(p, 3, layers_out=True, record_logits=True) for p in prompts]
+        reqs += [add(p) for p in self.prompts]
         engine.run()
-        return [calls[r.rid] for r in reqs], [r.output_ids for r in reqs], [torch.stack(r.logits) for r in reqs]
+        return ([calls.get(r.rid, []) for r in reqs], [r.output_ids for r in reqs],
+                [torch.stack(r.logits) for r in reqs], engine.graphs and engine.graphs.describe())
+
+
+# layer-wise prompts ending in a chunk of one token when chunks are 8 tokens (8 + 1; 8 + 8 + 1)
+ONE_TOKEN_TAILS = (tuple(range(40, 49)), tuple(range(300, 317)))
 
 
 def test_layer_parts_cover_every_layer_once_in_groups():
@@ -313,9 +324,9 @@ def test_a_layer_wise_prompt_streams_its_layers_under_graphs(group):
     the CPU path's."""
     spec = _random_smollm2()
     cfg = dict(max_requests=4, chunk_size=8)
-    cpu_calls, cpu_ids, cpu_logits = launch.run(spec, 1, engine_config(**cfg), _Layered())
-    gpu_calls, gpu_ids, gpu_logits = launch.run(spec, 1, engine_config(**cfg, device="cuda", layer_group=group),
-                                                _Layered())
+    cpu_calls, cpu_ids, cpu_logits, _ = launch.run(spec, 1, engine_config(**cfg), _Prompts(ONE_TOKEN_TAILS, 3))
+    gpu_calls, gpu_ids, gpu_logits, _ = launch.run(spec, 1, engine_config(**cfg, device="cuda", layer_group=group),
+                                                   _Prompts(ONE_TOKEN_TAILS, 3))
     layers = spec.config.num_layers
     ends = [r.stop for r in layer_parts(layers, group)] if group else list(range(1, layers + 1))
     for calls, prompt_len in zip(gpu_calls, (9, 17, 9, 17)):
@@ -328,32 +339,15 @@ def test_a_layer_wise_prompt_streams_its_layers_under_graphs(group):
         assert (a - b).abs().max().item() < 1e-3
 
 
-class _Prompts:
-    """Two prompts alone (layer-wise or not), then together: their logits."""
-
-    def __init__(self, layers_out: bool):
-        self.layers_out = layers_out
-
-    def __call__(self, engine):
-        engine.on_layers = lambda chunks, end: None
-        prompts = (tuple(range(40, 49)), tuple(range(300, 330)))
-        reqs = []
-        for prompt in prompts:
-            reqs.append(engine.add(prompt, 2, layers_out=self.layers_out, record_logits=True))
-            engine.run()
-        reqs += [engine.add(p, 2, layers_out=self.layers_out, record_logits=True) for p in prompts]
-        engine.run()
-        return engine.graphs.describe(), [torch.stack(r.logits) for r in reqs]
-
-
 @pytest.mark.gpu
 def test_a_prefill_graph_in_parts_computes_what_the_whole_graph_computes_in_bfloat16():
     """The residual stream crosses from part to part as it is: the same bits as the one-graph
     step."""
     spec = _random_smollm2()
     cfg = dict(max_requests=4, chunk_size=16, device="cuda", dtype=torch.bfloat16, layer_group=4)
-    _, whole = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=False))
-    captured, parts = launch.run(spec, 1, engine_config(**cfg), _Prompts(layers_out=True))
+    prompts = (tuple(range(40, 49)), tuple(range(300, 330)))
+    *_, whole, _ = launch.run(spec, 1, engine_config(**cfg), _Prompts(prompts, 2, layers_out=False))
+    *_, parts, captured = launch.run(spec, 1, engine_config(**cfg), _Prompts(prompts, 2))
     assert "prefill (and in 8 parts of <= 4 layers)" in captured  # SmolLM2's 30 layers
     for a, b in zip(whole, parts):
         assert torch.equal(a, b), (a - b).abs().max().item()
