@@ -16,8 +16,9 @@ Two kinds of step are captured at build time:
   captured a second time as one graph per group of that many layers (:func:`layer_parts`; the
   first part embeds the tokens, the last computes the logits and the draw). Between the parts'
   replays the host calls back with the layers done, so their K/V can leave while the later parts
-  compute; the residual stream ``(h, delta)`` passes from part to part through static buffers,
-  so the next part's first fused add computes what the one-graph step computes.
+  compute; the residual stream ``(h, delta)`` passes from part to part through static buffers
+  (which a part's last layer writes, :meth:`LlamaModel.extend_layers`), so the next part's first
+  fused add computes what the one-graph step computes.
 
 Padding rows and tokens point at the pools' padding row and slot (row 0 of ``req_to_token``,
 slot 0), which no request uses. Each graph reads static input buffers (token ids, positions,
