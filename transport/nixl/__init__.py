@@ -112,7 +112,10 @@ then tears the old endpoint down and loads the agent afresh.
 Peer loss: when the peer process dies, UCX reports ``NIXL_ERR_REMOTE_DISCONNECT`` from the
 status check. A peer that is alive but stalled (SIGSTOP) leaves the request pending forever, so
 each transfer carries its own deadline, ``peer_loss_timeout_s + nbytes / min_throughput``: past
-it, ``status()`` releases the request (cancelling it) and reports FAILED.
+it, ``status()`` releases the request (cancelling it) and reports FAILED. A request NIXL
+reports failed without raising (the state "ERR"), or whose post raised once the request was
+made (the UCX backend posts a request's ranges batch by batch: those before the failing one are
+on the wire), loses the agent the same way; a request NIXL refuses to make loses nothing.
 """
 
 from transport.nixl.config import NixlConfig, StagedNixlConfig

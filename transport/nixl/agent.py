@@ -188,16 +188,19 @@ class Agent:
         return self.post(name, descs[0], mem_of(local_dev), descs[1], mem_of(remote_dev), notif)
 
     def _submit(self, make) -> tuple:
-        """``make(agent)``'s request, posted: (handle, state), or TransportError (the handle released)."""
+        """``make(agent)``'s request, posted: (handle, state). A request NIXL refused to make
+        raises TransportError; one whose posting raised comes back with the state "ERR (why)":
+        part of it may be in flight, so its handle is the caller's to keep until NIXL no
+        longer runs it, as for a request that failed later."""
         agent = self._checked()
-        handle = None
         try:
             handle = make(agent)
+        except Exception as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        try:
             return handle, agent.transfer(handle)
         except Exception as exc:
-            if handle is not None:
-                self.release(handle)
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            return handle, f"ERR ({type(exc).__name__}: {exc})"
 
     def state(self, handle) -> str:
         """NIXL's state of a request ("PROC", "DONE", ...); raises what NIXL raises for a

@@ -187,7 +187,7 @@ class NixlPeer(Peer):
         if state == "DONE":
             t.finish(TransferStatus.DONE)
         elif state != "PROC":
-            t.finish(TransferStatus.FAILED, f"peer {self.name!r}: NIXL reported {state} when posting")
+            t.lose(f"peer {self.name!r}: NIXL reported {state} when posting")
         else:
             self._pending.add(t)
         return t

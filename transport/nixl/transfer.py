@@ -60,16 +60,16 @@ class NixlTransfer(Transfer):
         try:
             state = core.agent.state(self._handle)
         except Exception as exc:  # nixlRemoteDisconnectError and other backend errors
-            self._lose(f"{aborted}peer {self.name!r}: {type(exc).__name__}: {exc}")
+            self.lose(f"{aborted}peer {self.name!r}: {type(exc).__name__}: {exc}")
             return self._status
         if self._cancelled and state != "PROC":
             self.finish(TransferStatus.FAILED, "aborted")
         elif state == "DONE":
             self.finish(TransferStatus.DONE)
-        elif state != "PROC":
-            self.finish(TransferStatus.FAILED, f"peer {self.name!r}: NIXL reported {state}")
+        elif state != "PROC":  # an error NIXL reports without raising: failed in the backend too
+            self.lose(f"{aborted}peer {self.name!r}: NIXL reported {state}")
         elif time.monotonic() > self._deadline:
-            self._lose(f"{aborted}peer {self.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
+            self.lose(f"{aborted}peer {self.name!r}: {self.nbytes} bytes not done after {self._deadline_s:.1f} s "
                        "(peer lost or stalled)")
         return self._status
 
@@ -98,7 +98,7 @@ class NixlTransfer(Transfer):
         if self._status is TransferStatus.PENDING:
             self.finish(TransferStatus.FAILED, "transport closed")
 
-    def _lose(self, error: str) -> None:
+    def lose(self, error: str) -> None:
         """FAILED, and the remote agent is lost: this transport refuses further writes to it
         until a new ``connect`` to it, which waits until NIXL no longer progresses this request
         (its bytes may still land until then: releasing it does not stop them)."""

@@ -157,8 +157,9 @@ class WriteFaults:
     a UCX error surfaces:
 
     - in its post (:meth:`fail`): NIXL's ``transfer`` raises its ``nixlBackendError``; the
-      transport itself then releases the request and reports the write FAILED ("could not
-      post"), nothing of it sent;
+      transport reports the write FAILED ("NIXL reported ERR (...) when posting") and counts
+      the peer lost until a new connect (part of a request whose post failed may be in flight;
+      here nothing of it is sent);
     - after its post (:meth:`lose`), as when the connection to the peer broke under it: NIXL's
       ``transfer`` takes the write ("PROC") but nothing of it goes out, and ``check_xfer_state``
       of it raises ``nixlRemoteDisconnectError``; the transport then reports it FAILED and

@@ -596,3 +596,45 @@ def test_a_peer_stalled_past_the_deadline_is_lost_until_connected_again(writer, 
     again.write(wb(sid, 0, 0, 0, 4096)).wait(30)
     time.sleep(0.3)  # room for a late byte of the failed write
     assert_same(rx.dump(0)[:4096], src[:4096], "first page after reconnecting")
+
+
+@pytest.mark.parametrize("where", ["state check", "post"])
+def test_an_error_nixl_reports_without_raising_loses_the_peer(writer, receiver, monkeypatch, where):
+    """NIXL reports a request's backend failure as the state "ERR" (its state check), or its
+    post raises after the request was made: part of the request may be in flight either way, so
+    the write fails and the agent is lost until a new connect, as for a disconnect; the new
+    connection then writes what it is given."""
+    rx, src, sid, peer, rng, t = tcp_pair_and_writer(writer, receiver, 8 * MiB, 6)
+    api = load_nixl_api()
+    if where == "state check":
+        agent = t._core.agent
+        real, asked = agent.state, []
+        tr = stalled_write(rx, peer, sid, 8 * MiB, rng)
+        bad = tr._handle
+
+        def state(handle):  # the failing request's first check says ERR; NIXL's own after that
+            if handle is bad and not asked:
+                asked.append(handle)
+                return "ERR"
+            return real(handle)
+        monkeypatch.setattr(agent, "state", state)
+        with pytest.raises(TransferFailed, match=r"NIXL reported ERR$"):
+            tr.wait(20)
+        os.kill(rx.proc.pid, signal.SIGCONT)  # the request NIXL still runs ends; connect waits for it
+    else:
+        refused = api.nixlBind.nixlBackendError
+
+        def transfer(agent, handle, notif_msg=b""):
+            raise refused("NIXL_ERR_BACKEND")
+        monkeypatch.setattr(api.nixl_agent, "transfer", transfer)
+        tr = peer.write(big_batch(sid, 1 * MiB, 4096, rng))
+        assert tr.status() is TransferStatus.FAILED
+        assert tr.error.endswith("NIXL reported ERR (nixlBackendError: NIXL_ERR_BACKEND) when posting"), tr.error
+        monkeypatch.undo()
+    assert peer.lost == tr.error
+    later = peer.write(wb(sid, 0, 0, 0, 4096))
+    assert later.status() is TransferStatus.FAILED and "was lost earlier" in later.error
+    again = connect_once_drained(t, rx.export)
+    assert again.lost is None
+    again.write(wb(sid, 0, 0, 0, 4096)).wait(30)
+    assert_same(rx.dump(0)[:4096], src[:4096], "first page after reconnecting")

@@ -95,15 +95,18 @@ class Holders(core.Holders):
             if time.monotonic() < h.probe_at:
                 return
             try:
-                h.probe, _ = agent.post_byte(h.name, h.scratch, b"")
+                h.probe, state = agent.post_byte(h.name, h.scratch, b"")
             except Exception as exc:
-                self._judge(h, exc)
+                state = f"{type(exc).__name__}: {exc}"
+            if h.probe is None or state.startswith("ERR"):  # NIXL refused it, or its posting failed
+                self._judge(h, state)
+                self._drop_probe(h)
                 h.probe_at = time.monotonic() + PROBE_INTERVAL_S
                 return
         try:
             state = agent.state(h.probe)
         except Exception as exc:
-            self._judge(h, exc)
+            self._judge(h, f"{type(exc).__name__}: {exc}")
             self._drop_probe(h)
             return
         if state != "PROC":  # it answered the probe (or NIXL gave up on it): probe again later
@@ -114,8 +117,8 @@ class Holders(core.Holders):
         self._drop_probe(h)
 
     @staticmethod
-    def _judge(h: _Holder, exc: Exception) -> None:
-        text = f"{type(exc).__name__}: {exc}"
+    def _judge(h: _Holder, text: str) -> None:
+        """A failed probe (``text`` says why): a disconnect means the holder died."""
         if "DISCONNECT" in text.upper():
             h.lost = text
 

@@ -119,11 +119,14 @@ class SenderLane:
         hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
                       agent.metadata(), core.registered())
         try:
-            handle, _ = agent.post_byte(self.name, self._scratch_ptr, encode(hello))
+            handle, state = agent.post_byte(self.name, self._scratch_ptr, encode(hello))
         except Exception as exc:
             self.lose(f"peer {self.name!r}: could not send the staged Hello: {type(exc).__name__}: {exc}")
             return
         self._handles.append((handle, None))
+        if state.startswith("ERR"):
+            self.lose(f"peer {self.name!r}: NIXL reported {state} when sending the staged Hello")
+            return
         self.state = LaneState.OPENING
 
     def _refuse(self, why: str) -> None:
