@@ -13,10 +13,14 @@ region (buffer ``b`` at ``b * buffer_bytes``), so the receiver of ``kvtransfer b
   request of all ranges);
 - *blocks*: the batch's byte count as ``--block`` blocks (default 256 KiB; 64 MiB with
   ``--cuda``) to a permutation of destination blocks: NIXL's rate for large ranges;
+- host memory, one host: *staged, the sender's slots written by NIXL*: the staged path with
+  ``shared_slots`` off (the staged path proper shares the receiver's slots there:
+  :mod:`transport.nixl.staged.shared`), its bytes checked too;
 - host memory: *staged with the sender's gather skipped*: the staged write through a lane of its
   own whose sender copies nothing into its slots (their bytes go out as they are, unchecked):
-  the rate the slot writes, the receiver's scatter and the chunks' round trips allow by
-  themselves, a ceiling for the staged rate on this machine (docs/notes/nixl.md).
+  the rate the receiver's scatter and the chunks' round trips (and the slot writes, where the
+  slots are not shared) allow by themselves, a ceiling for the staged rate on this machine
+  (docs/notes/nixl.md).
 
 Requests: the CPU default is the demo's (16 layers, 8 x 128 bf16, 2,048 tokens, TP 2 -> 1,
 pages 16 -> 64: 1 KiB head-slice rows, 64 MiB from prefill rank 0). ``--cuda`` runs the
@@ -38,6 +42,7 @@ gathers of the first slots' chunks, which it posts before it returns).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import statistics
@@ -207,7 +212,10 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
                 return t, sid, peer, dst
 
             paths, sids = {}, {}
-            for name, cfg in (("staged", staged), ("direct", StagedNixlConfig(enabled=False))):
+            variants = [("staged", staged), ("direct", StagedNixlConfig(enabled=False))]
+            if not args.cuda and staged.shared_slots:  # on one host: also the slots written by NIXL
+                variants.append(("unshared", dataclasses.replace(staged, shared_slots=False)))
+            for name, cfg in variants:
                 t, sid, peer, dst = connected(cfg)
                 paths[name], sids[name] = (t, peer, kv.batch(sid, dst.region_id)), sid
             n_blocks = kv.nbytes // args.block
@@ -221,6 +229,10 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
             writes = {name: (lambda p=p, b=b: p.write(b, notify=b"kv").wait(600)) for name, (_, p, b) in paths.items()}
             if staged_batch is not None:
                 writes["staged"] = lambda: _timed_call(staged_peer, staged_batch, calls).wait(600)
+                if "unshared" in paths:
+                    _, unshared_peer, _ = paths["unshared"]
+                    unshared_batch = kv.strided_batch(sids["unshared"], dst.region_id)
+                    writes["unshared"] = lambda: unshared_peer.write_strided(unshared_batch, notify=b"kv").wait(600)
             _check(kv, host_src, total, 0 if args.cuda else 1, writes, block_batch, receiver, tools)
             if staged_batch is not None and not args.cuda:  # after the check: its bytes are not the request's
                 bound_t, bound_sid, bound_peer, _ = connected(staged)
@@ -230,12 +242,14 @@ def run_kv(args, tools, receiver_host=None) -> list[dict]:
             lane = staged_t._core.lanes.get(staged_peer.name)
             if lane is None or lane.state.name != "READY":  # else the "staged" figures are direct ones
                 raise RuntimeError(f"the staged path did not stage: {lane and (lane.state.name, lane.error)}")
+            if not lane.shared and "unshared" in writes:  # another host: the two staged paths are one
+                del writes["unshared"]
             times = {name: [] for name in writes}
             calls.clear()
             for _ in range(args.iters):  # alternate so all paths see the same background load
                 for name, fn in writes.items():
                     times[name].append(time_once(fn))
-            row = {"request": req.name, "ranges": int(kv.length.size), "nbytes": kv.nbytes,
+            row = {"request": req.name, "ranges": int(kv.length.size), "nbytes": kv.nbytes, "shared": lane.shared,
                    **{f"{name}_gbps": _median_gbps(kv.nbytes if name != "blocks" else n_blocks * args.block, ts)
                       for name, ts in times.items()}}
             if calls:
@@ -284,7 +298,9 @@ def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dic
     buffer starts as ``fill``: ones on the host, zeros on a GPU)."""
     want = np.full(total, fill, dtype=np.uint8)  # [total]
     blocks = KvBatch(0, 0, block_batch.src_offset, block_batch.dst_offset, block_batch.length)
-    for name, ref in (("staged", kv), ("blocks", blocks), ("direct", kv)):
+    for name, ref in (("staged", kv), ("blocks", blocks), ("direct", kv), ("unshared", kv)):
+        if name not in writes:
+            continue
         writes[name]()
         ref.apply(host_src, want)
         receiver.send(tools.DigestRequest())
@@ -296,8 +312,9 @@ def _check(kv: KvBatch, host_src: np.ndarray, total: int, fill: int, writes: dic
 def _without_gather(transport, peer, batch):
     """The staged write of ``batch`` through ``transport``'s own lane with the sender's gather
     skipped (its slots go out as they are, so the bytes are not checked): the rate the rest of
-    the pipeline allows -- the slot writes, the receiver's scatter and the per-chunk
-    notifications and Credits -- when the sender's copy into its slots costs nothing."""
+    the pipeline allows -- the slot writes (unless the slots are shared), the receiver's
+    scatter and the per-chunk notifications and Credits -- when the sender's copy into its
+    slots costs nothing."""
     peer.write_strided(batch, notify=b"kv").wait(600)  # opens the lane and its staging
     staging = transport._core.lanes.get(peer.name).staging
     staging.gather_strided = lambda *args: None  # this staging instance only
@@ -336,15 +353,20 @@ def _nvlink_gbps(kv: KvBatch, src, iters: int) -> float:
 
 
 def _format(row: dict, block: int) -> str:
-    line = (f"  staged NIXL {row['staged_gbps']:7.2f} GB/s   direct NIXL {row['direct_gbps']:7.2f} GB/s   "
+    line = (f"  staged NIXL {row['staged_gbps']:7.2f} GB/s{' (slots shared)' if row.get('shared') else ''}   "
+            f"direct NIXL {row['direct_gbps']:7.2f} GB/s   "
             f"NIXL {block // KiB} KiB blocks {row['blocks_gbps']:7.2f} GB/s   staged / blocks "
             f"{100 * row['staged_gbps'] / row['blocks_gbps']:5.1f} %   data ok")
     if "staged_call_ms" in row:
         line += f"   staged write_strided() call {row['staged_call_ms']:.1f} ms"
     if "nvlink_gbps" in row:
         line += f"   NVLink engine {row['nvlink_gbps']:7.2f} GB/s"
+    if "unshared_gbps" in row:
+        line += (f"\n  staged, the sender's slots written by NIXL {row['unshared_gbps']:7.2f} GB/s = "
+                 f"{100 * row['unshared_gbps'] / row['blocks_gbps']:5.1f} % of blocks (data ok)")
     if "nogather_gbps" in row:
         line += (f"\n  staged with the sender's gather skipped (bytes not checked) {row['nogather_gbps']:7.2f} GB/s = "
-                 f"{100 * row['nogather_gbps'] / row['blocks_gbps']:5.1f} % of blocks: the slot writes, the receiver's "
-                 "scatter and the chunks' round trips alone")
+                 f"{100 * row['nogather_gbps'] / row['blocks_gbps']:5.1f} % of blocks: "
+                 + ("" if row.get("shared") else "the slot writes, ")
+                 + "the receiver's scatter and the chunks' round trips alone")
     return line

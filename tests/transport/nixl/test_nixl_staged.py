@@ -87,6 +87,43 @@ def test_staged_rows_land_byte_for_byte_before_their_notification(writer, receiv
     assert len(t._core.lanes) == 1 and t._core.lanes.get(peer.name).state is LaneState.READY
 
 
+@pytest.mark.parametrize("case", ["shared", "sender off", "receiver off", "another host", "cannot map"])
+def test_a_receiver_on_this_host_shares_its_slots_unless_a_side_cannot(writer, receiver, monkeypatch, case):
+    """Two processes of one host: the sender maps the receiver's host slots and gathers into
+    them, its own staging released (not in what its metadata registers). A side whose config
+    says no, a Hello from another host (its boot or namespaces differ), or a memfd the sender
+    cannot open: the slots are written by NIXL as before. The rows land either way."""
+    from transport.nixl.staged import lane as lane_module
+
+    off = StagedNixlConfig(slot_bytes=64 << 10, slots=3, min_rows=64, shared_slots=False)
+    if case == "another host":
+        monkeypatch.setattr(lane_module, "host_key", lambda: "another-boot/1/1")
+    if case == "cannot map":
+        def refused(slots, slot_bytes, owner):
+            raise PermissionError(13, "Permission denied", f"/proc/{owner[0]}/fd/{owner[1]}")
+        monkeypatch.setattr(lane_module, "SharedHostStaging", refused)
+    dst_sizes = [8 * MiB]
+    rx, t, src, sid, peer = staged_pair(writer, receiver, dst_sizes, seed=3,
+                                        staged=off if case == "sender off" else SMALL,
+                                        rx_staged=off if case == "receiver off" else None)
+    rng = np.random.default_rng(3)
+    want = [np.zeros(dst_sizes[0], np.uint8)]  # what the destination holds, write after write
+    for n in (1, 2):  # the lane's first write (it opens) and a later one
+        entries = small_rows(rng, 500, src.size, dst_sizes)
+        note = _nixl_peer.payload(n, [(0, 0, dst_sizes[0])])
+        tr = peer.write(wb(sid, *entries[1:]), notify=note)
+        assert isinstance(tr, StagedTransfer) and tr.num_chunks > SMALL.slots
+        tr.wait(60)
+        for _, so, dr, do, ln in zip(*entries):
+            want[dr][do: do + ln] = src[so: so + ln]
+        assert rx.wait_notes(n)[-1] == (note, sha(want))
+        assert_same(rx.dump(0), want[0], f"destination after write {n}")
+    lane = t._core.lanes.get(peer.name)
+    assert lane.state is LaneState.READY and lane.shared is (case == "shared")
+    staged_entries = [e for e in t._core.registered() if e[0] == -1]
+    assert len(staged_entries) == (0 if lane.shared else 1)
+
+
 def test_writes_behind_a_staged_one_keep_their_order(writer, receiver):
     """A direct write and a second staged write issued while a staged one posts its chunks are
     delivered after it, in the order issued, each notification with its bytes in place (one
@@ -348,10 +385,13 @@ def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(
     """The receiver's owner reads nothing for a while, its NIXL progress thread completes the
     writes: local slots come free (NIXL read them) before any Credit, so the sender gathers
     the next chunks ahead. An abort then: no gathered chunk is posted, nothing lands after
-    abort() returns, and every local slot is back (the lane's next write lands in full)."""
+    abort() returns, and every local slot is back (the lane's next write lands in full).
+    Slots of its own, written by NIXL: a lane sharing the receiver's slots gathers only into
+    slots the receiver has answered."""
     nbytes, slots = 16 * MiB, 4
     rx = receiver([nbytes], env=TCP_ONLY, progress_thread=True)
-    t = writer(env=TCP_ONLY, staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=slots), peer_loss_timeout_s=20.0)
+    t = writer(env=TCP_ONLY, staged=StagedNixlConfig(slot_bytes=1 * MiB, slots=slots, shared_slots=False),
+               peer_loss_timeout_s=20.0)
     src, sid = host_region(t, nbytes, 8)
     peer = t.connect(rx.export)
     n = nbytes // 4096
@@ -451,6 +491,8 @@ def test_config_rule_and_validation():
         StagedNixlConfig(slot_bytes=1 << 16, max_row_bytes=1 << 16)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         StagedNixlConfig(enabled=1)
+    with pytest.raises(TypeError, match="shared_slots must be a bool"):
+        StagedNixlConfig(shared_slots="yes")
 
 
 class _Scatters:
@@ -728,6 +770,33 @@ def test_host_staging_gathers_and_scatters_strided_rows(flat_slots, monkeypatch)
         o = d_addr[i] + d_slot[j] * d_stride[i]
         want[o:o + length[i]] = src[addr[i] + s_slot[j] * stride[i]:][:length[i]]
     assert_same(dst, want, "scattered strided rows")
+
+
+def test_shared_host_staging_is_one_memory_seen_from_both_sides():
+    """The receiver's memfd staging, mapped again through /proc/<pid>/fd (here by this same
+    process): a chunk gathered through one mapping is scattered from the other; a mapping of
+    another size is refused; the mapping outlives the owner's close; close is idempotent."""
+    from transport.nixl.staged.shared import SharedHostStaging, host_key
+
+    assert host_key() and host_key() == host_key()
+    owner = SharedHostStaging(2, 1 << 16)
+    other = SharedHostStaging(2, 1 << 16, owner.shared)
+    assert other.ptr != owner.ptr and not owner.buf.any()
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    rows = rng.permutation(64)[:40].astype(np.int64) * 1024  # [40] offsets of 1 KiB rows
+    length = np.full(40, 1024, np.int64)
+    other.gather(1, 256, src.ctypes.data + rows, length)
+    owner.scatter(1, 256, dst.ctypes.data + rows[::-1].copy(), length)  # the rows in reverse
+    for i, r in enumerate(rows[::-1]):
+        assert_same(dst[r: r + 1024], src[rows[i]: rows[i] + 1024], f"row {i}")
+    with pytest.raises(ValueError, match="holds 131072 bytes, not 65536"):
+        SharedHostStaging(1, 1 << 16, owner.shared)
+    owner.close()
+    owner.close()
+    other.gather(0, 0, src.ctypes.data + rows[:4], length[:4])  # still mapped
+    other.close()
 
 
 def test_host_staging_gathers_and_scatters_rows_of_any_alignment():

@@ -25,6 +25,13 @@ How (one lane per pair of transports: :mod:`~transport.nixl.staged.lane` and its
    registered regions, *scatters* them, answers a Credit (the slot is free) and, once every
    chunk of the write is scattered, hands the write's notification to its owner.
 
+On one host (:mod:`~transport.nixl.staged.shared`: same boot, network and PID namespaces;
+host memory on both sides) the receiver's slots are a memfd the sender maps: the sender
+gathers each chunk straight into the receiver's free slot and posts its notification alone
+(one byte), driving NIXL until it has left; NIXL's copy of the slot (a cma copy on the sender's
+core) is gone. Steps 1 and 3 are unchanged; a sender that cannot map the memfd writes the
+slots through NIXL.
+
 The contract (:mod:`transport.base`) holds: a notification means the bytes are in place;
 ``abort()`` posts nothing more and returns once the receiver answered every chunk posted
 (it scatters before it answers), so no byte lands after it returns; a dead or stalled
@@ -49,8 +56,8 @@ first staged write; a write of other kinds goes direct.
 
 Costs
 -----
-- Memory: ``slots`` x the slot size registered bytes per lane on EACH side, on the batch's
-  memory (host or GPU): 4 x 4 MiB = 16 MiB for lanes into host memory, 4 x 128 MiB = 512 MiB
+- Memory: ``slots`` x the slot size registered bytes per lane on EACH side (a lane sharing
+  the receiver's slots: on the receiver only), on the batch's memory (host or GPU): 4 x 4 MiB = 16 MiB for lanes into host memory, 4 x 128 MiB = 512 MiB
   for lanes into a GPU (``cuda_slot_bytes``); a receiver keeps at most ``max_lanes`` host and
   ``max_cuda_lanes`` GPU lanes (``StagedNixlConfig``).
 - Bytes: 16 bytes of row table per range on the wire (1.6 % for 1 KiB rows, 6 % for 256 B);

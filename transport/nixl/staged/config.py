@@ -35,6 +35,10 @@ class StagedNixlConfig:
     max_lanes: host lanes a receiver keeps (one per sending transport); a Hello past them is
         refused and that sender writes direct.
     max_cuda_lanes: the same for lanes on CUDA memory (counted apart: GPU memory is scarcer).
+    shared_slots: a host -> host lane between two processes of one host shares the receiver's
+        slots (:mod:`~transport.nixl.staged.shared`): the sender gathers into them and NIXL
+        carries the chunks' notifications alone, one copy of every byte fewer. Both sides
+        must allow it; where the sender cannot map them, NIXL writes the slots.
 
     Memory: a lane holds ``slots`` x its slot size registered bytes on EACH side, allocated once,
     at the first staged write to a peer, on the memory kind of that write (host, or the CUDA
@@ -63,10 +67,12 @@ class StagedNixlConfig:
     wire_gather_bytes: int = 32 << 10
     max_lanes: int = 32
     max_cuda_lanes: int = 8
+    shared_slots: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
+        for name in ("enabled", "shared_slots"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, low in (("min_rows", 1), ("max_row_bytes", 1), ("slot_bytes", 1 << 16),
                           ("cuda_slot_bytes", 1 << 16), ("slots", 2), ("wire_gather_bytes", 1), ("max_lanes", 1),
                           ("max_cuda_lanes", 1)):

@@ -5,13 +5,16 @@ receiver's staging address (from its :class:`~transport.nixl.staged.wire.Welcome
 of jobs (:mod:`~transport.nixl.staged.sender`), the writes to that agent in the order ``write``
 was called. It opens with a Hello, gathers the head job's chunks into free local slots, posts
 each into a free slot of the receiver, frees slots as NIXL reads them and Credits come back,
-and starts the next job once the head has finished. Progress happens in the owner's calls, on
-the owner's thread (:meth:`SenderLane.progress`). :class:`SenderLanes` finds a transport's
-lanes by remote agent and by lane id.
+and starts the next job once the head has finished. A receiver on this host may share its
+slots (:mod:`~transport.nixl.staged.shared`): the lane then maps them in place of its own,
+gathers each chunk into the receiver's free slot it goes to and posts its notification alone.
+Progress happens in the owner's calls, on the owner's thread (:meth:`SenderLane.progress`).
+:class:`SenderLanes` finds a transport's lanes by remote agent and by lane id.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Optional
 
@@ -19,10 +22,13 @@ import numpy as np
 
 from transport.base import TransferStatus
 from transport.nixl.staged.copy import Staging, make_staging
+from transport.nixl.staged.shared import SharedHostStaging, host_key
 from transport.nixl.staged.sender import DeferredWrite, LaneState, Gathered, Job, StagedJob
 from transport.nixl.staged.wire import Credit, Hello, Welcome, encode, registered_entries
 
 __all__ = ["SenderLane", "SenderLanes"]
+
+NOTE_SPIN_S = 3e-4  # shared slots: how long a chunk's post is driven for its notification to leave
 
 
 class _Slot:
@@ -50,7 +56,8 @@ class SenderLane:
         self.state = LaneState.NEW
         self.error: Optional[str] = None
         self.staging: Optional[Staging] = None
-        self._reg = None  # NIXL registration of the staging
+        self._reg = None  # NIXL registration of the staging (None once it is the receiver's, shared)
+        self.shared = False  # the staging is the receiver's slots, mapped here: chunks go as notifications alone
         self.remote_ptr = 0
         self._free = deque(range(self.slots))  # the receiver's slots
         self._free_local = deque(range(self.slots))  # this side's slots
@@ -116,8 +123,9 @@ class SenderLane:
         except Exception as exc:  # no memory for staging: this lane writes direct
             self._refuse(f"local staging of {self.slots * self.slot_bytes} bytes: {type(exc).__name__}: {exc}")
             return
+        share = core.config.staged.shared_slots and self.src_device is None and self.dst_device is None
         hello = Hello(self.id, -1 if self.dst_device is None else self.dst_device, self.slots, self.slot_bytes,
-                      agent.metadata(), core.registered())
+                      agent.metadata(), core.registered(), host_key() if share else "")
         try:
             handle, state = agent.post_byte(self.name, self._scratch_ptr, encode(hello))
         except Exception as exc:
@@ -149,9 +157,10 @@ class SenderLane:
                     job.go_direct()
                 if job.inner.status() is TransferStatus.PENDING:
                     return
-            elif self._gathered and self._free and (self.staging.is_ready(self._gathered[0].local_slot)
-                                                    or not (job.has_more and self._free_local)):
-                if not self._post_chunk(self._gathered.popleft(), self._free.popleft()):
+            elif self._gathered and (self.shared or self._free) and (
+                    self.staging.is_ready(self._gathered[0].local_slot) or not (job.has_more and self._free_local)):
+                chunk = self._gathered.popleft()  # shared: gathered into the receiver's slot, which it names
+                if not self._post_chunk(chunk, chunk.local_slot if self.shared else self._free.popleft()):
                     return
             elif job.has_more and self._free_local:
                 self._gathered.append(job.fill(self, self._free_local.popleft(), job.gathered))
@@ -160,19 +169,26 @@ class SenderLane:
                 return  # no free slot here or there, or every chunk posted: wait for NIXL and Credits
 
     def _post_chunk(self, chunk: Gathered, slot: int) -> bool:
+        """Post ``chunk`` into the receiver's ``slot``: a NIXL write of the local slot carrying
+        its notification, or (shared) the notification alone, the rows being in that slot."""
         job = chunk.job
+        agent = self._core.agent
         self.staging.ready(chunk.local_slot)  # its copies are in place before NIXL reads it
-        remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)
+        note = encode(job.note(chunk.kind, self, slot, chunk.index))
         try:
-            handle, state = self._core.agent.post_ranges(self.name, chunk.local, self.src_device, remote,
-                                                         self.dst_device,
-                                                         encode(job.note(chunk.kind, self, slot, chunk.index)))
+            if self.shared:
+                handle, state = agent.post_byte(self.name, self._scratch_ptr, note)
+            else:
+                remote = chunk.remote + np.array([self.remote_ptr + slot * self.slot_bytes, 0], dtype=np.int64)
+                handle, state = agent.post_ranges(self.name, chunk.local, self.src_device, remote, self.dst_device,
+                                                  note)
         except Exception as exc:
             self._free.appendleft(slot)
-            self._free_local.append(chunk.local_slot)
+            if not self.shared:  # shared: the local slot is that one
+                self._free_local.append(chunk.local_slot)
             self.lose(f"peer {self.name!r}: could not post chunk {chunk.index}: {type(exc).__name__}: {exc}")
             return False
-        self._inflight[slot] = _Slot(job, chunk.index, handle, chunk.local_slot)
+        self._inflight[slot] = _Slot(job, chunk.index, handle, None if self.shared else chunk.local_slot)
         self.moves += 1
         job.posted += 1
         if state not in ("DONE", "PROC"):
@@ -181,6 +197,13 @@ class SenderLane:
         # NIXL sends a write's notification from its progress once the data is flushed: drive
         # it now, so the receiver scatters this chunk while the next one is gathered; and read
         # the Credits that came meanwhile (a gather-ahead run must not hold them back)
+        if self.shared:  # one byte: its flush is a round trip; the note must not wait for the next gather
+            until = time.monotonic() + NOTE_SPIN_S
+            while state == "PROC" and time.monotonic() < until:
+                try:
+                    state = agent.state(handle)
+                except Exception:
+                    break  # _check_handles says why
         self._check_handles()
         if self.state is LaneState.READY:
             self._core.pump()
@@ -198,7 +221,8 @@ class SenderLane:
                 return
             if state == "DONE":  # NIXL has read the local slot: the next chunk may be gathered into it
                 agent.release(entry.handle)
-                self._free_local.append(entry.local_slot)
+                if entry.local_slot is not None:
+                    self._free_local.append(entry.local_slot)
                 entry.handle = entry.local_slot = None
             elif state != "PROC":
                 self.lose(f"peer {self.name!r}: NIXL reported {state}")
@@ -233,6 +257,8 @@ class SenderLane:
                 return
             self._core.remotes.loaded_too(self.name, registered)  # its regions the export we hold did not name, too
             self.remote_ptr, self.state = int(msg.ptr), LaneState.READY
+            if msg.shared:
+                self._share(msg.shared)
         elif isinstance(msg, Credit):
             entry = self._inflight.get(msg.slot)
             if entry is None or entry.job.seq != msg.seq or entry.index != msg.index:
@@ -243,6 +269,23 @@ class SenderLane:
                 self._handles.append((entry.handle, entry.local_slot))
             self._free.append(msg.slot)
             entry.job.on_credit(msg.error)
+
+    def _share(self, owner) -> None:
+        """Map the receiver's slots (its memfd ``owner``: ``(pid, fd)``) and gather into them
+        from now on; this side's own staging goes. Where they cannot be mapped, NIXL writes
+        this side's slots into them as before."""
+        try:
+            pid, fd = owner
+            staging = SharedHostStaging(self.slots, self.slot_bytes, (pid, fd))
+        except (OSError, ValueError, TypeError):
+            return
+        own, self.staging = self.staging, staging
+        self._core.agent.deregister(self._reg)
+        self._reg = None
+        own.close()
+        self.shared = True
+        self.wire_gather_bytes = 1 << 62  # every chunk is gathered into the slot: no write to gather runs
+        self._free_local = self._free  # a chunk is gathered into the receiver's free slot it goes to
 
     # -- failure and teardown ------------------------------------------------------------------
 
@@ -326,8 +369,9 @@ class SenderLanes:
                 lane.progress()
 
     def stagings(self) -> list[Staging]:
-        """The staging memory of every lane that has one (registered with the agent)."""
-        return [lane.staging for lane in self._by_name.values() if lane.staging is not None]
+        """The staging memory of every lane that has one registered with the agent (not a
+        receiver's shared slots)."""
+        return [lane.staging for lane in self._by_name.values() if lane.staging is not None and not lane.shared]
 
     def close(self) -> None:
         for name in list(self._by_name):

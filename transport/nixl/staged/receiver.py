@@ -5,7 +5,8 @@ notifications), on the owner's thread:
 
 - :class:`~transport.nixl.staged.wire.Hello`: a sender's earlier lanes are dropped (its
   notifications arrive in order, so none of their chunks is still to come), a lane of
-  ``slots`` x ``slot_bytes`` is allocated on the asked memory and registered, the sender's
+  ``slots`` x ``slot_bytes`` is allocated on the asked memory (host memory a sender on this
+  host may share: :mod:`~transport.nixl.staged.shared`) and registered, the sender's
   metadata loaded, and a Welcome sent back (or one with ``error``: too many lanes, a lane
   larger than this side's ``StagedNixlConfig`` allows, no memory).
 - :class:`~transport.nixl.staged.wire.Chunk`: its slot's header and row table are checked
@@ -40,6 +41,7 @@ from collections import deque
 from typing import Optional
 
 from transport.base import Notification
+from transport.nixl.staged import shared
 from transport.nixl.staged.copy import Landed, Staging, make_staging
 from transport.nixl.staged.wire import (Chunk, Credit, Hello, ProtocolError, StridedChunk, Welcome, encode,
                                         registered_entries)
@@ -162,16 +164,31 @@ class ReceiverLanes:
         elif device is not None and not any(r.device == device for r in self._core.registry.view.values()):
             error = f"no region of this receiver is on cuda:{device}"
         if not error:
+            staging = None
             try:
-                staging = make_staging(msg.slots, msg.slot_bytes, device)
+                staging = self._staging(msg, device)
                 reg = self._core.agent.register(staging.ptr, staging.nbytes, device)
             except Exception as exc:
+                if staging is not None:
+                    staging.close()
                 error = f"staging of {msg.slots * msg.slot_bytes} bytes: {type(exc).__name__}: {exc}"
         if error:
             self._answer(sender, Welcome(msg.lane, 0, b"", error))
             return
         self._lanes[sender, msg.lane] = _Lane(staging, reg, device)
-        self._answer(sender, Welcome(msg.lane, staging.ptr, self._core.agent.metadata(), "", self._core.registered()))
+        self._answer(sender, Welcome(msg.lane, staging.ptr, self._core.agent.metadata(), "", self._core.registered(),
+                                     getattr(staging, "shared", ())))
+
+    def _staging(self, msg: Hello, device: Optional[int]) -> Staging:
+        """The lane's staging: host slots the sender can share when it runs on this host and
+        both sides allow it (:mod:`~transport.nixl.staged.shared`), else this side's own."""
+        if (device is None and self._core.config.staged.shared_slots and msg.host
+                and msg.host == shared.host_key()):
+            try:
+                return shared.SharedHostStaging(msg.slots, msg.slot_bytes)
+            except OSError:  # no memfd here: slots of its own, which NIXL writes
+                pass
+        return make_staging(msg.slots, msg.slot_bytes, device)
 
     def _chunk(self, sender: str, msg: Chunk) -> None:
         lane = self._lanes.get((sender, msg.lane))

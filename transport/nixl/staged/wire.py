@@ -61,7 +61,9 @@ class ProtocolError(ValueError):
 class Hello:
     """Sender -> receiver: open lane ``lane`` of ``slots`` x ``slot_bytes`` on the receiver's
     ``device`` (-1: host); ``metadata`` lets the receiver answer (its NIXL agent metadata);
-    ``registered``: what that metadata registers (:func:`registered_entries`)."""
+    ``registered``: what that metadata registers (:func:`registered_entries`); ``host``: the
+    sender's :func:`~transport.nixl.staged.shared.host_key` when it would share the receiver's
+    host slots ("": it would not)."""
 
     lane: int
     device: int
@@ -69,19 +71,23 @@ class Hello:
     slot_bytes: int
     metadata: bytes
     registered: tuple = ()
+    host: str = ""
 
 
 @dataclass(frozen=True)
 class Welcome:
     """Receiver -> sender: lane ``lane``'s staging region at ``ptr`` (``slots`` x ``slot_bytes``)
     and the receiver's metadata that registers it, with what that metadata registers
-    (``registered``, :func:`registered_entries`); or ``error`` (the sender writes direct)."""
+    (``registered``, :func:`registered_entries`); or ``error`` (the sender writes direct).
+    ``shared``: ``(pid, fd)`` of the memfd holding the staging, for a sender on this host
+    (:mod:`~transport.nixl.staged.shared`; empty: not shared)."""
 
     lane: int
     ptr: int
     metadata: bytes
     error: str = ""
     registered: tuple = ()
+    shared: tuple = ()
 
 
 def registered_entries(registered) -> list[tuple[int, int, int, int]]:
