@@ -243,8 +243,8 @@ class Transfer(abc.ABC):
     def cancel(self) -> None:
         """:meth:`abort` without waiting, for a caller that serves others meanwhile (a control
         loop): the transfer ends FAILED ("aborted") once no byte of it can still land, and until
-        then ``status()`` says PENDING. NIXL's direct writes implement it; other transfers
-        (staged NIXL, whose abort waits for the receiver's answers, and NVLink) abort here."""
+        then ``status()`` says PENDING. NIXL's writes (direct and staged) implement it; other
+        transfers (NVLink, whose abort waits for its own device's copies) abort here."""
         self.abort()
 
     def wait(self, timeout: Optional[float] = None) -> None:

@@ -452,7 +452,7 @@ class PrefillKVManager(BaseKVManager):
         if now >= self._next_sweep:  # timeouts are seconds long: every request looked at every SWEEP_INTERVAL_S
             self._next_sweep = now + SWEEP_INTERVAL_S
             self._sweep(now)
-        self._ranks.answer_departed({k for rid in self._moving for _, k in self._outgoing[rid].inflight})
+        self._ranks.close_settled()
         self._ranks.drop_silent(now, self._on_router)
         return self.config.loop_pause(busy)
 
@@ -492,10 +492,15 @@ class PrefillKVManager(BaseKVManager):
         self._computing.discard(rid)
         self._senders.pop(rid)
 
-    def _fail_requests_of(self, key: tuple, reason: str) -> None:
+    def _fail_requests_of(self, key: tuple, reason: str) -> list:
+        """Fail the requests that decode rank ``key`` takes part in (a dropped or leaving rank):
+        the writes to it still in flight (cancelled), which its transport peer outlives."""
+        writes = []
         for rid, out in list(self._outgoing.items()):
             if key in out.dests or key in out.expected:
                 self._fail(rid, reason)
+            writes += [transfer for transfer, k in out.inflight if k == key]
+        return writes
 
     def _shutdown(self) -> None:
         for rid in list(self._outgoing):

@@ -23,7 +23,7 @@ from kvtransfer.control.session import PeerSession, PeerState, confirm_silent
 from kvtransfer.control.wire import DecodeHello, Goodbye, Heartbeat, HelloAck, NotConnected, endpoints_of, process_of
 from kvtransfer.layout import LayoutMismatch, RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer, senders_for
-from transport.base import PeerDescriptorError, PeerDraining, StridedBatch, TransportError
+from transport.base import PeerDescriptorError, PeerDraining, StridedBatch, TransferStatus, TransportError
 
 __all__ = ["DecodePeer", "DecodeRanks"]
 
@@ -90,15 +90,21 @@ class DecodeRanks:
 
     A hello is checked (layouts, a transport in common) and answered here; a rank is known by
     its key ``(instance, tp_rank)`` and by its socket's routing id. A hello whose transport
-    cannot connect yet (``PeerDraining``: this rank's failed writes to it still run) *waits*,
-    unanswered, and is tried again at each :meth:`sweep` until it connects, a newer hello of the
-    rank replaces it, or the handshake timeout passes (the decode rank then says hello again on
-    its own). A rank is *dropped* when it is lost (silent past the heartbeat timeout, its process
-    ended, or its transport peer lost: :meth:`drop_lost`) or says hello again: its transport
-    peer is closed with drain, and ``on_drop(key, reason)`` fails its requests. A socket dropped
-    so is answered ``NotConnected`` (it says hello again if it lives, and the new hello connects
-    the transport anew). A rank that says goodbye *leaves*: it is answered once no write to it
-    is in flight."""
+    cannot connect yet (``PeerDraining``: this rank's failed writes to it still run), or whose
+    rank's old entry still has writes in flight (below), *waits*, unanswered, and is tried
+    again at each :meth:`sweep` until it connects, a newer hello of the rank replaces it, or the
+    handshake timeout passes (the decode rank then says hello again on its own). A rank is
+    *dropped* when it is lost (silent past the heartbeat timeout, its process
+    ended, or its transport peer lost: :meth:`drop_lost`) or says hello again:
+    ``on_drop(key, reason)`` fails its requests (their writes are cancelled) and names the
+    writes to it still in flight, and its transport peer is closed once none of them is (at
+    each turn, :meth:`close_settled`): never waited for here, since a write to a paused rank
+    over tcp stays in flight until its deadline, and this rank serves the others meanwhile. A
+    socket dropped so is answered ``NotConnected`` (it says hello again if it lives, and the
+    new hello connects the transport anew). Both answers tell the decode rank that none of the
+    old writes can land (it reuses their pages then), so neither is given while one is still in
+    flight: a hello of that rank waits, a message of that socket goes unanswered. A rank that
+    says goodbye *leaves*: it is answered once no write to it is in flight."""
 
     def __init__(self, router, owner, on_drop):
         self._router = router
@@ -107,8 +113,10 @@ class DecodeRanks:
         self.peers: dict = {}  # (instance, tp_rank) -> DecodePeer
         self._by_identity: dict = {}  # routing id -> key
         self._dropped: dict = {}  # routing id -> (time, reason, logged): sockets without a hello (NotConnected)
-        self._leaving: dict = {}  # key -> DecodePeer that said goodbye, until no write to it is in flight
-        self._waiting: dict = {}  # key -> (routing id, DecodeHello, since): hellos whose transport cannot connect yet
+        # (DecodePeer, its writes still in flight, whether it said goodbye): dropped or leaving
+        # ranks whose transport peer closes (and goodbye is answered) once those writes ended
+        self._closing: list = []
+        self._waiting: dict = {}  # key -> (routing id, DecodeHello, since): hellos that cannot be answered yet
 
     @property
     def _rank(self) -> int:
@@ -135,8 +143,8 @@ class DecodeRanks:
     def hello(self, identity: bytes, hello: DecodeHello) -> None:
         """Check the decode rank's layout and connect to it over the best shared transport; a
         known rank's old entry is dropped first (its requests fail, its transport peer closes
-        with drain). Answered with HelloAck (an error says why it was refused), or, while the
-        transport cannot connect yet, not yet: the hello waits (class docstring)."""
+        once their writes ended). Answered with HelloAck (an error says why it was refused),
+        or, while the transport cannot connect yet, not yet: the hello waits (class docstring)."""
         self._waiting.pop(hello.key, None)  # a newer hello replaces one still waiting
         self._answer(identity, hello, time.monotonic())
 
@@ -156,6 +164,12 @@ class DecodeRanks:
             old = self.peers.pop(hello.key, None)
             if old is not None:  # it restarted, or lost this rank and reconnects: its old requests cannot finish
                 self.drop(old, f"decode rank {hello.key} said hello again (restarted or reconnecting)")
+            if self._still_closing(key=hello.key):  # the ack tells the decode rank no old write can land
+                if hello.key not in self._waiting:
+                    log.info("prefill rank %d: the hello of decode rank %s waits for the writes to its old "
+                             "entry to end", mine.tp_rank, hello.key)
+                self._waiting[hello.key] = (identity, hello, since)
+                return
             try:
                 connected = self._connect(hello, theirs)
             except PeerDraining as exc:
@@ -212,7 +226,10 @@ class DecodeRanks:
         """A message from a socket without a hello: a decode rank dropped as lost (alive after
         all: a loaded machine paused it past the heartbeat timeout) or a stranger. Answered
         with NotConnected, so that a live decode rank fails what it asked of this rank and says
-        hello again; logged once per socket."""
+        hello again; logged once per socket. Not while writes to the rank dropped with that
+        socket are still in flight: NotConnected tells the decode rank that none can land."""
+        if self._still_closing(identity=identity):
+            return
         when, reason, logged = self._dropped.get(identity, (time.monotonic(), "", False))
         if not logged:
             log.warning("prefill rank %d: %s from %s; answered not_connected", self._rank, msg.KIND,
@@ -228,22 +245,34 @@ class DecodeRanks:
                                      .to_msgpack()], zmq.NOBLOCK)
 
     def leave(self, peer: DecodePeer, goodbye: Goodbye) -> None:
-        """The rank said ``goodbye``: forgotten now, answered by :meth:`answer_departed`."""
+        """The rank said ``goodbye``: forgotten now, answered by :meth:`close_settled`."""
         self.peers.pop(peer.key, None)
-        self._on_drop(peer.key, f"decode rank {peer.key} said goodbye")
+        writes = self._on_drop(peer.key, f"decode rank {peer.key} said goodbye")
         self._by_identity.pop(peer.identity, None)
         peer.session.enter(PeerState.GONE, time.monotonic())
-        self._leaving[peer.key] = peer
+        self._closing.append((peer, writes, True))
 
-    def answer_departed(self, writing: set) -> None:
-        """Answer the goodbye of each leaving rank that no write (``writing``: keys with writes
-        in flight) still targets; its transport peer is closed first."""
-        for key, peer in list(self._leaving.items()):
-            if key not in writing:
-                del self._leaving[key]
-                self._close(peer)
+    def _still_closing(self, key=None, identity=None) -> bool:
+        """Whether a dropped or leaving rank of ``key`` (or of socket ``identity``) still has
+        writes in flight (its transport peer not closed yet)."""
+        self.close_settled()
+        return any(peer.key == key or peer.identity == identity for peer, _, _ in self._closing)
+
+    def close_settled(self) -> None:
+        """Close the transport peer of each dropped or leaving rank whose writes have all ended
+        (a leaving one's goodbye is answered then): cancelled writes end once nothing of them
+        can land, or at their deadline."""
+        keep = []
+        for peer, writes, goodbye in self._closing:
+            writes = [t for t in writes if t.status() is TransferStatus.PENDING]
+            if writes:
+                keep.append((peer, writes, goodbye))
+                continue
+            self._close(peer)
+            if goodbye:
                 self._router.send_multipart([peer.identity, Goodbye(incarnation=self._owner.incarnation)
                                              .to_msgpack()], zmq.NOBLOCK)
+        self._closing = keep
 
     def drop_silent(self, now: float, read) -> None:
         """Drop the ranks silent past the heartbeat timeout, after ``read()`` has read what came
@@ -288,22 +317,24 @@ class DecodeRanks:
 
     def drop(self, peer: DecodePeer, reason: str) -> None:
         """Drop a rank already taken out of :attr:`peers`: its requests fail, its transport peer
-        closes, and its socket is answered NotConnected from now on."""
+        closes once their writes to it ended (:meth:`close_settled`), and its socket is
+        answered NotConnected from now on."""
         log.warning("prefill rank %d: %s", self._rank, reason)
         peer.session.enter(PeerState.LOST, time.monotonic(), reason)
-        self._on_drop(peer.key, reason)
+        writes = self._on_drop(peer.key, reason)
         self._by_identity.pop(peer.identity, None)
         self._dropped[peer.identity] = (time.monotonic(), reason, False)
-        self._close(peer)
+        self._closing.append((peer, writes, False))
+        self.close_settled()
 
     def close(self) -> None:
         """Tell every rank this one closes (they stop asking it at once); close transport peers."""
         for key in list(self.peers):
             self.send(key, Goodbye(incarnation=self._owner.incarnation))
-        for peer in [*self.peers.values(), *self._leaving.values()]:
+        for peer in [*self.peers.values(), *(entry[0] for entry in self._closing)]:
             self._close(peer)
         self.peers.clear()
-        self._leaving.clear()
+        self._closing.clear()
 
     @staticmethod
     def _close(peer: DecodePeer) -> None:

@@ -206,6 +206,33 @@ def test_a_decode_rank_paused_past_the_heartbeat_timeout_is_dropped_then_connect
     assert_lands(prefill, decode, "after")
 
 
+def test_dropping_a_paused_decode_rank_with_a_write_in_flight_holds_no_other_rank_up(bootstrap, ranks):
+    """A decode rank pauses (SIGSTOP) with a write in flight to it: over tcp the write stays in
+    flight (NIXL waits for the paused receiver). The prefill rank drops it at the heartbeat
+    timeout; the write is cancelled and the rank's transport peer closes once NIXL no longer
+    runs the write (at the write's deadline at the latest) -- without holding the prefill
+    rank's loop meanwhile: another decode rank keeps it, and its requests land. Once the paused
+    rank runs again, it is connected anew and served."""
+    prefill = ranks(prefill_spec(bootstrap, 0, 1))
+    stuck = ranks(decode_spec(bootstrap, instance="decode-a"))
+    other = ranks(decode_spec(bootstrap, instance="decode-b"))
+    stuck.call(Receive("stuck", 20))
+    prefill.call(Prefill("stuck", 20, (10, 10), hold_last=True))
+    until_state(prefill, "stuck", "Transferring")
+    with paused(stuck):
+        prefill.call(SendLast("stuck"))  # its write waits for the paused receiver
+        state, reason = prefill.call(Wait("stuck", timeout_s=20))
+        assert state == "Failed" and "decode rank ('decode-a', 0) lost: no heartbeat" in reason, reason
+        for n in range(3):  # the write to the paused rank is still in flight meanwhile
+            assert_lands(prefill, other, f"other-{n}")
+        assert other.call(Stats())["ready_senders"] == [0]
+    state, _ = stuck.call(Wait("stuck", timeout_s=20))
+    assert state == "Failed"
+    stuck.call(Released("stuck"))
+    wait_ready(stuck, [0])
+    assert_lands(prefill, stuck, "after")
+
+
 def test_a_prefill_rank_paused_past_the_heartbeat_timeout_is_lost_then_connected_again(bootstrap, ranks):
     """The decode rank loses a prefill rank that leaves its heartbeats unanswered for the
     timeout (failing the request), but keeps asking: the first answer after the pause makes it

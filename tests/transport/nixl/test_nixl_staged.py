@@ -381,6 +381,35 @@ def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, re
 
 
 @STRIDED_OR_FLAT
+def test_a_cancelled_staged_write_ends_once_its_posted_chunks_are_answered(writer, receiver, strided):
+    """``cancel()`` returns while the stopped receiver holds the posted chunks; the write stays
+    PENDING, posts nothing more, and ends FAILED ("aborted") once the receiver has answered
+    every chunk posted; nothing lands after that, and the lane takes the next write."""
+    rx, t, src, sid, peer, tr = stalled_staged(writer, receiver, 16 * MiB, 15, peer_loss_timeout_s=20.0,
+                                               strided=strided)
+    posted = tr.posted
+    tr.cancel()  # returns at once: the receiver is stopped
+    assert tr.status() is TransferStatus.PENDING and tr.posted == posted
+    os.kill(rx.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while tr.status() is TransferStatus.PENDING:
+        assert time.monotonic() < deadline, "a cancelled staged write never ended"
+        time.sleep(0.001)
+    assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
+    assert tr.credited == tr.posted == posted < tr.num_chunks
+    at_cancel = rx.dump(0)
+    time.sleep(0.3)  # room for a late byte
+    assert_same(rx.dump(0), at_cancel, "destination after the cancelled write ended")
+    fresh, fresh_id = host_region(t, 16 * MiB, 16)
+    n = 16 * MiB // 4096
+    offs = np.arange(n, dtype=np.int64) * 4096
+    again = peer.write(wb(fresh_id, offs, 0, offs, 4096))
+    assert isinstance(again, StagedTransfer) and again.lane is tr.lane
+    again.wait(60)
+    assert_same(rx.dump(0), fresh, "destination after the lane's next write")
+
+
+@STRIDED_OR_FLAT
 def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(writer, receiver, strided):
     """The receiver's owner reads nothing for a while, its NIXL progress thread completes the
     writes: local slots come free (NIXL read them) before any Credit, so the sender gathers

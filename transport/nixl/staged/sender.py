@@ -202,6 +202,12 @@ class DeferredWrite(Job):
         else:
             self.fail("aborted")  # never posted: nothing of it can land
 
+    def cancel(self) -> None:
+        if self._inner is not None:
+            self._inner.cancel()
+        else:
+            self.fail("aborted")
+
 
 class StagedJob(Job):
     """A write through the lane's staging (module doc): its chunks ``bounds``, what is posted and
@@ -248,6 +254,23 @@ class StagedJob(Job):
             self.fail(f"peer {self._peer.name!r} refused chunk {self.credited - 1}: {error}")
         elif self.credited == self.num_chunks and self._status is TransferStatus.PENDING and not self.aborting:
             self._status = TransferStatus.DONE
+
+    def status(self) -> TransferStatus:
+        status = super().status()
+        if status is TransferStatus.PENDING and self._inner is None and self.aborting and self.credited >= self.posted:
+            self.fail("aborted")  # cancelled, and every chunk posted is answered: nothing more lands
+            return self._status
+        return status
+
+    def cancel(self) -> None:
+        """:meth:`abort` without waiting, for a loop that serves others meanwhile: nothing more
+        is posted, and the write ends FAILED ("aborted") once the receiver has answered every
+        chunk posted; at the deadline the receiver is lost. ``status()`` moves it on."""
+        if self._inner is not None:
+            self._inner.cancel()
+        elif self._status is TransferStatus.PENDING:
+            self.aborting = True
+            self.status()
 
     def abort(self) -> None:
         """Post nothing more, then wait until the receiver answered every chunk posted (it
