@@ -7,10 +7,11 @@ import hashlib
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 
-from transport.base import WriteBatch
+from transport.base import TransferStatus, WriteBatch
 
 # Over tcp alone a write is asynchronous (with sm, UCX's cma copy finishes inside the post),
 # which the abort / stall / kill tests need to catch a transfer in flight.
@@ -58,3 +59,12 @@ def resumed_later(rx, delay=0.3) -> threading.Timer:
     timer.continued = continued
     timer.start()
     return timer
+
+
+def until_ended(tr, what: str, timeout_s: float = 20.0) -> None:
+    """Poll ``tr.status()`` until the transfer is no longer PENDING; fail naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while tr.status() is TransferStatus.PENDING:
+        assert time.monotonic() < deadline, f"{what} never ended"
+        time.sleep(0.001)

@@ -26,7 +26,8 @@ except ImportError as exc:  # NIXL is an optional extra
 from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
 from tests.transport._support import assert_same, connect_once_drained, split_deadline, use_deadline  # noqa: E402
-from tests.transport.nixl._support import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
+from tests.transport.nixl._support import (TCP_ONLY, host_region, reference, resumed_later, sha,  # noqa: E402
+                                           until_ended, wb)
 from transport.base import (  # noqa: E402
     PeerDescriptorError,
     PeerDraining,
@@ -567,10 +568,7 @@ def test_cancel_returns_at_once_and_the_write_ends_once_nothing_of_it_can_land(w
     tr.cancel()  # it returns while the receiver is stopped (resumed only below)
     assert tr.status() is TransferStatus.PENDING  # the stopped receiver still holds bytes of it back
     os.kill(rx.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 20
-    while tr.status() is TransferStatus.PENDING:
-        assert time.monotonic() < deadline, "a cancelled write never ended"
-        time.sleep(0.001)
+    until_ended(tr, "a cancelled write")
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     nothing_lands_later(rx, peer, fresh, fresh_id, "cancelled")
 

@@ -26,7 +26,8 @@ from tests._stop import stop  # noqa: E402
 from tests.transport import _nixl_peer  # noqa: E402
 from tests.transport._support import (assert_interpreted_ok, assert_same, connect_once_drained, entries,  # noqa: E402
                                       split_deadline, use_deadline)
-from tests.transport.nixl._support import TCP_ONLY, host_region, reference, resumed_later, sha, wb  # noqa: E402
+from tests.transport.nixl._support import (TCP_ONLY, host_region, reference, resumed_later, sha,  # noqa: E402
+                                           until_ended, wb)
 from transport.base import (  # noqa: E402
     RegionRevoked, StridedBatch, TransferFailed, TransferStatus, TransportError, WriteBatch)
 from transport.nixl.staged import StagedNixlConfig  # noqa: E402
@@ -370,14 +371,21 @@ def test_no_byte_of_an_aborted_staged_write_lands_after_abort_returns(writer, re
     resume.join()
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted < tr.num_chunks
-    at_abort = rx.dump(0)
+    nothing_lands_later(rx, t, peer, tr, 6, "aborted")
+
+
+def nothing_lands_later(rx, t, peer, tr, seed, how: str) -> None:
+    """After the staged write ``tr`` (16 MiB into region 0) ended: the region no longer changes,
+    and the lane's next write, a staged rewrite of all of it, lands."""
+    ended = rx.dump(0)
     time.sleep(0.3)  # room for a late byte
-    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
-    fresh, fresh_id = host_region(t, 16 * MiB, 6)
-    n = 16 * MiB // 4096
-    offs = np.arange(n, dtype=np.int64) * 4096
-    peer.write(wb(fresh_id, offs, 0, offs, 4096)).wait(60)  # staged again, DONE
-    assert_same(rx.dump(0), fresh, "destination after a staged rewrite")
+    assert_same(rx.dump(0), ended, f"destination after the {how} write ended")
+    fresh, fresh_id = host_region(t, 16 * MiB, seed)
+    offs = np.arange(16 * MiB // 4096, dtype=np.int64) * 4096
+    again = peer.write(wb(fresh_id, offs, 0, offs, 4096))
+    assert isinstance(again, StagedTransfer) and again.lane is tr.lane
+    again.wait(60)
+    assert_same(rx.dump(0), fresh, f"destination after the {how} write and the lane's next one")
 
 
 @STRIDED_OR_FLAT
@@ -391,22 +399,10 @@ def test_a_cancelled_staged_write_ends_once_its_posted_chunks_are_answered(write
     tr.cancel()  # returns at once: the receiver is stopped
     assert tr.status() is TransferStatus.PENDING and tr.posted == posted
     os.kill(rx.proc.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 20
-    while tr.status() is TransferStatus.PENDING:
-        assert time.monotonic() < deadline, "a cancelled staged write never ended"
-        time.sleep(0.001)
+    until_ended(tr, "a cancelled staged write")
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted == posted < tr.num_chunks
-    at_cancel = rx.dump(0)
-    time.sleep(0.3)  # room for a late byte
-    assert_same(rx.dump(0), at_cancel, "destination after the cancelled write ended")
-    fresh, fresh_id = host_region(t, 16 * MiB, 16)
-    n = 16 * MiB // 4096
-    offs = np.arange(n, dtype=np.int64) * 4096
-    again = peer.write(wb(fresh_id, offs, 0, offs, 4096))
-    assert isinstance(again, StagedTransfer) and again.lane is tr.lane
-    again.wait(60)
-    assert_same(rx.dump(0), fresh, "destination after the lane's next write")
+    nothing_lands_later(rx, t, peer, tr, 16, "cancelled")
 
 
 @STRIDED_OR_FLAT
@@ -444,14 +440,7 @@ def test_chunks_gathered_ahead_of_the_receivers_answers_never_land_once_aborted(
     tr.abort()  # returns once the receiver answered what was posted
     assert tr.status() is TransferStatus.FAILED and tr.error == "aborted"
     assert tr.credited == tr.posted == slots  # the gathered chunks were never posted
-    at_abort = rx.dump(0)
-    time.sleep(0.3)  # room for a late byte
-    assert_same(rx.dump(0), at_abort, "destination after abort() returned")
-    fresh, fresh_id = host_region(t, nbytes, 9)
-    again = peer.write(wb(fresh_id, offs, 0, offs, 4096))
-    assert isinstance(again, StagedTransfer) and again.lane is tr.lane
-    again.wait(60)
-    assert_same(rx.dump(0), fresh, "destination after the lane's next write")
+    nothing_lands_later(rx, t, peer, tr, 9, "aborted")
 
 
 @STRIDED_OR_FLAT
