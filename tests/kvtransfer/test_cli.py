@@ -34,6 +34,17 @@ def test_bench_transport_small():
         in small.stdout, small.stdout + small.stderr
 
 
+def test_bench_transport_kv_shares_the_staging_slots_on_one_host():
+    """``bench transport --kv`` on loopback: the staged path shares the receiver's slots, and
+    the same write through slots NIXL writes is timed beside it; both moved the request's
+    bytes (checked against the reference before the timing)."""
+    out = _kvt("bench", "transport", "--kv", "--iters", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"staged NIXL +\d+\.\d\d GB/s \(slots shared\) .* data ok", out.stdout), out.stdout
+    assert re.search(r"staged, the sender's slots written by NIXL +\d+\.\d\d GB/s = +\d+\.\d % of blocks \(data ok\)",
+                     out.stdout), out.stdout
+
+
 def _mooncake_loads() -> bool:
     try:
         import mooncake.engine  # noqa: F401

@@ -25,7 +25,6 @@ SHORT_FORMS = {
                    "--output-tokens", "4:8", "--no-restart"],
     "bench plan": ["--tokens", "512", "--layers", "2", "--repeat", "2", "--flatten-repeat", "1"],
     "bench transfer": ["--quick", "--no-progress", "--out", "{tmp}"],
-    "bench transport --kv": ["--iters", "1"],
 }
 # the commands whose short form another test runs as a process and checks for exit status 0
 ELSEWHERE = {
@@ -35,6 +34,7 @@ ELSEWHERE = {
     "generate": "tests/kvtransfer/models/test_generate_cli.py::test_tiny_hybrid_generates_with_tp2",
     "bootstrap": "tests/kvtransfer/control/test_bootstrap.py::test_the_command_serves_until_terminated",
     "bench transport": "tests/kvtransfer/test_cli.py::test_bench_transport_small",
+    "bench transport --kv": "tests/kvtransfer/test_cli.py::test_bench_transport_kv_shares_the_staging_slots_on_one_host",
     "bench move_kv": "tests/kvtransfer/test_cli.py::test_bench_move_kv_cpu",
     "bench serve": "tests/kvtransfer/benchmarks/test_bench_serve.py",
     "bench nvlink": "tests/kvtransfer/test_cli.py::test_bench_nvlink_names_the_gpus_it_needs (needs two GPUs)",
