@@ -157,9 +157,11 @@ class _Manager:
                 waiters = []
 
 
-def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute, warmup: int, reps: int) -> dict:
+def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute, warmup: int, reps: int,
+                  backend: str = "nixl") -> dict:
     """The figures of ``modes`` (``on``, ``off`` or both; ``on`` once per size in ``groups``,
-    :func:`mode_names`) on ``case`` (module docstring), alternated round by round:
+    :func:`mode_names`) on ``case`` (module docstring) through the rig's ``backend`` (``nixl``:
+    staged mode off; ``nixl-staged``: on), alternated round by round:
     ``{"layers", "layer_bytes", "layer_s", mode name: {"compute_s", "tail_s"}}``;
     ``{"failed": why}`` when the streamed bytes are not the expected ones."""
     by_size = {g: layer_batches(case, rig.src, rig.dst, g) for g in {1, *groups}}
@@ -167,7 +169,7 @@ def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute,
     grouped = {name: (g, by_size[g]) for name, g in
                zip(mode_names(("on",), groups), groups)}  # streamed mode -> (layers per write, batches per write)
     whole = [b for b in case.planned(rig.src, rig.dst) if b.nbytes]  # off: the plan as kvtransfer writes it whole
-    manager = _Manager(rig.peers["nixl"])
+    manager = _Manager(rig.peers[backend])
     rounds = itertools.count()
 
     def tags_for(label: str, count: int) -> list:
@@ -176,7 +178,7 @@ def run_layerwise(rig, case, modes: tuple, groups: tuple, compute: LayerCompute,
 
     def last_arrival(tags: list, run):
         """``run()``'s result and the receiver's time of the last of ``tags`` to arrive."""
-        out, arrivals = rig.remote.stamped(tags, run, ("nixl",), WAIT_S)
+        out, arrivals = rig.remote.stamped(tags, run, (backend,), WAIT_S)
         return out, max(arrivals.values())
 
     def one_round(mode: str) -> tuple:

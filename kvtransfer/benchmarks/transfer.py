@@ -25,7 +25,9 @@ A path that cannot run here is skipped with the reason (host memory: no nvlink; 
 staged engine, and the link is a copy within the GPU; no staged mode in this NIXL). Per case: bytes, entries, time, GB/s, the ratio to the link and to the peers' way, and
 the host time before the write (planning, or building the peers' descriptors) beside it.
 
-``--layerwise on|off|on,off`` (host memory, NIXL) adds to each case the request streamed layer by
+``--layerwise on|off|on,off`` (host memory, NIXL; ``--layerwise-staged``: through the transport
+with its staged mode on, as a serving node's, so a layer's many small ranges go staged) adds to
+each case the request streamed layer by
 layer (and, with ``--layer-group``, one write per group of layers) while this process computes,
 against one write after the last layer, alternated round by round
 (:mod:`kvtransfer.benchmarks._layerwise`): the tail after the last layer's compute, the
@@ -126,6 +128,9 @@ def _parse(argv) -> argparse.Namespace:
     ap.add_argument("--layer-group", type=_ints, default=[1], metavar="G[,G...]",
                     help="--layerwise on: layers per write (each size a mode of its own: on, on/G)")
     ap.add_argument("--layerwise-reps", type=positive_int, default=9, help="--layerwise: timed rounds per mode")
+    ap.add_argument("--layerwise-staged", action="store_true",
+                    help="--layerwise: through the NIXL transport with its staged mode on, as a serving node's "
+                         "(default: staged mode off)")
     ap.add_argument("--quick", action="store_true", help="a small run of every model kind (under a minute on a CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -296,12 +301,14 @@ def _run_layerwise(rig: Rig, case: Case, where: Where, args) -> dict:
     """``--layerwise``'s figures on ``case``, or ``{"skipped": why}``."""
     if where.gpu:
         return {"skipped": "layer-wise streaming is measured in host memory (GPUs: kvtransfer bench nvlink)"}
-    if "nixl" not in where.backends:
-        return {"skipped": where.skipped["nixl direct"]}
+    backend, path = ("nixl-staged", "nixl staged") if args.layerwise_staged else ("nixl", "nixl direct")
+    if backend not in where.backends:
+        return {"skipped": where.skipped[path]}
     if args.compute is None:
         args.compute = LayerCompute(args.layer_ms)
     try:
-        return run_layerwise(rig, case, args.layerwise, tuple(args.layer_group), args.compute, 1, args.layerwise_reps)
+        return run_layerwise(rig, case, args.layerwise, tuple(args.layer_group), args.compute, 1, args.layerwise_reps,
+                             backend)
     except Exception as exc:  # reported beside the other figures
         return {"failed": f"{type(exc).__name__}: {exc}"}
 
@@ -445,6 +452,7 @@ def _write_outputs(args, argv, where: Where, records: list, too_big: list) -> li
               "pool_factor": args.pool_factor, "seed": args.seed, "quick": args.quick,
               "layerwise": args.layerwise and list(args.layerwise), "layer_ms": args.layer_ms,
               "layer_reps": args.layerwise_reps, "layer_group": args.layer_group,
+              "layerwise_staged": args.layerwise_staged,
               "memory": "gpu" if where.gpu else "host", "two_hosts": args.two_hosts, "src_device": where.src_device,
               "dst_device": where.dst_device, "link": where.link_name, "skipped": where.skipped,
               "skipped_lengths": [{"model": m, "tp": tp, "tokens": t, "reason": why} for m, tp, t, why in too_big]}

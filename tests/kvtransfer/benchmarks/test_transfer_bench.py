@@ -101,6 +101,25 @@ def test_layerwise_run_streams_verifies_and_times_both_modes(tmp_path, capsys):
             assert lw[mode]["compute_s"] > 0 and lw[mode]["tail_s"] > 0, lw
 
 
+def test_layerwise_run_through_the_staged_transport_verifies_and_times(tmp_path, capsys):
+    """``--layerwise-staged``: a layer of a TP 2 -> 1, page-1 request is 2,048 rows of 1 KiB,
+    which the transport with its staged mode on stages (as a serving node's does); the streamed
+    bytes are checked before the timed rounds (a record says "failed" otherwise)."""
+    argv = ["--models", "llama3-8b", "--layers", "2", "--tokens", "1024", "--page-sizes", "1", "--tp", "2:1",
+            "--paths", "nixl staged", "--layerwise", "on,off", "--layer-ms", "1", "--layerwise-reps", "1",
+            "--layerwise-staged", "--out", str(tmp_path), "--no-progress"]
+    assert transfer.main(argv) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "transfer.json").read_text())
+    assert doc["config"]["layerwise_staged"] is True
+    (rec,) = doc["results"]
+    lw = rec["layerwise"]
+    assert "failed" not in lw and "skipped" not in lw, lw
+    assert lw["layers"] == 2 and lw["layer_bytes"] * 2 == rec["plan"]["bytes"], lw
+    for mode in ("on", "off"):
+        assert lw[mode]["compute_s"] > 0 and lw[mode]["tail_s"] > 0, lw
+
+
 def test_layerwise_switches_are_checked(capsys):
     with pytest.raises(SystemExit):
         transfer.main(["--layerwise", "sideways"])
