@@ -146,46 +146,64 @@ def test_an_inline_call_between_turns_runs_at_once_on_the_callers_thread_after_q
         loop.close()
 
 
-def test_an_inline_call_handles_a_message_that_came_before_it_first(sockets):
-    """A message sent before an inline call is handled before the call's job (by the inline
-    call itself when the loop has not woken for it yet: it asks the sockets whose descriptor
-    signalled, and skips asking when none did). The loop, woken after each inline call, may
-    still be in that turn when the next call comes: such a call is queued (``call``'s doc) and
-    promises nothing about the message's order, so only the calls that ran inline are checked."""
-    a, b = sockets
-    order, handled_by = [], set()
-    me = threading.current_thread().name
-
+def _recv_all(sock, order: list, handled_by: set):
+    """A handler: every message ``sock`` holds, appended to ``order``; the thread noted."""
     def on_message():
         while True:
             try:
-                order.append(a.recv(zmq.NOBLOCK))
+                order.append(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
             handled_by.add(threading.current_thread().name)
+    return on_message
+
+
+def test_an_inline_call_handles_a_message_that_came_before_it_first(sockets):
+    """A message sent before an inline call is handled before the call's job, by the inline
+    call itself. On a loop whose thread is not started every call runs inline and nothing else
+    handles the messages, so this holds call after call (on a running loop, whether its thread
+    or the call gets to a message first is the scheduler's choice: the next test)."""
+    a, b = sockets
+    order, handled_by = [], set()
+    me = threading.current_thread().name
+    loop = EventLoop("test-loop", {a: _recv_all(a, order, handled_by)}, lambda: LONG_S)  # never started
+    try:
+        for i in range(50):
+            b.send(b"m%d" % i)
+            job = loop.call(lambda i=i: order.append(b"job%d" % i) or threading.current_thread().name, inline=True)
+            assert job.done() and job.result() == me
+            assert order[-2:] == [b"m%d" % i, b"job%d" % i], order[-4:]
+        alone = loop.call(order.append, b"alone", inline=True)  # nothing sent: nothing handled before it
+        assert alone.done() and order[-3:] == [b"m49", b"job49", b"alone"]
+        assert handled_by == {me}
+    finally:
+        loop.close()
+
+
+def test_on_a_running_loop_an_inline_call_never_runs_its_job_before_an_earlier_message(sockets):
+    """The same against a running loop, woken after each inline call: a call that finds it in
+    a turn is queued (``call``'s doc) and promises nothing about the message's order, so only
+    the calls that ran inline are checked; which thread handles a message is not."""
+    a, b = sockets
+    order, handled_by = [], set()
+    me = threading.current_thread().name
 
     def job(i):
         order.append(b"job%d" % i)
         return threading.current_thread().name
 
-    loop, ticks = _loop({a: on_message})
+    loop, ticks = _loop({a: _recv_all(a, order, handled_by)})
     try:
-        inline = 0
         for i in range(50):
             _settled(loop, ticks) if i % 10 == 0 else None
             b.send(b"m%d" % i)
-            if loop.call(job, i, inline=True).result(timeout=30) == me:
-                inline += 1
-                assert order[-2:] == [b"m%d" % i, b"job%d" % i], order[-4:]
+            if loop.call(job, i, inline=True).result(timeout=30) == me:  # ran inline: the message was handled first
+                assert b"m%d" % i in order and order.index(b"m%d" % i) < order.index(b"job%d" % i), order[-4:]
             deadline = time.monotonic() + 30
             while b"m%d" % i not in order:  # queued: the loop handles the message in this turn or the next
                 assert time.monotonic() < deadline, f"m{i} was never handled"
                 time.sleep(0.001)
-        assert inline, "no call ran inline"
-        _settled(loop, ticks)
-        alone = loop.call(order.append, b"alone", inline=True)  # nothing sent: nothing handled before it
-        assert alone.done() and order[-1] == b"alone" and set(order[-3:-1]) == {b"m49", b"job49"}
-        assert me in handled_by, "no inline call handled a message"
+        assert set(order) == {b"m%d" % i for i in range(50)} | {b"job%d" % i for i in range(50)}
     finally:
         loop.close()
 
