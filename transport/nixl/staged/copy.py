@@ -177,6 +177,7 @@ class Staging:
 
     ptr: int
     device: Optional[int]
+    shared: tuple = ()  # how a sender on this host maps this memory (a Welcome's ``shared``); empty: it cannot
 
     def __init__(self, slots: int, slot_bytes: int):
         self.slots, self.slot_bytes = slots, slot_bytes

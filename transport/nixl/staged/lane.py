@@ -284,7 +284,6 @@ class SenderLane:
         self._reg = None
         own.close()
         self.shared = True
-        self.wire_gather_bytes = 1 << 62  # every chunk is gathered into the slot: no write to gather runs
         self._free_local = self._free  # a chunk is gathered into the receiver's free slot it goes to
 
     # -- failure and teardown ------------------------------------------------------------------

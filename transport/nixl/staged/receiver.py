@@ -177,7 +177,7 @@ class ReceiverLanes:
             return
         self._lanes[sender, msg.lane] = _Lane(staging, reg, device)
         self._answer(sender, Welcome(msg.lane, staging.ptr, self._core.agent.metadata(), "", self._core.registered(),
-                                     getattr(staging, "shared", ())))
+                                     staging.shared))
 
     def _staging(self, msg: Hello, device: Optional[int]) -> Staging:
         """The lane's staging: host slots the sender can share when it runs on this host and

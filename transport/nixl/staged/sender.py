@@ -334,7 +334,7 @@ class StagedTransfer(StagedJob):
         staging = lane.staging
         mine = staging.slot_ptr(slot)
         wire = False
-        if lane.src_device is None:  # host: rows that follow each other in memory form runs
+        if lane.src_device is None and not lane.shared:  # host slots NIXL writes: rows that follow each other form runs
             starts = np.flatnonzero(self.run_start[a:b])  # [runs] first row of each run (row a: always)
             if starts.size == 0 or starts[0] != 0:
                 starts = np.concatenate(([0], starts))
