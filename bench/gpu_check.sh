@@ -14,7 +14,8 @@
 #                                # 1024,4096,16384,32000) against one set of nodes (three 8B nodes
 #                                # with --max-running 4: one H200 and one 80 GB H100 ran it;
 #                                # with 64 running requests they did not fit the H100); the
-#                                # prefill node sends every KVT_SERVE_LAYER_GROUP layers (default 1)
+#                                # prefill node sends every KVT_SERVE_LAYER_GROUP layers (default 4);
+#                                # KVT_SERVE_REQUESTS requests per mode and span (default 6)
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
 # opentelemetry_api, which newer fastapi imports; openai, jiter, distro, httpx2, httpcore2 and
 # truststore for the tests that drive a node with the openai SDK: without them the openai tests'
@@ -55,8 +56,8 @@ for what in "${steps[@]}"; do
             done ;;
         serve)
             python3 -m kvtransfer bench serve --model llama3-8b --device cuda --layerwise on,off --concurrency 1 \
-                --requests 6 --output-tokens 8 --prompt-tokens ${KVT_SERVE_TOKENS:-1024,4096,16384,32000} \
-                --pool-tokens 33500 --max-running 4 --layer-group ${KVT_SERVE_LAYER_GROUP:-1} --out "$OUT/serve" 2>&1 | tee "$OUT/bench_serve.log" || rc=1 ;;
+                --requests ${KVT_SERVE_REQUESTS:-6} --output-tokens 8 --prompt-tokens ${KVT_SERVE_TOKENS:-1024,4096,16384,32000} \
+                --pool-tokens 33500 --max-running 4 --layer-group ${KVT_SERVE_LAYER_GROUP:-4} --out "$OUT/serve" 2>&1 | tee "$OUT/bench_serve.log" || rc=1 ;;
         transfer)
             python3 -m kvtransfer bench transfer --record --models llama3-70b --page-sizes 1,16 --tp 1:1,1:2 \
                 --tokens ${KVT_TRANSFER_TOKENS:-1k,4k,16k} --budget-s 5 --out "$OUT/transfer" 2>&1 | tee "$OUT/bench_transfer.log" || rc=1

@@ -13,6 +13,9 @@ these classes. Who calls what:
   ``receiver.first_token()`` after Success; ``receiver.close()`` to forget it. Its pages may be
   reused once ``receiver.released`` is True.
 - ``manager.close()`` fails what is in flight and releases sockets, threads and registrations.
+- a manager made with ``on_change=f`` calls ``f()`` each time one of its requests changes state
+  (on the thread that moved it, mostly the manager's own: ``f`` must be quick and never block),
+  so an engine's loop may sleep until a transfer moves instead of polling on a timer.
 
 Every method may be called from any of the owner's threads. A request's state only moves
 forward, and Failed wins (:mod:`kvtransfer.control.state`); ``failure`` says why it failed.
@@ -21,11 +24,11 @@ forward, and Failed wins (:mod:`kvtransfer.control.state`); ``failure`` says why
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Callable, Optional
 
 from kvtransfer.control.state import KVPoll
 
-__all__ = ["BaseKVManager", "BaseKVReceiver", "BaseKVSender"]
+__all__ = ["BaseKVManager", "BaseKVReceiver", "BaseKVSender", "check_on_change"]
 
 
 class BaseKVManager(abc.ABC):
@@ -45,6 +48,13 @@ class BaseKVManager(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_on_change(on_change: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+    """A manager's ``on_change`` argument: None or a callable (TypeError otherwise)."""
+    if on_change is not None and not callable(on_change):
+        raise TypeError(f"on_change must be callable or None, got {type(on_change).__name__}")
+    return on_change
 
 
 class _BaseRequest(abc.ABC):

@@ -56,12 +56,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from kvtransfer.control.aux_records import AuxRecords, unpack_first_token
-from kvtransfer.control.base import BaseKVManager, BaseKVReceiver
+from kvtransfer.control.base import BaseKVManager, BaseKVReceiver, check_on_change
 from kvtransfer.control.bootstrap import BootstrapClient
 from kvtransfer.control.config import SWEEP_INTERVAL_S, ControlConfig
 from kvtransfer.control.decode_peers import HandshakeError, PrefillPeer, PrefillRanks
@@ -99,7 +99,7 @@ class KVReceiver(BaseKVReceiver):
 
     def __init__(self, manager: "DecodeKVManager", request_id: str):
         self.request_id = request_id
-        self.status = RequestStatus(request_id)
+        self.status = RequestStatus(request_id, manager.on_change)
         now = time.monotonic()
         self._req = DecodeRequest(request_id, self.status, tuple(manager.senders), since=now,
                                   deadline=now + manager.config.transfer_timeout_s)
@@ -165,10 +165,12 @@ class DecodeKVManager(BaseKVManager):
 
     def __init__(self, layout: RankLayout, transports, kv_infos, state_infos=None, *, bootstrap: str,
                  instance: Optional[str] = None, config: ControlConfig = ControlConfig(),
-                 device: Optional[int] = None, host_id: Optional[str] = None):
+                 device: Optional[int] = None, host_id: Optional[str] = None,
+                 on_change: Optional[Callable[[], None]] = None):
         if not isinstance(layout, RankLayout):
             raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
         self.layout, self.config = layout, config
+        self.on_change = check_on_change(on_change)
         self.instance = instance or f"decode-{uuid.uuid4().hex[:12]}"
         self.incarnation = uuid.uuid4().hex
         self.host = host_id or default_host_id()  # this host's identity in hellos

@@ -68,13 +68,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import zmq
 
 from kvtransfer.control.aux_records import AUX_RECORD_BYTES
-from kvtransfer.control.base import BaseKVManager, BaseKVSender
+from kvtransfer.control.base import BaseKVManager, BaseKVSender, check_on_change
 from kvtransfer.control.bootstrap import BootstrapClient
 from kvtransfer.control.config import SWEEP_INTERVAL_S, ControlConfig
 from kvtransfer.control.endpoints import Endpoints, default_host_id
@@ -144,7 +144,7 @@ class KVSender(BaseKVSender):
 
     def __init__(self, manager: "PrefillKVManager", request_id: str):
         self.request_id = request_id
-        self.status = RequestStatus(request_id)
+        self.status = RequestStatus(request_id, manager.on_change)
         self._mgr = manager
         self._last_sent = False
         self._kicked = False  # the loop was woken since this request was made (making it does not wake it)
@@ -198,10 +198,11 @@ class PrefillKVManager(BaseKVManager):
 
     def __init__(self, layout: RankLayout, transports, kv_infos, state_infos=None, *,
                  bootstrap: str, config: ControlConfig = ControlConfig(), device: Optional[int] = None,
-                 host_id: Optional[str] = None):
+                 host_id: Optional[str] = None, on_change: Optional[Callable[[], None]] = None):
         if not isinstance(layout, RankLayout):
             raise TypeError(f"layout must be a RankLayout, got {type(layout).__name__}")
         self.layout, self.config = layout, config
+        self.on_change = check_on_change(on_change)
         self.incarnation = uuid.uuid4().hex
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._device = device  # the pools' GPU (None: host memory)

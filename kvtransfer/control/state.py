@@ -8,7 +8,9 @@ entered (``time.monotonic()``: one clock for every process of a host), for laten
 requests of one manager and refuses a request id while it is in use.
 
 Thread safety: a manager's background thread advances and fails requests while the owner
-polls them; every method here takes the object's lock.
+polls them; every method here takes the object's lock. A status may carry ``on_change``, called
+(on the thread that moved it, after the lock is released) each time its state changes: an
+engine's loop may sleep until one of its transfers moves instead of polling on a timer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import Generic, Iterator, Optional, TypeVar
+from typing import Callable, Generic, Iterator, Optional, TypeVar
 
 __all__ = ["DuplicateRequest", "KVPoll", "RequestStatus", "RequestTable"]
 
@@ -42,11 +44,12 @@ class DuplicateRequest(ValueError):
 class RequestStatus:
     """One request's status and, once failed, why."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, on_change: Optional[Callable[[], None]] = None):
         self.request_id = request_id
         self._state = KVPoll.Bootstrapping
         self._reason: Optional[str] = None
         self._lock = threading.Lock()
+        self._on_change = on_change
         self.times = {KVPoll.Bootstrapping: time.monotonic()}  # state -> time.monotonic() it was entered
 
     @property
@@ -68,7 +71,8 @@ class RequestStatus:
                 return False
             self._state = to
             self.times[to] = time.monotonic()
-            return True
+        self._changed()
+        return True
 
     def fail(self, reason: str) -> bool:
         """Fail the request unless it already ended; the first reason is kept."""
@@ -79,7 +83,12 @@ class RequestStatus:
                 return False
             self._state, self._reason = KVPoll.Failed, reason
             self.times[KVPoll.Failed] = time.monotonic()
-            return True
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def __repr__(self) -> str:
         why = f", reason={self._reason!r}" if self._reason else ""

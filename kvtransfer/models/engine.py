@@ -58,6 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvtransfer.models.batch import ForwardBatch
@@ -178,14 +179,16 @@ def token_capacity(ec: EngineConfig, model_config) -> int:
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, ec: EngineConfig, model_config) -> None:
-    """ValueError unless a request of ``prompt`` + ``max_new_tokens`` fits an empty engine."""
-    if not prompt:
+    """ValueError unless a request of ``prompt`` (a sequence of ints, or a 1-D integer NumPy
+    array) + ``max_new_tokens`` fits an empty engine."""
+    if len(prompt) == 0:
         raise ValueError("the prompt must hold at least one token, got none")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     vocab = model_config.vocab_size
-    if min(prompt) < 0 or max(prompt) >= vocab:
-        raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
+    lo, hi = _id_range(prompt)
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}), got [{lo}, {hi}]")
     capacity = token_capacity(ec, model_config)
     need = len(prompt) + max_new_tokens
     if need > capacity:
@@ -193,6 +196,21 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, ec: EngineConfig, 
             f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens = {need} does not fit the "
             f"pool of {capacity} token slots (pool size {ec.max_tokens}, context {model_config.max_context_len})"
         )
+
+
+def _id_range(ids) -> tuple:
+    """``(min, max)`` of token ids; an array in one NumPy pass (a long prompt's ids cross from
+    the node to its ranks as one)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be a 1-D integer array, got {ids.dtype} of shape {list(ids.shape)}")
+        return int(ids.min()), int(ids.max())
+    return min(ids), max(ids)
+
+
+def _id_list(ids) -> List[int]:
+    """Token ids as a list of Python ints."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
 
 
 @dataclass
@@ -258,8 +276,8 @@ class Engine:
         return req
 
     def _new(self, prompt_ids, max_new_tokens, stop_ids, record_logits, sampling, hold) -> Request:
-        prompt = [int(t) for t in prompt_ids]
-        check_request(prompt, max_new_tokens, self.config, self.model.config)
+        check_request(prompt_ids, max_new_tokens, self.config, self.model.config)
+        prompt = _id_list(prompt_ids)
         req = Request(self._next_rid, prompt, max_new_tokens, frozenset(stop_ids), record_logits,
                       sampling or GREEDY, hold)
         self._next_rid += 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+import numpy as np
+
 from kvtransfer.models.engine import Sampling
 
 
@@ -45,7 +47,7 @@ class Generate:
     """Colocated: the whole request here."""
 
     rid: str
-    prompt_ids: Tuple[int, ...]
+    prompt_ids: np.ndarray  # int32 token ids
     max_new_tokens: int
     stop_ids: frozenset
     sampling: Sampling
@@ -57,7 +59,7 @@ class Prefill:
     decode node that asks for request ``rid``."""
 
     rid: str
-    prompt_ids: Tuple[int, ...]
+    prompt_ids: np.ndarray  # int32 token ids
     sampling: Sampling
     verify: bool = False  # report per-layer KV digests
     layerwise: bool = True  # on a node with --layerwise: send the KV layer by layer (False: after the prompt)
@@ -69,7 +71,7 @@ class Decode:
     ``bootstrap``, then decode."""
 
     rid: str
-    prompt_ids: Tuple[int, ...]
+    prompt_ids: np.ndarray  # int32 token ids
     max_new_tokens: int
     stop_ids: frozenset
     sampling: Sampling
@@ -141,8 +143,9 @@ class KVReceived:
     kv_bytes: int  # bytes that landed on this node's ranks
     transfer_s: float  # the receiver asked -> every write counted
     wait_s: float  # the command arrived -> pages reserved
-    landed_at: float  # time.monotonic() when every write was counted (decode starts it then)
+    landed_at: float  # time.monotonic() when every write was counted (its manager's thread)
     digests: Optional[Dict[str, str]] = None
+    decoding_at: float = 0.0  # time.monotonic() when the rank's engine took it into its decode batch
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class _Completion:
         self.rid = pairing.rid if pairing else uuid.uuid4().hex
         stop_ids = frozenset() if req.ignore_eos else node.tokenizer.stop_ids
         sampling = Sampling(req.temperature, seed, max(req.top_k, 0))
-        cmd = node.role.command(self.rid, tuple(ids), new_tokens, stop_ids, sampling, pairing)
+        cmd = node.role.command(self.rid, ids, new_tokens, stop_ids, sampling, pairing)
         self.shaper = Shaper(self.kind == "chat", node.model_name)
         self.headers = {"x-kvtransfer-rid": self.rid}
         self.text = TextStream(node.tokenizer, req.stop)

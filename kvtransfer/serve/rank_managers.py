@@ -20,11 +20,14 @@ log = logging.getLogger("kvtransfer.serve.worker")
 
 class RankManagers:
     """The KV managers of one rank (module docstring). ``all_up(ok)`` is the node's vote: True
-    on every rank when every rank's ``ok`` is True."""
+    on every rank when every rank's ``ok`` is True; ``on_change`` goes to every manager (called
+    when one of its requests changes state)."""
 
-    def __init__(self, spec, layout, kv_infos, state_infos, gpu: Optional[int], all_up: Callable[[bool], bool]):
+    def __init__(self, spec, layout, kv_infos, state_infos, gpu: Optional[int], all_up: Callable[[bool], bool],
+                 on_change: Optional[Callable[[], None]] = None):
         self.spec, self.layout, self.kv_infos, self.state_infos, self.gpu = spec, layout, kv_infos, state_infos, gpu
         self._all_up = all_up
+        self._on_change = on_change  # every manager's: a request of it changed state
         self.prefill = None  # PrefillKVManager of a prefill rank
         self.decode: Dict[str, object] = {}  # prefill bootstrap -> DecodeKVManager
 
@@ -32,7 +35,8 @@ class RankManagers:
         from kvtransfer.control.prefill import PrefillKVManager
 
         self.prefill = PrefillKVManager(self.layout, self._transports(), self.kv_infos, self.state_infos,
-                                        bootstrap=self.spec.bootstrap, config=self._config(), device=self.gpu)
+                                        bootstrap=self.spec.bootstrap, config=self._config(), device=self.gpu,
+                                        on_change=self._on_change)
 
     def prefill_backends(self) -> tuple:
         """The backends of the prefill manager's transports (none on other ranks)."""
@@ -51,7 +55,7 @@ class RankManagers:
             transports = self._transports()
             mgr = DecodeKVManager(self.layout, transports, self.kv_infos, self.state_infos,
                                   bootstrap=bootstrap, instance=self.spec.instance, config=self._config(),
-                                  device=self.gpu)
+                                  device=self.gpu, on_change=self._on_change)
         except Exception as exc:  # noqa: BLE001 - any failure to connect fails the request, not the node
             error = f"cannot connect to the prefill node at {bootstrap}: {exc}"
         if not self._all_up(error is None):

@@ -93,7 +93,8 @@ class DecodeRole(NodeRole):
         node.metrics.queue_seconds.observe(event.wait_s)
         node.metrics.kv_bytes.inc(event.kv_bytes)
         return None, None, {"rid": rid, "kv_bytes": event.kv_bytes, "kv_wait_s": event.transfer_s,
-                            "queue_s": event.wait_s, "landed_at": event.landed_at, "digests": event.digests}
+                            "queue_s": event.wait_s, "landed_at": event.landed_at, "decoding_at": event.decoding_at,
+                            "digests": event.digests}
 
     async def connect(self, node, bootstrap: str):
         """Connect the ranks to a prefill node's ranks now, so that its first request does not

@@ -10,6 +10,10 @@ Every rank runs the same loop; rank 0 also talks to the node's HTTP process over
     one engine step (prefill or decode), when there is work
     rank 0 sends the step's new tokens and its load, as one message
 
+With no step to run, rank 0 waits for a command or for one of its own transfers to change state
+(its KV managers' ``on_change`` writes to a pipe), whichever comes first, so a reservation or a
+request's last landed write is acted on as it happens, not at the next poll.
+
 The ranks' schedules must stay equal (they run one model over torch.distributed), so anything
 that changes the pools happens on every rank in the same iteration: that is why transfer
 outcomes are agreed before they are acted on, and why decode reservations are retried in
@@ -59,6 +63,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 from typing import Dict, List, Optional
 
 import torch
@@ -70,7 +75,7 @@ from kvtransfer.serve.rank_managers import RankManagers
 log = logging.getLogger("kvtransfer.serve.worker")
 
 IDLE_WAIT_S = 0.2  # rank 0 waits this long for a command when nothing is in flight
-BUSY_WAIT_S = 0.001  # ... and this long while transfers are pending but no step can run
+BUSY_WAIT_S = 0.001  # ... and at most this long while transfers are pending but no step can run
 # transfer outcomes, agreed by MAX over the ranks
 OK, PENDING, FAILED = 1, 2, 3
 
@@ -147,6 +152,39 @@ class _Group:
         return out
 
 
+class _Wakeup:
+    """A pipe that rank 0's KV managers write one byte to whenever one of its transfers changes
+    state: the loop's wait for commands ends then, not at its next timeout."""
+
+    def __init__(self):
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def set(self) -> None:
+        """Called on a manager's thread: never blocks."""
+        try:
+            os.write(self._w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups not yet read: the loop wakes anyway
+            pass
+        except OSError:  # closed: the rank is stopping
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _ended(handle) -> float:
     """When a sender / receiver reached its final state (its manager's thread saw it; this
     loop may notice later, after an engine step)."""
@@ -189,8 +227,10 @@ class RankWorker:
         self.bootstrapping: Dict[str, _Bootstrapping] = {}  # prefill: waiting for decode's destination
         self.sending: Dict[str, _Sending] = {}
         self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
+        self.wakeup = _Wakeup() if rank == 0 else None  # only rank 0 waits for commands
         self.managers = RankManagers(spec, self.layout, self.kv_infos, self.state_infos, self.gpu,
-                                     all_up=lambda ok: self.ctl.agree([OK if ok else FAILED])[0] == OK)
+                                     all_up=lambda ok: self.ctl.agree([OK if ok else FAILED])[0] == OK,
+                                     on_change=self.wakeup.set if self.wakeup is not None else None)
         self.stopping = False
         self._load = None
         self._outbox: list = []  # events for the node, sent together once per loop half (_flush)
@@ -233,14 +273,17 @@ class RankWorker:
         return bool(self.engine.has_work() or self.bootstrapping or self.sending or self.receiving)
 
     def _commands(self) -> list:
-        """Rank 0: every command waiting on the pipe (waiting a little when idle)."""
+        """Rank 0: every command waiting on the pipe. With no step to run it first waits for a
+        command or a transfer of its own that changes state, at most a little: the other ranks'
+        transfers do not wake it."""
         wait = 0.0 if self.engine.has_work() else (BUSY_WAIT_S if self._busy() else IDLE_WAIT_S)
         cmds = []
         try:
-            if self.conn.poll(wait):
+            if wait:
+                mp_connection.wait([self.conn, self.wakeup.fd], wait)
+                self.wakeup.clear()
+            while self.conn.poll(0):
                 cmds.append(self.conn.recv())
-                while self.conn.poll(0):
-                    cmds.append(self.conn.recv())
         except (EOFError, OSError):
             cmds.append(m.Shutdown())  # the node is gone
         return cmds
@@ -467,9 +510,10 @@ class RankWorker:
         r.receiver.close()
         kv_bytes = len(req.prompt_ids) * self.token_bytes + self.state_bytes
         landed = _ended(r.receiver)
-        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, landed - r.asked_at, r.asked_at - r.arrived,
-                                landed, digests))
         self._track(rid, req)
+        decoding = time.monotonic()
+        self._emit(m.KVReceived(rid, kv_bytes * self.spec.tp_size, landed - r.asked_at, r.asked_at - r.arrived,
+                                landed, digests, decoding))
         if self.engine.start_decode(req, token, logprob):
             self._finished(req)
         self._report_tokens()
@@ -532,6 +576,8 @@ class RankWorker:
     # -- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
         self.managers.close()
+        if self.wakeup is not None:
+            self.wakeup.close()
 
 
 def rank_main(conn, spec: m.NodeSpec, rank: int) -> None:

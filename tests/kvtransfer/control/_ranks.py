@@ -134,9 +134,10 @@ class Rows:
 
 @dataclass(frozen=True)
 class Stats:
-    """Reply ``{"free_pages", "requests", "threads"}``, and on prefill ``"writes"`` and
-    ``"connects"``: the writes posted through its NIXL peers and the connects of its NIXL
-    transport so far (:class:`WriteFaults`)."""
+    """Reply ``{"free_pages", "requests", "threads", "changes", "moves"}`` (the manager's
+    ``on_change`` calls, and the state changes its requests' statuses stamped, of the requests
+    still held here), and on prefill ``"writes"`` and ``"connects"``: the writes posted through
+    its NIXL peers and the connects of its NIXL transport so far (:class:`WriteFaults`)."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,18 @@ class _CountedPeer:
         return getattr(self._peer, name)
 
 
+class _Count:
+    """A callable that counts its calls (from any thread)."""
+
+    def __init__(self):
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self.n += 1
+
+
 class _Rank:
     def __init__(self, spec: RankSpec):
         import numpy as np
@@ -292,16 +305,19 @@ class _Rank:
         device = None if spec.device < 0 else spec.device
         config = ControlConfig(**spec.config)
         infos, state_infos = self.kit.kv_infos, self.kit.state_infos
+        self.changes = _Count()  # the manager's on_change calls
         if spec.role == "prefill":
             from kvtransfer.control.prefill import PrefillKVManager
 
             self.manager = PrefillKVManager(self.layout, self.transports, infos, state_infos,
-                                            bootstrap=spec.bootstrap, config=config, device=device)
+                                            bootstrap=spec.bootstrap, config=config, device=device,
+                                            on_change=self.changes)
         else:
             from kvtransfer.control.decode import DecodeKVManager
 
             self.manager = DecodeKVManager(self.layout, self.transports, infos, state_infos, bootstrap=spec.bootstrap,
-                                           instance=spec.instance, config=config, device=device)
+                                           instance=spec.instance, config=config, device=device,
+                                           on_change=self.changes)
         self.handles: dict = {}
         self.requests: dict = {}  # decode: request id -> (tokens, prefix)
 
@@ -404,7 +420,9 @@ class _Rank:
             return self.rows(cmd.request_id, cmd.layers)
         if isinstance(cmd, Stats):
             stats = {"free_pages": len(self.free_pages), "requests": self.manager.num_requests,
-                     "threads": threading.active_count()}
+                     "threads": threading.active_count(),
+                     "changes": self.changes.n,
+                     "moves": sum(len(h.status.times) - 1 for h in self.handles.values())}
             if self.spec.role == "decode":
                 stats["ready_senders"] = self.manager.ready_senders()
             else:

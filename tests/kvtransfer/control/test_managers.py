@@ -3,6 +3,8 @@ bootstrap service, KV checked byte for byte against the seeded reference on deco
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -80,6 +82,23 @@ def test_requests_of_random_lengths_land_byte_for_byte(group):
             assert bad == 0 and token == 100 + i
     for r in prefill + decode:
         wait_forgotten(r)
+
+
+def test_every_state_change_of_a_request_calls_its_managers_on_change(group):
+    """An engine's loop sleeps until a transfer moves: each rank's manager calls its
+    ``on_change`` once per state its requests enter, on both sides, and there are such moves."""
+    prefill, decode = group
+    ranks = prefill + decode
+    before = [r.call(Stats()) for r in ranks]
+    run_request(prefill, decode, "on-change", tokens=40, chunks=(20, 20))
+    deadline = time.monotonic() + 5.0
+    while True:  # the last call comes right after the state it reports, on the manager's thread
+        after = [r.call(Stats()) for r in ranks]
+        counts = [(a["changes"] - b["changes"], a["moves"] - b["moves"]) for a, b in zip(after, before)]
+        if all(calls == moves for calls, moves in counts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(calls == moves >= 2 for calls, moves in counts), counts
 
 
 @pytest.mark.parametrize("layer_groups", [2, 99], ids=["two-groups", "each-layer"])

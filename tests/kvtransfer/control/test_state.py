@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from kvtransfer.control.base import check_on_change
 from kvtransfer.control.state import DuplicateRequest, KVPoll, RequestStatus, RequestTable
 
 
@@ -49,6 +50,17 @@ def test_racing_success_and_failure_end_in_exactly_one_final_state():
         a.start(); b.start(); a.join(); b.join()
         assert results["ok"] != results["fail"]
         assert st.state is (KVPoll.Success if results["ok"] else KVPoll.Failed)
+
+
+def test_on_change_is_called_once_per_state_entered_after_the_lock_is_released():
+    seen = []
+    st = RequestStatus("r4", on_change=lambda: seen.append((st.state, st.advance(KVPoll.WaitingForInput))))
+    assert st.advance(KVPoll.Transferring)  # the call may touch the status: the lock is free
+    assert not st.advance(KVPoll.WaitingForInput)  # ignored moves call nothing
+    assert st.fail("peer lost") and not st.fail("again") and not st.advance(KVPoll.Success)
+    assert seen == [(KVPoll.Transferring, False), (KVPoll.Failed, False)]
+    with pytest.raises(TypeError, match="on_change must be callable or None, got int"):
+        check_on_change(5)
 
 
 def test_request_ids_are_used_once_until_released():

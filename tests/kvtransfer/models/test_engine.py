@@ -2,6 +2,7 @@
 running batch without changing each other's tokens, attention reads the pool (no private cache),
 and every page, row and Mamba slot goes back when requests finish."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,27 @@ def test_too_long_prompt_is_a_value_error():
     eng = _engine(tiny_spec(ModelName.TINY_HYBRID), max_tokens=16)
     with pytest.raises(ValueError, match="does not fit the pool of 16 token slots"):
         eng.add(list(range(14)), 4)
+
+
+def test_a_prompt_given_as_an_int32_array_runs_as_its_list_does():
+    """Nodes hand their ranks prompts as int32 arrays; the engine checks them in one pass and
+    refuses arrays that are not 1-D integer ids, or ids outside the vocabulary."""
+    spec = tiny_spec(ModelName.TINY_MLA)
+    as_list = _solo(spec, PROMPT_A, 4)
+    as_array = _solo(spec, np.asarray(PROMPT_A, dtype=np.int32), 4)
+    assert as_array.prompt_ids == as_list.prompt_ids and all(type(t) is int for t in as_array.prompt_ids)
+    assert as_array.output_ids == as_list.output_ids
+    eng = _engine(spec)
+    vocab = spec.config.vocab_size
+    for bad, why in ((np.asarray(PROMPT_A, dtype=np.float32), "1-D integer array, got float32"),
+                     (np.asarray([PROMPT_A[:4]] * 2, dtype=np.int32), r"got int32 of shape \[2, 4\]"),
+                     (np.asarray([1, vocab], dtype=np.int32), rf"must lie in \[0, {vocab}\), got \[1, {vocab}\]"),
+                     (np.zeros(0, dtype=np.int32), "at least one token")):
+        with pytest.raises(ValueError, match=why):
+            eng.add(bad, 2)
+        with pytest.raises(ValueError, match=why):
+            eng.reserve(bad, 2)
+    assert not eng.waiting and not eng.reserved
 
 
 def test_admission_waits_for_pages():
