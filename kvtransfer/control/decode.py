@@ -48,7 +48,8 @@ before a rank is called lost: a pause of this rank's own loop is not the peer's 
 prefill manager likewise reads its socket before it drops a decode rank).
 
 Threads: as for the prefill manager, every transport and socket call happens in a turn of the
-event loop (here always on its thread).
+event loop: on its thread, or, for ``init()`` while the loop is between turns, on the caller's
+thread (the ask leaves without a thread switch; ``EventLoop.call(inline=True)``).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ class KVReceiver(BaseKVReceiver):
                 raise ValueError(f"this model has Mamba state: state_slot must be an int in [1, "
                                  f"{layout.state_num_slots}), got {state_slot!r}")
         self._inited = True
+        # inline: the ask leaves from this thread when the loop is between turns (no wake-up on the way)
         self._mgr._loop.call(self._mgr._on_init, self._req, arr.tobytes(), prefix_tokens,
-                             -1 if state_slot is None else int(state_slot))
+                             -1 if state_slot is None else int(state_slot), inline=True)
 
     def poll(self) -> KVPoll:
         return self.status.state

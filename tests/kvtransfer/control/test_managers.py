@@ -99,6 +99,10 @@ def test_every_state_change_of_a_request_calls_its_managers_on_change(group):
             break
         time.sleep(0.05)
     assert all(calls == moves >= 2 for calls, moves in counts), counts
+    for d in decode:
+        assert d.call(Verify("on-change")) == (0, 7)
+    for r in ranks:
+        wait_forgotten(r)
 
 
 @pytest.mark.parametrize("layer_groups", [2, 99], ids=["two-groups", "each-layer"])
