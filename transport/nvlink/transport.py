@@ -416,6 +416,8 @@ class NvlinkPeer(Peer):
         self.tables.check_bounds(batch)
         if not self._queue.outbox.alive():
             return self._lost()
+        if batch.nbytes == 0:
+            return self._write_nothing(notify)
         job = self.prepare(batch, engine, checked=True)
         try:
             return self._post(job, notify)
@@ -467,6 +469,16 @@ class NvlinkPeer(Peer):
             transfer = self._queue.track(NvlinkTransfer(self._queue, event, notify,
                                                         keep=(job.host_table, *job.device_tables)))
         return self._posted(transfer)
+
+    def _write_nothing(self, notify: Optional[bytes]) -> NvlinkTransfer:
+        """A batch of no bytes: its notification alone, released in posting order after this
+        peer's earlier writes. No table, no launch: an event recorded on the copy stream is its
+        copy (a write that carries a request's last notification costs what the event does)."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._copy.stream)
+        return self._posted(self._queue.track(NvlinkTransfer(self._queue, event, notify)))
 
     def _posted(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         """A write just tracked: the first look at the FIFO now, from the caller's thread -- its

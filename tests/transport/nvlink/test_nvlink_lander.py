@@ -111,3 +111,41 @@ def test_aborted_and_timed_out_writes_never_notify_and_the_next_ones_do(remote_a
         assert remote_any.wait_notify(b"timed out", 0.5) is None
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["lander", "progress-thread"])
+def test_a_write_of_no_bytes_notifies_after_the_writes_before_it_without_a_copy(remote_any, native, monkeypatch):
+    """A request's last notification rides a write of no bytes (its KV went layer by layer):
+    no table is built and nothing launched; the notification comes after that of the write
+    posted before it, whose copy waits behind 0.5 s of GPU work, and both transfers are DONE.
+    Row and strided forms alike."""
+    import transport.nvlink.transport as nvlink_transport
+    from transport.batch import StridedBatch, WriteBatch
+
+    buf_bytes = SLOTS * TOKEN
+    t, peer, src, dst_rids = local_pair(remote_any, 2, buf_bytes, NvlinkConfig(native=native))
+    built = []
+    build = nvlink_transport.build
+    monkeypatch.setattr(nvlink_transport, "build", lambda *a, **k: built.append(a[1]) or build(*a, **k))
+    try:
+        batch = kv_batch(sorted(src), dst_rids, 1, False, np.random.default_rng(4), tokens=32)
+        none = np.zeros(0, dtype=np.int64)
+        nothing = {"rows": WriteBatch.of(none, none, none, none, none),
+                   "strided": StridedBatch.of([sorted(src)[0]], [0], [TOKEN], [dst_rids[0]], [0], [TOKEN], [TOKEN],
+                                              none, none)}
+        for form, empty in nothing.items():
+            remote_any.fill(dst_rids, 0x5A)
+            gpu_sleep(0.5)
+            before = peer.write(batch, notify=b"before " + form.encode())
+            last = peer.write(empty, notify=b"last " + form.encode())
+            remote_any.start_stamp_notify((b"before " + form.encode(), b"last " + form.encode()), 60.0)
+            got = remote_any.result()
+            assert got[b"before " + form.encode()][1] <= got[b"last " + form.encode()][1], got
+            last.wait(timeout=60)
+            assert before.status() is last.status() is TransferStatus.DONE
+            assert all(b.nbytes for b in built), "a table was built for a write of no bytes"
+            remote_any.fill(dst_rids, 0x5A)
+            peer.write(batch, notify=b"after " + form.encode()).wait(timeout=60)
+            check_landed(remote_any, src, dst_rids, batch, buf_bytes, b"after " + form.encode(), sender=t.name)
+    finally:
+        t.close()
