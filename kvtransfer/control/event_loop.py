@@ -26,6 +26,7 @@ __all__ = ["EventLoop", "precise_sleeps"]
 log = logging.getLogger("kvtransfer.control")
 
 STALL_LOG_S = 1.0  # a loop that ran this late, or a turn this long, is logged (heartbeats wait for it)
+INLINE_WAIT_S = 5e-4  # an inline call waits this long for a turn in progress before it queues its job
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 
 
@@ -62,7 +63,9 @@ class EventLoop:
     A *turn* (queued jobs, the handlers of readable sockets, the tick) holds the loop's turn
     lock; so does an ``inline`` call, which runs on the caller's thread when the loop is
     between turns (a job's wake-up is a thread switch: ~0.1-0.25 ms on a small machine, on the
-    path from ``send()`` to the write's post). Between turns the loop thread waits in
+    path from ``send()`` to the write's post), or once the turn in progress ends (waiting at
+    most ``INLINE_WAIT_S``: a queued job would wait for the loop thread, and that thread for
+    the GIL, which the caller keeps while it goes on with its own work). Between turns the loop thread waits in
     ``select`` on the wake pipe and the sockets' file descriptors, never in a ZeroMQ call, so
     whoever holds the lock may use the sockets (ZeroMQ allows a socket to change threads across
     a full memory barrier, which the lock is). The descriptors only signal that a socket's state
@@ -100,15 +103,16 @@ class EventLoop:
         switch (~0.1 ms on a small machine), and an owner that creates a request and sends
         its first chunk right after pays one instead of two.
 
-        ``inline=True`` runs the job now on the caller's thread when the loop is between turns,
-        after what such a turn runs before its tick (the queued jobs, the handlers of readable
-        sockets); else it is queued and the loop woken, as without it. The loop is woken
-        afterwards to look at its sockets again."""
+        ``inline=True`` runs the job now on the caller's thread when the loop is between turns
+        or its turn in progress ends within ``INLINE_WAIT_S``, after what such a turn runs
+        before its tick (the queued jobs, the handlers of readable sockets); else (or when the
+        caller is the loop's turn itself) it is queued and the loop woken, as without it. The
+        loop is woken afterwards to look at its sockets again."""
         fut: Future = Future()
         if self._stop.is_set():
             fut.set_exception(RuntimeError("the manager is closed"))
             return fut
-        if inline and self._turn.acquire(blocking=False):
+        if inline and self._owner != threading.get_ident() and self._turn.acquire(timeout=INLINE_WAIT_S):
             try:
                 self._owner = threading.get_ident()
                 self._handle_inline()  # what came before it (a message it may need) is handled first

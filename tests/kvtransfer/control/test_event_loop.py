@@ -10,6 +10,7 @@ import time
 import pytest
 import zmq
 
+from kvtransfer.control import event_loop
 from kvtransfer.control.event_loop import EventLoop
 
 LONG_S = 30.0  # the tick's pause: nothing below may be waiting for the tick
@@ -221,6 +222,45 @@ def test_an_inline_call_during_a_turn_is_queued_for_the_loop_thread():
         assert not fut.done(), "an inline job ran beside the loop's turn"
         release.set()
         assert fut.result(timeout=30) == "test-loop"
+    finally:
+        loop.close()
+
+
+def test_an_inline_call_waits_for_the_turn_in_progress_then_runs_on_the_callers_thread(monkeypatch):
+    """A turn that ends while an inline call waits for it (here within the 30 s the test
+    allows, ``INLINE_WAIT_S``): the job then runs on the caller's thread, not queued behind a
+    wake-up of the loop thread."""
+    monkeypatch.setattr(event_loop, "INLINE_WAIT_S", 30.0)
+    loop, _ = _loop()
+    try:
+        started, release = threading.Event(), threading.Event()
+        loop.call(lambda: (started.set(), release.wait(30)))
+        assert started.wait(30)
+        threading.Timer(0.2, release.set).start()
+        fut = loop.call(lambda: threading.current_thread().name, inline=True)
+        assert release.is_set() and fut.done(), "the inline call returned before the turn ended"
+        assert fut.result() == threading.current_thread().name
+    finally:
+        loop.close()
+
+
+def test_an_inline_call_from_the_loops_own_turn_is_queued_without_waiting(monkeypatch):
+    """The caller is the turn itself: the call cannot wait for its own turn to end; the job
+    runs after the calling job, in the same turn."""
+    monkeypatch.setattr(event_loop, "INLINE_WAIT_S", 30.0)
+    loop, _ = _loop()
+    try:
+        order = []
+
+        def outer():
+            inner = loop.call(lambda: order.append("inner"), inline=True)
+            order.append("outer")
+            return inner
+
+        start = time.monotonic()
+        inner = loop.call(outer).result(timeout=30)
+        inner.result(timeout=30)
+        assert order == ["outer", "inner"] and time.monotonic() - start < 10
     finally:
         loop.close()
 
