@@ -64,13 +64,13 @@ class EventLoop:
     lock; so does an ``inline`` call, which runs on the caller's thread when the loop is
     between turns (a job's wake-up is a thread switch: ~0.1-0.25 ms on a small machine, on the
     path from ``send()`` to the write's post), or once the turn in progress ends (waiting at
-    most ``INLINE_WAIT_S``: a queued job would wait for the loop thread, and that thread for
-    the GIL, which the caller keeps while it goes on with its own work). Between turns the loop thread waits in
-    ``select`` on the wake pipe and the sockets' file descriptors, never in a ZeroMQ call, so
-    whoever holds the lock may use the sockets (ZeroMQ allows a socket to change threads across
-    a full memory barrier, which the lock is). The descriptors only signal that a socket's state
-    may have changed: a turn asks each socket whether it holds a message, and the loop does not
-    wait while one does."""
+    most ``INLINE_WAIT_S``: a queued job would wait for the loop thread, and that thread may
+    wait for the GIL, which the caller keeps while it goes on with its own work). Between
+    turns the loop thread waits in ``select`` on the wake pipe and the sockets' file
+    descriptors, never in a ZeroMQ call, so whoever holds the lock may use the sockets (ZeroMQ
+    allows a socket to change threads across a full memory barrier, which the lock is). The
+    descriptors only signal that a socket's state may have changed: a turn asks each socket
+    whether it holds a message, and the loop does not wait while one does."""
 
     def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
         self._handlers, self._tick = dict(handlers), tick
