@@ -23,8 +23,10 @@ class ForwardBatch:
     prefix_lens: Tuple[int, ...]  # [B] tokens already in the pools
     extend_lens: Tuple[int, ...]  # [B] new tokens this step
     mamba_slots: Optional[Tuple[int, ...]] = None  # [B] Mamba pool slots (hybrid models), host ints
-    # called with ``i + 1`` once layer i's K/V are in the pools (queued on the device's stream on
-    # a GPU): the layers before it may leave for decode (models whose every layer holds KV)
+    # called with ``n`` once the K/V of the KV pool's first n layers (its layer_ids, in order) are
+    # in the pools (queued on the device's stream on a GPU): those may leave for decode. A model
+    # whose every layer holds KV calls it with ``i + 1`` after layer i; a hybrid one after each
+    # attention layer (its Mamba state goes with the request's last chunk)
     after_layer: Optional[Callable[[int], None]] = field(default=None, compare=False)
 
     def __post_init__(self):

@@ -98,8 +98,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=positive_int, default=None,
                     help=f"prompt tokens per prefill step {_default_help('chunk_size')}")
     ap.add_argument("--layerwise", type=int, default=0, metavar="LAYERS",
-                    help="prefill: send each chunk's KV every LAYERS layers while its forward computes the rest "
-                         "(0: once the prompt is computed; models whose every layer holds KV)")
+                    help="prefill: send each chunk's KV every LAYERS layers that hold KV while its forward computes "
+                         "the rest (0: once the prompt is computed); a hybrid model's Mamba state goes after the "
+                         "last layer")
     ap.add_argument("--max-queue", type=positive_int, default=128,
                     help="requests that may wait for KV pages at once; past it a new one gets 503 + Retry-After")
     ap.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds a KV transfer may take")
@@ -120,7 +121,7 @@ def resolve(args) -> tuple:
     import torch
 
     from kvtransfer.models import registry
-    from kvtransfer.models.config import DType, EngineConfig, HybridConfig
+    from kvtransfer.models.config import DType, EngineConfig
     from kvtransfer.serve.messages import NodeSpec
 
     try:
@@ -137,8 +138,6 @@ def resolve(args) -> tuple:
             raise ValueError("--transport nvlink needs --device cuda")
         if args.layerwise < 0:
             raise ValueError(f"--layerwise must be 0 (off) or a number of layers, got {args.layerwise}")
-        if args.layerwise and isinstance(config, HybridConfig):
-            raise ValueError(f"--layerwise needs a model whose every layer holds KV; {name.value} has Mamba layers")
         for field in dataclasses.fields(EngineDefaults):
             if getattr(args, field.name) is None:
                 setattr(args, field.name, getattr(DEFAULTS[device], field.name))

@@ -105,6 +105,34 @@ def test_a_prompt_given_as_an_int32_array_runs_as_its_list_does():
     assert not eng.waiting and not eng.reserved
 
 
+def test_a_hybrid_model_calls_back_after_each_attention_layer_once_its_kv_is_in_the_pool():
+    """Layer-wise sending on a hybrid model: per prefill chunk, one call per attention layer,
+    counting the KV pool's layers; at the call, that layer's K/V of the chunk are in the pool
+    as they stay, and the next attention layer's are not written yet."""
+    spec = tiny_spec(ModelName.TINY_HYBRID)
+    eng = _engine(spec, chunk_size=8)
+    attention = spec.config.attention_layers
+    kv, seen = eng.pools.kv, []
+
+    def on_layers(chunks, end):
+        for req, n in chunks:
+            slots = req.slots[req.kv_committed_len: req.kv_committed_len + n]
+            layer = attention[end - 1]
+            later = [] if end == len(attention) else [kv.get_key_buffer(attention[end])[slots].clone()]
+            seen.append((end, slots, layer, kv.get_key_buffer(layer)[slots].clone(),
+                         kv.get_value_buffer(layer)[slots].clone(), later))
+
+    eng.on_layers = on_layers
+    eng.add(PROMPT_A, 2, layers_out=True)
+    eng.run()
+    chunks = -(-len(PROMPT_A) // 8)
+    assert [e for e, *_ in seen] == list(range(1, len(attention) + 1)) * chunks
+    for end, slots, layer, k, v, later in seen:
+        assert k.abs().sum() > 0
+        assert torch.equal(k, kv.get_key_buffer(layer)[slots]) and torch.equal(v, kv.get_value_buffer(layer)[slots])
+        assert all(not x.any() for x in later)
+
+
 def test_admission_waits_for_pages():
     """A request whose budget the free pages cannot cover waits until another one finishes."""
     eng = _engine(tiny_spec(ModelName.TINY_MLA), max_tokens=32)  # 8 pages of 4

@@ -106,7 +106,6 @@ def test_start_and_sigterm_leave_no_process_or_port(tmp_path):
     (["--role", "prefill", "--model", "smollm2", "--tp", "2", "--port", "0"], "TP size 2 does not divide"),
     (["--role", "colocated", "--model", "mla-tiny", "--device", "cuda", "--port", "0"], "no CUDA GPU"),
     (["--role", "colocated", "--model", "mla-tiny", "--port", "70000"], "is not a TCP port"),
-    (["--role", "prefill", "--model", "hybrid-tiny", "--layerwise", "1", "--port", "0"], "has Mamba layers"),
     (["--role", "prefill", "--model", "mla-tiny", "--layerwise", "-2", "--port", "0"], "--layerwise must be 0"),
 ])
 def test_bad_command_lines_are_one_line(args, words, capsys):
