@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import zmq
 
-__all__ = ["EventLoop", "precise_sleeps"]
+__all__ = ["EventLoop", "WakePipe", "precise_sleeps"]
 
 log = logging.getLogger("kvtransfer.control")
 
@@ -38,6 +38,38 @@ def precise_sleeps() -> None:
         libc.prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(1), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the default slack stays
         pass
+
+
+class WakePipe:
+    """A pipe whose read end a thread waits on (``select``) until another thread calls
+    :meth:`set`: a waiting loop's wake-up. Both ends are non-blocking: ``set`` never blocks (a
+    full pipe already wakes the reader) and is a no-op once closed."""
+
+    def __init__(self):
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except OSError:  # full (the reader wakes anyway: BlockingIOError) or closed
+            pass
+
+    def clear(self) -> None:
+        """Read what the pipe holds (the wake-ups so far)."""
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the enums' operators cost more than the call
@@ -75,8 +107,7 @@ class EventLoop:
     def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
         self._handlers, self._tick = dict(handlers), tick
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._wake = WakePipe()
         self._sock_fds = {sock: sock.getsockopt(zmq.FD) for sock in self._handlers}  # socket -> its descriptor
         self._stop = threading.Event()
         self._turn = threading.Lock()  # held by the running turn (loop thread or an inline call)
@@ -129,10 +160,7 @@ class EventLoop:
 
     def wake(self) -> None:
         """Make the loop run its queued jobs now."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):  # the pipe is full (the loop will wake anyway) or closed
-            pass
+        self._wake.set()
 
     def add_socket(self, sock, handler: Callable[[], None]) -> None:
         """Poll ``sock`` too (in a turn, or before ``start``)."""
@@ -149,7 +177,7 @@ class EventLoop:
     def _watch(self) -> None:
         """The descriptors the loop waits on: the wake pipe's, then the sockets' (a new list: the
         loop may be waiting on the old one)."""
-        self._fds = [self._wake_r, *self._sock_fds.values()]
+        self._fds = [self._wake.fd, *self._sock_fds.values()]
 
     def _run(self) -> None:
         precise_sleeps()
@@ -159,7 +187,7 @@ class EventLoop:
             due = time.monotonic() + sleep
             if sleep > 0:
                 try:
-                    woken = self._wake_r in select.select(self._fds, [], [], sleep)[0]
+                    woken = self._wake.fd in select.select(self._fds, [], [], sleep)[0]
                 except (OSError, ValueError):  # a socket closed since the list was made
                     pass
             with self._turn:
@@ -186,11 +214,7 @@ class EventLoop:
         before the next turn (none while a socket still holds a message). ``woken``: the wake
         pipe signalled (it is emptied; a busy loop's turns mostly find it empty)."""
         if woken:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._wake.clear()
         self._handle()
         sleep = self._guard(self._tick)
         sleep = 0.05 if sleep is None else sleep
@@ -268,5 +292,4 @@ class EventLoop:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the manager is closed"))
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()

@@ -69,6 +69,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kvtransfer._procs import report_failure
+from kvtransfer.control.event_loop import WakePipe
 from kvtransfer.serve import messages as m
 from kvtransfer.serve.rank_managers import RankManagers
 
@@ -152,39 +153,6 @@ class _Group:
         return out
 
 
-class _Wakeup:
-    """A pipe that rank 0's KV managers write one byte to whenever one of its transfers changes
-    state: the loop's wait for commands ends then, not at its next timeout."""
-
-    def __init__(self):
-        self.fd, self._w = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._w, False)
-
-    def set(self) -> None:
-        """Called on a manager's thread: never blocks."""
-        try:
-            os.write(self._w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups not yet read: the loop wakes anyway
-            pass
-        except OSError:  # closed: the rank is stopping
-            pass
-
-    def clear(self) -> None:
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        for fd in (self.fd, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def _ended(handle) -> float:
     """When a sender / receiver reached its final state (its manager's thread saw it; this
     loop may notice later, after an engine step)."""
@@ -227,7 +195,8 @@ class RankWorker:
         self.bootstrapping: Dict[str, _Bootstrapping] = {}  # prefill: waiting for decode's destination
         self.sending: Dict[str, _Sending] = {}
         self.receiving: Dict[str, _Receiving] = {}  # in command order: reservations go first come first served
-        self.wakeup = _Wakeup() if rank == 0 else None  # only rank 0 waits for commands
+        # rank 0 (which alone waits for commands) wakes when one of its transfers changes state
+        self.wakeup = WakePipe() if rank == 0 else None
         self.managers = RankManagers(spec, self.layout, self.kv_infos, self.state_infos, self.gpu,
                                      all_up=lambda ok: self.ctl.agree([OK if ok else FAILED])[0] == OK,
                                      on_change=self.wakeup.set if self.wakeup is not None else None)

@@ -46,7 +46,7 @@ def _settled(loop, ticks) -> None:
     over from a job that an earlier turn already ran makes one more turn first.)"""
     loop.call(lambda: None).result(timeout=30)
     deadline = time.monotonic() + 30
-    while loop._turn.locked() or select.select([loop._wake_r], [], [], 0)[0]:
+    while loop._turn.locked() or select.select([loop._wake.fd], [], [], 0)[0]:
         assert time.monotonic() < deadline, "the loop keeps turning"
         time.sleep(0.001)
     assert ticks, "the loop did not tick"

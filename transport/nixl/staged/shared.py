@@ -69,7 +69,8 @@ class SharedHostStaging(HostStaging):
         if owner is None:
             self.buf[:] = 0  # its pages exist before the first chunk
         self.ptr = self.buf.ctypes.data
-        self.shared = (os.getpid(), fd)  # a Welcome's ``shared``: how the sender finds it
+        if owner is None:
+            self.shared = (os.getpid(), fd)  # a Welcome's ``shared``: how the sender finds it
 
     def close(self) -> None:
         """Unmap (the memory goes once the other side has unmapped it too) and close the fd."""
