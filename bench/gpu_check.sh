@@ -17,7 +17,8 @@
 #                                # prefill node sends every KVT_SERVE_LAYER_GROUP layers (default 4);
 #                                # KVT_SERVE_REQUESTS requests per mode and span (default 6)
 # Wheels carried in .whl*/ (NIXL, pyzmq; the serve and gguf wheels for the examples, with
-# opentelemetry_api, which newer fastapi imports; openai, jiter, distro, httpx2, httpcore2 and
+# opentelemetry_api, which newer fastapi imports; uvloop and httptools, which uvicorn runs on where
+# installed, as the serve extra installs them; openai, jiter, distro, httpx2, httpcore2 and
 # truststore for the tests that drive a node with the openai SDK: without them the openai tests'
 # module fails to import and `pytest -m gpu tests` stops at collection) are installed to
 # /tmp/site first. SmolLM2's GGUF file travels in parts (a call carries 64 MB): earlier calls
