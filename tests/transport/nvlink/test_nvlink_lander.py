@@ -137,7 +137,8 @@ def test_a_write_of_no_bytes_notifies_after_the_writes_before_it_without_a_copy(
             remote_any.fill(dst_rids, 0x5A)
             gpu_sleep(0.5)
             before = peer.write(batch, notify=b"before " + form.encode())
-            last = peer.write(empty, notify=b"last " + form.encode())
+            write = peer.write_strided if form == "strided" else peer.write
+            last = write(empty, notify=b"last " + form.encode())
             remote_any.start_stamp_notify((b"before " + form.encode(), b"last " + form.encode()), 60.0)
             got = remote_any.result()
             assert got[b"before " + form.encode()][1] <= got[b"last " + form.encode()][1], got
