@@ -60,8 +60,6 @@ class TinyHybridModel(Decoder):
                 layer["mamba"] = Mamba2Mixer(config, layer_weights(w, "mamba."), tp, dtype, self.device)
             self.layers.append(layer)
         self.rotary = Rotary.build(config.head_dim, config.rope_theta, config.max_context_len, self.device)
-        # attention layer i -> how many of the pool's KV layers hold their K/V once it ran (ForwardBatch.after_layer)
-        self._kv_done = {layer: n + 1 for n, layer in enumerate(config.attention_layers)}
 
     def state_params(self) -> MambaStateParams:
         cfg = self.config
@@ -106,8 +104,8 @@ class TinyHybridModel(Decoder):
             else:
                 h = h + gqa_attention(x, w["qkv"], w["o"], i, pools.kv, r2t, batch, self.rotary, self.heads,
                                       self.kv_heads, cfg.head_dim, self.tp)
-                if batch.after_layer is not None:
-                    batch.after_layer(self._kv_done[i])
+                if batch.after_layer is not None:  # the pool's KV layers up to this one hold their K/V
+                    batch.after_layer(pools.kv.full_attention_layer_id_mapping[i] + 1)
             h = self.mlp(h, w)
         return self.logits(h, batch, all_logits)
 

@@ -141,12 +141,19 @@ class CopyStream:
         if lane is None:
             with ipc.on_device(self._api, self.device, torch_too=False):
                 launch(tables[0], self.device, stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-            return event
+            return self.marker()
         return lane.run(stream, job.bounds, job.offsets,
                         lambda a, b, st, s: launch(tables[0], lane.local, s, a, b, st),
                         lambda a, b, st, s: launch(tables[1], lane.peer, s, a, b, st))
+
+    def marker(self):
+        """A CUDA event recorded on this stream now: it completes once every copy queued on the
+        stream before it has (a write's completion; alone, that of a write of no bytes)."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _caller(self, stream) -> Optional[int]:
         """The raw handle of the caller's current stream, which ``stream`` must wait for (None:
@@ -183,8 +190,6 @@ class CopyStream:
         uploaded to the lane's ring on the peer's GPU; the event is then the lane's, after the
         last scatter. ``upload`` False: the span's slots are on the GPU already, uploaded by an
         earlier write on this stream (:meth:`SlotRing.reuse`; direct writes only)."""
-        import torch
-
         api, device, stream, native = self._api, self.device, self.stream, self._native
         prev = api.get_device() if native is None else native.current_device()  # one call when the caller drives this GPU
         if prev != device:
@@ -220,8 +225,7 @@ class CopyStream:
                 else:
                     kern.scatter_strided_split(plan.device_table, ring.dev, start, plan.num_pairs, num_slots,
                                                plan.launch, device, num_warps, checked=True, stream=stream)
-                event = torch.cuda.Event()
-                event.record(stream)
+                event = self.marker()
         finally:
             if event is None:  # part of it may be queued: let the span go only once nothing reads it
                 self._drain(plan.staged.lane if plan.staged is not None else None)

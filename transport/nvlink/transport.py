@@ -474,11 +474,7 @@ class NvlinkPeer(Peer):
         """A batch of no bytes: its notification alone, released in posting order after this
         peer's earlier writes. No table, no launch: an event recorded on the copy stream is its
         copy (a write that carries a request's last notification costs what the event does)."""
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(self._copy.stream)
-        return self._posted(self._queue.track(NvlinkTransfer(self._queue, event, notify)))
+        return self._posted(self._queue.track(NvlinkTransfer(self._queue, self._copy.marker(), notify)))
 
     def _posted(self, transfer: NvlinkTransfer) -> NvlinkTransfer:
         """A write just tracked: the first look at the FIFO now, from the caller's thread -- its
