@@ -322,6 +322,14 @@ class Peer(abc.ABC):
         (a plan's merged runs) should hand that to :meth:`write` instead."""
         return False
 
+    def orders_on_device(self) -> bool:
+        """Whether a write reads its source in device order: after the work queued on the
+        caller's current CUDA stream before the call (NVLink, ``wait_current_stream``). A caller
+        may then post a write of bytes a kernel still computes, from a stream that waits for
+        that kernel. Where False (here, and NIXL, which reads memory when it moves it), the
+        source must be complete when the write is posted."""
+        return False
+
     def keeps_pairs(self) -> bool:
         """Whether :meth:`plan_pairs` makes a strided batch's pair set resident (NVLink's
         direct path keeps it on the device), so that a caller may hand over the pair sets of

@@ -28,9 +28,14 @@ group that ends at the last layer also carries what a whole chunk does after its
 index, and for the last chunk the Mamba state and the aux record).
 
 KV on a GPU: ``send()`` may come as soon as the chunk's KV is queued on the caller's current
-CUDA stream (not necessarily computed yet): it records an event there, and the chunk's writes
-are posted once that event has completed (at once when it has already: an engine that
-synchronised first pays one event record and query).
+CUDA stream (not necessarily computed yet): it records an event there. Where every decode rank
+of the request is reached through a transport that reads in device order (NVLink:
+``Peer.orders_on_device``), the chunk's writes are posted at once, from a stream of the
+manager's that waits for that event: their copies start on the GPU when the KV is computed,
+with no host poll in between (a layer group sent from the forward leaves as soon as its layers
+end). Through the others (NIXL, which reads memory when it moves it), the writes are posted
+once the event has completed, which the manager's turns look at (at once when it has already:
+an engine that synchronised first pays one event record and query).
 
 ``sender.poll()`` gives the :class:`~kvtransfer.control.state.KVPoll`: Bootstrapping (not
 every decode rank has asked yet: an engine that computes only what decode has room for waits
@@ -65,6 +70,7 @@ the thread, and deregisters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -206,6 +212,7 @@ class PrefillKVManager(BaseKVManager):
         self.incarnation = uuid.uuid4().hex
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._device = device  # the pools' GPU (None: host memory)
+        self._post_stream = None  # where writes of KV still computing are posted from (_after)
         self.host = host_id or default_host_id()  # this host's identity in registrations
         self.process = ProcessId.mine()
         self._ctx = zmq.Context()
@@ -325,22 +332,45 @@ class PrefillKVManager(BaseKVManager):
             while out.chunks:
                 if not self._computed(out, out.chunks[0]):
                     return
-                out.post(out.chunks.pop(0), self.layout, self._decode)
+                chunk = out.chunks.pop(0)
+                with self._after(out, chunk):
+                    out.post(chunk, self.layout, self._decode)
                 self._moving.add(rid)
         except (ValueError, TypeError, TransportError) as exc:  # bad slots, a peer gone, a closed transport
             self._fail(rid, f"cannot write: {exc}")
 
     def _computed(self, out: PrefillRequest, chunk: Chunk) -> bool:
-        """Whether the chunk's KV is complete; if not, the request waits in ``_computing``
-        (failed when the engine's stream did: its KV never comes)."""
+        """Whether the chunk's writes may be posted: its KV is complete, or every transport it
+        goes through reads it in device order (:meth:`_after`); if not, the request waits in
+        ``_computing`` (failed when the engine's stream did: its KV never comes)."""
         try:
-            if chunk.computed is None or chunk.computed.query():
+            if chunk.computed is None or self._device_ordered(out) or chunk.computed.query():
                 return True
         except RuntimeError as exc:  # a CUDA error on the engine's stream
             self._fail(out.request_id, f"the engine's stream failed before a chunk's KV was computed: {exc}")
             return False
         self._computing.add(out.request_id)
         return False
+
+    def _device_ordered(self, out: PrefillRequest) -> bool:
+        """Whether every decode rank ``out`` writes to is reached through a transport that reads
+        in device order (``Peer.orders_on_device``: NVLink)."""
+        peers = (self._decode.get(key) for key in out.dests)
+        return all(p.peer.orders_on_device() for p in peers if p is not None and p.reads_from_me)
+
+    def _after(self, out: PrefillRequest, chunk: Chunk):
+        """The context a chunk's writes are posted in: where its KV may still be computing
+        (device-ordered transports), the current stream is this manager's post stream, made to
+        wait for the chunk's event, so the copies start on the GPU as soon as the KV is
+        computed, with no host poll between; else nothing changes."""
+        if chunk.computed is None or not self._device_ordered(out):
+            return contextlib.nullcontext()
+        import torch
+
+        if self._post_stream is None:
+            self._post_stream = torch.cuda.Stream(self._device)
+        self._post_stream.wait_event(chunk.computed)
+        return torch.cuda.stream(self._post_stream)
 
     def _stream_mark(self):
         """The caller's current CUDA stream as of now, for a chunk's KV on the GPU (a recorded

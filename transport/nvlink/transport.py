@@ -231,6 +231,9 @@ class NvlinkPeer(Peer):
     def takes_strided(self, entries: int) -> bool:
         return True  # write_strided builds its row tables on the GPU
 
+    def orders_on_device(self) -> bool:
+        return self._config.wait_current_stream  # every write's copy stream waits for the caller's stream
+
     def __init__(self, owner: "NvlinkTransport", name: str, regions: Mapping[int, Region],
                  handles: Mapping[int, tuple[bytes, int, int]], mailbox: str, peer_gpu: Optional[int] = None):
         self._owner = owner

@@ -215,9 +215,10 @@ def test_cuda_pools_on_one_host_pick_nvlink_when_both_offer_it(backends, want, m
 def test_kv_sent_while_the_engines_stream_still_computes_it_lands_as_computed(backends, layer_groups, monkeypatch):
     """An engine may call send() as soon as a chunk's KV (or a group of its layers) is queued on
     its (non-default) stream: here the rows are written there behind ~0.1 s of GPU busy wait,
-    and send() follows at once. The writes must read the rows as computed (NIXL reads GPU memory
-    with no stream order of its own; before, the chunk was posted at once). One GPU: both ranks
-    on it, two processes."""
+    and send() follows at once. The writes must read the rows as computed: NIXL reads GPU memory
+    with no stream order of its own (its writes are posted once the chunk's event completed);
+    NVLink's are posted at once, from the manager's stream that waits for that event
+    (``Peer.orders_on_device``). One GPU: both ranks on it, two processes."""
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
     with BootstrapService() as svc:
         ranks = gpu_ranks(svc, backends, 0, "late")
