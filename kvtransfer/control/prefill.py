@@ -362,9 +362,16 @@ class PrefillKVManager(BaseKVManager):
         """The context a chunk's writes are posted in: where its KV may still be computing
         (device-ordered transports), the current stream is this manager's post stream, made to
         wait for the chunk's event, so the copies start on the GPU as soon as the KV is
-        computed, with no host poll between; else nothing changes."""
+        computed, with no host poll between; else nothing changes (a chunk computed already,
+        such as the last one, sent after the host read its first token, skips the stream
+        switch, which costs more than the event's query)."""
         if chunk.computed is None or not self._device_ordered(out):
             return contextlib.nullcontext()
+        try:
+            if chunk.computed.query():
+                return contextlib.nullcontext()
+        except RuntimeError:  # the engine's stream failed: the copies, ordered after it, fail too
+            pass
         import torch
 
         if self._post_stream is None:

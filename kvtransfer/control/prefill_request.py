@@ -22,8 +22,13 @@ from kvtransfer.control.wire import KVArrived, TransferRequest
 from kvtransfer.layout import RankLayout, StateKind
 from kvtransfer.plan import plan_kv_transfer, plan_state_transfer
 from transport.base import TransferStatus
+from transport.batch import WriteBatch
 
 __all__ = ["Chunk", "PrefillRequest"]
+
+# The KV write of a chunk with no tokens to send (the last chunk after a prompt sent layer by
+# layer, or tokens decode holds already): no bytes, its notification alone.
+_NO_KV = WriteBatch.of([], [], [], [], [])
 
 
 @dataclass(frozen=True)
@@ -93,10 +98,13 @@ class PrefillRequest:
             if new:
                 self.chunk_plans[key] = self._plan(key, peer, chunk.slots, first, mine)
             src, dst, plan = self.chunk_plans[key]
-            if chunk.layers is not None:  # buffer b holds layer position b % layers (export order)
-                position = plan.src_buf % layers
-                plan = plan.select((position >= chunk.layers[0]) & (position < chunk.layers[1]))
-            writes = [("kv", peer.batch(plan))]
+            if plan is None:  # no tokens to send: nothing planned, nothing to batch
+                writes = [("kv", _NO_KV)]
+            else:
+                if chunk.layers is not None:  # buffer b holds layer position b % layers (export order)
+                    position = plan.src_buf % layers
+                    plan = plan.select((position >= chunk.layers[0]) & (position < chunk.layers[1]))
+                writes = [("kv", peer.batch(plan))]
             if mine.state_kind is StateKind.NSA_INDEX and closes:
                 writes.append(("state", peer.batch(plan_state_transfer(mine, peer.layout, src, dst))))
             if chunk.last:
@@ -117,8 +125,9 @@ class PrefillRequest:
 
     def _plan(self, key: tuple, peer, slots: np.ndarray, first: int, mine: RankLayout) -> tuple:
         """``(src, dst, plan)`` of a chunk of ``slots`` from token ``first`` to decode rank ``key``;
-        tokens decode already holds are skipped. ValueError where its destination does not fit
-        the tokens sent."""
+        tokens decode already holds are skipped (plan None when none is left to send: a plan
+        of nothing costs a request's last chunk more than its write of no bytes). ValueError
+        where its destination does not fit the tokens sent."""
         req, dst_all = self.dests[key]
         skip = min(slots.size, max(0, req.prefix_tokens - first))  # tokens decode already holds
         src = slots[skip:]
@@ -127,7 +136,7 @@ class PrefillRequest:
         if dst.size != src.size:
             raise ValueError(f"decode rank {key} reserved {dst_all.size} slots after a prefix of "
                              f"{req.prefix_tokens}, prefill sends token {first + slots.size}")
-        return src, dst, plan_kv_transfer(mine, peer.layout, src, dst)
+        return src, dst, plan_kv_transfer(mine, peer.layout, src, dst) if src.size else None
 
     def poll_writes(self, failed: Callable[[tuple, str], None]) -> bool:
         """Poll the writes; ``failed(key, error)`` for each that failed; Success once the last
