@@ -28,7 +28,8 @@ group that ends at the last layer also carries what a whole chunk does after its
 index, and for the last chunk the Mamba state and the aux record).
 
 KV on a GPU: ``send()`` may come as soon as the chunk's KV is queued on the caller's current
-CUDA stream (not necessarily computed yet): it records an event there. Where every decode rank
+CUDA stream (not necessarily computed yet): it records an event there (not for a chunk of no
+tokens, which reads nothing, unless it is the last one with Mamba state). Where every decode rank
 of the request is reached through a transport that reads in device order (NVLink:
 ``Peer.orders_on_device``), the chunk's writes are posted at once, from a stream of the
 manager's that waits for that event: their copies start on the GPU when the KV is computed,
@@ -179,14 +180,17 @@ class KVSender(BaseKVSender):
         arr = _slots("slots", slots)
         self._group = next_layer_group(self.request_id, self._group, layers, arr.size,
                                        len(self._mgr.layout.layer_ids), last)
-        if last and self._mgr.layout.state_kind is StateKind.MAMBA:
+        mamba = last and self._mgr.layout.state_kind is StateKind.MAMBA  # the last chunk writes the state
+        if mamba:
             if not isinstance(state_slot, (int, np.integer)) or isinstance(state_slot, bool) or state_slot <= 0:
                 raise ValueError(f"request {self.request_id!r}: the last chunk of a model with Mamba state needs "
                                  f"its state_slot (an int > 0), got {state_slot!r}")
         if aux is not None and (not isinstance(aux, (bytes, bytearray)) or len(aux) > AUX_RECORD_BYTES):
             raise ValueError(f"aux must be at most {AUX_RECORD_BYTES} bytes, got {aux!r:.40}")
         self._last_sent, self._kicked = last, True
-        chunk = Chunk(arr, last, state_slot, aux, self._mgr._stream_mark(), layers)
+        # what the writes read may still be computing (a chunk of no tokens without state reads nothing)
+        computed = self._mgr._stream_mark() if arr.size or mamba else None
+        chunk = Chunk(arr, last, state_slot, aux, computed, layers)
         # inline: posted from this thread when the loop is between turns (no wake-up on the way)
         self._mgr._loop.call(self._mgr._on_send, self, chunk, inline=True)
 
