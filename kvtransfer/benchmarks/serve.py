@@ -24,12 +24,13 @@ end-to-end latency (median, p90, p99), output tokens/s and requests/s. For the d
 mode TTFT is split by what the nodes report: prefill queueing, prefill compute, KV transfer
 (prefill had the KV -> every write landed on decode, including waiting for decode to ask), and
 the rest (HTTP, routing, control messages, the first token's way back), and, on the clock the
-nodes share, from the first token sampled on prefill (after its last layer) to decode counting
-every write landed (decode starts the request then); when the run started the nodes (on this
-host, one clock with the client's), the rest's way in (request sent -> in prefill's queue) and
-way out (KV landed -> first token at the client) too. Queue: the mean time a
-request waited for pages before its prompt was computed (disaggregated: prefill's queue, which
-holds the wait for decode's reservation; colocated: the node's ``kvtransfer_queue_seconds``).
+nodes share, from the first token sampled on prefill (after its last layer) to the post of its
+last writes and to decode counting every write landed (decode starts the request then); when
+the run started the nodes (on this host, one clock with the client's), the rest's way in
+(request sent -> in prefill's queue) and way out (KV landed -> first token at the client) too.
+Queue: the mean time a request waited for pages before its prompt was computed
+(disaggregated: prefill's queue, which holds the wait for decode's reservation; colocated: the
+node's ``kvtransfer_queue_seconds``).
 ``--pool-tokens`` sizes every node's KV pool (token slots): with long prompts and small pools,
 requests wait for pages on every node, and all of them must still complete.
 
@@ -253,6 +254,7 @@ async def queue_totals(client, url: str) -> tuple:
     return values.get("kvtransfer_queue_seconds_sum", 0.0), values.get("kvtransfer_queue_seconds_count", 0.0)
 
 
+POSTED = "first token sampled -> prefill posts the last writes"
 LANDED = "first token sampled -> KV landed on decode"
 DECODING = "first token sampled -> in decode's batch"
 # the parts of "HTTP, routing, control" that stamps on one clock (this host's) show
@@ -262,13 +264,14 @@ TAIL = "KV landed -> first token at the client"
 
 def ttft_split(samples: List[Sample], one_clock: bool = False) -> Optional[dict]:
     """Medians of the disaggregated TTFT's parts, from the nodes' figures; with them, when the
-    nodes stamped it on one clock, from prefill's first token sampled to decode's last write
-    counted (``LANDED``: the KV's tail, which layer-wise sending shortens) and to decode's engine
-    taking the request into its decode batch (``DECODING``). ``one_clock``: the
+    nodes stamped it on one clock, from prefill's first token sampled to the post of its last
+    writes (``POSTED``: prefill's part of the tail), to decode's last write counted (``LANDED``: the
+    KV's tail, which layer-wise sending shortens) and to decode's engine taking the request
+    into its decode batch (``DECODING``). ``one_clock``: the
     client's clock is the nodes' too (they run on this host), so the way in (``HEAD``: sent ->
     prefill's queue) and the way out (``TAIL``: decode's last write counted -> first token here)
     are split out of "HTTP, routing, control"."""
-    rows, landed, decoding, ends = [], [], [], []
+    rows, posted, landed, decoding, ends = [], [], [], [], []
     for s in samples:
         pre = s.kv.get("prefill") or {}
         if not s.ok or pre.get("compute_s") is None:
@@ -279,6 +282,8 @@ def ttft_split(samples: List[Sample], one_clock: bool = False) -> Optional[dict]
         rows.append(parts)
         if pre.get("sampled_at") is not None and s.kv.get("landed_at") is not None:
             landed.append(s.kv["landed_at"] - pre["sampled_at"])
+            if pre.get("posted_at") is not None:
+                posted.append(pre["posted_at"] - pre["sampled_at"])
             if s.kv.get("decoding_at"):
                 decoding.append(s.kv["decoding_at"] - pre["sampled_at"])
             if one_clock:
@@ -287,6 +292,8 @@ def ttft_split(samples: List[Sample], one_clock: bool = False) -> Optional[dict]
     if not rows:
         return None
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    if posted:
+        out[POSTED] = statistics.median(posted)
     if landed:
         out[LANDED] = statistics.median(landed)
     if decoding:
@@ -313,10 +320,10 @@ def report(results: dict, splits: dict) -> str:
     text = format_table(header, rows) + "\n(times in ms)"
     for mode, split in splits.items():
         parts = ", ".join(f"{k} {_ms(v)} ms" for k, v in split.items()
-                          if k not in ("kv_bytes_median", LANDED, DECODING, HEAD, TAIL))
+                          if k not in ("kv_bytes_median", POSTED, LANDED, DECODING, HEAD, TAIL))
         text += (f"\n{mode} TTFT, medians of its parts: {parts}; KV per request "
                  f"{split['kv_bytes_median'] / 2**20:.2f} MiB")
-        for key in (LANDED, DECODING, HEAD, TAIL):
+        for key in (POSTED, LANDED, DECODING, HEAD, TAIL):
             if key in split:
                 text += f"; {key} {_ms(split[key])} ms"
     for mode, r in results.items():

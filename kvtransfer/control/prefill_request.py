@@ -11,6 +11,7 @@ state and its writes. Loop thread only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -84,6 +85,8 @@ class PrefillRequest:
         """Post ``chunk``'s writes to each decode rank that reads from this one (``peers``: key
         -> DecodePeer), each with its notification; Transferring. ValueError where the decode
         rank's destination does not fit the tokens sent."""
+        if chunk.last:  # (decode may count its notifications before this call returns)
+            self.status.last_posted_at = time.monotonic()
         new = chunk.layers is None or chunk.layers[0] == 0  # a new chunk of tokens: planned once, whatever its groups
         if new:
             first, self.tokens_sent = self.tokens_sent, self.tokens_sent + chunk.slots.size

@@ -51,6 +51,7 @@ class RequestStatus:
         self._lock = threading.Lock()
         self._on_change = on_change
         self.times = {KVPoll.Bootstrapping: time.monotonic()}  # state -> time.monotonic() it was entered
+        self.last_posted_at: Optional[float] = None  # prefill: time.monotonic() its last chunk's post began
 
     @property
     def state(self) -> KVPoll:

@@ -133,6 +133,7 @@ class KVSent:
     compute_s: float  # admitted -> its first token sampled (the prompt's forward passes)
     sampled_at: float  # time.monotonic() when its first token was sampled (after the last layer)
     digests: Optional[Dict[str, str]] = None
+    posted_at: Optional[float] = None  # time.monotonic() when the post of its last writes began
 
 
 @dataclass(frozen=True)

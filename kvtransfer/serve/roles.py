@@ -73,7 +73,7 @@ class PrefillRole(NodeRole):
         return {"kvtransfer": {"rid": rid, "prompt_tokens": event.prompt_tokens, "first_token": event.first_token,
                                "transfer_s": event.transfer_s, "decode_wait_s": event.wait_s,
                                "queue_s": event.queue_s, "compute_s": event.compute_s, "sampled_at": event.sampled_at,
-                               "digests": event.digests}}, None, None
+                               "posted_at": event.posted_at, "digests": event.digests}}, None, None
 
 
 class DecodeRole(NodeRole):

@@ -283,8 +283,8 @@ class Router:
 
 def _prefill_figures(pre: dict) -> dict:
     """Where prefill's share of the time to first token went (seconds), and when (its host's
-    monotonic clock) the first token was sampled."""
-    return {k: pre.get(k) for k in ("queue_s", "compute_s", "decode_wait_s", "transfer_s", "sampled_at")}
+    monotonic clock) the first token was sampled and the post of the last writes began."""
+    return {k: pre.get(k) for k in ("queue_s", "compute_s", "decode_wait_s", "transfer_s", "sampled_at", "posted_at")}
 
 
 def _check_digests(prefill: Optional[dict], decode: Optional[dict]) -> dict:

@@ -464,7 +464,8 @@ class RankWorker:
             posted = max(s.sent_at, s.sender.status.times.get(KVPoll.Transferring, s.sent_at))
             admitted = req.admitted_at or s.arrived
             self._emit(m.KVSent(rid, req.output_ids[0], len(req.prompt_ids), _ended(s.sender) - posted,
-                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, s.sent_at, digests))
+                                posted - s.sent_at, admitted - s.arrived, s.sent_at - admitted, s.sent_at, digests,
+                                s.sender.status.last_posted_at))
         else:
             self._emit(m.RequestFailed(rid, f"KV transfer failed: {s.sender.failure or 'on another rank'}"))
         self.engine.release(req)

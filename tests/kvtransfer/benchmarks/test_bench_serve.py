@@ -42,12 +42,14 @@ def test_bench_serve_quick_over_two_prompt_spans(tmp_path):
             assert split["prefill compute"] > 0 and split["KV transfer"] > 0 and split["kv_bytes_median"] > 0
             landed = split["first token sampled -> KV landed on decode"]
             assert 0 < landed < split["first token sampled -> in decode's batch"]  # one host: the nodes' clocks are one
+            assert 0 < split["first token sampled -> prefill posts the last writes"] < landed
             # the client runs there too: the way in and the way out, stamped on its clock
             way_in, way_out = split["request sent -> in prefill's queue"], split["KV landed -> first token at the client"]
             assert 0 < way_in < modes[mode]["ttft"]["p50"] and 0 < way_out < modes[mode]["ttft"]["p50"]
             for s in doc["samples"][mode]:
                 assert s["kv"]["kv_bytes"] > 0 and s["kv"]["prefill"]["compute_s"] > 0
-                assert s["kv"]["decoding_at"] > s["kv"]["landed_at"] > s["kv"]["prefill"]["sampled_at"]
+                pre = s["kv"]["prefill"]
+                assert s["kv"]["decoding_at"] > s["kv"]["landed_at"] > pre["posted_at"] > pre["sampled_at"]
         assert (tmp_path / f"{stem}.png").stat().st_size > 10_000
         # the nodes counted the prompt lengths that were drawn: each within the span, up to a word over
         assert all(lo <= s["prompt_tokens"] <= hi + 8 for s in doc["samples"]["colocated"])

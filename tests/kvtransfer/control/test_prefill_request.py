@@ -94,7 +94,9 @@ def test_a_last_chunk_of_no_tokens_plans_nothing_and_writes_no_bytes_with_the_la
     slots = np.arange(4, 9, dtype=np.int64)
     out.post(Chunk(slots, False, None, None, layers=(0, 2)), mine, peers)
     out.post(Chunk(slots, False, None, None, layers=(2, LAYERS)), mine, peers)
+    assert out.status.last_posted_at is None
     out.post(Chunk(slots[:0], True, None, b"token"), mine, peers)
+    assert out.status.last_posted_at >= out.status.times[KVPoll.Transferring]  # the last post's start
     assert planned == [(slots.tolist(), list(range(8, 13)))]
     assert [batch for batch, _ in writes[:2]] == [("rows", 5 * 2 * 2)] * 2  # 5 tokens x K, V x 2 layers
     last, note = writes[2]

@@ -43,9 +43,10 @@ def test_completions_equal_the_colocated_node_with_verified_kv(cluster, prompt, 
     assert out["kvtransfer"]["verified"] is True and out["kvtransfer"]["layers"] == _layers(cluster.model)
     assert out["choices"][0]["text"] == b.json()["choices"][0]["text"]
     assert out["usage"]["prompt_tokens"] > (16 if prompt == LONG else 0)
-    # the nodes stamp, on the clock of this host, the first token sampled and the KV landed on decode
+    # the nodes stamp, on the clock of this host, the first token sampled, the last writes posted
+    # and the KV landed on decode
     kv = out["kvtransfer"]
-    assert kv["prefill"]["sampled_at"] < kv["landed_at"] < time.monotonic()
+    assert kv["prefill"]["sampled_at"] < kv["prefill"]["posted_at"] < kv["landed_at"] < time.monotonic()
 
 
 def test_streamed_chat_through_the_router(cluster):
