@@ -90,7 +90,9 @@ write to them can still land:
 
 - ``DONE``: every byte has landed; nothing of the transfer lands later.
 - ``abort()`` returns only once the backend no longer runs the transfer (nixl: NIXL reports
-  the request no longer in progress), so nothing of it lands after ``abort()`` returns. It
+  the request no longer in progress), so nothing of it lands after ``abort()`` returns
+  (NVLink's returns at once, its copy possibly still queued on the GPU: ``cancel()`` below
+  says when it ended). It
   waits at most until the transfer's peer-loss deadline; a peer that does not progress it by
   then is *lost* (below). ``Peer.close()`` aborts its pending transfers the same way.
   ``cancel()`` is the same without the wait: the transfer stays ``PENDING`` until nothing of it
@@ -238,13 +240,15 @@ class Transfer(abc.ABC):
     def abort(self) -> None:
         """Cancel if still pending (status becomes FAILED, error starting 'aborted'); else
         no-op. Returns once no byte of the transfer can still land, or once its peer counts as
-        lost (see "What FAILED and abort() guarantee" in the module docstring)."""
+        lost (see "What FAILED and abort() guarantee" in the module docstring). NVLink's
+        returns at once: its copy, queued on the GPU, may still run (its :meth:`cancel` says
+        when it no longer can)."""
 
     def cancel(self) -> None:
         """:meth:`abort` without waiting, for a caller that serves others meanwhile (a control
         loop): the transfer ends FAILED ("aborted") once no byte of it can still land, and until
-        then ``status()`` says PENDING. NIXL's writes (direct and staged) implement it; other
-        transfers (NVLink, whose abort waits for its own device's copies) abort here."""
+        then ``status()`` says PENDING. NIXL's writes (direct and staged) and NVLink's
+        implement it; other transfers abort here."""
         self.abort()
 
     def wait(self, timeout: Optional[float] = None) -> None:

@@ -71,6 +71,7 @@ class NvlinkTransfer(Transfer):
     # advance the FIFO itself, so deadlines hold even if that thread is stuck.
     max_poll_sleep_s = 0.0
     WAIT_SLICE_S = 0.01
+    DRAIN_PAUSE_S = 1e-4  # wait() of a cancelled transfer: the pause between looks at its copy's event
 
     def __init__(self, queue: "PendingQueue", event, notify: Optional[bytes], keep=(), error: Optional[str] = None):
         self._queue = queue
@@ -82,6 +83,7 @@ class NvlinkTransfer(Transfer):
         self._status = TransferStatus.FAILED if error else TransferStatus.PENDING
         self._error = error
         self._settled: Optional[threading.Lock] = None  # made by the first wait(), held until settled
+        self._draining = False  # cancelled: PENDING until the aborted copy's event completed (cancel)
 
     @property
     def event(self):
@@ -92,6 +94,10 @@ class NvlinkTransfer(Transfer):
     def status(self) -> TransferStatus:
         if self._status is TransferStatus.PENDING:
             self._queue.advance()
+        if self._draining:
+            if running(self._event):
+                return TransferStatus.PENDING
+            self._draining = False
         return self._status
 
     @property
@@ -102,6 +108,9 @@ class NvlinkTransfer(Transfer):
         """:meth:`wait` sleeps on the settled lock -- no core busy -- at most WAIT_SLICE_S at a
         time (then it advances the FIFO itself)."""
         def pause(left: Optional[float]) -> None:
+            if self._draining:  # settled already: the aborted copy's end is only seen by a query
+                time.sleep(self.DRAIN_PAUSE_S if left is None else min(self.DRAIN_PAUSE_S, left))
+                return
             settled = self._settled_lock()
             if settled.acquire(timeout=self.WAIT_SLICE_S if left is None else min(self.WAIT_SLICE_S, left)):
                 self._open(settled)  # open for good: other waiters pass too
@@ -123,9 +132,18 @@ class NvlinkTransfer(Transfer):
         return self._settled
 
     def abort(self) -> None:
+        """Fail the transfer now ("aborted"; its notification is withdrawn, never handed out).
+        Its copy, queued on the GPU, may still run and write until its event completes:
+        :meth:`cancel` says when it no longer can."""
         with self._queue.lock:
             if self._status is TransferStatus.PENDING:
                 self._fail("aborted")
+
+    def cancel(self) -> None:
+        """:meth:`abort`, and ``status()`` PENDING until the aborted copy's event has completed
+        (or errored): until then its bytes may still land, so its destination is not free yet."""
+        self.abort()
+        self._draining = self._status is TransferStatus.FAILED and self._event is not None
 
     def _fail(self, why: str) -> None:
         if self._number is not None and not self._queue.withdraw(self._number):

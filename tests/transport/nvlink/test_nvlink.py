@@ -29,6 +29,7 @@ from transport.base import (
     Region,
     TransferFailed,
     TransferStatus,
+    TransferTimeout,
     TransportClosed,
     WriteBatch,
     pack_descriptor,
@@ -621,6 +622,36 @@ def test_an_aborted_or_timed_out_copy_never_notifies_and_the_next_one_does(cpu_p
     assert "did not complete" in late.error
     late._event.fired = True  # ends after all: its notification stays withdrawn
     assert _drain(inbox, 3, timeout=0.5) == [Notification("cpu-writer", b"fine")]
+
+
+def test_a_cancelled_transfer_is_pending_until_its_copy_ends_and_never_notifies(cpu_peer):
+    """cancel(): the transfer fails at once (its notification withdrawn), but says PENDING while
+    its copy, queued on the GPU, may still write into the destination; FAILED ("aborted") once
+    the copy's event has completed. A done transfer stays done."""
+    queue, inbox = cpu_peer
+    cancelled = queue.track(NvlinkTransfer(queue, _Event(), b"cancelled"))
+    after = queue.track(NvlinkTransfer(queue, _Event(), b"after"))
+    cancelled.cancel()
+    assert cancelled.status() is TransferStatus.PENDING
+    with pytest.raises(TransferTimeout):
+        cancelled.wait(timeout=0.05)
+    cancelled._event.fired = True
+    assert cancelled.status() is TransferStatus.FAILED and cancelled.error == "aborted"
+    after._event.fired = True
+    assert after.status() is TransferStatus.DONE
+    after.cancel()
+    assert after.status() is TransferStatus.DONE
+    assert _drain(inbox, 2, timeout=0.5) == [Notification("cpu-writer", b"after")]
+
+
+def test_a_cancelled_transfer_wait_ends_failed_once_its_copy_ends(cpu_peer):
+    queue, _ = cpu_peer
+    t = queue.track(NvlinkTransfer(queue, _Event(), b"cancelled"))
+    t.cancel()
+    threading.Timer(0.05, lambda: setattr(t._event, "fired", True)).start()
+    with pytest.raises(TransferFailed, match="aborted"):
+        t.wait(timeout=5)
+    assert t._event.query()  # it ended before wait() did
 
 
 def test_failed_transfers_hold_their_tables_until_the_copy_ends(cpu_peer):
