@@ -216,7 +216,7 @@ class PrefillKVManager(BaseKVManager):
         self.incarnation = uuid.uuid4().hex
         self.endpoints = Endpoints(transports, kv_infos, state_infos, device)
         self._device = device  # the pools' GPU (None: host memory)
-        self._post_stream = None  # where writes of KV still computing are posted from (_after)
+        self._post_stream = None  # where writes of KV still computing are posted from (_ready)
         self.host = host_id or default_host_id()  # this host's identity in registrations
         self.process = ProcessId.mine()
         self._ctx = zmq.Context()
@@ -334,54 +334,39 @@ class PrefillKVManager(BaseKVManager):
             return
         try:
             while out.chunks:
-                if not self._computed(out, out.chunks[0]):
+                where = self._ready(out, out.chunks[0])
+                if where is None:
                     return
                 chunk = out.chunks.pop(0)
-                with self._after(out, chunk):
+                with where:
                     out.post(chunk, self.layout, self._decode)
                 self._moving.add(rid)
         except (ValueError, TypeError, TransportError) as exc:  # bad slots, a peer gone, a closed transport
             self._fail(rid, f"cannot write: {exc}")
 
-    def _computed(self, out: PrefillRequest, chunk: Chunk) -> bool:
-        """Whether the chunk's writes may be posted: its KV is complete, or every transport it
-        goes through reads it in device order (:meth:`_after`); if not, the request waits in
-        ``_computing`` (failed when the engine's stream did: its KV never comes)."""
+    def _ready(self, out: PrefillRequest, chunk: Chunk):
+        """The context the chunk's writes may be posted in now, else None. Its KV complete: as
+        it is. Still computing, every transport it goes through reading in device order
+        (``Peer.orders_on_device``: NVLink): this manager's post stream, made to wait for the
+        chunk's event, so the copies start on the GPU as soon as the KV is computed, with no
+        host poll between. Else the request waits in ``_computing`` (failed when the engine's
+        stream did: its KV never comes)."""
         try:
-            if chunk.computed is None or self._device_ordered(out) or chunk.computed.query():
-                return True
+            if chunk.computed is None or chunk.computed.query():
+                return contextlib.nullcontext()
         except RuntimeError as exc:  # a CUDA error on the engine's stream
             self._fail(out.request_id, f"the engine's stream failed before a chunk's KV was computed: {exc}")
-            return False
-        self._computing.add(out.request_id)
-        return False
-
-    def _device_ordered(self, out: PrefillRequest) -> bool:
-        """Whether every decode rank ``out`` writes to is reached through a transport that reads
-        in device order (``Peer.orders_on_device``: NVLink)."""
+            return None
         peers = (self._decode.get(key) for key in out.dests)
-        return all(p.peer.orders_on_device() for p in peers if p is not None and p.reads_from_me)
+        if all(p.peer.orders_on_device() for p in peers if p is not None and p.reads_from_me):
+            import torch
 
-    def _after(self, out: PrefillRequest, chunk: Chunk):
-        """The context a chunk's writes are posted in: where its KV may still be computing
-        (device-ordered transports), the current stream is this manager's post stream, made to
-        wait for the chunk's event, so the copies start on the GPU as soon as the KV is
-        computed, with no host poll between; else nothing changes (a chunk computed already,
-        such as the last one, sent after the host read its first token, skips the stream
-        switch, which costs more than the event's query)."""
-        if chunk.computed is None or not self._device_ordered(out):
-            return contextlib.nullcontext()
-        try:
-            if chunk.computed.query():
-                return contextlib.nullcontext()
-        except RuntimeError:  # the engine's stream failed: the copies, ordered after it, fail too
-            pass
-        import torch
-
-        if self._post_stream is None:
-            self._post_stream = torch.cuda.Stream(self._device)
-        self._post_stream.wait_event(chunk.computed)
-        return torch.cuda.stream(self._post_stream)
+            if self._post_stream is None:
+                self._post_stream = torch.cuda.Stream(self._device)
+            self._post_stream.wait_event(chunk.computed)
+            return torch.cuda.stream(self._post_stream)
+        self._computing.add(out.request_id)
+        return None
 
     def _stream_mark(self):
         """The caller's current CUDA stream as of now, for a chunk's KV on the GPU (a recorded

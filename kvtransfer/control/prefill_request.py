@@ -58,7 +58,11 @@ class PrefillRequest:
     chunk_plans: dict = field(default_factory=dict)  # decode key -> (src, dst, plan) of the chunk being sent
     writes: dict = field(default_factory=dict)  # decode key -> writes posted
     inflight: list = field(default_factory=list)  # [(Transfer, decode key)]
-    last_posted: bool = False
+
+    @property
+    def last_posted(self) -> bool:
+        """Whether the last chunk's writes were posted (its post stamps ``status.last_posted_at``)."""
+        return self.status.last_posted_at is not None
 
     @property
     def ready(self) -> bool:
@@ -123,7 +127,6 @@ class PrefillRequest:
                 note = KVArrived(request_id=self.request_id, part=part, seq=seq, total=seq + 1 if final else 0,
                                  aux=bytes(aux)).to_msgpack()
                 self.inflight.append((write_batch(peer.peer, batch, note), key))
-        self.last_posted |= chunk.last
         self.status.advance(KVPoll.Transferring)
 
     def _plan(self, key: tuple, peer, slots: np.ndarray, first: int, mine: RankLayout) -> tuple:
