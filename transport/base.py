@@ -415,6 +415,13 @@ class Transport(abc.ABC):
         """Notifications delivered since the last call (see :class:`Notification`); each
         sender's in the order it posted them."""
 
+    def notification_fd(self) -> Optional[int]:
+        """A file descriptor that turns readable when :meth:`poll_notifications` may have new
+        notifications, and that the call clears: a receiver may sleep in ``select``/``poll`` on
+        it, with its other descriptors, instead of calling at short intervals. None (here): the
+        backend has none, the receiver polls."""
+        return None
+
     def writer_gone(self, name: str) -> Optional[str]:
         """Why no write of the transport named ``name`` (a peer connected to this one's export)
         can land here any more -- it let go of the export, or it is known dead -- else None (it

@@ -192,7 +192,7 @@ class DecodeKVManager(BaseKVManager):
         self._closing = False  # set by close(): a Goodbye then answers ours
         self._handlers = {HelloAck: self._on_ack, Heartbeat: self._on_heartbeat, NotConnected: self._on_not_connected,
                           AbortRequest: self._on_abort, Goodbye: self._on_goodbye, Quiesced: self._on_quiesced}
-        self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick)
+        self._loop = EventLoop(f"kvt-decode{layout.tp_rank}", {}, self._tick, fds=self.endpoints.notification_fds())
         self._ranks = PrefillRanks(self, self._loop, self._on_socket)
         for reg in topo.rank_infos():  # every prefill rank: those it does not read from are told too
             self._ranks.connect(reg)

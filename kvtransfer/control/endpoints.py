@@ -42,6 +42,10 @@ class Endpoints:
             self.release()
             raise
 
+    def notification_fds(self) -> list:
+        """The transports' :meth:`~transport.base.Transport.notification_fd`, those that have one."""
+        return [fd for fd in (t.notification_fd() for t in self.transports.values()) if fd is not None]
+
     def wire(self) -> list:
         """``Endpoint.to_wire()`` of each transport, for a registration or a hello."""
         return [Endpoint(b, t.name, t.export(), self.regions[b].to_wire()).to_wire()

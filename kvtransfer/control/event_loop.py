@@ -1,7 +1,8 @@
 """A KV manager's one background thread: :class:`EventLoop`.
 
-It polls the manager's ZeroMQ sockets and a wake pipe, runs jobs the owner's threads queue,
-and calls the manager's ``tick`` for timers and in-flight transfers. Every transport and
+It polls the manager's ZeroMQ sockets, a wake pipe and its transports' notification
+descriptors, runs jobs the owner's threads queue, and calls the manager's ``tick`` for timers
+and in-flight transfers. Every transport and
 socket call happens in one of its turns, one turn at a time (transports are single-threaded
 by contract): on the loop thread, or, for a job called ``inline`` while the loop is between
 turns, on the caller's thread under the same turn lock.
@@ -17,7 +18,7 @@ import select
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import zmq
 
@@ -89,7 +90,10 @@ class EventLoop:
     ``handlers`` maps a ZeroMQ socket to the function that drains it; ``tick()`` runs after
     every wake-up and returns how long (seconds) the loop may sleep next (short while
     transfers are in flight: a pause under 1 ms sleeps instead of spinning, which on a small
-    machine would take the core the other ranks need). Jobs run in submission order, one turn
+    machine would take the core the other ranks need). ``fds``: more descriptors that end a
+    pause when they turn readable -- the transports' :meth:`~transport.base.Transport.notification_fd`,
+    which the tick clears as it polls them: a landed notification is then read as it lands,
+    not at the end of the pause. Jobs run in submission order, one turn
     at a time; ``call`` returns a Future of the job's result.
 
     A *turn* (queued jobs, the handlers of readable sockets, the tick) holds the loop's turn
@@ -104,8 +108,9 @@ class EventLoop:
     descriptors only signal that a socket's state may have changed: a turn asks each socket
     whether it holds a message, and the loop does not wait while one does."""
 
-    def __init__(self, name: str, handlers: dict, tick: Callable[[], float]):
+    def __init__(self, name: str, handlers: dict, tick: Callable[[], float], fds: Iterable[int] = ()):
         self._handlers, self._tick = dict(handlers), tick
+        self._more_fds = list(fds)
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = WakePipe()
         self._sock_fds = {sock: sock.getsockopt(zmq.FD) for sock in self._handlers}  # socket -> its descriptor
@@ -113,6 +118,7 @@ class EventLoop:
         self._turn = threading.Lock()  # held by the running turn (loop thread or an inline call)
         self._owner: Optional[int] = None  # the thread that holds it
         self._fds: list = []  # what the loop waits on between turns (_watch)
+        self._socket_fds: list = []  # the sockets' of them
         self._watch()
         self._holding = False  # a socket held a message at the end of the last turn
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -175,9 +181,10 @@ class EventLoop:
             self._watch()
 
     def _watch(self) -> None:
-        """The descriptors the loop waits on: the wake pipe's, then the sockets' (a new list: the
-        loop may be waiting on the old one)."""
-        self._fds = [self._wake.fd, *self._sock_fds.values()]
+        """The descriptors the loop waits on: the wake pipe's, the sockets', the others given
+        (new lists: the loop may be waiting on the old one)."""
+        self._socket_fds = list(self._sock_fds.values())
+        self._fds = [self._wake.fd, *self._socket_fds, *self._more_fds]
 
     def _run(self) -> None:
         precise_sleeps()
@@ -238,7 +245,7 @@ class EventLoop:
         message: it held one after the last turn, or its descriptor signalled since (a select
         costs a fraction of asking a socket, ~40 us on a small machine)."""
         try:
-            signalled = self._holding or bool(select.select(self._fds[1:], [], [], 0)[0])
+            signalled = self._holding or bool(select.select(self._socket_fds, [], [], 0)[0])
         except (OSError, ValueError):  # a socket closed since the list was made
             signalled = True
         if not signalled:

@@ -242,7 +242,8 @@ class PrefillKVManager(BaseKVManager):
         self._decode = self._ranks.peers  # (instance, tp_rank) -> DecodePeer
         self._handlers = {Heartbeat: self._ranks.answer_heartbeat, TransferRequest: self._on_request,
                           AbortRequest: self._on_abort, Goodbye: self._ranks.leave}  # a connected rank's messages
-        self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick)
+        self._loop = EventLoop(f"kvt-prefill{layout.tp_rank}", {self._router: self._on_router}, self._tick,
+                               fds=self.endpoints.notification_fds())
         self._bootstrap = BootstrapClient(bootstrap)
         try:
             self._bootstrap.register(RegisterPrefill(

@@ -34,7 +34,9 @@ than ``NvlinkConfig.lander_spin_us`` (then every 20 us, and once all have waited
 us before it sleeps, so that a write that follows soon finds it awake. The window is
 process-wide, the smallest any transport asked for (:func:`ask_spin`). The thread starts with
 the first lander and ends when the last one closes. A caller that finds the copy already
-complete (the write call's first look) stores the word itself (:meth:`Lander.land`). A
+complete (the write call's first look) stores the word itself (:meth:`Lander.land`). Each
+store rings the receiver's doorbell when the outbox got one (:meth:`Lander.ring`; the mailbox's
+module doc says why). A
 notification being withdrawn (:meth:`Lander.withdraw`) stops the thread at it -- nothing past
 it is stored -- until the receiver was sent its ``Dropped`` and :meth:`Lander.release` lets it
 go on; one whose number the thread stored already cannot be withdrawn (the receiver may have
@@ -163,6 +165,11 @@ class Lander:
         self._native.lander_watch(self._handle, number, event.cuda_event, device)
         self._events.append((number, event))
         self._forget_passed()
+
+    def ring(self, bell: int) -> None:
+        """Ring the eventfd ``bell`` (the receiver's doorbell) after each store from now on: the
+        thread keeps its own duplicate of the fd, closed with the lander."""
+        self._native.lander_bell(self._handle, bell)
 
     def land(self) -> None:
         """Store now, from this thread, the watched numbers whose events have completed (in

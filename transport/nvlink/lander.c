@@ -12,7 +12,12 @@
  * A notification being withdrawn (its write failed or was aborted) is HELD: its queue stops at
  * it, storing nothing past it, until Python has sent the receiver its Dropped and releases it
  * (SKIP); then it goes on. A number <= landed was stored and can no longer be withdrawn. The
- * events stay Python's: it keeps each one alive until `passed` reaches its number. */
+ * events stay Python's: it keeps each one alive until `passed` reaches its number.
+ *
+ * A lander may hold the receiver's doorbell (lander_bell): an eventfd that each store rings
+ * (adds 1 to), so that a receiver asleep in select/poll wakes as the word moves instead of at
+ * its next look. The lander keeps its own duplicate of the fd and closes it once closed: no
+ * store, and so no ring, follows lander_stop. */
 
 enum { WATCHING = 0, HELD = 1, SKIP = 2 };
 #define CUDA_ERROR_NOT_READY 600
@@ -40,6 +45,7 @@ typedef struct lander {
     uint64_t front;        /* the front the thread last looked at, and since when (its wait) */
     long long front_since;
     int closed;
+    int bell;  /* the receiver's doorbell (an eventfd, this lander's own duplicate), or -1 */
     struct lander *prev, *next;  /* in `landers` while open */
 } lander;
 
@@ -79,6 +85,10 @@ static void fork_child(void) {
     for (lander *l = landers; l != NULL; l = l->next) {
         l->closed = 1;
         l->busy = 0;
+        if (l->bell >= 0) {
+            close(l->bell);
+            l->bell = -1;
+        }
     }
     landers = NULL;
     running = 0;
@@ -105,11 +115,19 @@ static void pop_front(lander *l) {
     pthread_cond_broadcast(&cv);  /* for lander_wait (no system call while nobody waits) */
 }
 
-/* The front's copy has ended: its number into the word (one release store), then it goes. */
+/* The front's copy has ended: its number into the word (one release store), the receiver's
+ * doorbell rung after it (a receiver woken by the ring reads the word past the store), then it
+ * goes. The bell is non-blocking: a full counter (never, at 2^64 - 2) would refuse the ring,
+ * and the receiver finds the word at its next look. */
 static void store_front(lander *l) {
     uint64_t number = l->ring[l->head].number;
     __atomic_store_n(l->word, number, __ATOMIC_RELEASE);
     l->landed = number;
+    if (l->bell >= 0) {
+        uint64_t one = 1;
+        ssize_t rang = write(l->bell, &one, sizeof one);
+        (void)rang;
+    }
     pop_front(l);
 }
 
@@ -230,6 +248,10 @@ static void lander_stop(lander *l) {
         return;
     }
     l->closed = 1;
+    if (l->bell >= 0) {  /* no store follows: nothing rings it again */
+        close(l->bell);
+        l->bell = -1;
+    }
     if (l->prev != NULL)
         l->prev->next = l->next;
     else
@@ -282,6 +304,7 @@ static PyObject *lander_new(PyObject *self, PyObject *arg) {
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     l->word = word;
+    l->bell = -1;
     l->ring = ring;
     l->cap = 64;
     pthread_mutex_lock(&mu);
@@ -489,6 +512,28 @@ static PyObject *lander_spin(PyObject *self, PyObject *arg) {
     pthread_cond_broadcast(&cv);  /* a napping thread looks again under the new window */
     pthread_mutex_unlock(&mu);
     return PyLong_FromLongLong(was);
+}
+
+/* Ring the eventfd `fd` after each store from now on (a duplicate is kept: the caller closes
+ * its own); a lander rings one bell, a second call replaces the first. Closed: nothing. */
+static PyObject *lander_bell(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    lander *l;
+    long long fd;
+    if (!check_nargs("lander_bell", nargs, 2) || (l = as_lander(args[0])) == NULL || !as_i64(args[1], &fd))
+        return NULL;
+    if (fd < 0 || fd > INT_MAX)
+        return PyErr_Format(PyExc_ValueError, "lander_bell(): no file descriptor %lld", fd);
+    int mine = fcntl((int)fd, F_DUPFD_CLOEXEC, 0);
+    if (mine < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_mutex_lock(&mu);
+    int old = l->closed ? mine : l->bell;
+    if (!l->closed)
+        l->bell = mine;
+    pthread_mutex_unlock(&mu);
+    if (old >= 0)
+        close(old);
+    Py_RETURN_NONE;
 }
 
 static PyObject *lander_close(PyObject *self, PyObject *capsule) {

@@ -27,6 +27,19 @@ copy event, without the GIL (:meth:`Outbox.land_with`, :class:`~transport.nvlink
 a failed write's notification is then withdrawn at once (:meth:`Outbox.withdraw`), the thread
 held at it until the Dropped is sent.
 
+The doorbell
+------------
+A receiver that sleeps between looks (a KV manager's loop waits up to 0.2 ms in ``select``
+while transfers are in flight) would see a landed word only at its next look. So the inbox
+makes one *bell*, an eventfd (:attr:`Inbox.bell`), and sends it to each writer with its first
+frame back (the Hello's answer, ``SCM_RIGHTS``); the writer rings it (adds 1) after each store
+of its word, or after each notification it sends whole (:meth:`Outbox.settle`; the C lander
+after its own stores, :meth:`~transport.nvlink.landed.Lander.ring`). The receiver waits on the
+bell with its other descriptors; :meth:`Inbox.poll` clears it before it reads the words, so a
+store after that read rings again. A writer takes the fd only if it is an eventfd in
+non-blocking mode (a ring never blocks it); a receiver without one (no eventfd on this system)
+sends none, and its writers ring nothing.
+
 The receiver writes revocation messages back on the same connection
 (:class:`~transport.revocation.wire.HoldAck`, :class:`~transport.revocation.wire.Revoke`);
 the writing transport's mailbox thread reads them (:mod:`transport.nvlink.revoke`) and notes
@@ -81,6 +94,23 @@ def _receive(fd: int, buf: bytearray) -> bool:
         if not chunk:
             return False
         buf += chunk
+
+
+def _new_bell() -> Optional[int]:
+    """An inbox's doorbell: a non-blocking eventfd, or None where the system has none."""
+    try:
+        return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+
+
+def _is_bell(fd: int) -> bool:
+    """``fd`` is an eventfd in non-blocking mode (what a receiver's bell must be: ringing it
+    never blocks the writer)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]" and not os.get_blocking(fd)
+    except OSError:
+        return False
 
 
 def _framed(payload: bytes) -> bytes:
@@ -139,6 +169,7 @@ class _Connection:
         self.received = 0  # notifications read (number k is the k-th)
         self.held: deque[tuple[int, bytes]] = deque()  # [(number, payload)] read, not yet landed
         self.dropped: set[int] = set()  # held numbers withdrawn by the writer
+        self.fds: list[int] = []  # to go with the next bytes sent (the inbox's bell, with the first)
 
     def send(self, payload: bytes) -> None:
         """Queue one frame to the writer and send what the socket takes now (the rest at the
@@ -149,7 +180,11 @@ class _Connection:
     def flush(self) -> None:
         while self.out:
             try:
-                n = self.sock.send(self.out)
+                if self.fds:
+                    n = socket.send_fds(self.sock, [bytes(self.out)], self.fds)
+                    self.fds = []
+                else:
+                    n = self.sock.send(self.out)
             except BlockingIOError:
                 return
             except OSError:
@@ -179,10 +214,16 @@ class Inbox:
         # read that fails (an exception each in Python)
         self._poller = select.poll()
         self._poller.register(self._sock.fileno(), select.POLLIN)
+        self.bell: Optional[int] = _new_bell()  # readable once a writer stored its word (module doc)
 
     def poll(self) -> list[Notification]:
         """The notifications whose bytes are in place, received since the last call, per
-        connection in sending order."""
+        connection in sending order; clears :attr:`bell` first."""
+        if self.bell is not None:
+            try:
+                os.eventfd_read(self.bell)
+            except BlockingIOError:  # nobody rang
+                pass
         for conn in self._conns:  # the words first, then the socket (module doc)
             if conn.word is not None:
                 conn.mark = conn.word.read()
@@ -255,6 +296,8 @@ class Inbox:
             if not isinstance(msg, wire.Hello) or conn.word_error:
                 return False
             conn.name = msg.name
+            if self.bell is not None:
+                conn.fds = [self.bell]  # with the Hello's answer
             if self.listener is not None:
                 self.listener.hello(conn, msg)
         elif frame.startswith(wire.MAGIC):
@@ -282,6 +325,9 @@ class Inbox:
         self._conns.clear()
         self._sock.close()
         self._poller = select.poll()  # watches nothing (the closed sockets' numbers may be reused)
+        if self.bell is not None:
+            os.close(self.bell)
+            self.bell = None
 
 
 class Outbox:
@@ -307,6 +353,8 @@ class Outbox:
         self._settled = 0  # the highest number settled (what the word says)
         self._word: Optional[SharedWord] = None
         self._lander = None  # the thread that stores the word instead of settle() (land_with)
+        self._bell: Optional[int] = None  # the receiver's doorbell, rung after each settle (module doc)
+        self._first = True  # nothing read from the receiver yet: its bell may come with it
         try:
             if ORDERED if landed_word is None else landed_word:
                 self._word = SharedWord()  # how many notifications landed (module doc)
@@ -338,6 +386,8 @@ class Outbox:
         takes its place). Nothing without a word. Called before the first announcement."""
         if self._word is not None and self._announced == 0:
             self._lander = make(self._word)
+            if self._bell is not None:
+                self._lander.ring(self._bell)
 
     @property
     def watching(self) -> bool:
@@ -370,11 +420,41 @@ class Outbox:
         return self._sock.fileno()
 
     def receive(self) -> list[bytes]:
-        """The whole frames the peer sent since the last call (without blocking); at the peer's
-        end of the connection, :attr:`lost` is set."""
+        """The whole frames the peer sent since the last call (without blocking: called when
+        the socket is readable); at the peer's end of the connection, :attr:`lost` is set. The
+        first bytes may bring the receiver's bell (:attr:`rings`)."""
+        if self._first and not self._receive_bell():
+            self.lost = True
         if not _receive(self._sock.fileno(), self._buf):
             self.lost = True
         return _frames(self._buf)
+
+    def _receive_bell(self) -> bool:
+        """Read the first bytes the receiver sent and the fd that comes with them, kept as the
+        bell if it is a non-blocking eventfd (else closed: no bell); False at the connection's
+        end. One ``recvmsg``: the socket is readable, so it does not wait."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self._sock, 1 << 16, 1)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        self._first = False
+        for fd in fds:
+            if self._bell is None and _is_bell(fd):
+                with self._send_lock:
+                    self._bell = fd
+                if self._lander is not None:
+                    self._lander.ring(fd)
+            else:
+                os.close(fd)
+        self._buf += data
+        return bool(data)
+
+    @property
+    def rings(self) -> bool:
+        """The receiver's bell came: each settle rings it."""
+        return self._bell is not None
 
     def announce(self, payload: bytes, event=None) -> int:
         """Send a notification whose bytes have not landed yet; return its number, which
@@ -448,6 +528,10 @@ class Outbox:
         if self._word is not None:
             self._word.store(number)
         self._settled = number
+        if self._bell is not None:
+            with self._send_lock:  # not into a closed (or reused) fd
+                if self._bell is not None:
+                    os.eventfd_write(self._bell, 1)
 
     def send(self, payload: bytes) -> None:
         """A notification whose bytes are in place: announced and settled at once (every
@@ -480,3 +564,7 @@ class Outbox:
             self._lander.close()  # before the word goes: its thread stores into it
         if self._word is not None:
             self._word.close()
+        with self._send_lock:
+            bell, self._bell = self._bell, None
+        if bell is not None:
+            os.close(bell)

@@ -35,7 +35,7 @@
  * event_create() / event_destroy(event)
  *     a raw event without timing, as an int.
  * lander_new(word_addr) and lander_watch / lander_land / lander_withdraw / lander_release /
- * lander_landed / lander_passed / lander_wait / lander_close
+ * lander_landed / lander_passed / lander_wait / lander_bell / lander_close
  *     a queue of notifications whose numbers one thread of the process (no Python, no GIL,
  *     shared by every lander) stores into a mailbox's landed word once each one's copy event
  *     completed, in order (lander.c; transport/nvlink/landed.py, Lander, says what each
@@ -54,12 +54,14 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef void *CUstream;
@@ -643,6 +645,8 @@ static PyMethodDef methods[] = {
     {"lander_wait", (PyCFunction)(void (*)(void))lander_wait, METH_FASTCALL,
      "Wait until the thread is past a number (True), a timeout (False) or the close (None)."},
     {"lander_passed", lander_passed, METH_O, "The highest number the thread is done with."},
+    {"lander_bell", (PyCFunction)(void (*)(void))lander_bell, METH_FASTCALL,
+     "Ring an eventfd (the receiver's doorbell) after each store."},
     {"lander_close", lander_close, METH_O, "Close a lander (nothing is stored for it after it)."},
     {"lander_spin", lander_spin, METH_O, "Set how long the thread looks without pause (ns); the old value."},
     {NULL, NULL, 0, NULL},

@@ -195,6 +195,12 @@ class NvlinkTransport(Transport):
         self._check_open()
         return self._inbox.poll()
 
+    def notification_fd(self) -> Optional[int]:
+        """See :meth:`Transport.notification_fd`: the inbox's bell, which each writer rings
+        as its landed word moves (:mod:`transport.nvlink.mailbox`, "The doorbell")."""
+        self._check_open()
+        return self._inbox.bell
+
     def writer_gone(self, name: str) -> Optional[str]:
         """See :meth:`Transport.writer_gone`: every mailbox connection of ``name`` ended (it
         closed those peers, or its process is gone), as the inbox read it."""

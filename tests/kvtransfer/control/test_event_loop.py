@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import threading
@@ -82,6 +83,38 @@ def test_a_job_queued_without_a_wake_waits_for_the_next_turn():
         assert (lazy.result(timeout=30), woken.result(timeout=30)) == ("first", "second")
     finally:
         loop.close()
+
+
+def test_a_descriptor_given_to_the_loop_ends_its_pause_and_the_tick_clears_it():
+    """``fds``: a transport's notification descriptor turning readable wakes the loop from its
+    tick's long pause (the tick, which polls the transport, clears it); a rung bell is one
+    tick, not a spin."""
+    bell = os.eventfd(0, os.EFD_NONBLOCK)
+    ticks = []
+
+    def tick():
+        try:
+            os.eventfd_read(bell)  # what a transport's poll_notifications() does
+        except BlockingIOError:
+            pass
+        ticks.append(time.monotonic())
+        return LONG_S
+
+    loop = EventLoop("test-loop", {}, tick, fds=[bell])
+    loop.start()
+    try:
+        _settled(loop, ticks)
+        before = len(ticks)
+        os.eventfd_write(bell, 1)
+        deadline = time.monotonic() + 30
+        while len(ticks) == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(ticks) == before + 1, "the rung descriptor did not wake the loop from its pause"
+        time.sleep(0.2)
+        assert len(ticks) == before + 1, "the loop turned again with nothing rung"
+    finally:
+        loop.close()
+        os.close(bell)
 
 
 def test_a_lazy_job_runs_before_the_message_that_wakes_the_loop(sockets):

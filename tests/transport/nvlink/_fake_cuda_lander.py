@@ -285,6 +285,56 @@ def main() -> None:
     spin_view.close()
     spin_word.close()
     print(f"spin ({napping} looks, {naps} naps; {spinning} looks without pause, {spun_naps} naps)")
+
+    # the receiver's doorbell: each store rings it (after the word moved), by the thread or by
+    # the caller's lander_land; nothing rings while the copy runs; the lander's own duplicate
+    # of the fd is closed with it
+    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    bell_word = SharedWord()
+    bell_view = WordView(bell_word.fd)
+    rung = steps.lander_new(bell_word.address)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    steps.lander_bell(rung, bell)
+
+    def rings() -> int:
+        try:
+            return os.eventfd_read(bell)
+        except BlockingIOError:
+            return 0
+
+    steps.lander_watch(rung, 1, event(700), 0)
+    stays("no ring while the copy runs", lambda: rings() == 0)
+    flags[700] = DONE
+    until("the store rings the bell", lambda: bell_view.read() == 1 and rings() == 1)
+    steps.lander_watch(rung, 2, event(701), 0)
+    steps.lander_watch(rung, 3, event(702), 0)
+    flags[701] = flags[702] = DONE
+    steps.lander_land(rung)  # whichever of it and the thread stores a number rings for it
+    until("each store rings once", lambda: bell_view.read() == 3)
+    got = rings()
+    assert got == 2, f"two stores rang {got} times"
+    for bad, error in ((-1, ValueError), (2 ** 31, ValueError)):
+        try:
+            steps.lander_bell(rung, bad)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"lander_bell took fd {bad}")
+    spare = os.open("/dev/null", os.O_RDONLY)
+    os.close(spare)  # a number no file holds
+    try:
+        steps.lander_bell(rung, spare)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("lander_bell took a closed fd")
+    assert len(os.listdir("/proc/self/fd")) == fds_before + 1, "the lander keeps one duplicate of the bell"
+    steps.lander_close(rung)
+    assert len(os.listdir("/proc/self/fd")) == fds_before, "the lander's duplicate of the bell outlived it"
+    os.close(bell)
+    bell_view.close()
+    bell_word.close()
+    print("bell")
     for v, w in zip(views, words):
         v.close()
         w.close()

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from typing import Optional
@@ -153,6 +154,10 @@ class StandInLander:
         self.refuse = False
         self.passing = threading.Condition()  # notified whenever a number is passed
         self.awaited = 0  # how often something waited in awaiting()
+        self.bell = None  # the receiver's doorbell, rung after each store (ring)
+
+    def ring(self, bell: int) -> None:
+        self.bell = os.dup(bell)  # the lander's own, as the C one keeps
 
     def watch(self, number: int, event) -> None:
         if self.refuse:
@@ -170,6 +175,8 @@ class StandInLander:
                 return
             if state == "watching":
                 self.word.store(number)
+                if self.bell is not None:
+                    os.eventfd_write(self.bell, 1)
             del self.watched[number]
             with self.passing:
                 self.passing.notify_all()
@@ -200,3 +207,6 @@ class StandInLander:
 
     def close(self) -> None:
         self.watched.clear()
+        if self.bell is not None:
+            os.close(self.bell)
+            self.bell = None

@@ -9,6 +9,7 @@ import fcntl
 import multiprocessing
 import os
 import random
+import select
 import signal
 import socket
 import struct
@@ -278,15 +279,19 @@ def test_without_a_landed_word_a_notification_goes_out_once_its_bytes_are_in_pla
         inbox.close()
 
 
-def test_connections_leave_no_file_descriptor_or_map_behind():
+@pytest.mark.parametrize("answered", [False, True], ids=["no answer", "answered: a bell"])
+def test_connections_leave_no_file_descriptor_or_map_behind(answered):
     def fds():
         return len(os.listdir("/proc/self/fd"))
 
-    inbox = Inbox()
+    inbox = Inbox(listener=_Answering() if answered else None)
     inbox.poll()
     before = fds()
     for _ in range(20):
         out = Outbox(inbox.name, 5.0, sender="writer")
+        if answered:
+            _answered(out, inbox)
+            assert out.rings
         out.send(b"x")
         assert _drain(inbox, 1) == _notes(b"x")
         out.close()
@@ -397,3 +402,117 @@ def test_a_lander_comes_only_before_the_first_announcement_and_only_with_a_word(
         assert not wordless.watching
     finally:
         wordless.close()
+
+
+# -- the doorbell ---------------------------------------------------------------------------------
+
+
+class _Answering:
+    """An inbox's listener that answers each Hello, as the transport's holders do (the bell
+    goes with the first frame back)."""
+
+    def hello(self, conn, msg) -> None:
+        conn.send(wire.encode(wire.HoldAck(0, [])))
+
+    def message(self, conn, msg) -> None:
+        pass
+
+    def closed(self, conn) -> None:
+        pass
+
+
+def _answered(out: Outbox, inbox: Inbox) -> None:
+    """Read the inbox (which answers the Hello) and, as the writer's mailbox thread does once
+    its socket is readable, the answer."""
+    def read() -> bool:
+        inbox.read()
+        if select.select([out.fileno()], [], [], 0)[0]:
+            out.receive()
+            return True
+        return False
+
+    wait_until("the Hello's answer", read)
+
+
+def _rang(bell: int) -> bool:
+    return bool(select.select([bell], [], [], 0)[0])
+
+
+@pytest.fixture
+def belled():
+    inbox = Inbox(listener=_Answering())
+    out = Outbox(inbox.name, 5.0, sender="writer")
+    _answered(out, inbox)
+    yield inbox, out
+    out.close()
+    inbox.close()
+
+
+def test_a_settle_rings_the_receivers_bell_after_the_store_and_poll_clears_it(belled):
+    """The bell comes with the Hello's answer; an announcement rings nothing, its settle rings
+    once the word moved (a receiver woken by it finds the notification), and ``poll`` clears
+    it: a receiver that waits on the bell sleeps until the next settle."""
+    inbox, out = belled
+    assert out.rings and inbox.bell is not None
+    inbox.poll()
+    assert not _rang(inbox.bell)
+    number = out.announce(b"a")
+    assert not _rang(inbox.bell)
+    assert _drain(inbox, 1, timeout=0.1) == []
+    out.settle(number)
+    assert select.select([inbox.bell], [], [], 30)[0]
+    assert inbox.poll() == _notes(b"a")
+    assert not _rang(inbox.bell)
+    out.send(b"b")
+    assert _rang(inbox.bell) and inbox.poll() == _notes(b"b") and not _rang(inbox.bell)
+
+
+def test_a_lander_rings_the_bell_whether_it_came_before_or_after_the_lander(belled):
+    inbox, out = belled
+    landers = []
+    out.land_with(lambda word: landers.append(StandInLander(word)) or landers[0])
+    lander = landers[0]
+    out.announce(b"a", event=object())
+    assert not _rang(inbox.bell)
+    lander.complete(1)
+    assert _rang(inbox.bell) and inbox.poll() == _notes(b"a")
+    # a lander made before the answer came: the bell is handed to it then
+    late_inbox = Inbox(listener=_Answering())
+    late = Outbox(late_inbox.name, 5.0, sender="writer")
+    try:
+        late.land_with(lambda word: landers.append(StandInLander(word)) or landers[1])
+        _answered(late, late_inbox)
+        late.announce(b"b", event=object())
+        landers[1].complete(1)
+        assert _rang(late_inbox.bell) and late_inbox.poll() == _notes(b"b")
+    finally:
+        late.close()
+        late_inbox.close()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "blocking eventfd"])
+def test_a_bell_that_is_no_non_blocking_eventfd_is_refused_and_the_writer_goes_on(kind):
+    """A receiver that sends a pipe (a write into a full one would block the writer) or a
+    blocking eventfd: the writer closes it, rings nothing, and its notifications still go."""
+    inbox = Inbox()
+    out = Outbox(inbox.name, 5.0, sender="writer")
+    r, w = os.pipe()
+    given = w if kind == "pipe" else os.eventfd(0)
+    try:
+        wait_until("the Hello read", lambda: (inbox.read(), inbox._conns and inbox._conns[0].name)[1])
+        fds_before = len(os.listdir("/proc/self/fd"))
+        conn = inbox._conns[0]
+        conn.fds = [given]
+        conn.send(wire.encode(wire.HoldAck(0, [])))
+        wait_until("the answer read", lambda: bool(select.select([out.fileno()], [], [], 0)[0]))
+        out.receive()
+        assert not out.rings
+        assert len(os.listdir("/proc/self/fd")) == fds_before  # the writer's copy closed
+        out.send(b"x")
+        assert _drain(inbox, 1) == _notes(b"x")
+    finally:
+        out.close()
+        inbox.close()
+        for fd in {r, w, given}:
+            os.close(fd)
+

@@ -36,34 +36,68 @@ class _Notes:
         return want in self.payloads
 
 
-def test_a_writer_holding_the_gil_does_not_hold_its_notification(writer_proc):
-    """A writer process posts a write whose copy starts 0.3 s later, then holds its GIL for 3 s
-    in one C call: the notification comes out while the writer still holds it (the lander's
-    thread stored the word; the progress thread could not have run), then the bytes are
-    checked."""
+def _warm_writer(writer_proc, seed: int, nbytes: int = 1 << 20):
+    """An owning transport in this process with ``nbytes`` of zeroed GPU memory registered, and
+    a writer process connected to it whose first write (notification ``warm``) has landed:
+    ``(owner, memory, region id, notes, writer)``; the memory zeroed again. The caller closes
+    the owner."""
     import torch
 
     from transport.nvlink import NvlinkTransport
 
-    nbytes = 1 << 20
     torch.cuda.set_device(0)
     mem = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
     owner = NvlinkTransport()
     try:
         rid = owner.register_tensor(mem)
         notes = _Notes(owner)
-        w = writer_proc(11, nbytes, backend="nvlink", device=0)
+        w = writer_proc(seed, nbytes, backend="nvlink", device=0)
         w.connect(owner.export(), pump=notes.pump)
         w.write(0, rid, 0, nbytes, pump=notes.pump, notify=b"warm")
         assert w.wait_finished(0, pump=notes.pump).status == "DONE"
         assert notes.wait(b"warm", 30.0)
         mem.zero_()
         torch.cuda.synchronize()
-        w.conn.send(_writer.Write(1, rid, 0, nbytes, delay_s=0.3, notify=b"held", hold_gil_s=3))
+    except BaseException:
+        owner.close()
+        raise
+    return owner, mem, rid, notes, w
+
+
+def test_a_writer_holding_the_gil_does_not_hold_its_notification(writer_proc):
+    """A writer process posts a write whose copy starts 0.3 s later, then holds its GIL for 3 s
+    in one C call: the notification comes out while the writer still holds it (the lander's
+    thread stored the word; the progress thread could not have run), then the bytes are
+    checked."""
+    owner, mem, rid, notes, w = _warm_writer(writer_proc, 11)
+    try:
+        w.conn.send(_writer.Write(1, rid, 0, mem.numel(), delay_s=0.3, notify=b"held", hold_gil_s=3))
         came = notes.wait(b"held", 30.0, while_=lambda: not w.conn.poll())
         assert came, "the notification did not come out while the writer held its GIL"
         posted = w.expect(_writer.Posted, pump=notes.pump)
         assert posted.status in ("PENDING", "DONE"), posted
+        assert w.wait_finished(1, pump=notes.pump).status == "DONE"
+        np.testing.assert_array_equal(mem.cpu().numpy(), w.source)
+    finally:
+        owner.close()
+
+
+def test_the_receivers_notification_fd_turns_readable_once_a_write_landed(writer_proc):
+    """A receiver that sleeps on ``notification_fd()`` (select) wakes when a writer process's
+    notification lands -- its copy queued 0.3 s late -- and finds it in the next poll: the
+    lander rang the bell after it stored the word. The poll clears the bell."""
+    import select
+
+    owner, mem, rid, notes, w = _warm_writer(writer_proc, 12)
+    try:
+        bell = owner.notification_fd()
+        assert bell is not None
+        notes.pump()
+        assert not select.select([bell], [], [], 0)[0], "the bell is rung after the poll that cleared it"
+        w.conn.send(_writer.Write(1, rid, 0, mem.numel(), delay_s=0.3, notify=b"rung"))
+        assert select.select([bell], [], [], 30)[0], "the bell did not ring"
+        assert [n.payload for n in owner.poll_notifications()] == [b"rung"]
+        assert not select.select([bell], [], [], 0)[0]
         assert w.wait_finished(1, pump=notes.pump).status == "DONE"
         np.testing.assert_array_equal(mem.cpu().numpy(), w.source)
     finally:

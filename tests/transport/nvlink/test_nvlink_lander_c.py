@@ -46,7 +46,7 @@ def test_the_lander_releases_in_order_withdraws_and_closes(fake_driver):
     done = _run(fake_driver, "tests.transport.nvlink._fake_cuda_lander")
     assert done.returncode == 0 and done.stdout.rstrip().endswith("lander ok"), done.stdout + done.stderr
     for case in ("in order", "withdrawn", "landed by the caller", "failed", "passed", "waited", "grown", "refused", "shared", "closed",
-                 "spin"):
+                 "spin", "bell"):
         assert case in done.stdout, done.stdout
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -111,6 +112,29 @@ def test_a_hold_is_acknowledged_before_the_first_copy_and_notifications_still_co
         wait_until("the notification", lambda: notes)
     assert notes == [Notification("w", b"one")]
     assert peer.mapping.dropped == []
+
+
+def test_the_owners_notification_fd_rings_once_a_writers_copy_landed(owner, cpu_writer):
+    """The owner's bell goes to the writer with the HoldAck; the writer rings it as it settles
+    a landed copy (after the word's store), so a receiver asleep on ``notification_fd()``
+    wakes then and its next poll has the notification, which clears the bell."""
+    t, rids = owner([4096])
+    bell = t.notification_fd()
+    peer = cpu_writer("w").connect(t.export())
+    with polling(t):
+        tr = peer.write(wb(rids[0]), notify=b"warm")
+        peer.land()
+        tr.wait(5)
+    wait_until("the writer got the bell", lambda: peer.queue.outbox.rings)
+    t.poll_notifications()
+    assert not select.select([bell], [], [], 0)[0]
+    tr = peer.write(wb(rids[0]), notify=b"rung")
+    assert not select.select([bell], [], [], 0.05)[0], "rung before the copy landed"
+    peer.land()
+    tr.wait(5)  # the stand-in writer settles as its transfers are waited for
+    assert select.select([bell], [], [], 30)[0], "the bell did not ring"
+    assert t.poll_notifications() == [Notification("w", b"rung")]
+    assert not select.select([bell], [], [], 0)[0]
 
 
 def test_deregister_waits_for_the_copy_in_flight_then_the_writer_refuses_the_region(owner, cpu_writer, monkeypatch):
