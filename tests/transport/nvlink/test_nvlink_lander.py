@@ -98,6 +98,7 @@ def test_the_receivers_notification_fd_turns_readable_once_a_write_landed(writer
         assert select.select([bell], [], [], 30)[0], "the bell did not ring"
         assert [n.payload for n in owner.poll_notifications()] == [b"rung"]
         assert not select.select([bell], [], [], 0)[0]
+        assert w.expect(_writer.Posted, pump=notes.pump).status in ("PENDING", "DONE")
         assert w.wait_finished(1, pump=notes.pump).status == "DONE"
         np.testing.assert_array_equal(mem.cpu().numpy(), w.source)
     finally:
