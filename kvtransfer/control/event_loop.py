@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import queue
 import select
@@ -26,6 +27,7 @@ __all__ = ["EventLoop", "WakePipe", "precise_sleeps"]
 
 log = logging.getLogger("kvtransfer.control")
 
+FD_SETSIZE = 1024  # select(2) takes no descriptor from this one on
 STALL_LOG_S = 1.0  # a loop that ran this late, or a turn this long, is logged (heartbeats wait for it)
 INLINE_WAIT_S = 5e-4  # an inline call waits this long for a turn in progress before it queues its job
 _PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
@@ -84,6 +86,14 @@ def _readable(sock) -> bool:
         return False
 
 
+def _poller(fds) -> "select.poll":
+    """A poll object watching ``fds`` for input."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    return p
+
+
 class EventLoop:
     """One background thread: sockets, queued jobs, and a tick.
 
@@ -106,7 +116,9 @@ class EventLoop:
     descriptors, never in a ZeroMQ call, so whoever holds the lock may use the sockets (ZeroMQ
     allows a socket to change threads across a full memory barrier, which the lock is). The
     descriptors only signal that a socket's state may have changed: a turn asks each socket
-    whether it holds a message, and the loop does not wait while one does."""
+    whether it holds a message, and the loop does not wait while one does. The wait is a
+    ``select`` (a pause to the microsecond); ``select`` takes no descriptor past ``FD_SETSIZE``
+    (1024), so a loop with one waits in ``poll`` instead, whose pause is whole milliseconds."""
 
     def __init__(self, name: str, handlers: dict, tick: Callable[[], float], fds: Iterable[int] = ()):
         self._handlers, self._tick = dict(handlers), tick
@@ -119,6 +131,7 @@ class EventLoop:
         self._owner: Optional[int] = None  # the thread that holds it
         self._fds: list = []  # what the loop waits on between turns (_watch)
         self._socket_fds: list = []  # the sockets' of them
+        self._pollers = None  # (all, the sockets') poll objects when a descriptor is past FD_SETSIZE
         self._watch()
         self._holding = False  # a socket held a message at the end of the last turn
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -185,6 +198,18 @@ class EventLoop:
         (new lists: the loop may be waiting on the old one)."""
         self._socket_fds = list(self._sock_fds.values())
         self._fds = [self._wake.fd, *self._socket_fds, *self._more_fds]
+        self._pollers = None
+        if max(self._fds) >= FD_SETSIZE:
+            self._pollers = (_poller(self._fds), _poller(self._socket_fds))
+
+    def _readable(self, sockets_only: bool, timeout_s: float) -> list:
+        """The descriptors readable within ``timeout_s`` (sockets' only, or all the loop waits
+        on): ``select``, or ``poll`` (at least 1 ms when it waits) past ``FD_SETSIZE``."""
+        pollers = self._pollers
+        if pollers is None:
+            return select.select(self._socket_fds if sockets_only else self._fds, [], [], timeout_s)[0]
+        wait_ms = math.ceil(timeout_s * 1e3) if timeout_s > 0 else 0
+        return [fd for fd, _ in (pollers[1] if sockets_only else pollers[0]).poll(wait_ms)]
 
     def _run(self) -> None:
         precise_sleeps()
@@ -194,7 +219,7 @@ class EventLoop:
             due = time.monotonic() + sleep
             if sleep > 0:
                 try:
-                    woken = self._wake.fd in select.select(self._fds, [], [], sleep)[0]
+                    woken = self._wake.fd in self._readable(False, sleep)
                 except (OSError, ValueError):  # a socket closed since the list was made
                     pass
             with self._turn:
@@ -245,7 +270,7 @@ class EventLoop:
         message: it held one after the last turn, or its descriptor signalled since (a select
         costs a fraction of asking a socket, ~40 us on a small machine)."""
         try:
-            signalled = self._holding or bool(select.select(self._socket_fds, [], [], 0)[0])
+            signalled = self._holding or bool(self._readable(True, 0))
         except (OSError, ValueError):  # a socket closed since the list was made
             signalled = True
         if not signalled:

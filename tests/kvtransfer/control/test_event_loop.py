@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import select
 import threading
 import time
@@ -85,11 +86,25 @@ def test_a_job_queued_without_a_wake_waits_for_the_next_turn():
         loop.close()
 
 
-def test_a_descriptor_given_to_the_loop_ends_its_pause_and_the_tick_clears_it():
+@pytest.mark.parametrize("past_fd_setsize", [False, True], ids=["select", "poll past FD_SETSIZE"])
+def test_a_descriptor_given_to_the_loop_ends_its_pause_and_the_tick_clears_it(past_fd_setsize):
     """``fds``: a transport's notification descriptor turning readable wakes the loop from its
     tick's long pause (the tick, which polls the transport, clears it); a rung bell is one
-    tick, not a spin."""
+    tick, not a spin. A descriptor numbered past select's FD_SETSIZE (a process with many
+    open files) is waited on with poll: the same, where select would refuse it and the loop
+    would spin."""
     bell = os.eventfd(0, os.EFD_NONBLOCK)
+    if past_fd_setsize:
+        high = event_loop.FD_SETSIZE + 476
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft <= high:
+            if hard != resource.RLIM_INFINITY and hard <= high:
+                os.close(bell)
+                pytest.skip(f"this process may open no descriptor past {hard}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (high + 1, hard))
+        os.dup2(bell, high)
+        os.close(bell)
+        bell = high
     ticks = []
 
     def tick():
