@@ -13,7 +13,10 @@ same 64 MiB:
   compiler), on one thread and split over two: one pass over each byte, the least any
   user-space copy of these rows can do.
 
-Usage: python3 bench/probes/row_copy.py [--rows N] [--row-bytes B] [--repeats R]
+``--huge-pages``: both buffers in anonymous memory advised ``MADV_HUGEPAGE`` (transparent huge
+pages where the kernel allows them for ``madvise``): what a row per TLB miss costs.
+
+Usage: python3 bench/probes/row_copy.py [--rows N] [--row-bytes B] [--repeats R] [--huge-pages]
 Prints GB/s (medians) and each form's share of the memcpy rate.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import mmap
 import os
 import shutil
 import statistics
@@ -56,6 +60,29 @@ def _c_loop():
     return fn
 
 
+_HUGE = 2 << 20  # a huge page
+
+
+def _huge_buffer(nbytes: int, keep: list) -> torch.Tensor:
+    """``nbytes`` of anonymous memory advised ``MADV_HUGEPAGE``, aligned to a huge page, as a
+    uint8 tensor (the mapping is appended to ``keep``, which must outlive it)."""
+    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(m, dtype=np.uint8)
+    start = (-whole.ctypes.data) % _HUGE
+    m.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    keep.append(m)
+    return torch.from_numpy(whole[start:start + nbytes])
+
+
+def _anon_huge_kib() -> int:
+    """This process's memory in transparent huge pages (KiB; 0 where the kernel says nothing)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
 def _median_s(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -70,6 +97,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--row-bytes", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--huge-pages", action="store_true", help="both buffers advised MADV_HUGEPAGE")
     args = ap.parse_args()
     torch.set_num_threads(1)
     n, width = args.rows, args.row_bytes
@@ -77,6 +105,10 @@ def main() -> None:
         raise SystemExit("--row-bytes must be a multiple of 8")
     src = torch.randint(0, 1 << 62, (2 * n, width // 8), dtype=torch.int64)
     dst = torch.zeros_like(src)
+    maps: list = []
+    if args.huge_pages:
+        src = _huge_buffer(src.numel() * 8, maps).view(torch.int64).view(src.shape).copy_(src)
+        dst = _huge_buffer(dst.numel() * 8, maps).view(torch.int64).view(dst.shape).zero_()
     gen = torch.Generator().manual_seed(0)
     s_idx, d_idx = torch.randperm(2 * n, generator=gen)[:n], torch.randperm(2 * n, generator=gen)[:n]
     void = np.dtype((np.void, width))
@@ -114,7 +146,8 @@ def main() -> None:
     nbytes = n * width
     base = None
     print(f"{n} rows of {width} B ({nbytes / 2**20:.0f} MiB), random rows of {2 * nbytes / 2**20:.0f} MiB on both sides, "
-          f"median of {args.repeats}; {os.cpu_count()} cores")
+          f"median of {args.repeats}; {os.cpu_count()} cores"
+          + (f"; in huge pages: {_anon_huge_kib() // 1024} MiB" if args.huge_pages else ""))
     for name, fn in forms:
         dst.zero_()
         rate = nbytes / _median_s(fn, args.repeats) / 1e9
