@@ -527,9 +527,11 @@ static PyObject *lander_bell(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (mine < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     pthread_mutex_lock(&mu);
-    int old = l->closed ? mine : l->bell;
-    if (!l->closed)
+    int old = mine;  /* closed: the new one is not kept */
+    if (!l->closed) {
+        old = l->bell;
         l->bell = mine;
+    }
     pthread_mutex_unlock(&mu);
     if (old >= 0)
         close(old);

@@ -130,16 +130,27 @@ def _frames(buf: bytearray) -> list[bytes]:
     return out
 
 
+def _read_with_fds(sock: socket.socket, max_fds: int) -> Optional[tuple[bytes, list[int]]]:
+    """One ``recvmsg`` of the non-blocking ``sock``: the bytes and the file descriptors that
+    came with them (at most ``max_fds``; the caller owns them), ``b""`` at the connection's end
+    or when it was reset, None when nothing waits."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, max_fds)
+    except BlockingIOError:
+        return None
+    except OSError:  # reset by the peer
+        return b"", []
+    return data, fds
+
+
 def _receive_with_fds(conn: "_Connection") -> bool:
     """As :func:`_receive`, keeping the first file descriptor that comes with the bytes (the
     landed word's, sent with the Hello) in ``conn.word``; any other is closed."""
     while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(conn.sock, 1 << 16, 2)
-        except BlockingIOError:
+        got = _read_with_fds(conn.sock, 2)
+        if got is None:
             return True
-        except OSError:
-            return False
+        data, fds = got
         for fd in fds:
             try:
                 if conn.word is None and conn.name is None:
@@ -433,12 +444,10 @@ class Outbox:
         """Read the first bytes the receiver sent and the fd that comes with them, kept as the
         bell if it is a non-blocking eventfd (else closed: no bell); False at the connection's
         end. One ``recvmsg``: the socket is readable, so it does not wait."""
-        try:
-            data, fds, _, _ = socket.recv_fds(self._sock, 1 << 16, 1)
-        except BlockingIOError:
+        got = _read_with_fds(self._sock, 1)
+        if got is None:
             return True
-        except OSError:
-            return False
+        data, fds = got
         self._first = False
         for fd in fds:
             if self._bell is None and _is_bell(fd):
